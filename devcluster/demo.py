@@ -1,0 +1,99 @@
+"""`make demo`: Gemma 3 270M served through the router on a real dev cluster.
+
+Called by `python -m devcluster demo` after the bootstrap. Steps, each shown
+as it runs: cluster up (standard ports, state in .run/demo), `planner apply
+models/ --wait`, router up on 127.0.0.1:8080, one completion through the
+router, `planner status`. Leaves everything running and says how to stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from devcluster.bootstrap import BIN, REPO
+from devcluster.cluster import Cluster, up
+
+ROUTER_PORT = 8080
+PROMPT = "The capital of France is"
+
+
+def say(message: str) -> None:
+    print(f"[demo] {message}", file=sys.stderr, flush=True)
+
+
+def demo_cluster() -> Cluster:
+    return Cluster(REPO / ".run" / "demo", port_offset=0)
+
+
+def planner_env(cluster: Cluster) -> dict[str, str]:
+    return {**os.environ, **cluster.env, "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+
+
+def start_router(cluster: Cluster) -> None:
+    pidfile = cluster.root / "router.pid"
+    if pidfile.exists() and Path(f"/proc/{pidfile.read_text().strip()}").exists():
+        say(f"router already running (pid {pidfile.read_text().strip()})")
+        return
+    with (cluster.root / "router.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / "router"), "serve", "--host", "127.0.0.1",
+             "--port", str(ROUTER_PORT)],
+            env=planner_env(cluster), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    pidfile.write_text(str(proc.pid))
+    say(f"router started (pid {proc.pid}, log {cluster.root / 'router.log'})")
+
+
+def complete(model: str, timeout: float = 120.0) -> dict:
+    """POST /v1/completions through the router, retrying while it has no endpoint yet."""
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 24,
+                       "temperature": 0}).encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ROUTER_PORT}/v1/completions", data=body,
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.load(response)
+        except (urllib.error.URLError, ConnectionError) as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"[demo] no completion from the router: {exc}") from exc
+            time.sleep(1)
+
+
+def main() -> None:
+    cluster = demo_cluster()
+    say("starting consul and nomad (dev mode, 127.0.0.1) ...")
+    up(cluster)
+    say(f"cluster up: Nomad UI {cluster.nomad_addr}/ui, Consul UI {cluster.consul_addr}/ui")
+    env = planner_env(cluster)
+    say("planner apply models/ --wait")
+    subprocess.run([str(REPO / ".venv" / "bin" / "planner"), "apply", str(REPO / "models"),
+                    "--wait", "--timeout", "300"], env=env, check=True)
+    start_router(cluster)
+    say(f"asking gemma-3-270m through the router: {PROMPT!r}")
+    started = time.monotonic()
+    answer = complete("gemma-3-270m")
+    text = answer["choices"][0]["text"]
+    say(f"answered in {time.monotonic() - started:.1f} s, usage {answer.get('usage')}")
+    print(f"\n{PROMPT}{text}\n")
+    subprocess.run([str(REPO / ".venv" / "bin" / "planner"), "status"], env=env, check=False)
+    say("everything is still running. Try:")
+    say(f"  export PATH={BIN}:$PATH   # nomad, consul")
+    say("  nomad job status gemma-3-270m ; consul catalog services")
+    say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")
+    say("stop it all with: make down")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+# One llama.cpp model server as a Nomad service job.
+#
+# The planner renders this file through Nomad's own parser (/v1/jobs/parse)
+# with one variable file per model; an operator can run the same file by hand:
+#
+#   nomad job run \
+#     -var model=tiny -var source_path=/models/tiny.gguf \
+#     -var engine_command=/usr/local/bin/llama-server jobspecs/model.nomad.hcl
+#
+# Health: llama-server answers 503 on every route while it loads the model
+# and 200 on /health once ready, so the Consul check below is critical during
+# a load. check_restart.grace keeps those failures from restarting the task
+# until `load_grace` has passed (the profile's load_timeout).
+
+variable "model" {
+  type        = string
+  description = "Model name: the job ID, and the Consul service is llmgw-<model>."
+}
+
+variable "definition_hash" {
+  type        = string
+  default     = "manual"
+  description = "Hash of the model's source and profile, as the planner computes it."
+}
+
+variable "engine_command" {
+  type        = string
+  default     = "llama-server"
+  description = "Path to the llama-server binary on the node."
+}
+
+variable "driver" {
+  type        = string
+  default     = "raw_exec"
+  description = "Task driver. raw_exec in dev; exec or a container driver in production."
+}
+
+variable "source_path" {
+  type        = string
+  default     = ""
+  description = "Model file already on the node (file:// sources). Empty when downloading."
+}
+
+variable "artifact_url" {
+  type        = string
+  default     = ""
+  description = "https URL Nomad downloads into the allocation (https:// and hf:// sources)."
+}
+
+variable "artifact_sha256" {
+  type        = string
+  default     = ""
+  description = "Expected sha256 of the downloaded file; empty skips the check."
+}
+
+variable "context" {
+  type    = number
+  default = 4096
+}
+
+variable "gpus" {
+  type        = number
+  default     = 0
+  description = "Count of nvidia/gpu devices."
+}
+
+variable "gpu_memory" {
+  type        = string
+  default     = ""
+  description = "Minimum memory per GPU, e.g. \"24 GiB\"; empty for no constraint."
+}
+
+variable "cpu" {
+  type        = number
+  default     = 1000
+  description = "MHz."
+}
+
+variable "memory_mb" {
+  type    = number
+  default = 1024
+}
+
+variable "args" {
+  type        = list(string)
+  default     = []
+  description = "Extra llama-server arguments, each one argv element."
+}
+
+variable "replicas" {
+  type    = number
+  default = 1
+}
+
+variable "load_grace" {
+  type        = string
+  default     = "10m"
+  description = "How long a start may take before failed health checks restart the task."
+}
+
+variable "datacenters" {
+  type    = list(string)
+  default = ["*"]
+}
+
+locals {
+  service    = "llmgw-${var.model}"
+  model_file = var.artifact_url != "" ? "local/model/model.gguf" : var.source_path
+  gpu_args   = var.gpus > 0 ? ["--n-gpu-layers", "999"] : []
+}
+
+job "model" {
+  id          = var.model
+  name        = var.model
+  type        = "service"
+  datacenters = var.datacenters
+
+  meta {
+    llmgw_model           = var.model
+    llmgw_definition_hash = var.definition_hash
+  }
+
+  group "server" {
+    count = var.replicas
+
+    network {
+      port "http" {}
+    }
+
+    # A load that fails fails fast and the same way each time (an unknown
+    # architecture, a missing file): retry a little in place, then let the
+    # scheduler move the allocation. These numbers are revisited by the
+    # parking work, which counts each failed start from Nomad's events.
+    restart {
+      attempts = 2
+      interval = "5m"
+      delay    = "5s"
+      mode     = "fail"
+    }
+
+    reschedule {
+      delay          = "10s"
+      delay_function = "exponential"
+      max_delay      = "5m"
+      unlimited      = true
+    }
+
+    update {
+      max_parallel      = 1
+      health_check      = "checks"
+      min_healthy_time  = "1s"
+      healthy_deadline  = var.load_grace
+      progress_deadline = "0"
+      auto_revert       = false
+    }
+
+    service {
+      name     = local.service
+      port     = "http"
+      provider = "consul"
+      tags     = ["llmgw", "model-server"]
+
+      meta {
+        llmgw_model           = var.model
+        llmgw_definition_hash = var.definition_hash
+      }
+
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "2s"
+        timeout  = "2s"
+
+        check_restart {
+          limit = 3
+          grace = var.load_grace
+        }
+      }
+    }
+
+    task "llama-server" {
+      driver = var.driver
+
+      dynamic "artifact" {
+        for_each = var.artifact_url != "" ? [var.artifact_url] : []
+        content {
+          source      = artifact.value
+          destination = "local/model/model.gguf"
+          mode        = "file"
+
+          dynamic "options" {
+            for_each = var.artifact_sha256 != "" ? [var.artifact_sha256] : []
+            content {
+              checksum = "sha256:${options.value}"
+            }
+          }
+        }
+      }
+
+      config {
+        command = var.engine_command
+        args = concat([
+          "--model", local.model_file,
+          "--alias", var.model,
+          "--host", "${NOMAD_IP_http}",
+          "--port", "${NOMAD_PORT_http}",
+          "--ctx-size", format("%d", var.context),
+          "--metrics",
+        ], local.gpu_args, var.args)
+      }
+
+      resources {
+        cpu    = var.cpu
+        memory = var.memory_mb
+
+        dynamic "device" {
+          for_each = var.gpus > 0 ? ["nvidia/gpu"] : []
+          labels   = [device.value]
+          content {
+            count = var.gpus
+
+            dynamic "constraint" {
+              for_each = var.gpu_memory != "" ? [var.gpu_memory] : []
+              content {
+                attribute = "$${device.attr.memory}"
+                operator  = ">="
+                value     = constraint.value
+              }
+            }
+          }
+        }
+      }
+
+      # llama-server logs its load progress and errors to stderr; keep enough
+      # to read the last error after a failed start.
+      logs {
+        max_files     = 3
+        max_file_size = 10
+      }
+    }
+  }
+}

@@ -1,0 +1,191 @@
+"""`planner apply`: make Nomad and Consul hold exactly the models in git.
+
+Called by the CLI. Three steps, in this order, so bad input changes nothing:
+  1. load and validate every file (`definitions.load_definitions`) and render
+     every job through Nomad's parser (`jobspec.render`);
+  2. decide, in a pure function, what each model needs (`decide`);
+  3. carry that out: register, deregister, write the model records.
+A model whose rendered job hash matches the registered job's
+`llmgw_spec_hash` is left alone, so a second run registers nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from planner.consul_client import ConsulClient
+from planner.definitions import ModelDefinition, load_definitions
+from planner.errors import DefinitionError, InvalidDefinitions
+from planner.jobspec import SPEC_HASH_KEY, render
+from planner.nomad_client import Job, NomadClient
+from planner.settings import Settings
+
+
+class Action(StrEnum):
+    CREATE = "create"
+    UPDATE = "update"
+    UNCHANGED = "unchanged"
+    DEREGISTER = "deregister"
+    ORPHANED = "orphaned"  # in Nomad, not in git, and --prune not given
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one model needs, and why, in words an operator can read."""
+
+    model: str
+    action: Action
+    reason: str
+    job: Job | None = None
+
+
+@dataclass
+class Outcome:
+    """What a run did: one entry per model, with Nomad's evaluation when it registered."""
+
+    change: Change
+    eval_id: str | None = None
+    job_version: int | None = None
+    plan: dict[str, Any] | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.change.model, "action": str(self.change.action),
+                "reason": self.change.reason, "eval_id": self.eval_id,
+                "job_version": self.job_version}
+
+
+def is_managed(job: Job) -> bool:
+    return "llmgw_model" in (job.get("Meta") or {})
+
+
+def _update_reason(new: Job, old: Job) -> str:
+    new_meta, old_meta = new.get("Meta") or {}, old.get("Meta") or {}
+    if old.get("Stop"):
+        return "job was stopped"
+    if new_meta.get("llmgw_definition_hash") != old_meta.get("llmgw_definition_hash"):
+        return "source or profile changed"
+    old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
+    new_count = sum(tg.get("Count", 0) for tg in new.get("TaskGroups") or [])
+    if old_count != new_count:
+        return f"replicas {old_count} -> {new_count}"
+    return "job template or settings changed"
+
+
+def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool) -> list[Change]:
+    """Pure: compare rendered jobs with registered llmgw jobs; one Change per model.
+
+    `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID.
+    """
+    changes = []
+    for name, job in sorted(rendered.items()):
+        old = registered.get(name)
+        if old is None:
+            changes.append(Change(name, Action.CREATE, "new model", job))
+        elif old.get("Stop") or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != \
+                job["Meta"][SPEC_HASH_KEY]:
+            changes.append(Change(name, Action.UPDATE, _update_reason(job, old), job))
+        else:
+            changes.append(Change(name, Action.UNCHANGED, "no changes"))
+    for name in sorted(set(registered) - set(rendered)):
+        if prune:
+            changes.append(Change(name, Action.DEREGISTER, "no longer defined in git"))
+        elif not registered[name].get("Stop"):
+            changes.append(Change(name, Action.ORPHANED,
+                                  "no longer defined in git; run with --prune to stop it"))
+    return changes
+
+
+def model_record(definition: ModelDefinition) -> dict[str, Any]:
+    """The KV record the router and `planner status` read for a defined model."""
+    return {"name": definition.name, "definition_hash": definition.definition_hash,
+            "replicas": definition.replicas, "source": definition.source,
+            "sha256": definition.sha256,
+            "profile": definition.profile.model_dump(mode="json")}
+
+
+def _check_engines(models: dict[str, tuple[Path, ModelDefinition]], settings: Settings) -> None:
+    errors = [DefinitionError(path, "profile.engine",
+                              f"unknown engine {d.profile.engine!r} (this planner knows: "
+                              f"{', '.join(sorted(settings.engines))}; see LLMGW_ENGINES)")
+              for path, d in models.values() if d.profile.engine not in settings.engines]
+    if errors:
+        raise InvalidDefinitions(errors)
+
+
+def _registered_llmgw_jobs(nomad: NomadClient) -> dict[str, Job]:
+    jobs = {}
+    for stub in nomad.jobs():
+        job = nomad.job(stub["ID"])
+        if job is not None and is_managed(job):
+            jobs[job["ID"]] = job
+    return jobs
+
+
+def _check_foreign(rendered: dict[str, Job], nomad: NomadClient,
+                   models: dict[str, tuple[Path, ModelDefinition]],
+                   registered: dict[str, Job]) -> None:
+    """Refuse to overwrite a Nomad job of the same ID that llmgw does not manage."""
+    errors = []
+    for name in rendered:
+        if name not in registered and nomad.job(name) is not None:
+            errors.append(DefinitionError(models[name][0], "name", (
+                f"Nomad already has a job {name!r} that llmgw does not manage "
+                "(no llmgw_model meta); rename the model or remove that job")))
+    if errors:
+        raise InvalidDefinitions(errors)
+
+
+def prepare(paths: list[Path], settings: Settings, nomad: NomadClient,
+            prune: bool) -> tuple[dict[str, ModelDefinition], list[Change]]:
+    """Validate everything and decide; changes nothing. Raises InvalidDefinitions,
+    NomadRejected (a template Nomad refuses) or Unavailable."""
+    models = load_definitions(paths)
+    _check_engines(models, settings)
+    template = settings.jobspec.read_text()
+    rendered = {name: render(d, settings, nomad, template) for name, (_, d) in models.items()}
+    registered = _registered_llmgw_jobs(nomad)
+    _check_foreign(rendered, nomad, models, registered)
+    definitions = {name: d for name, (_, d) in models.items()}
+    return definitions, decide(rendered, registered, prune)
+
+
+def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
+            nomad: NomadClient, consul: ConsulClient, dry_run: bool) -> list[Outcome]:
+    """Carry out `changes` (or, with dry_run, ask Nomad for each plan instead)."""
+    outcomes = []
+    for change in changes:
+        outcome = Outcome(change)
+        if change.action in (Action.CREATE, Action.UPDATE) and change.job is not None:
+            if dry_run:
+                outcome.plan = nomad.plan(change.job)
+            else:
+                answer = nomad.register(change.job)
+                outcome.eval_id = answer.get("EvalID") or None
+                outcome.job_version = _version_after(nomad, change.model)
+        elif change.action is Action.DEREGISTER and not dry_run:
+            outcome.eval_id = nomad.deregister(change.model).get("EvalID") or None
+        outcomes.append(outcome)
+    if not dry_run:
+        _sync_records(definitions, changes, consul)
+    return outcomes
+
+
+def _version_after(nomad: NomadClient, job_id: str) -> int | None:
+    job = nomad.job(job_id)
+    return None if job is None else job.get("Version")
+
+
+def _sync_records(definitions: dict[str, ModelDefinition], changes: list[Change],
+                  consul: ConsulClient) -> None:
+    """Write each model's KV record only where it differs; drop records of pruned models."""
+    existing = consul.model_records()
+    for name, definition in definitions.items():
+        record = model_record(definition)
+        if existing.get(name) != record:
+            consul.put_model_record(record)
+    for change in changes:
+        if change.action is Action.DEREGISTER and change.model in existing:
+            consul.delete_model_record(change.model)

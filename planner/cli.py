@@ -1,0 +1,172 @@
+"""The `planner` command: apply model definitions from git, show their status.
+
+Data goes to stdout (a table, or JSON with `--output json`), messages to
+stderr. Exit codes (also in `planner --help`):
+  0  done / every model has what it should
+  1  an agent refused, or a model is short of what it should have
+  2  invalid model files or usage
+  3  Nomad or Consul unreachable: retry later
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from planner.apply import Action, Outcome, execute, prepare
+from planner.consul_client import ConsulClient
+from planner.errors import InvalidDefinitions, PlannerError
+from planner.nomad_client import NomadClient
+from planner.plandiff import format_diff
+from planner.settings import Settings
+from planner.status import ModelStatus, gather
+
+EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
+have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later)."""
+
+app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+# Not a terminal (CI logs, pipes): no colour, and wide enough that rows do not wrap.
+_WIDTH = None if sys.stdout.isatty() else 200
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+
+
+OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
+
+
+def _clients() -> tuple[Settings, NomadClient, ConsulClient]:
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:
+        err.print(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    return (settings, NomadClient(settings.nomad_addr, settings.nomad_token),
+            ConsulClient(settings.consul_addr, settings.consul_token))
+
+
+def _fail(exc: PlannerError) -> typer.Exit:
+    if isinstance(exc, InvalidDefinitions):
+        err.print(f"error: {len(exc.errors)} problem(s) in the model files; nothing was changed:")
+        for problem in exc.errors:
+            err.print(f"  {problem}", markup=False)
+    else:
+        err.print(f"error: {exc}", markup=False)
+    return typer.Exit(exc.exit_code)
+
+
+@app.command()
+def apply(
+    paths: Annotated[list[Path], typer.Argument(help="model files or folders of *.yaml")],
+    prune: Annotated[bool, typer.Option(help="deregister models no longer in these files")] = False,
+    dry_run: Annotated[bool, typer.Option(help="print Nomad's plan diff; change nothing")] = False,
+    wait: Annotated[bool, typer.Option(help="wait until changed models pass their checks")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
+    output: OutputOption = Output.table,
+) -> None:
+    """Validate every file, then register only the models that changed."""
+    _, nomad, consul = _clients()
+    try:
+        definitions, changes = prepare(paths, Settings.from_env(), nomad, prune)
+        outcomes = execute(definitions, changes, nomad, consul, dry_run)
+    except PlannerError as exc:
+        raise _fail(exc) from exc
+    changed = [o.change.model for o in outcomes if o.change.action is not Action.UNCHANGED]
+    if output is Output.json:
+        print(json.dumps({"dry_run": dry_run, "changes": [_outcome_json(o) for o in outcomes]},
+                         indent=2))
+    else:
+        _print_outcomes(outcomes, dry_run)
+    if not changed:
+        err.print("no changes")
+    if wait and not dry_run:
+        _wait_serving([o.change.model for o in outcomes
+                       if o.change.action in (Action.CREATE, Action.UPDATE)],
+                      nomad, consul, timeout)
+
+
+def _outcome_json(outcome: Outcome) -> dict[str, Any]:
+    data = outcome.as_dict()
+    if outcome.plan is not None:
+        data["diff"] = format_diff(outcome.plan.get("Diff"))
+    return data
+
+
+def _print_outcomes(outcomes: list[Outcome], dry_run: bool) -> None:
+    table = Table("model", "action", "reason", "evaluation", "version", box=None)
+    for o in outcomes:
+        table.add_row(o.change.model, str(o.change.action), o.change.reason,
+                      (o.eval_id or "")[:8], "" if o.job_version is None else str(o.job_version))
+    out.print(table)
+    for o in outcomes:
+        if o.plan is not None:
+            out.print(f"\nplan for {o.change.model}:", markup=False)
+            for line in format_diff(o.plan.get("Diff")):
+                out.print(line, markup=False)
+
+
+def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
+                  timeout: float) -> None:
+    """Poll status every second (Consul health is what counts) and report each change."""
+    deadline, last = time.monotonic() + timeout, ""
+    while models:
+        rows = {s.name: s for s in gather(nomad, consul) if s.name in models}
+        line = ", ".join(f"{n}: {s.state} ({s.reason})" for n, s in sorted(rows.items()))
+        if line != last:
+            err.print(f"waiting: {line}", markup=False)
+            last = line
+        if all(s.satisfied for s in rows.values()):
+            return
+        if time.monotonic() > deadline:
+            err.print(f"error: not serving after {timeout:.0f} s")
+            raise typer.Exit(1)
+        time.sleep(1)
+
+
+@app.command()
+def status(output: OutputOption = Output.table) -> None:
+    """A row per applied model; exit 0 only when every model has what it should."""
+    _, nomad, consul = _clients()
+    try:
+        rows = gather(nomad, consul)
+    except PlannerError as exc:
+        raise _fail(exc) from exc
+    if output is Output.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+    else:
+        _print_status(rows)
+    if not all(r.satisfied for r in rows):
+        raise typer.Exit(1)
+
+
+def _print_status(rows: list[ModelStatus]) -> None:
+    table = Table("model", "state", "desired", "running", "passing", "reason", "last error",
+                  box=None)
+    for r in rows:
+        table.add_row(r.name, r.state, str(r.desired), str(r.running), str(r.passing),
+                      r.reason, r.last_error or "")
+    out.print(table)
+    if not rows:
+        err.print("no models applied yet (run `planner apply models/`)")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

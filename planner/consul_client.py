@@ -1,0 +1,85 @@
+"""The planner's only door to Consul: model records in KV and service health.
+
+Called by `apply` (model records) and `status` (health). Raises only
+`planner.errors` types: ConsulUnavailable when Consul cannot be reached or
+fails, Rejected when it refuses a request.
+
+KV layout (read by the router, which never imports the planner):
+  llmgw/models/<name>   JSON {"name", "definition_hash", "replicas", "source",
+                        "sha256", "profile"}: the applied definition
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import consul
+import consul.exceptions
+import requests
+
+from planner.errors import ConsulUnavailable, Rejected
+
+MODELS_PREFIX = "llmgw/models/"
+
+
+@dataclass(frozen=True)
+class ServiceHealth:
+    """Instances of one Consul service: how many exist and how many pass every check."""
+
+    total: int
+    passing: int
+
+
+@contextmanager
+def _translated(action: str) -> Iterator[None]:
+    try:
+        yield
+    except (consul.exceptions.ACLPermissionDenied, consul.exceptions.BadRequest) as exc:
+        raise Rejected(f"{action}: Consul refused ({exc})") from exc
+    except (consul.exceptions.ConsulException, requests.RequestException, OSError) as exc:
+        raise ConsulUnavailable(f"{action}: Consul did not answer ({exc})") from exc
+
+
+class ConsulClient:
+    """Thin wrapper over py-consul for the planner's KV records and health reads."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        url = urlparse(address if "://" in address else f"http://{address}")
+        self._api = consul.Consul(host=url.hostname or "127.0.0.1", port=url.port or 8500,
+                                  scheme=url.scheme, token=token)
+
+    def _call(self, action: str, fn: Callable[[], Any]) -> Any:
+        with _translated(action):
+            return fn()
+
+    def model_records(self) -> dict[str, dict[str, Any]]:
+        """Every applied model record: {name: record}."""
+        _, items = self._call("read model records",
+                              lambda: self._api.kv.get(MODELS_PREFIX, recurse=True))
+        records = {}
+        for item in items or []:
+            record = json.loads(item["Value"] or b"{}")
+            records[record.get("name", item["Key"].removeprefix(MODELS_PREFIX))] = record
+        return records
+
+    def put_model_record(self, record: dict[str, Any]) -> None:
+        value = json.dumps(record, sort_keys=True)
+        self._call(f"write model record {record['name']}",
+                   lambda: self._api.kv.put(MODELS_PREFIX + record["name"], value))
+
+    def delete_model_record(self, name: str) -> None:
+        self._call(f"delete model record {name}",
+                   lambda: self._api.kv.delete(MODELS_PREFIX + name))
+
+    def service_health(self, service: str) -> ServiceHealth:
+        """Instances of `service` registered anywhere, and those whose checks all pass."""
+        _, nodes = self._call(f"read health of {service}",
+                              lambda: self._api.health.service(service))
+        passing = sum(1 for node in nodes
+                      if all(check["Status"] == "passing" for check in node["Checks"]))
+        return ServiceHealth(total=len(nodes), passing=passing)

@@ -1,0 +1,295 @@
+"""Model definitions: the YAML schema operators keep in git, and its loader.
+
+Called by `planner apply` (through `load_definitions`) before anything is
+changed: every file is read and checked, and every problem is collected, so
+one run names all of them. Nothing here talks to Nomad or Consul.
+
+One file holds one model:
+
+    name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
+    source: file:///abs/path/model.gguf # or https://..., or hf://org/repo[@rev]/path.gguf
+    sha256: <64 hex>                    # optional; checked by Nomad's artifact download
+    profile:
+      engine: llama.cpp                 # which engine build runs it
+      context: 4096                     # tokens
+      gpus: 0                           # count of nvidia/gpu devices
+      gpu_memory: 24GiB                 # minimum memory per GPU (only with gpus > 0)
+      cpu: 2000                         # MHz, as Nomad counts it
+      memory: 2GiB
+      load_timeout: 10m                 # how long a start may take before health checks count
+      args: ["--threads", "2"]          # extra llama-server arguments, one argv element each
+    replicas: 1
+
+The definition hash covers what the server runs (source, sha256, profile) and
+not `replicas`: later, a changed hash lifts parking, and scaling must not.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import quote, urlparse
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from planner.errors import DefinitionError, InvalidDefinitions
+
+# Nomad job IDs and Consul service names both accept this; "llmgw-" + name
+# must stay within a DNS label's 63 characters (RFC 1035).
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,55}[a-z0-9])?$"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+# llama-server flags the planner sets itself; an operator's copy would fight them.
+RESERVED_ARGS = frozenset({"-m", "--model", "--host", "--port", "-c", "--ctx-size", "--alias",
+                           "-a", "-hf", "--hf-repo", "-mu", "--model-url"})
+
+
+def parse_bytes(value: object) -> int:
+    """'2GiB' / '512 MiB' / '24GB' / 1024 -> bytes. Raises ValueError naming the units."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 2GiB or 512MiB, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_seconds(value: object) -> int:
+    """'90s' / '10m' / '1h' / 600 -> seconds. Raises ValueError naming the units."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+)\s*([smh])\s*", str(value))
+    if not match:
+        raise ValueError(f"expected a duration such as 90s or 10m, got {value!r}")
+    return int(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+Seconds = Annotated[int, BeforeValidator(parse_seconds), Field(gt=0)]
+
+
+class Profile(BaseModel):
+    """How the model server runs: engine, resources, and extra engine arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: str = Field("llama.cpp", pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    context: int = Field(4096, ge=128, le=1 << 20)
+    gpus: int = Field(0, ge=0, le=64)
+    gpu_memory: Bytes | None = None
+    cpu: int = Field(1000, ge=100)
+    memory: Bytes = parse_bytes("1GiB")
+    load_timeout: Seconds = 600
+    args: tuple[str, ...] = ()
+
+    @field_validator("args")
+    @classmethod
+    def _args_are_argv(cls, args: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in args:
+            if "\0" in arg or "\n" in arg:
+                raise ValueError(f"argument {arg!r} contains a NUL or newline")
+            if "${" in arg:
+                # Nomad interpolates ${...} in task args at run time; there is no escape.
+                raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
+            if arg.split("=", 1)[0] in RESERVED_ARGS:
+                raise ValueError(f"argument {arg!r} is set by the planner; "
+                                 "use source / profile.context instead")
+        return args
+
+    @model_validator(mode="after")
+    def _gpu_memory_needs_gpus(self) -> Profile:
+        if self.gpu_memory is not None and self.gpus == 0:
+            raise ValueError("gpu_memory is only meaningful with gpus > 0")
+        return self
+
+
+class ModelDefinition(BaseModel):
+    """One model, as written in one YAML file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN)
+    source: str
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    profile: Profile
+    replicas: int = Field(1, ge=0, le=100)
+
+    @field_validator("source")
+    @classmethod
+    def _source_is_supported(cls, source: str) -> str:
+        resolve_source(source)
+        return source
+
+    @model_validator(mode="after")
+    def _sha256_needs_download(self) -> ModelDefinition:
+        if self.sha256 and resolve_source(self.source).download_url is None:
+            raise ValueError("sha256 is checked when Nomad downloads the source; "
+                             "a file:// source is not downloaded")
+        return self
+
+    @property
+    def definition_hash(self) -> str:
+        """16 hex chars of sha256 over source, sha256 and profile (not replicas)."""
+        body = {"source": self.source, "sha256": self.sha256,
+                "profile": self.profile.model_dump(mode="json")}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def service_name(self) -> str:
+        return f"llmgw-{self.name}"
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """Where the server reads the weights: a path on the node, or a URL Nomad downloads."""
+
+    local_path: str | None
+    download_url: str | None
+
+
+def resolve_source(source: str) -> ResolvedSource:
+    """file:// -> a node path; https:// -> a download; hf://org/repo[@rev]/path -> its https URL.
+
+    Raises ValueError for anything else. The hf:// mapping follows the Hub's
+    file URL scheme: https://huggingface.co/<org>/<repo>/resolve/<rev>/<path>.
+    """
+    url = urlparse(source)
+    if url.scheme == "file":
+        if url.netloc or not url.path.startswith("/"):
+            raise ValueError(f"expected file:///absolute/path, got {source!r}")
+        return ResolvedSource(local_path=url.path, download_url=None)
+    if url.scheme == "https":
+        if not url.netloc or not url.path.strip("/"):
+            raise ValueError(f"expected https://host/path/to/file.gguf, got {source!r}")
+        return ResolvedSource(local_path=None, download_url=source)
+    if url.scheme == "hf":
+        parts = url.path.strip("/").split("/")
+        if not url.netloc or len(parts) < 2 or not parts[-1]:
+            raise ValueError(f"expected hf://org/repo[@revision]/path/file.gguf, got {source!r}")
+        repo, _, revision = parts[0].partition("@")
+        file_path = quote("/".join(parts[1:]))
+        return ResolvedSource(local_path=None, download_url=(
+            f"https://huggingface.co/{url.netloc}/{repo}/resolve/{revision or 'main'}/{file_path}"))
+    raise ValueError(f"expected a file://, https:// or hf:// source, got {source!r}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice: PyYAML would keep the last one silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
+    if error["type"] == "extra_forbidden":
+        owner: type[BaseModel] = Profile if error["loc"][0] == "profile" else model
+        allowed = list(owner.model_fields)
+        close = difflib.get_close_matches(str(error["loc"][-1]), allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown field (expected one of: {', '.join(allowed)}){hint}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "string_pattern_mismatch" and error["loc"] == ("name",):
+        message = ("expected a DNS label: lowercase letters, digits and '-', "
+                   "starting and ending with a letter or digit, at most 57 characters")
+    if error["type"] != "missing" and "input" in error:
+        message += f" (got {error['input']!r})"
+    return message
+
+
+def parse_file(path: Path) -> tuple[ModelDefinition | None, list[DefinitionError]]:
+    """Read and check one YAML file; returns the definition or every problem in it."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        return None, [DefinitionError(path, "", f"cannot read file: {exc.strerror}")]
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        if "'\\t'" in str(exc):
+            problem += " (YAML indentation must use spaces, not tabs)"
+        return None, [DefinitionError(path, "", f"invalid YAML: {where}{problem}")]
+    if data is None:
+        return None, [DefinitionError(path, "", "file is empty; expected a mapping with "
+                                                "name, source, profile and replicas")]
+    if not isinstance(data, dict):
+        return None, [DefinitionError(path, "", "expected a mapping with name, source, profile "
+                                                f"and replicas, got a {type(data).__name__}")]
+    try:
+        return ModelDefinition.model_validate(data), []
+    except ValidationError as exc:
+        return None, [DefinitionError(path, _field_path(e["loc"]), _explain(e, ModelDefinition))
+                      for e in exc.errors()]
+
+
+def expand_paths(paths: list[Path]) -> list[Path]:
+    """Files as given; folders expanded to their *.yaml and *.yml files, sorted."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml")))
+        else:
+            files.append(path)
+    return files
+
+
+def load_definitions(paths: list[Path]) -> dict[str, tuple[Path, ModelDefinition]]:
+    """Load every model from files and folders: {name: (file, definition)}.
+
+    Raises InvalidDefinitions carrying every problem of every file (unknown
+    keys, bad values, YAML errors, empty files, one name in two files); then
+    the caller must change nothing.
+    """
+    files = expand_paths(paths)
+    errors: list[DefinitionError] = []
+    if not files:
+        errors.append(DefinitionError(Path(" ".join(map(str, paths)) or "."), "",
+                                      "no model files (*.yaml, *.yml) found"))
+    models: dict[str, tuple[Path, ModelDefinition]] = {}
+    for path in files:
+        definition, problems = parse_file(path)
+        errors.extend(problems)
+        if definition is None:
+            continue
+        if definition.name in models:
+            errors.append(DefinitionError(path, "name", (
+                f"model {definition.name!r} is already defined in {models[definition.name][0]}")))
+            continue
+        models[definition.name] = (path, definition)
+    if errors:
+        raise InvalidDefinitions(errors)
+    return models

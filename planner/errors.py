@@ -1,0 +1,71 @@
+"""The planner's exceptions, split by what the caller can do about them.
+
+    PlannerError
+    ├── InvalidDefinitions      the operator's files are wrong: fix them (exit 2)
+    ├── Unavailable             Nomad or Consul did not answer: retry later (exit 3)
+    │   ├── NomadUnavailable
+    │   └── ConsulUnavailable
+    └── Rejected                an agent answered no: read why (exit 1)
+        └── NomadRejected       e.g. a job the parser or the scheduler refused
+
+Nomad's, Consul's and the HTTP clients' own exceptions are translated into
+these in `nomad_client` and `consul_client`; nothing above those modules sees
+a library's types. `DefinitionError` is one problem in one file, a value
+rather than an exception: a run collects all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DefinitionError:
+    """One problem: which file, which field path (dot-separated; '' for the file), what was expected."""
+
+    file: Path
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.field}: {self.message}" if self.field else \
+            f"{self.file}: {self.message}"
+
+
+class PlannerError(Exception):
+    """Base of every error the planner raises on purpose."""
+
+    exit_code = 1
+
+
+class InvalidDefinitions(PlannerError):
+    """One or more model files are invalid; `errors` lists every problem found."""
+
+    exit_code = 2
+
+    def __init__(self, errors: list[DefinitionError]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(str(e) for e in errors))
+
+
+class Unavailable(PlannerError):
+    """An agent could not be reached or failed (5xx): the same call may work later."""
+
+    exit_code = 3
+
+
+class NomadUnavailable(Unavailable):
+    pass
+
+
+class ConsulUnavailable(Unavailable):
+    pass
+
+
+class Rejected(PlannerError):
+    """An agent answered and refused (4xx); the message says why."""
+
+
+class NomadRejected(Rejected):
+    pass

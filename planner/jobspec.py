@@ -1,0 +1,82 @@
+"""Render a model definition into a Nomad job through Nomad's own HCL2 parser.
+
+Called by `apply` for every model before anything is registered, so a
+template or variable that Nomad refuses stops the whole run. The template is
+`jobspecs/model.nomad.hcl` (operators can run it by hand with `-var`); this
+module only writes its variable file and stamps the planner's hashes into
+the job meta:
+
+  llmgw_model            the model name
+  llmgw_definition_hash  source + profile (set through the template's variables)
+  llmgw_spec_hash        the whole rendered job, replicas included: what `apply`
+                         compares to decide whether to register again
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from planner.definitions import ModelDefinition, resolve_source
+from planner.nomad_client import Job, NomadClient
+from planner.settings import Settings
+
+SPEC_HASH_KEY = "llmgw_spec_hash"
+
+
+def _hcl_value(value: Any) -> str:
+    """A Python value as an HCL2 literal. JSON literals are valid HCL2 expressions;
+    `${` and `%{` would start a template, so they are doubled to stay literal."""
+    if isinstance(value, bool | int | float):
+        return json.dumps(value)
+    return json.dumps(value).replace("${", "$${").replace("%{", "%%{")
+
+
+def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]:
+    """The template's variables for one model. Raises KeyError for an unknown engine."""
+    profile = definition.profile
+    source = resolve_source(definition.source)
+    return {
+        "model": definition.name,
+        "definition_hash": definition.definition_hash,
+        "engine_command": settings.engines[profile.engine],
+        "driver": settings.task_driver,
+        "source_path": source.local_path or "",
+        "artifact_url": source.download_url or "",
+        "artifact_sha256": definition.sha256 or "",
+        "context": profile.context,
+        "gpus": profile.gpus,
+        # Nomad compares device memory with units: "${device.attr.memory} >= 24 GiB".
+        "gpu_memory": f"{profile.gpu_memory // 2**20} MiB" if profile.gpu_memory else "",
+        "cpu": profile.cpu,
+        "memory_mb": max(1, profile.memory // 2**20),
+        "args": list(profile.args),
+        "replicas": definition.replicas,
+        "load_grace": f"{profile.load_timeout}s",
+        "datacenters": list(settings.datacenters),
+    }
+
+
+def variable_file(values: dict[str, Any]) -> str:
+    return "".join(f"{name} = {_hcl_value(value)}\n" for name, value in values.items())
+
+
+def spec_hash(job: Job) -> str:
+    """16 hex chars of sha256 over the rendered job, ignoring the hash's own meta key."""
+    meta = {k: v for k, v in (job.get("Meta") or {}).items() if k != SPEC_HASH_KEY}
+    canonical = json.dumps({**job, "Meta": meta}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def render(definition: ModelDefinition, settings: Settings, nomad: NomadClient,
+           template: str | None = None) -> Job:
+    """The Nomad job for one model, parsed and canonicalized by Nomad, hashes in its meta.
+
+    Raises NomadRejected when Nomad refuses the template or its variables,
+    NomadUnavailable when it cannot be reached.
+    """
+    hcl = template if template is not None else settings.jobspec.read_text()
+    job = nomad.parse(hcl, variable_file(variables(definition, settings)))
+    job["Meta"] = {**(job.get("Meta") or {}), SPEC_HASH_KEY: spec_hash(job)}
+    return job

@@ -1,0 +1,114 @@
+"""The planner's only door to Nomad: python-nomad calls, with errors translated.
+
+Called by `jobspec` (parse), `apply` (register, plan, deregister) and
+`status` (jobs, allocations). Every method returns plain dicts in Nomad's
+JSON shape and raises only `planner.errors` types: NomadUnavailable for a
+connection failure or a 5xx (retry later), NomadRejected for a 4xx (the
+message is Nomad's own), and returns None for a 404 where "absent" is an
+answer (a job that does not exist yet).
+
+API shapes: https://developer.hashicorp.com/nomad/api-docs/jobs (Nomad 1.6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlparse
+
+import nomad
+import nomad.api.exceptions as nomad_exc
+import requests
+
+from planner.errors import NomadRejected, NomadUnavailable
+
+Job = dict[str, Any]
+
+
+def _response_text(exc: nomad_exc.BaseNomadException) -> str:
+    resp = exc.nomad_resp
+    if isinstance(resp, requests.Response):
+        return f"HTTP {resp.status_code}: {resp.text.strip()}"
+    return str(resp)
+
+
+@contextmanager
+def _translated(action: str) -> Iterator[None]:
+    try:
+        yield
+    except nomad_exc.URLNotFoundNomadException as exc:
+        raise NomadRejected(f"{action}: not found ({_response_text(exc)})") from exc
+    except (nomad_exc.BadRequestNomadException, nomad_exc.URLNotAuthorizedNomadException,
+            nomad_exc.VariableConflict) as exc:
+        raise NomadRejected(f"{action}: {_response_text(exc)}") from exc
+    except (nomad_exc.BaseNomadException, requests.RequestException) as exc:
+        detail = _response_text(exc) if isinstance(exc, nomad_exc.BaseNomadException) else exc
+        raise NomadUnavailable(f"{action}: Nomad did not answer ({detail})") from exc
+
+
+class NomadClient:
+    """Thin, typed wrapper over python-nomad for the calls the planner makes."""
+
+    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
+        url = urlparse(address if "://" in address else f"http://{address}")
+        self.address = f"{url.scheme}://{url.netloc}"
+        self._api = nomad.Nomad(host=url.hostname or "127.0.0.1", port=url.port or 4646,
+                                secure=url.scheme == "https", token=token, timeout=timeout)
+
+    def _call(self, action: str, fn: Callable[[], Any]) -> Any:
+        with _translated(action):
+            return fn()
+
+    def parse(self, hcl: str, variables: str) -> Job:
+        """Render an HCL2 jobspec with a variable file through Nomad's parser (canonicalized).
+
+        python-nomad's `jobs.parse` sends no `Variables`, so this posts the
+        request body itself through the library's generic request method.
+        """
+        body = {"JobHCL": hcl, "Variables": variables, "Canonicalize": True}
+        return self._call("parse jobspec", lambda: self._api.jobs.request(
+            "parse", json=body, method="post").json())
+
+    def job(self, job_id: str) -> Job | None:
+        """The registered job, or None when Nomad has no job with this ID."""
+        try:
+            return self._call(f"read job {job_id}", lambda: self._api.job.get_job(job_id))
+        except NomadRejected as exc:
+            if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
+                return None
+            raise
+
+    def jobs(self) -> list[Job]:
+        """Every job's stub (ID, Status, Stop, Meta in Nomad >= 1.6 via `meta=true`)."""
+        return self._call("list jobs", lambda: self._api.jobs.request(
+            method="get", params={"meta": "true"}).json())
+
+    def register(self, job: Job) -> dict[str, Any]:
+        """Register (create or update) a job; returns {EvalID, JobModifyIndex, ...}."""
+        return self._call(f"register job {job['ID']}",
+                          lambda: self._api.job.register_job(job["ID"], {"Job": job}))
+
+    def plan(self, job: Job) -> dict[str, Any]:
+        """Dry-run the scheduler with a diff against the registered version."""
+        return self._call(f"plan job {job['ID']}",
+                          lambda: self._api.job.plan_job(job["ID"], {"Job": job}, diff=True))
+
+    def deregister(self, job_id: str, purge: bool = False) -> dict[str, Any]:
+        """Stop a job (purge=True also removes it from Nomad's state)."""
+        return self._call(f"deregister job {job_id}",
+                          lambda: self._api.job.deregister_job(job_id, purge=purge))
+
+    def versions(self, job_id: str) -> list[Job]:
+        """Every stored version of a job, newest first."""
+        return self._call(f"read versions of {job_id}",
+                          lambda: self._api.job.get_versions(job_id)["Versions"])
+
+    def allocations(self, job_id: str) -> list[dict[str, Any]]:
+        """Allocation stubs of a job (ClientStatus, TaskStates with events)."""
+        return self._call(f"read allocations of {job_id}",
+                          lambda: self._api.job.get_allocations(job_id))
+
+    def evaluation(self, eval_id: str) -> dict[str, Any]:
+        return self._call(f"read evaluation {eval_id}",
+                          lambda: self._api.evaluation.get_evaluation(eval_id))

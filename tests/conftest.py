@@ -1,0 +1,156 @@
+"""Session-wide real parts for the integration tests: one Consul + Nomad dev
+cluster, one router, tiny GGUF models. Each test uses its own model names, so
+tests share the cluster without stepping on each other.
+
+Ports: the cluster uses the dev ports + 11000 (consul 19500, nomad 15646), so
+the tests can run while the demo's cluster is up. Nothing is left running:
+the cluster fixture purges every job and stops both agents at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devcluster.bootstrap import BIN
+from devcluster.cluster import Cluster, down, up
+from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.tls import TestCA, make_ca
+
+TEST_PORT_OFFSET = 11000
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.25) -> Any:
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - keep polling; reported on timeout
+            last_error = exc
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what} (last error: {last_error})")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+@pytest.fixture(scope="session")
+def binaries() -> Path:
+    for name in ("consul", "nomad", "llama-server"):
+        if not (BIN / name).exists():
+            pytest.fail(f"{BIN / name} is missing: run `make bootstrap` first")
+    return BIN
+
+
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
+    """A throwaway CA; the Nomad agent trusts it, so https:// sources can be served locally."""
+    return make_ca(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def cluster(binaries: Path, test_ca: TestCA,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"), TEST_PORT_OFFSET)
+    try:
+        up(cluster, extra_env={"SSL_CERT_FILE": str(test_ca.bundle)})
+        yield cluster
+    finally:
+        down(cluster)
+
+
+@pytest.fixture(scope="session")
+def planner_env(cluster: Cluster, binaries: Path) -> dict[str, str]:
+    return {**os.environ, **cluster.env,
+            "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'}"}
+
+
+@pytest.fixture(scope="session")
+def planner(planner_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run the real `planner` CLI against the test cluster."""
+
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=planner_env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture
+def model_files(tmp_path: Path, tiny_model: Path) -> Callable[..., Path]:
+    """Write model YAML into this test's own folder: model_files(name=..., **overrides)."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+
+    def write(name: str, source: str | None = None, replicas: int = 1,
+              profile: str = "context: 512\n  cpu: 500\n  memory: 256MiB\n"
+                             "  args: [\"--threads\", \"1\"]", extra: str = "") -> Path:
+        text = (f"name: {name}\nsource: {source or 'file://' + str(tiny_model)}\n"
+                f"profile:\n  {profile}\nreplicas: {replicas}\n{extra}")
+        (folder / f"{name}.yaml").write_text(text)
+        return folder
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def router(cluster: Cluster) -> Iterator[str]:
+    """A real router process reading the test cluster's Consul; yields its base URL."""
+    port = free_port()
+    log = cluster.root / "router.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(port)],
+            env={**os.environ, **cluster.env}, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_json(f"{base}/health", timeout=2) is not None, 30, "router /health")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def nomad_get(cluster: Cluster, path: str) -> Any:
+    return http_json(f"{cluster.nomad_addr}{path}")
+
+
+def passing_endpoints(cluster: Cluster, service: str) -> list[str]:
+    nodes = http_json(f"{cluster.consul_addr}/v1/health/service/{service}?passing=true")
+    return [f"{n['Service']['Address'] or n['Node']['Address']}:{n['Service']['Port']}"
+            for n in nodes]

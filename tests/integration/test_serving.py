@@ -1,0 +1,202 @@
+"""The main path on real parts: apply -> Nomad runs llama-server -> Consul passes
+its check -> the router serves completions (C03 streaming, C04 disconnect),
+and an https:// source downloaded by Nomad itself."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+
+from devcluster.cluster import Cluster
+from tests.conftest import http_json, nomad_get, passing_endpoints, wait_for
+from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.tls import TestCA, serve_https
+
+pytestmark = pytest.mark.integration
+
+# Slow enough to stream for several seconds: a wider, deeper random model
+# and a long generation that ignores end-of-sequence.
+SLOW_PROFILE = ("context: 4096\n  cpu: 500\n  memory: 512MiB\n"
+                "  args: [\"--threads\", \"1\", \"--parallel\", \"1\"]")
+
+
+def serve(planner: Callable, folder: Path, cluster: Cluster, model: str) -> str:
+    """Apply and wait until the model passes; returns its endpoint host:port."""
+    result = planner("apply", str(folder), "--wait", "--timeout", "120")
+    assert result.returncode == 0, result.stdout + result.stderr
+    [endpoint] = passing_endpoints(cluster, f"llmgw-{model}")
+    return endpoint
+
+
+def router_has(router: str, model: str) -> bool:
+    """The router's table has caught up once a request for `model` is not a 503."""
+    try:
+        http_json(f"{router}/v1/completions", {"model": model, "prompt": "a", "max_tokens": 1})
+    except urllib.error.HTTPError as exc:
+        if exc.code == 503:
+            return False
+        raise
+    return True
+
+
+def raw_stream(url: str, body: dict) -> list[tuple[float, bytes]]:
+    """POST and read the SSE body line by line: [(seconds since request, line)]."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    lines = []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        for line in response:
+            lines.append((time.monotonic() - started, line))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def serving(cluster: Cluster, planner: Callable, router: str,
+            tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> str:
+    folder = tmp_path_factory.mktemp("serving")
+    (folder / "main.yaml").write_text(
+        f"name: main-tiny\nsource: file://{tiny_model}\nprofile:\n  context: 512\n"
+        "  cpu: 500\n  memory: 256MiB\n  args: [\"--threads\", \"1\"]\nreplicas: 1\n")
+    endpoint = serve(planner, folder, cluster, "main-tiny")
+    wait_for(lambda: router_has(router, "main-tiny"), 10, "router to list main-tiny")
+    return endpoint
+
+
+def test_job_service_and_status_are_visible(cluster: Cluster, planner: Callable,
+                                            serving: str) -> None:
+    job = nomad_get(cluster, "/v1/job/main-tiny")
+    assert job["Status"] == "running"
+    assert job["Meta"]["llmgw_model"] == "main-tiny"
+    services = http_json(f"{cluster.consul_addr}/v1/catalog/services")
+    assert "llmgw-main-tiny" in services
+    status = planner("status", "--output", "json")
+    [row] = [r for r in json.loads(status.stdout) if r["name"] == "main-tiny"]
+    assert (row["state"], row["desired"], row["passing"]) == ("serving", 1, 1)
+
+
+def test_completion_through_router(router: str, serving: str) -> None:
+    body = {"model": "main-tiny", "prompt": "hello", "max_tokens": 8}
+    answer = http_json(f"{router}/v1/completions", body)
+    assert answer["object"] == "text_completion"
+    assert answer["usage"]["completion_tokens"] > 0
+    chat = http_json(f"{router}/v1/chat/completions",
+                     {"model": "main-tiny", "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_c03_stream_same_bytes_as_direct(router: str, serving: str) -> None:
+    body = {"model": "main-tiny", "prompt": "once", "max_tokens": 32, "stream": True,
+            "temperature": 0, "seed": 7}
+    direct = raw_stream(f"http://{serving}/v1/completions", body)
+    routed = raw_stream(f"{router}/v1/completions", body)
+    assert routed[-2][1] == b"data: [DONE]\n" or routed[-1][1].startswith(b"data: [DONE]")
+
+    def strip(lines: list[tuple[float, bytes]]) -> list[bytes]:
+        # Each chunk carries its own creation time and id; the rest must match.
+        out = []
+        for _, line in lines:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                chunk.pop("created", None)
+                chunk.pop("id", None)
+                chunk.pop("timings", None)
+                out.append(json.dumps(chunk, sort_keys=True).encode())
+            else:
+                out.append(line)
+        return out
+
+    assert strip(routed) == strip(direct)
+    assert len([1 for _, line in routed if line.startswith(b"data: {")]) > 3
+
+
+def test_openai_client_with_and_without_stream(router: str, serving: str) -> None:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused")
+    answer = client.completions.create(model="main-tiny", prompt="hi", max_tokens=6)
+    assert answer.choices[0].text is not None and answer.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model="main-tiny", max_tokens=6, stream=True,
+        messages=[{"role": "user", "content": "hi"}]))
+    assert len(chunks) > 1
+    models = [m.id for m in client.models.list()]
+    assert "main-tiny" in models
+
+
+def test_unknown_model_is_404_in_openai_shape(router: str, serving: str) -> None:
+    with pytest.raises(urllib.error.HTTPError) as info:
+        http_json(f"{router}/v1/completions", {"model": "no-such-model", "prompt": "x"})
+    assert info.value.code == 404
+    error = json.load(info.value)["error"]
+    assert error["code"] == "model_not_found" and "no-such-model" in error["message"]
+
+
+def test_defined_model_without_endpoint_is_503(router: str, planner: Callable,
+                                               model_files: Callable[..., Path]) -> None:
+    assert planner("apply", str(model_files("zero-replicas", replicas=0))).returncode == 0
+
+    def refused() -> dict | None:
+        try:
+            http_json(f"{router}/v1/completions", {"model": "zero-replicas", "prompt": "x"})
+        except urllib.error.HTTPError as exc:
+            return {"status": exc.code, **json.load(exc)["error"]} if exc.code == 503 else None
+        return None
+
+    error = wait_for(refused, 10, "503 for a defined model with no endpoint")
+    assert error["message"] and error["type"]
+
+
+def slots_busy(endpoint: str) -> bool:
+    return any(slot["is_processing"] for slot in http_json(f"http://{endpoint}/slots"))
+
+
+def test_c04_client_disconnect_frees_the_slot(cluster: Cluster, planner: Callable,
+                                              router: str, model_files: Callable[..., Path],
+                                              tmp_path: Path) -> None:
+    big = write_tiny_gguf(tmp_path / "slow.gguf", width=512, layers=8)
+    endpoint = serve(planner, model_files("c04-slow", source=f"file://{big}",
+                                          profile=SLOW_PROFILE), cluster, "c04-slow")
+    wait_for(lambda: router_has(router, "c04-slow"), 10, "router to list c04-slow")
+    host, port = router.removeprefix("http://").split(":")
+    body = json.dumps({"model": "c04-slow", "prompt": "go", "max_tokens": 3000,
+                       "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while received.count(b"data: ") < 5:
+            received += sock.recv(65536)
+        assert slots_busy(endpoint), "generation should still be running"
+    closed_at = time.monotonic()
+    wait_for(lambda: not slots_busy(endpoint), 5, "the llama-server slot to go idle")
+    assert time.monotonic() - closed_at < 5
+
+
+def test_https_source_is_downloaded_by_nomad(cluster: Cluster, planner: Callable,
+                                             router: str, test_ca: TestCA,
+                                             model_files: Callable[..., Path],
+                                             tiny_model: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "weights.gguf").write_bytes(tiny_model.read_bytes())
+    digest = hashlib.sha256(tiny_model.read_bytes()).hexdigest()
+    server = serve_https(site, test_ca)
+    try:
+        folder = model_files("https-tiny", source=f"{server.url}/weights.gguf",
+                             extra=f"sha256: {digest}\n")
+        serve(planner, folder, cluster, "https-tiny")
+        assert server.requests == ["/weights.gguf"]
+        wait_for(lambda: router_has(router, "https-tiny"), 10, "router to list https-tiny")
+    finally:
+        server.close()

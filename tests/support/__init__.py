@@ -1,0 +1,1 @@
+"""Helpers the tests share: tiny GGUF models, the session's real agents."""

@@ -1,0 +1,102 @@
+"""A throwaway certificate authority and an HTTPS file server on 127.0.0.1.
+
+Lets the tests serve an `https://` model source for real: the Nomad agent is
+started with SSL_CERT_FILE pointing at a bundle that includes this CA, so
+its artifact downloader (go-getter) verifies the server like any other.
+The server records every request, so a test can assert what was downloaded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.server
+import ipaddress
+import ssl
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+@dataclass(frozen=True)
+class TestCA:
+    bundle: Path  # system CAs + this CA, for SSL_CERT_FILE
+    cert: Path  # server certificate for 127.0.0.1
+    key: Path
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def make_ca(folder: Path) -> TestCA:
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(_name("llmgw test CA"))
+          .issuer_name(_name("llmgw test CA")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(_name("127.0.0.1"))
+            .issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    system = SYSTEM_BUNDLE.read_bytes() if SYSTEM_BUNDLE.exists() else b""
+    (folder / "bundle.pem").write_bytes(system + ca.public_bytes(pem))
+    (folder / "server.pem").write_bytes(cert.public_bytes(pem))
+    (folder / "server.key").write_bytes(key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return TestCA(folder / "bundle.pem", folder / "server.pem", folder / "server.key")
+
+
+@dataclass
+class FileServer:
+    """Serves one folder over HTTPS; `requests` lists the paths asked for."""
+
+    url: str
+    requests: list[str] = field(default_factory=list)
+    _server: http.server.ThreadingHTTPServer | None = None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+def serve_https(folder: Path, ca: TestCA) -> FileServer:
+    served = FileServer(url="")
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, directory=str(folder), **kwargs)  # type: ignore[arg-type]
+
+        def send_head(self):  # type: ignore[no-untyped-def]
+            served.requests.append(self.path)
+            return super().send_head()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(ca.cert, ca.key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    served.url = f"https://127.0.0.1:{server.server_address[1]}"
+    served._server = server
+    return served

@@ -1,0 +1,165 @@
+"""The model file schema: every C01 kind of bad input is named with file, field and expectation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.definitions import (
+    ModelDefinition,
+    load_definitions,
+    parse_bytes,
+    parse_seconds,
+    resolve_source,
+)
+from planner.errors import InvalidDefinitions
+
+VALID = """\
+name: {name}
+source: file:///models/tiny.gguf
+profile:
+  engine: llama.cpp
+  context: 4096
+  gpus: 0
+  cpu: 2000
+  memory: 2GiB
+  args: ["--threads", "2"]
+replicas: 1
+"""
+
+
+def write(folder: Path, filename: str, text: str) -> Path:
+    path = folder / filename
+    path.write_text(text)
+    return path
+
+
+def problems(folder: Path) -> list[str]:
+    with pytest.raises(InvalidDefinitions) as info:
+        load_definitions([folder])
+    return [str(e) for e in info.value.errors]
+
+
+def test_valid_file_loads_with_defaults(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="gemma-3-270m"))
+    models = load_definitions([tmp_path])
+    _, model = models["gemma-3-270m"]
+    assert model.profile.memory == 2 * 2**30
+    assert model.profile.args == ("--threads", "2")
+    assert model.service_name == "llmgw-gemma-3-270m"
+
+
+def test_unknown_key_names_file_field_and_suggests(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.yaml", VALID.format(name="a").replace("replicas:", "replica:"))
+    [problem] = problems(tmp_path)
+    assert problem.startswith(f"{path}: replica: unknown field")
+    assert "did you mean 'replicas'" in problem
+
+
+def test_unknown_profile_key_is_named_with_its_path(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace("  gpus: 0", "  gpu: 0"))
+    [problem] = problems(tmp_path)
+    assert ": profile.gpu: unknown field" in problem and "'gpus'" in problem
+
+
+@pytest.mark.parametrize("name", ["bad_name", "Gemma", "-lead", "trail-", "x" * 58])
+def test_name_must_be_a_dns_label(tmp_path: Path, name: str) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name=name))
+    [problem] = problems(tmp_path)
+    assert ": name: expected a DNS label" in problem and repr(name) in problem
+
+
+def test_negative_gpu_count(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace("gpus: 0", "gpus: -1"))
+    [problem] = problems(tmp_path)
+    assert ": profile.gpus: Input should be greater than or equal to 0 (got -1)" in problem
+
+
+def test_duplicate_name_across_files_names_both(tmp_path: Path) -> None:
+    first = write(tmp_path, "a.yaml", VALID.format(name="same"))
+    second = write(tmp_path, "b.yaml", VALID.format(name="same"))
+    [problem] = problems(tmp_path)
+    assert problem.startswith(f"{second}: name:") and str(first) in problem
+
+
+def test_tab_indentation_is_explained(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace("  engine", "\tengine"))
+    [problem] = problems(tmp_path)
+    assert "invalid YAML: line 4" in problem and "spaces, not tabs" in problem
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.yaml", "  \n")
+    assert problems(tmp_path) == [f"{path}: file is empty; expected a mapping with name, "
+                                  "source, profile and replicas"]
+
+
+def test_duplicate_key_in_one_file(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a") + "replicas: 3\n")
+    [problem] = problems(tmp_path)
+    assert "key 'replicas' appears twice" in problem
+
+
+def test_every_problem_of_every_file_is_reported(tmp_path: Path) -> None:
+    write(tmp_path, "ok.yaml", VALID.format(name="fine"))
+    write(tmp_path, "a.yaml", VALID.format(name="Bad").replace("gpus: 0", "gpus: -2"))
+    write(tmp_path, "b.yaml", "")
+    found = problems(tmp_path)
+    assert len(found) == 3
+    assert any("name:" in p for p in found) and any("profile.gpus" in p for p in found)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ('["--port", "1"]', "is set by the planner"),
+    ('["--model=/x"]', "is set by the planner"),
+    ('["${HOME}"]', "Nomad would interpolate"),
+])
+def test_args_the_planner_owns_or_nomad_would_rewrite(tmp_path: Path, args: str,
+                                                      expected: str) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace('["--threads", "2"]', args))
+    [problem] = problems(tmp_path)
+    assert "profile.args" in problem and expected in problem
+
+
+def test_gpu_memory_without_gpus(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace("gpus: 0", "gpus: 0\n  gpu_memory: 8GiB"))
+    [problem] = problems(tmp_path)
+    assert "gpu_memory is only meaningful with gpus > 0" in problem
+
+
+def test_bad_source_scheme(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace("file:///models", "ftp://h"))
+    [problem] = problems(tmp_path)
+    assert ": source: expected a file://, https:// or hf:// source" in problem
+
+
+def test_hash_covers_source_and_profile_not_replicas() -> None:
+    base = ModelDefinition.model_validate(
+        {"name": "a", "source": "file:///m.gguf", "profile": {}, "replicas": 1})
+    scaled = base.model_copy(update={"replicas": 5})
+    moved = ModelDefinition.model_validate(
+        {"name": "a", "source": "file:///n.gguf", "profile": {}, "replicas": 1})
+    bigger = ModelDefinition.model_validate(
+        {"name": "a", "source": "file:///m.gguf", "profile": {"context": 8192}})
+    assert base.definition_hash == scaled.definition_hash
+    assert len({base.definition_hash, moved.definition_hash, bigger.definition_hash}) == 3
+
+
+def test_sources_resolve() -> None:
+    assert resolve_source("file:///a/b.gguf").local_path == "/a/b.gguf"
+    assert resolve_source("https://h/x.gguf").download_url == "https://h/x.gguf"
+    assert resolve_source("hf://org/repo/dir/x.gguf").download_url == \
+        "https://huggingface.co/org/repo/resolve/main/dir/x.gguf"
+    assert resolve_source("hf://org/repo@v2/x.gguf").download_url == \
+        "https://huggingface.co/org/repo/resolve/v2/x.gguf"
+    with pytest.raises(ValueError, match="absolute"):
+        resolve_source("file://relative/x.gguf")
+
+
+def test_sizes_and_durations() -> None:
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("24 GB") == 24 * 10**9
+    assert parse_seconds("10m") == 600
+    with pytest.raises(ValueError, match="2GiB"):
+        parse_bytes("lots")

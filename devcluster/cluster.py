@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -87,8 +88,17 @@ def _wait(what: str, check: object, timeout: float, log: Path) -> None:
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s ({last}); log {log}:\n{tail}")
 
 
+def _port_taken(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _spawn(cluster: Cluster, agent: str, argv: list[str],
            extra_env: dict[str, str] | None = None) -> None:
+    port = cluster.consul_http_port if agent == "consul" else cluster.nomad_http_port
+    if _port_taken(port):
+        raise OSError(f"{agent}: 127.0.0.1:{port} is already in use, by an agent this "
+                      f"cluster ({cluster.root}) did not start; stop it first")
     cluster.root.mkdir(parents=True, exist_ok=True)
     with cluster.log(agent).open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -98,11 +108,16 @@ def _spawn(cluster: Cluster, agent: str, argv: list[str],
 
 
 def _alive(pid: int) -> bool:
+    """Running, and not a zombie (an agent this process started and has not reaped)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _running_pid(cluster: Cluster, agent: str) -> int | None:
@@ -143,6 +158,13 @@ client {{
   max_dynamic_port = {low + 4999}
   options = {{
     "driver.denylist" = "docker,qemu,java,exec"
+  }}
+  # Nomad runs artifact downloads in a subprocess with a bare environment and
+  # a Landlock sandbox that only reads system paths: pass SSL_CERT_FILE through
+  # and let it read that file, so a CA given to the agent (the tests') counts.
+  artifact {{
+    set_environment_variables    = "SSL_CERT_FILE"
+    disable_filesystem_isolation = true
   }}
 }}
 consul {{
@@ -228,6 +250,7 @@ def _stop_pid(pid: int, timeout: float) -> None:
         time.sleep(0.1)
     if _alive(pid):
         os.killpg(pid, signal.SIGKILL)
+    _alive(pid)  # reap it if it is our child
 
 
 def _leftovers(root: Path) -> list[int]:

@@ -32,6 +32,9 @@ class Action(StrEnum):
     ORPHANED = "orphaned"  # in Nomad, not in git, and --prune not given
 
 
+MUTATIONS = frozenset({Action.CREATE, Action.UPDATE, Action.DEREGISTER})
+
+
 @dataclass(frozen=True)
 class Change:
     """What one model needs, and why, in words an operator can read."""

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from planner.apply import Action, Outcome, execute, prepare
+from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
 from planner.errors import InvalidDefinitions, PlannerError
 from planner.nomad_client import NomadClient
@@ -84,7 +84,7 @@ def apply(
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc) from exc
-    changed = [o.change.model for o in outcomes if o.change.action is not Action.UNCHANGED]
+    changed = [o for o in outcomes if o.change.action in MUTATIONS]
     if output is Output.json:
         print(json.dumps({"dry_run": dry_run, "changes": [_outcome_json(o) for o in outcomes]},
                          indent=2))
@@ -124,7 +124,9 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
     deadline, last = time.monotonic() + timeout, ""
     while models:
         rows = {s.name: s for s in gather(nomad, consul) if s.name in models}
-        line = ", ".join(f"{n}: {s.state} ({s.reason})" for n, s in sorted(rows.items()))
+        line = ", ".join(f"{n}: {s.state} ({s.reason})"
+                         + (f" last error: {s.last_error}" if s.state == "failing" else "")
+                         for n, s in sorted(rows.items()))
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line

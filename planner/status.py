@@ -21,9 +21,10 @@ from typing import Any
 from planner.consul_client import ConsulClient, ServiceHealth
 from planner.nomad_client import Job, NomadClient
 
-# Task events that end a start (Nomad's TaskEvent types, structs.go).
+# Task events that end a start (Nomad's TaskEvent types, structs.go). "Not
+# Restarting" is left out: it follows one of these and says less than it.
 FAILURE_EVENTS = frozenset({"Driver Failure", "Failed Validation", "Setup Failure",
-                            "Failed Artifact Download", "Not Restarting", "Terminated"})
+                            "Failed Artifact Download", "Terminated"})
 SATISFIED = frozenset({"serving", "idle"})
 
 

@@ -25,7 +25,7 @@ import pytest
 from devcluster.bootstrap import BIN
 from devcluster.cluster import Cluster, down, up
 from tests.support.tiny_gguf import write_tiny_gguf
-from tests.support.tls import TestCA, make_ca
+from tests.support.tls import TlsCA, make_ca
 
 TEST_PORT_OFFSET = 11000
 
@@ -69,13 +69,13 @@ def binaries() -> Path:
 
 
 @pytest.fixture(scope="session")
-def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TlsCA:
     """A throwaway CA; the Nomad agent trusts it, so https:// sources can be served locally."""
     return make_ca(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="session")
-def cluster(binaries: Path, test_ca: TestCA,
+def cluster(binaries: Path, test_ca: TlsCA,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("cluster"), TEST_PORT_OFFSET)
     try:

@@ -19,14 +19,15 @@ import pytest
 from devcluster.cluster import Cluster
 from tests.conftest import http_json, nomad_get, passing_endpoints, wait_for
 from tests.support.tiny_gguf import write_tiny_gguf
-from tests.support.tls import TestCA, serve_https
+from tests.support.tls import TlsCA, serve_https
 
 pytestmark = pytest.mark.integration
 
 # Slow enough to stream for several seconds: a wider, deeper random model
 # and a long generation that ignores end-of-sequence.
-SLOW_PROFILE = ("context: 4096\n  cpu: 500\n  memory: 512MiB\n"
-                "  args: [\"--threads\", \"1\", \"--parallel\", \"1\"]")
+SLOW_PROFILE = (
+    'context: 4096\n  cpu: 500\n  memory: 512MiB\n  args: ["--threads", "1", "--parallel", "1"]'
+)
 
 
 def serve(planner: Callable, folder: Path, cluster: Cluster, model: str) -> str:
@@ -50,8 +51,9 @@ def router_has(router: str, model: str) -> bool:
 
 def raw_stream(url: str, body: dict) -> list[tuple[float, bytes]]:
     """POST and read the SSE body line by line: [(seconds since request, line)]."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     started = time.monotonic()
     lines = []
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -62,19 +64,26 @@ def raw_stream(url: str, body: dict) -> list[tuple[float, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def serving(cluster: Cluster, planner: Callable, router: str,
-            tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> str:
+def serving(
+    cluster: Cluster,
+    planner: Callable,
+    router: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+) -> str:
     folder = tmp_path_factory.mktemp("serving")
     (folder / "main.yaml").write_text(
         f"name: main-tiny\nsource: file://{tiny_model}\nprofile:\n  context: 512\n"
-        "  cpu: 500\n  memory: 256MiB\n  args: [\"--threads\", \"1\"]\nreplicas: 1\n")
+        '  cpu: 500\n  memory: 256MiB\n  args: ["--threads", "1"]\nreplicas: 1\n'
+    )
     endpoint = serve(planner, folder, cluster, "main-tiny")
     wait_for(lambda: router_has(router, "main-tiny"), 10, "router to list main-tiny")
     return endpoint
 
 
-def test_job_service_and_status_are_visible(cluster: Cluster, planner: Callable,
-                                            serving: str) -> None:
+def test_job_service_and_status_are_visible(
+    cluster: Cluster, planner: Callable, serving: str
+) -> None:
     job = nomad_get(cluster, "/v1/job/main-tiny")
     assert job["Status"] == "running"
     assert job["Meta"]["llmgw_model"] == "main-tiny"
@@ -90,21 +99,29 @@ def test_completion_through_router(router: str, serving: str) -> None:
     answer = http_json(f"{router}/v1/completions", body)
     assert answer["object"] == "text_completion"
     assert answer["usage"]["completion_tokens"] > 0
-    chat = http_json(f"{router}/v1/chat/completions",
-                     {"model": "main-tiny", "max_tokens": 4,
-                      "messages": [{"role": "user", "content": "hi"}]})
+    chat = http_json(
+        f"{router}/v1/chat/completions",
+        {"model": "main-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert chat["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_c03_stream_same_bytes_as_direct(router: str, serving: str) -> None:
-    body = {"model": "main-tiny", "prompt": "once", "max_tokens": 32, "stream": True,
-            "temperature": 0, "seed": 7}
+    body = {
+        "model": "main-tiny",
+        "prompt": "once",
+        "max_tokens": 32,
+        "stream": True,
+        "temperature": 0,
+        "seed": 7,
+    }
     direct = raw_stream(f"http://{serving}/v1/completions", body)
     routed = raw_stream(f"{router}/v1/completions", body)
     assert routed[-2][1] == b"data: [DONE]\n" or routed[-1][1].startswith(b"data: [DONE]")
 
     def strip(lines: list[tuple[float, bytes]]) -> list[bytes]:
-        # Each chunk carries its own creation time and id; the rest must match.
+        # Each chunk carries its own creation time and id, and the second request
+        # reuses the first one's prompt cache; the rest must match.
         out = []
         for _, line in lines:
             if line.startswith(b"data: {"):
@@ -112,6 +129,7 @@ def test_c03_stream_same_bytes_as_direct(router: str, serving: str) -> None:
                 chunk.pop("created", None)
                 chunk.pop("id", None)
                 chunk.pop("timings", None)
+                chunk.get("usage", {}).pop("prompt_tokens_details", None)
                 out.append(json.dumps(chunk, sort_keys=True).encode())
             else:
                 out.append(line)
@@ -125,9 +143,14 @@ def test_openai_client_with_and_without_stream(router: str, serving: str) -> Non
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused")
     answer = client.completions.create(model="main-tiny", prompt="hi", max_tokens=6)
     assert answer.choices[0].text is not None and answer.usage.completion_tokens > 0
-    chunks = list(client.chat.completions.create(
-        model="main-tiny", max_tokens=6, stream=True,
-        messages=[{"role": "user", "content": "hi"}]))
+    chunks = list(
+        client.chat.completions.create(
+            model="main-tiny",
+            max_tokens=6,
+            stream=True,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+    )
     assert len(chunks) > 1
     models = [m.id for m in client.models.list()]
     assert "main-tiny" in models
@@ -141,8 +164,9 @@ def test_unknown_model_is_404_in_openai_shape(router: str, serving: str) -> None
     assert error["code"] == "model_not_found" and "no-such-model" in error["message"]
 
 
-def test_defined_model_without_endpoint_is_503(router: str, planner: Callable,
-                                               model_files: Callable[..., Path]) -> None:
+def test_defined_model_without_endpoint_is_503(
+    router: str, planner: Callable, model_files: Callable[..., Path]
+) -> None:
     assert planner("apply", str(model_files("zero-replicas", replicas=0))).returncode == 0
 
     def refused() -> dict | None:
@@ -160,20 +184,38 @@ def slots_busy(endpoint: str) -> bool:
     return any(slot["is_processing"] for slot in http_json(f"http://{endpoint}/slots"))
 
 
-def test_c04_client_disconnect_frees_the_slot(cluster: Cluster, planner: Callable,
-                                              router: str, model_files: Callable[..., Path],
-                                              tmp_path: Path) -> None:
+def test_c04_client_disconnect_frees_the_slot(
+    cluster: Cluster,
+    planner: Callable,
+    router: str,
+    model_files: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
     big = write_tiny_gguf(tmp_path / "slow.gguf", width=512, layers=8)
-    endpoint = serve(planner, model_files("c04-slow", source=f"file://{big}",
-                                          profile=SLOW_PROFILE), cluster, "c04-slow")
+    endpoint = serve(
+        planner,
+        model_files("c04-slow", source=f"file://{big}", profile=SLOW_PROFILE),
+        cluster,
+        "c04-slow",
+    )
     wait_for(lambda: router_has(router, "c04-slow"), 10, "router to list c04-slow")
     host, port = router.removeprefix("http://").split(":")
-    body = json.dumps({"model": "c04-slow", "prompt": "go", "max_tokens": 3000,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": "c04-slow",
+            "prompt": "go",
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         received = b""
         while received.count(b"data: ") < 5:
             received += sock.recv(65536)
@@ -183,18 +225,24 @@ def test_c04_client_disconnect_frees_the_slot(cluster: Cluster, planner: Callabl
     assert time.monotonic() - closed_at < 5
 
 
-def test_https_source_is_downloaded_by_nomad(cluster: Cluster, planner: Callable,
-                                             router: str, test_ca: TestCA,
-                                             model_files: Callable[..., Path],
-                                             tiny_model: Path, tmp_path: Path) -> None:
+def test_https_source_is_downloaded_by_nomad(
+    cluster: Cluster,
+    planner: Callable,
+    router: str,
+    test_ca: TlsCA,
+    model_files: Callable[..., Path],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     site = tmp_path / "site"
     site.mkdir()
     (site / "weights.gguf").write_bytes(tiny_model.read_bytes())
     digest = hashlib.sha256(tiny_model.read_bytes()).hexdigest()
     server = serve_https(site, test_ca)
     try:
-        folder = model_files("https-tiny", source=f"{server.url}/weights.gguf",
-                             extra=f"sha256: {digest}\n")
+        folder = model_files(
+            "https-tiny", source=f"{server.url}/weights.gguf", extra=f"sha256: {digest}\n"
+        )
         serve(planner, folder, cluster, "https-tiny")
         assert server.requests == ["/weights.gguf"]
         wait_for(lambda: router_has(router, "https-tiny"), 10, "router to list https-tiny")

@@ -25,7 +25,7 @@ SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 @dataclass(frozen=True)
-class TestCA:
+class TlsCA:
     bundle: Path  # system CAs + this CA, for SSL_CERT_FILE
     cert: Path  # server certificate for 127.0.0.1
     key: Path
@@ -35,7 +35,7 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def make_ca(folder: Path) -> TestCA:
+def make_ca(folder: Path) -> TlsCA:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("llmgw test CA"))
@@ -61,7 +61,7 @@ def make_ca(folder: Path) -> TestCA:
     (folder / "server.pem").write_bytes(cert.public_bytes(pem))
     (folder / "server.key").write_bytes(key.private_bytes(
         pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return TestCA(folder / "bundle.pem", folder / "server.pem", folder / "server.key")
+    return TlsCA(folder / "bundle.pem", folder / "server.pem", folder / "server.key")
 
 
 @dataclass
@@ -78,7 +78,7 @@ class FileServer:
             self._server.server_close()
 
 
-def serve_https(folder: Path, ca: TestCA) -> FileServer:
+def serve_https(folder: Path, ca: TlsCA) -> FileServer:
     served = FileServer(url="")
 
     class Handler(http.server.SimpleHTTPRequestHandler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -14,10 +15,8 @@ from devcluster.cluster import down, status, up
 
 def _stop_router(root: Path) -> None:
     pidfile = root / "router.pid"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         os.killpg(int(pidfile.read_text()), signal.SIGTERM)
-    except (OSError, ValueError):
-        pass
     pidfile.unlink(missing_ok=True)
 
 

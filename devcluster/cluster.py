@@ -17,6 +17,7 @@ cluster's folder, as raw_exec tasks outlive a killed Nomad client by design
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,10 +110,8 @@ def _spawn(cluster: Cluster, agent: str, argv: list[str],
 
 def _alive(pid: int) -> bool:
     """Running, and not a zombie (an agent this process started and has not reaped)."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -225,10 +224,8 @@ def _stop_jobs(cluster: Cluster, timeout: float) -> None:
     for job in jobs if isinstance(jobs, list) else []:
         request = urllib.request.Request(
             f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE")
-        try:
+        with contextlib.suppress(OSError, urllib.error.URLError):
             urllib.request.urlopen(request, timeout=5).close()
-        except (OSError, urllib.error.URLError):
-            pass
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -280,10 +277,8 @@ def down(cluster: Cluster, timeout: float = 30.0) -> None:
             _stop_pid(pid, timeout)
         cluster.pidfile(agent).unlink(missing_ok=True)
     for pid in _leftovers(cluster.root):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def status(cluster: Cluster) -> dict[str, bool]:

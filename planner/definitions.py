@@ -235,7 +235,7 @@ def parse_file(path: Path) -> tuple[ModelDefinition | None, list[DefinitionError
     except OSError as exc:
         return None, [DefinitionError(path, "", f"cannot read file: {exc.strerror}")]
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class DefinitionError:
-    """One problem: which file, which field path (dot-separated; '' for the file), what was expected."""
+    """One problem: which file, which field path (dotted; '' for the whole file), what was wrong."""
 
     file: Path
     field: str

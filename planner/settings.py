@@ -46,7 +46,7 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
-        """Build settings from `env` (default os.environ). Raises ValueError on a malformed value."""
+        """Settings from `env` (default os.environ). Raises ValueError on a malformed value."""
         env = dict(os.environ if env is None else env)
         defaults = cls()
         return cls(

@@ -40,7 +40,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
             value = predicate()
             if value:
                 return value
-        except Exception as exc:  # noqa: BLE001 - keep polling; reported on timeout
+        except Exception as exc:
             last_error = exc
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout} s waiting for {what} (last error: {last_error})")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def job_or_none(cluster: Cluster, job_id: str) -> dict | None:
     try:
         return nomad_get(cluster, f"/v1/job/{job_id}")
-    except Exception:  # noqa: BLE001 - urllib raises HTTPError 404 for a missing job
+    except Exception:
         return None
 
 

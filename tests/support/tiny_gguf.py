@@ -29,7 +29,7 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0,
                     width: int = 64, layers: int = 2) -> Path:
     """Write the model to `path` and return it. Larger `width`/`layers` make a
     slower model (512 x 8 is ~40 MB and streams for seconds on two cores)."""
-    EMBED, LAYERS, FFN = width, layers, 2 * width  # noqa: N806 - the usual names
+    EMBED, LAYERS, FFN = width, layers, 2 * width
     rng = np.random.default_rng(seed)
     tokens, scores, types = _vocab()
     writer = gguf.GGUFWriter(str(path), architecture)

@@ -123,7 +123,8 @@ def test_args_the_planner_owns_or_nomad_would_rewrite(tmp_path: Path, args: str,
 
 
 def test_gpu_memory_without_gpus(tmp_path: Path) -> None:
-    write(tmp_path, "a.yaml", VALID.format(name="a").replace("gpus: 0", "gpus: 0\n  gpu_memory: 8GiB"))
+    text = VALID.format(name="a").replace("gpus: 0", "gpus: 0\n  gpu_memory: 8GiB")
+    write(tmp_path, "a.yaml", text)
     [problem] = problems(tmp_path)
     assert "gpu_memory is only meaningful with gpus > 0" in problem
 

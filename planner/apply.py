@@ -16,12 +16,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from planner.actions import parked_job
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
 from planner.errors import DefinitionError, InvalidDefinitions
+from planner.failures import retried
 from planner.jobspec import SPEC_HASH_KEY, render
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
+from planner.state import Parked, StateStore
 
 
 class Action(StrEnum):
@@ -30,6 +33,7 @@ class Action(StrEnum):
     UNCHANGED = "unchanged"
     DEREGISTER = "deregister"
     ORPHANED = "orphaned"  # in Nomad, not in git, and --prune not given
+    PARKED = "parked"  # same definition as when parked: left stopped
 
 
 MUTATIONS = frozenset({Action.CREATE, Action.UPDATE, Action.DEREGISTER})
@@ -43,6 +47,7 @@ class Change:
     action: Action
     reason: str
     job: Job | None = None
+    unpark: bool = False  # the definition changed since the model was parked
 
 
 @dataclass
@@ -77,15 +82,33 @@ def _update_reason(new: Job, old: Job) -> str:
     return "job template or settings changed"
 
 
-def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool) -> list[Change]:
+def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Change:
+    """A parked model stays parked under the same definition (ARCHITECTURE.md: lifted
+    only by a new source or profile, or `planner retry`); a new one lifts it."""
+    if job["Meta"]["llmgw_definition_hash"] != parked.definition_hash:
+        return Change(name, Action.UPDATE, "source or profile changed; lifts parking", job,
+                      unpark=True)
+    if old is not None and (old.get("Meta") or {}).get(SPEC_HASH_KEY) == job["Meta"][SPEC_HASH_KEY]:
+        return Change(name, Action.PARKED, f"parked: {parked.reason}; change its source or "
+                      f"profile, or run `planner retry {name}`")
+    return Change(name, Action.UPDATE, "job changed; stays parked (same source and profile)",
+                  parked_job(job, parked))
+
+
+def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
+           parked: dict[str, Parked] | None = None) -> list[Change]:
     """Pure: compare rendered jobs with registered llmgw jobs; one Change per model.
 
-    `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID.
+    `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID;
+    `parked` the parked models' parking records.
     """
+    parked = parked or {}
     changes = []
     for name, job in sorted(rendered.items()):
         old = registered.get(name)
-        if old is None:
+        if name in parked:
+            changes.append(_parked_change(name, job, old, parked[name]))
+        elif old is None:
             changes.append(Change(name, Action.CREATE, "new model", job))
         elif old.get("Stop") or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != \
                 job["Meta"][SPEC_HASH_KEY]:
@@ -141,7 +164,7 @@ def _check_foreign(rendered: dict[str, Job], nomad: NomadClient,
         raise InvalidDefinitions(errors)
 
 
-def prepare(paths: list[Path], settings: Settings, nomad: NomadClient,
+def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: ConsulClient,
             prune: bool) -> tuple[dict[str, ModelDefinition], list[Change]]:
     """Validate everything and decide; changes nothing. Raises InvalidDefinitions,
     NomadRejected (a template Nomad refuses) or Unavailable."""
@@ -152,7 +175,9 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient,
     registered = _registered_llmgw_jobs(nomad)
     _check_foreign(rendered, nomad, models, registered)
     definitions = {name: d for name, (_, d) in models.items()}
-    return definitions, decide(rendered, registered, prune)
+    parked = {name: s.parked for name, s in StateStore(consul).load_all().items()
+              if s.parked is not None}
+    return definitions, decide(rendered, registered, prune, parked)
 
 
 def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
@@ -165,6 +190,9 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
             if dry_run:
                 outcome.plan = nomad.plan(change.job)
             else:
+                if change.unpark:
+                    store = StateStore(consul)
+                    store.save(retried(store.load(change.model)))
                 answer = nomad.register(change.job)
                 outcome.eval_id = answer.get("EvalID") or None
                 outcome.job_version = _version_after(nomad, change.model)

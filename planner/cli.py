@@ -27,7 +27,7 @@ from planner.errors import InvalidDefinitions, PlannerError
 from planner.nomad_client import NomadClient
 from planner.plandiff import format_diff
 from planner.settings import Settings
-from planner.status import ModelStatus, gather
+from planner.status import ModelStatus, gather, headline
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later)."""
@@ -80,7 +80,7 @@ def apply(
     """Validate every file, then register only the models that changed."""
     _, nomad, consul = _clients()
     try:
-        definitions, changes = prepare(paths, Settings.from_env(), nomad, prune)
+        definitions, changes = prepare(paths, Settings.from_env(), nomad, consul, prune)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc) from exc
@@ -155,11 +155,11 @@ def status(output: OutputOption = Output.table) -> None:
 
 
 def _print_status(rows: list[ModelStatus]) -> None:
-    table = Table("model", "state", "desired", "running", "passing", "reason", "last error",
-                  box=None)
+    table = Table("model", "state", "desired", "running", "ready", "failures", "reason",
+                  "last error", box=None)
     for r in rows:
-        table.add_row(r.name, r.state, str(r.desired), str(r.running), str(r.passing),
-                      r.reason, r.last_error or "")
+        table.add_row(r.name, r.state, str(r.desired), str(r.running), str(r.ready),
+                      str(r.consecutive_failures), r.reason, headline(r.last_error))
     out.print(table)
     if not rows:
         err.print("no models applied yet (run `planner apply models/`)")

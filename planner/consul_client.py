@@ -7,6 +7,7 @@ fails, Rejected when it refuses a request.
 KV layout (read by the router, which never imports the planner):
   llmgw/models/<name>   JSON {"name", "definition_hash", "replicas", "source",
                         "sha256", "profile"}: the applied definition
+  llmgw/state/<name>    JSON ModelState (planner.state): failures, parked, unplaceable
 """
 
 from __future__ import annotations
@@ -57,24 +58,40 @@ class ConsulClient:
         with _translated(action):
             return fn()
 
+    def get_json(self, key: str) -> Any:
+        """The JSON value at `key`, or None when the key does not exist."""
+        _, item = self._call(f"read {key}", lambda: self._api.kv.get(key))
+        return json.loads(item["Value"]) if item and item["Value"] else None
+
+    def get_json_prefix(self, prefix: str) -> dict[str, Any]:
+        """Every JSON value under `prefix`: {key: value}."""
+        _, items = self._call(f"read {prefix}", lambda: self._api.kv.get(prefix, recurse=True))
+        return {item["Key"]: json.loads(item["Value"]) for item in items or [] if item["Value"]}
+
+    def put_json(self, key: str, value: Any) -> None:
+        text = json.dumps(value, sort_keys=True)
+        self._call(f"write {key}", lambda: self._api.kv.put(key, text))
+
+    def delete_key(self, key: str) -> None:
+        self._call(f"delete {key}", lambda: self._api.kv.delete(key))
+
     def model_records(self) -> dict[str, dict[str, Any]]:
         """Every applied model record: {name: record}."""
-        _, items = self._call("read model records",
-                              lambda: self._api.kv.get(MODELS_PREFIX, recurse=True))
-        records = {}
-        for item in items or []:
-            record = json.loads(item["Value"] or b"{}")
-            records[record.get("name", item["Key"].removeprefix(MODELS_PREFIX))] = record
-        return records
+        return {key.removeprefix(MODELS_PREFIX): record
+                for key, record in self.get_json_prefix(MODELS_PREFIX).items()}
 
     def put_model_record(self, record: dict[str, Any]) -> None:
-        value = json.dumps(record, sort_keys=True)
-        self._call(f"write model record {record['name']}",
-                   lambda: self._api.kv.put(MODELS_PREFIX + record["name"], value))
+        self.put_json(MODELS_PREFIX + record["name"], record)
 
     def delete_model_record(self, name: str) -> None:
-        self._call(f"delete model record {name}",
-                   lambda: self._api.kv.delete(MODELS_PREFIX + name))
+        self.delete_key(MODELS_PREFIX + name)
+
+    def passing_checks(self, index: int | None, wait: str = "5s") -> tuple[int, list[Any]]:
+        """Blocking query on every passing check: returns once the set changed after
+        `index` (or after `wait`; short, so a shutdown never waits long on it)."""
+        new_index, checks = self._call("watch passing checks", lambda: self._api.health.state(
+            "passing", index=index, wait=wait))
+        return int(new_index), checks or []
 
     def service_health(self, service: str) -> ServiceHealth:
         """Instances of `service` registered anywhere, and those whose checks all pass."""

@@ -53,6 +53,7 @@ class NomadClient:
     def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
         url = urlparse(address if "://" in address else f"http://{address}")
         self.address = f"{url.scheme}://{url.netloc}"
+        self.token = token
         self._api = nomad.Nomad(host=url.hostname or "127.0.0.1", port=url.port or 4646,
                                 secure=url.scheme == "https", token=token, timeout=timeout)
 
@@ -112,3 +113,25 @@ class NomadClient:
     def evaluation(self, eval_id: str) -> dict[str, Any]:
         return self._call(f"read evaluation {eval_id}",
                           lambda: self._api.evaluation.get_evaluation(eval_id))
+
+    def evaluations(self, job_id: str) -> list[dict[str, Any]]:
+        """A job's evaluations (FailedTGAllocs, BlockedEval, Status), in no set order."""
+        return self._call(f"read evaluations of {job_id}",
+                          lambda: self._api.job.get_evaluations(job_id))
+
+    def current_index(self) -> int:
+        """Nomad's latest Raft index (X-Nomad-Index of a cheap list call)."""
+        response = self._call("read index", lambda: self._api.jobs.request(
+            method="get", params={"prefix": "\x00"}))
+        return int(response.headers.get("X-Nomad-Index", 0))
+
+    def task_stderr_tail(self, alloc_id: str, task: str, size: int = 2048) -> str:
+        """The last `size` bytes a task wrote to stderr, through the client filesystem
+        API (/v1/client/fs/logs). Empty when the allocation's files are gone."""
+        try:
+            return self._call(f"read stderr of {alloc_id[:8]}/{task}",
+                              lambda: self._api.client.stream_logs.stream(
+                                  alloc_id, task, "stderr", offset=size, origin="end",
+                                  plain=True))
+        except (NomadRejected, NomadUnavailable):
+            return ""

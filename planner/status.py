@@ -4,12 +4,14 @@ Called by the CLI. `observe` is pure (a model's record, its Nomad job and
 allocations, its Consul health -> one ModelStatus); `gather` reads the
 agents once per model and calls it.
 
-States, as `planner status` and later the admin API show them:
-  serving   every desired instance passes its Consul check
-  loading   placed and starting; not all instances pass yet
-  failing   not all pass, and the newest allocation's task failed
-  idle      desired 0 on purpose (replicas: 0)
-  stopped   the job is missing or stopped while the definition wants replicas
+States, as `planner status`, `planner models` and the admin API show them:
+  parked       stopped after too many start failures in a row (planner.state)
+  unplaceable  Nomad can place it on no node; the reason is the scheduler's
+  serving      every desired instance passes its Consul check
+  failing      not all pass, and starts have been failing (count, last error)
+  loading      placed and starting; not all instances pass yet
+  idle         desired 0 on purpose (replicas: 0)
+  stopped      the job is missing or stopped while the definition wants replicas
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from planner.consul_client import ConsulClient, ServiceHealth
 from planner.nomad_client import Job, NomadClient
+from planner.state import ModelState, StateStore
 
 # Task events that end a start (Nomad's TaskEvent types, structs.go). "Not
 # Restarting" is left out: it follows one of these and says less than it.
@@ -30,11 +33,14 @@ SATISFIED = frozenset({"serving", "idle"})
 
 @dataclass(frozen=True)
 class ModelStatus:
+    """One row of `planner status`; `as_dict` is the admin API's and `--output json`'s shape."""
+
     name: str
     state: str
     desired: int
     running: int
-    passing: int
+    ready: int  # instances passing their Consul check
+    consecutive_failures: int
     reason: str
     last_error: str | None
     since: str | None
@@ -49,6 +55,16 @@ class ModelStatus:
 
 def _nanos_to_iso(nanos: int) -> str:
     return datetime.fromtimestamp(nanos / 1e9, tz=UTC).isoformat(timespec="seconds")
+
+
+def headline(last_error: str | None) -> str:
+    """One line of a last error for a table: the task event, and the stderr line that
+    says what went wrong (the last one mentioning an error), if any."""
+    if not last_error:
+        return ""
+    first, *rest = last_error.splitlines()
+    errors = [line for line in rest if "error" in line.lower()]
+    return f"{first} | {errors[-1].strip()}" if errors else first
 
 
 def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:
@@ -68,26 +84,41 @@ def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:
 
 
 def observe(name: str, record: dict[str, Any], job: Job | None,
-            allocations: list[dict[str, Any]], health: ServiceHealth) -> ModelStatus:
-    """Pure: one model's state from what Nomad and Consul report."""
+            allocations: list[dict[str, Any]], health: ServiceHealth,
+            state: ModelState | None = None) -> ModelStatus:
+    """Pure: one model's state from what Nomad, Consul and the planner's own state say."""
+    state = state or ModelState(name=name)
     running = sum(1 for a in allocations if a.get("ClientStatus") == "running")
     wanted = int(record.get("replicas", 0))
-    if job is None or job.get("Stop"):
-        reason = "job not registered" if job is None else "job stopped"
-        state = "stopped" if wanted > 0 else "idle"
-        return ModelStatus(name, state, 0, running, health.passing, reason, None, None)
-    desired = sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
+    desired = 0 if job is None or job.get("Stop") else \
+        sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
+    row = {"name": name, "desired": desired, "running": running, "ready": health.passing,
+           "consecutive_failures": state.consecutive_failures}
     failure = last_failure(allocations)
+    last_error, error_at = (state.last_error, state.last_error_at) if state.last_error \
+        else failure or (None, None)
+    if state.parked:
+        return ModelStatus(**row, state="parked", reason=state.parked.reason,
+                           last_error=state.parked.last_error, since=state.parked.since)
+    if state.unplaceable and health.passing < max(desired, 1):
+        return ModelStatus(**row, state="unplaceable", reason=state.unplaceable.reason,
+                           last_error=last_error, since=state.unplaceable.since)
     if desired == 0:
-        state, reason = "idle", "0 replicas wanted"
-    elif health.passing >= desired:
-        state, reason = "serving", f"{health.passing} of {desired} passing"
-    elif failure is not None and _newest_failed(allocations):
-        state, reason = "failing", f"{health.passing} of {desired} passing; last start failed"
-    else:
-        state, reason = "loading", f"{health.passing} of {desired} passing"
-    last_error, since = failure if failure else (None, None)
-    return ModelStatus(name, state, desired, running, health.passing, reason, last_error, since)
+        stopped = (job is None or bool(job.get("Stop"))) and wanted > 0
+        reason = ("job not registered" if job is None else "job stopped") if stopped \
+            else "0 replicas wanted"
+        return ModelStatus(**row, state="stopped" if stopped else "idle", reason=reason,
+                           last_error=None, since=None)
+    ready = f"{health.passing} of {desired} ready"
+    if health.passing >= desired:
+        return ModelStatus(**row, state="serving", reason=ready, last_error=None, since=None)
+    if state.consecutive_failures or (failure and _newest_failed(allocations)):
+        count = state.consecutive_failures
+        reason = f"{ready}; {count} consecutive start failures" if count \
+            else f"{ready}; last start failed"
+        return ModelStatus(**row, state="failing", reason=reason, last_error=last_error,
+                           since=error_at)
+    return ModelStatus(**row, state="loading", reason=ready, last_error=None, since=None)
 
 
 def _newest_failed(allocations: list[dict[str, Any]]) -> bool:
@@ -99,12 +130,15 @@ def _newest_failed(allocations: list[dict[str, Any]]) -> bool:
         any(s.get("Restarts", 0) > 0 and s.get("State") != "running" for s in states)
 
 
+def model_status(nomad: NomadClient, consul: ConsulClient, name: str,
+                 record: dict[str, Any], state: ModelState | None) -> ModelStatus:
+    job = nomad.job(name)
+    allocations = nomad.allocations(name) if job is not None else []
+    return observe(name, record, job, allocations, consul.service_health(f"llmgw-{name}"), state)
+
+
 def gather(nomad: NomadClient, consul: ConsulClient) -> list[ModelStatus]:
     """Status of every applied model (the KV records), sorted by name."""
-    statuses = []
-    for name, record in sorted(consul.model_records().items()):
-        job = nomad.job(name)
-        allocations = nomad.allocations(name) if job is not None else []
-        statuses.append(observe(name, record, job, allocations,
-                                consul.service_health(f"llmgw-{name}")))
-    return statuses
+    states = StateStore(consul).load_all()
+    return [model_status(nomad, consul, name, record, states.get(name))
+            for name, record in sorted(consul.model_records().items())]

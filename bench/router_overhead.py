@@ -1,0 +1,464 @@
+"""Measure what the router adds on top of a replica: latency, throughput, memory.
+
+Starts, all on 127.0.0.1 and all stopped at exit:
+
+- a Consul dev agent (``$LLMGW_CONSUL_BIN``, else ``consul`` on PATH, else
+  /tmp/aptb/x/usr/bin/consul);
+- a stub upstream in its own process: a raw asyncio HTTP/1.1 server that
+  answers every request with one fixed OpenAI completion (so it costs far less
+  than the router and the difference is the router's);
+- the router (``python -m router serve``), after registering the stub as
+  service ``llmgw-bench`` with a passing TTL check and writing
+  ``llmgw/models/bench`` to KV.
+
+Then it sends the same ``POST /v1/completions`` direct and through the router:
+
+1. one connection, interleaved pairs (``--requests`` each): added latency at
+   p50 / p99 = percentile(router) - percentile(direct);
+2. 16 connections for ``--duration`` seconds each: requests/s direct and via
+   the router, with ``wrk`` when on PATH, else a Python aiohttp generator;
+3. the router's RSS (VmRSS) after the load.
+
+Client, router and stub share the machine's cores, so on a small machine
+the figures include their contention. Usage::
+
+    python bench/router_overhead.py [--requests 5000] [--duration 10] [--output json]
+
+Exit codes: 0 all targets met, 1 a target missed, 2 setup failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "bench"
+TARGETS = {"p50_added_ms": 0.5, "p99_added_ms": 2.0, "router_rps": 3000.0, "rss_mb": 100.0}
+
+STUB_BODY = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " world", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+    }
+).encode()
+REQUEST_BODY = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+
+
+# --- stub upstream ---------------------------------------------------------
+
+
+class _StubProtocol(asyncio.Protocol):
+    response = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(STUB_BODY)).encode()
+        + b"\r\n\r\n"
+        + STUB_BODY
+    )
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.buffer = b""
+
+    def data_received(self, data):
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = 0
+            for line in self.buffer[:end].split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            total = end + 4 + length
+            if len(self.buffer) < total:
+                return
+            self.buffer = self.buffer[total:]
+            self.transport.write(self.response)
+
+
+def serve_stub(port: int) -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(
+        loop.create_server(_StubProtocol, "127.0.0.1", port, backlog=1024)
+    )
+    loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    with contextlib.suppress(KeyboardInterrupt):
+        loop.run_forever()
+    server.close()
+
+
+# --- processes ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def consul_binary() -> str:
+    explicit = os.environ.get("LLMGW_CONSUL_BIN")
+    if explicit:
+        return explicit
+    return shutil.which("consul") or "/tmp/aptb/x/usr/bin/consul"
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 5) -> bytes:
+    req = urllib.request.Request(url, data=body, method=method)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read()
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    """Consul + stub + router as child processes; ``close`` kills them all."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+        self.consul_port = free_port()
+        self.stub_port = free_port()
+        self.router_port = free_port()
+        self.router: subprocess.Popen | None = None
+
+    def spawn(self, args: list[str], name: str, **kw) -> subprocess.Popen:
+        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> None:
+        consul = f"http://127.0.0.1:{self.consul_port}"
+        self.spawn(
+            [
+                consul_binary(),
+                "agent",
+                "-dev",
+                "-bind",
+                "127.0.0.1",
+                "-client",
+                "127.0.0.1",
+                "-http-port",
+                str(self.consul_port),
+                "-dns-port",
+                "-1",
+                "-grpc-port",
+                "-1",
+                "-serf-lan-port",
+                str(free_port()),
+                "-serf-wan-port",
+                str(free_port()),
+                "-server-port",
+                str(free_port()),
+                "-log-level",
+                "warn",
+            ],
+            "consul",
+        )
+        self.spawn([sys.executable, __file__, "--serve-stub", str(self.stub_port)], "stub")
+        wait_for(lambda: http("GET", f"{consul}/v1/status/leader") != b'""', 20, "consul leader")
+        wait_for(lambda: socket.create_connection(("127.0.0.1", self.stub_port)), 10, "stub")
+        service = {
+            "ID": "llmgw-bench-1",
+            "Name": f"llmgw-{MODEL}",
+            "Address": "127.0.0.1",
+            "Port": self.stub_port,
+            "Meta": {"llmgw_model": MODEL, "llmgw_definition_hash": "bench"},
+            "Check": {"CheckID": "bench-ttl", "TTL": "1h", "Status": "passing"},
+        }
+        http("PUT", f"{consul}/v1/agent/service/register", json.dumps(service).encode())
+        definition = {
+            "name": MODEL,
+            "definition_hash": "bench",
+            "replicas": 1,
+            "source": "stub",
+            "profile": {},
+        }
+        http("PUT", f"{consul}/v1/kv/llmgw/models/{MODEL}", json.dumps(definition).encode())
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.router = self.spawn(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "serve",
+                "--port",
+                str(self.router_port),
+                "--consul-addr",
+                f"127.0.0.1:{self.consul_port}",
+                "--log-level",
+                "warning",
+            ],
+            "router",
+            cwd=REPO,
+            env=env,
+        )
+        url = f"http://127.0.0.1:{self.router_port}/v1/completions"
+        wait_for(lambda: http("POST", url, REQUEST_BODY) == STUB_BODY, 30, "router to route")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# --- measurements --------------------------------------------------------------
+
+
+class RawClient:
+    """Blocking keep-alive HTTP/1.1 client: the same tiny cost for both targets."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(REQUEST_BODY)).encode()
+            + b"\r\n\r\n"
+            + REQUEST_BODY
+        )
+        self.buffer = b""
+
+    def roundtrip(self) -> float:
+        started = time.perf_counter()
+        self.sock.sendall(self.request)
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end >= 0:
+                head = self.buffer[:end].lower()
+                start = head.find(b"content-length:")
+                length = int(head[start + 15 :].split(b"\r\n", 1)[0])
+                if len(self.buffer) >= end + 4 + length:
+                    if not head.startswith(b"http/1.1 200"):
+                        raise RuntimeError(head.decode(errors="replace"))
+                    self.buffer = self.buffer[end + 4 + length :]
+                    return time.perf_counter() - started
+            self.buffer += self.sock.recv(65536)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def latency(direct_port: int, router_port: int, requests: int) -> dict:
+    direct, via = RawClient(direct_port), RawClient(router_port)
+    for _ in range(200):  # warm both paths (pool, caches)
+        direct.roundtrip()
+        via.roundtrip()
+    d, r = [], []
+    for _ in range(requests):
+        d.append(direct.roundtrip())
+        r.append(via.roundtrip())
+    ms = 1000.0
+    return {
+        "requests_each": requests,
+        "direct_p50_ms": percentile(d, 0.5) * ms,
+        "direct_p99_ms": percentile(d, 0.99) * ms,
+        "router_p50_ms": percentile(r, 0.5) * ms,
+        "router_p99_ms": percentile(r, 0.99) * ms,
+        "p50_added_ms": (percentile(r, 0.5) - percentile(d, 0.5)) * ms,
+        "p99_added_ms": (percentile(r, 0.99) - percentile(d, 0.99)) * ms,
+        "mean_added_ms": (statistics.fmean(r) - statistics.fmean(d)) * ms,
+    }
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '%s'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def rps_wrk(port: int, connections: int, duration: float, workdir: str) -> tuple[float, int]:
+    script = os.path.join(workdir, "post.lua")
+    Path(script).write_text(WRK_SCRIPT % REQUEST_BODY.decode())
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{int(duration)}s",
+            "-s",
+            script,
+            f"http://127.0.0.1:{port}/v1/completions",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=duration + 30,
+        check=True,
+    ).stdout
+    errors = [line for line in out.splitlines() if "Non-2xx" in line or "Socket errors" in line]
+    if errors:
+        raise RuntimeError(f"wrk saw errors: {errors}")
+    line = next(line for line in out.splitlines() if line.startswith("Requests/sec:"))
+    total = next(line for line in out.splitlines() if " requests in " in line)
+    return float(line.split()[1]), int(total.split()[0])
+
+
+def rps_python(port: int, connections: int, duration: float) -> tuple[float, int]:
+    import aiohttp
+
+    async def run() -> float:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        done = 0
+        deadline = time.perf_counter() + duration
+        connector = aiohttp.TCPConnector(limit=connections)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def worker() -> None:
+                nonlocal done
+                while time.perf_counter() < deadline:
+                    async with session.post(url, data=REQUEST_BODY) as resp:
+                        await resp.read()
+                        if resp.status != 200:
+                            raise RuntimeError(f"HTTP {resp.status}")
+                    done += 1
+
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(connections)))
+            return done / (time.perf_counter() - started), done
+
+    return asyncio.run(run())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def measure(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
+        cluster = Cluster(workdir)
+        try:
+            try:
+                cluster.start()
+            except Exception as exc:
+                logs = {
+                    p: Path(workdir, p).read_text(errors="replace")[-2000:]
+                    for p in os.listdir(workdir)
+                    if p.endswith(".log")
+                }
+                raise SystemExit(f"setup failed: {exc}\n{json.dumps(logs, indent=1)}") from exc
+            result = {"cpus": os.cpu_count()}
+            result.update(latency(cluster.stub_port, cluster.router_port, args.requests))
+            generator = "wrk" if shutil.which("wrk") else "python-aiohttp"
+            result["load_generator"] = generator
+            result["connections"] = args.connections
+            assert cluster.router is not None
+            for name, port in (("direct", cluster.stub_port), ("router", cluster.router_port)):
+                cpu_before = cpu_seconds(cluster.router.pid)
+                if generator == "wrk":
+                    rps, total = rps_wrk(port, args.connections, args.duration, workdir)
+                else:
+                    rps, total = rps_python(port, args.connections, args.duration)
+                result[f"{name}_rps"] = rps
+            # CPU the router spent per request: the figure contention does not bend.
+            cpu = cpu_seconds(cluster.router.pid) - cpu_before
+            result["router_cpu_us_per_request"] = cpu / max(total, 1) * 1e6
+            result["rss_mb"] = rss_mb(cluster.router.pid)
+        finally:
+            cluster.close()
+    result["targets"] = TARGETS
+    result["met"] = {
+        "p50_added_ms": result["p50_added_ms"] <= TARGETS["p50_added_ms"],
+        "p99_added_ms": result["p99_added_ms"] <= TARGETS["p99_added_ms"],
+        "router_rps": result["router_rps"] >= TARGETS["router_rps"],
+        "rss_mb": result["rss_mb"] <= TARGETS["rss_mb"],
+    }
+    return result
+
+
+def print_table(r: dict) -> None:
+    rows = [
+        ("added latency p50, 1 conn", f"{r['p50_added_ms']:.3f} ms", "<= 0.5 ms", "p50_added_ms"),
+        ("added latency p99, 1 conn", f"{r['p99_added_ms']:.3f} ms", "<= 2 ms", "p99_added_ms"),
+        (f"direct req/s, {r['connections']} conn", f"{r['direct_rps']:,.0f}", "", None),
+        (
+            f"router req/s, {r['connections']} conn",
+            f"{r['router_rps']:,.0f}",
+            ">= 3,000",
+            "router_rps",
+        ),
+        ("router CPU per request", f"{r['router_cpu_us_per_request']:.0f} us", "", None),
+        ("router RSS", f"{r['rss_mb']:.1f} MB", "<= 100 MB", "rss_mb"),
+    ]
+    print(f"{'measure':<28} {'value':>12}  {'target':<10} ok")
+    for label, value, target, key in rows:
+        ok = "" if key is None else ("yes" if r["met"][key] else "NO")
+        print(f"{label:<28} {value:>12}  {target:<10} {ok}")
+    print(
+        f"(direct p50 {r['direct_p50_ms']:.3f} ms, router p50 {r['router_p50_ms']:.3f} ms; "
+        f"load generator: {r['load_generator']}; {r['cpus']} CPUs shared by client, "
+        "router and stub)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=5000, help="pairs at 1 connection")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per RPS run")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--output", choices=("table", "json"), default="table")
+    parser.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_stub:
+        serve_stub(args.serve_stub)
+        return
+    result = measure(args)
+    if args.output == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    sys.exit(0 if all(result["met"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

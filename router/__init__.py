@@ -1,0 +1,16 @@
+"""llmgw router: an OpenAI-compatible HTTP proxy in front of llama-server replicas.
+
+It keeps an in-memory table of defined models (Consul KV ``llmgw/models/``) and
+their passing endpoints (Consul health of service ``llmgw-<model>``), fed by
+blocking-query watches, and forwards ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/embeddings`` to the least-loaded replica.
+
+Entry points: the ``router`` console script (:mod:`router.cli`) and
+:func:`create_app` for embedding the ASGI app. The router never imports the
+planner; the two talk over HTTP.
+"""
+
+from router.app import create_app
+from router.settings import RouterSettings
+
+__all__ = ["RouterSettings", "create_app"]

@@ -1,0 +1,146 @@
+"""``router`` command line: ``router serve`` runs the router under uvicorn.
+
+The console script ``router = "router.cli:main"`` and ``python -m router``
+land here. Settings come from the environment (see :mod:`router.settings`)
+and flags override them. Logs go to stderr; the command prints nothing to
+stdout.
+
+Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 1 if the router could
+not start (bad settings, port in use), 2 for a usage error.
+
+Shutdown runs in named steps: stop accepting connections, drain the open
+ones (up to ``--drain-timeout`` seconds; a second signal forces exit), then
+the app's lifespan cancels the Consul watches and closes the upstream pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from types import FrameType
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from router.app import create_app
+from router.settings import RouterSettings
+
+log = logging.getLogger("router")
+
+cli = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="llmgw router: OpenAI-compatible proxy to llama-server replicas found in Consul.",
+)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, naming the shutdown steps in the log."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        log.info(
+            "shutdown: stop accepting; draining %d open connection(s) for up to %ss",
+            len(self.server_state.connections),
+            self.config.timeout_graceful_shutdown,
+        )
+        await super().shutdown(sockets)
+
+
+def configure_logging(level: str) -> None:
+    """Send every logger, uvicorn's included, to stderr in one format."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+@cli.callback()
+def _root() -> None:
+    """llmgw router."""
+
+
+@cli.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Listen host (env LLMGW_ROUTER_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (env LLMGW_ROUTER_PORT).")] = None,
+    consul_addr: Annotated[
+        str | None, typer.Option(help="Consul HTTP address host:port (env CONSUL_HTTP_ADDR).")
+    ] = None,
+    upstream_connect_timeout: Annotated[
+        float | None, typer.Option(help="Seconds to connect to a replica.")
+    ] = None,
+    upstream_read_timeout: Annotated[
+        float | None, typer.Option(help="Seconds a replica may stay silent.")
+    ] = None,
+    drain_timeout: Annotated[
+        float | None, typer.Option(help="Seconds to let requests finish on shutdown.")
+    ] = None,
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve the OpenAI-compatible API until SIGINT/SIGTERM.
+
+    Exit codes: 0 clean shutdown, 1 could not start, 2 usage error.
+    """
+    configure_logging(log_level)
+    try:
+        settings = RouterSettings.from_env().with_overrides(
+            host=host,
+            port=port,
+            consul_addr=consul_addr,
+            upstream_connect_timeout_s=upstream_connect_timeout,
+            upstream_read_timeout_s=upstream_read_timeout,
+            drain_timeout_s=drain_timeout,
+            access_log=access_log,
+            log_level=log_level,
+        )
+        settings.consul_location()
+    except ValueError as exc:
+        log.error("invalid settings: %s", exc)
+        raise typer.Exit(1) from None
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=settings.access_log,
+        log_config=None,
+        log_level=settings.log_level,
+        server_header=False,
+        # Nothing reads the client address, and the header rewrite costs on
+        # every request.
+        proxy_headers=False,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+        backlog=2048,
+    )
+    server = _Server(config)
+    # uvicorn restores these after its graceful shutdown and re-raises the
+    # signal it caught; ending with status 0 tells a supervisor (Nomad) that
+    # the stop was clean rather than "killed by SIGTERM".
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
+    server.run()
+    # uvicorn reports a failed startup (port in use, lifespan error) by
+    # returning with started still False.
+    if not server.started:
+        raise typer.Exit(1)
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The router's in-memory view: defined models and their passing endpoints.
+
+:class:`EndpointTable` is written only by the watch loops in
+:mod:`router.watch` (through :meth:`EndpointTable.set_models` and
+:meth:`EndpointTable.set_endpoints`) and read by :mod:`router.proxy` and
+:mod:`router.app` on every request, with no I/O and no lock: everything runs
+on one event loop and each update swaps whole tuples.
+
+The diffs are pure functions (:func:`diff_models`, :func:`diff_endpoints`)
+so unit tests can check them. An endpoint that stays keeps its
+:class:`~router.balancer.Endpoint` object, and so its in-flight count; who
+left is computed before the list is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from router.balancer import Endpoint
+from router.catalog import ModelDefinition, ServiceAddress
+from router.metrics import ModelMetrics, RouterMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsDiff:
+    """Model names added, removed, and redefined (different definition)."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointDiff:
+    """What a new passing list does to a model's endpoints."""
+
+    kept: tuple[Endpoint, ...]
+    joined: tuple[Endpoint, ...]
+    left: tuple[Endpoint, ...]
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The new list, in address order."""
+        return tuple(sorted(self.kept + self.joined, key=lambda e: e.address))
+
+    def __bool__(self) -> bool:
+        return bool(self.joined or self.left)
+
+
+def diff_models(
+    old: Mapping[str, ModelDefinition], new: Mapping[str, ModelDefinition]
+) -> ModelsDiff:
+    """Compare two ``{name: definition}`` maps; names come back sorted."""
+    return ModelsDiff(
+        added=tuple(sorted(new.keys() - old.keys())),
+        removed=tuple(sorted(old.keys() - new.keys())),
+        changed=tuple(sorted(n for n in new.keys() & old.keys() if new[n] != old[n])),
+    )
+
+
+def diff_endpoints(
+    current: Sequence[Endpoint], addresses: Iterable[ServiceAddress]
+) -> EndpointDiff:
+    """Match ``addresses`` against ``current``, reusing the objects that stay."""
+    wanted = set(addresses)
+    by_address = {e.address: e for e in current}
+    kept = tuple(e for e in current if e.address in wanted)
+    left = tuple(e for e in current if e.address not in wanted)
+    joined = tuple(Endpoint(a) for a in sorted(wanted - by_address.keys()))
+    return EndpointDiff(kept=kept, joined=joined, left=left)
+
+
+class ModelEntry:
+    """A defined model as the request path sees it."""
+
+    __slots__ = ("_ready", "_turn", "definition", "endpoints", "metrics", "name")
+
+    def __init__(self, definition: ModelDefinition, metrics: ModelMetrics) -> None:
+        self.name = definition.name
+        self.definition = definition
+        self.metrics = metrics
+        self.endpoints: tuple[Endpoint, ...] = ()
+        self._turn = 0
+        self._ready = asyncio.Event()
+
+    def next_turn(self) -> int:
+        """Rotating start index for :func:`router.balancer.pick`."""
+        self._turn += 1
+        return self._turn
+
+    def _set_endpoints(self, endpoints: tuple[Endpoint, ...]) -> None:
+        self.endpoints = endpoints
+        self.metrics.endpoints.set(len(endpoints))
+        if endpoints:
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for a passing endpoint; ``True`` if one is.
+
+        The seam for on-demand activation: a caller that asked the planner to
+        start the model waits here instead of polling the table.
+        """
+        if self.endpoints:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
+        except TimeoutError:
+            return False
+        return bool(self.endpoints)
+
+
+class EndpointTable:
+    """Defined models and passing endpoints, kept fresh by :mod:`router.watch`."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+        self._models: dict[str, ModelEntry] = {}
+        self.synced = False
+
+    def get(self, model: str) -> ModelEntry | None:
+        """The entry of a defined ``model``, or ``None`` if it is not defined."""
+        return self._models.get(model)
+
+    def definitions(self) -> list[ModelDefinition]:
+        """Every defined model, sorted by name."""
+        return [self._models[n].definition for n in sorted(self._models)]
+
+    def ready_count(self) -> int:
+        """How many defined models have at least one passing endpoint."""
+        return sum(1 for entry in self._models.values() if entry.endpoints)
+
+    def set_models(self, definitions: Mapping[str, ModelDefinition]) -> ModelsDiff:
+        """Replace the defined models; returns what changed so watches can follow."""
+        current = {name: entry.definition for name, entry in self._models.items()}
+        diff = diff_models(current, definitions)
+        for name in diff.removed:
+            entry = self._models.pop(name)
+            entry._set_endpoints(())
+            self._metrics.model_removed(name)
+            log.info("model %s removed from Consul KV", name)
+        for name in diff.added:
+            entry = ModelEntry(definitions[name], self._metrics.model_defined(name))
+            self._models[name] = entry
+            log.info("model %s defined (%d replicas)", name, entry.definition.replicas)
+        for name in diff.changed:
+            self._models[name].definition = definitions[name]
+            log.info("model %s redefined (%s)", name, definitions[name].definition_hash)
+        self.synced = True
+        return diff
+
+    def set_endpoints(self, model: str, addresses: Iterable[ServiceAddress]) -> EndpointDiff | None:
+        """Replace ``model``'s passing endpoints; ``None`` if the model is not defined."""
+        entry = self._models.get(model)
+        if entry is None:
+            return None
+        diff = diff_endpoints(entry.endpoints, addresses)
+        if diff or not entry.endpoints:
+            for gone in diff.left:
+                log.info(
+                    "model %s: endpoint %s left (%d in flight finish there)",
+                    model,
+                    gone.base_url,
+                    gone.inflight,
+                )
+            for new in diff.joined:
+                log.info("model %s: endpoint %s passing", model, new.base_url)
+            entry._set_endpoints(diff.endpoints)
+        return diff

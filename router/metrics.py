@@ -1,0 +1,126 @@
+"""Prometheus metrics of the router, on a registry owned by one app instance.
+
+Series (names and labels are part of the alerting contract):
+
+- ``llmgw_router_requests_total{model,code}``: proxied and refused requests by HTTP status
+- ``llmgw_router_request_duration_seconds{model}``: time to the last byte sent
+- ``llmgw_router_inflight_requests{model}``: requests being served now
+- ``llmgw_router_endpoints{model}``: passing endpoints; published at 0 for every
+  defined model so "desired > 0 and ready == 0" can alert
+
+The proxy calls :meth:`RouterMetrics.for_model` once per request and then only
+touches pre-bound label children, so the hot path does no label lookups.
+The endpoint table calls :meth:`RouterMetrics.model_defined` /
+:meth:`RouterMetrics.model_removed` as models come and go. Requests naming
+an undefined model are counted under ``model=""``: client-chosen strings must
+not create series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+UNKNOWN_MODEL = ""
+
+# LLM requests run from milliseconds (embeddings) to minutes (long generations).
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RequestMetrics:
+    """Pre-bound request counters of one model label (or of undefined models)."""
+
+    __slots__ = ("_codes", "_requests", "duration", "model")
+
+    def __init__(self, owner: RouterMetrics, model: str) -> None:
+        self.model = model
+        self._requests = owner.requests
+        self._codes: dict[int, Counter] = {}
+        self.duration = owner.duration.labels(model=model)
+
+    def observe(self, status: int, seconds: float) -> None:
+        """Record one finished request: its HTTP status and duration in seconds."""
+        child = self._codes.get(status)
+        if child is None:
+            child = self._codes[status] = self._requests.labels(model=self.model, code=str(status))
+        child.inc()
+        self.duration.observe(seconds)
+
+
+class ModelMetrics(RequestMetrics):
+    """All label children of one defined model, bound once and reused."""
+
+    __slots__ = ("endpoints", "inflight")
+
+    def __init__(self, owner: RouterMetrics, model: str) -> None:
+        super().__init__(owner, model)
+        self.inflight = owner.inflight.labels(model=model)
+        self.endpoints = owner.endpoints.labels(model=model)
+
+
+class RouterMetrics:
+    """The router's metric families on a private :class:`CollectorRegistry`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "llmgw_router_requests_total",
+            "Requests answered by the router, by model and HTTP status code.",
+            ("model", "code"),
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "llmgw_router_request_duration_seconds",
+            "Seconds from request received to last response byte sent.",
+            ("model",),
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "llmgw_router_inflight_requests",
+            "Requests the router is serving now.",
+            ("model",),
+            registry=self.registry,
+        )
+        self.endpoints = Gauge(
+            "llmgw_router_endpoints",
+            "Passing endpoints the router can send a model's requests to.",
+            ("model",),
+            registry=self.registry,
+        )
+        self._models: dict[str, ModelMetrics] = {}
+        # Only request counters: "0 endpoints for model ''" would be noise.
+        self.unknown = RequestMetrics(self, UNKNOWN_MODEL)
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """Bound children for a defined ``model`` (created on first use).
+
+        Raises ``ValueError`` for the empty name, which counts undefined models.
+        """
+        if model == UNKNOWN_MODEL:
+            raise ValueError("model name must not be empty")
+        bound = self._models.get(model)
+        if bound is None:
+            bound = self._models[model] = ModelMetrics(self, model)
+        return bound
+
+    def model_defined(self, model: str) -> ModelMetrics:
+        """Publish ``model``'s series at zero as soon as it is defined."""
+        bound = self.for_model(model)
+        bound.endpoints.set(0)
+        bound.inflight.inc(0)
+        return bound
+
+    def model_removed(self, model: str) -> None:
+        """Drop the series of a model that is no longer defined."""
+        bound = self._models.pop(model, None)
+        if bound is None:
+            return
+        for family in (self.duration, self.inflight, self.endpoints):
+            family.remove(model)
+        for status in bound._codes:
+            self.requests.remove(model, str(status))
+
+    def exposition(self) -> tuple[bytes, str]:
+        """Current text exposition and its content type, for ``GET /metrics``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,297 @@
+"""The request hot path: read the body, pick a replica, forward, relay the answer.
+
+:class:`Proxy` is a plain ASGI callable that :mod:`router.app` puts in front
+of FastAPI's routing for ``POST /v1/chat/completions``, ``/v1/completions``
+and ``/v1/embeddings``. Per request it does no Consul call, no pydantic
+parsing and no body rewriting: ``json.loads`` finds ``model``, the raw bytes
+go upstream unchanged over one shared aiohttp keep-alive pool.
+
+- Non-streaming answers are read whole and returned with a Content-Length.
+- ``text/event-stream`` answers are relayed chunk by chunk as they arrive
+  (:mod:`router.streaming`).
+- A client that leaves, mid-stream or while a long non-streaming answer is
+  being generated, closes the upstream connection: that is how llama-server
+  learns to free the slot.
+- A replica that cannot be reached is retried on another one, but only
+  before any byte went to the client; after that an error can only end the
+  stream.
+
+When a defined model has no passing endpoint the :data:`NoEndpoint` policy
+decides; the default refuses at once with 503 ``model_not_ready``. Later
+policies (activate on demand, refuse parked models) plug in there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from router import errors
+from router.balancer import Endpoint, InFlight, pick
+from router.endpoints import EndpointTable, ModelEntry
+from router.metrics import RequestMetrics, RouterMetrics
+from router.streaming import (
+    STATUS_CLIENT_CLOSED,
+    DisconnectWatch,
+    Receive,
+    Scope,
+    Send,
+    relay_stream,
+    response_headers,
+)
+
+log = logging.getLogger(__name__)
+
+NoEndpoint = Callable[[ModelEntry], Awaitable[None]]
+"""Called when ``entry`` has no passing endpoint: return once it has one, or
+raise a :class:`router.errors.ModelUnavailable` explaining why not."""
+
+PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+# Connection-scoped (RFC 9110 7.6.1) or recomputed by us / by uvicorn.
+_DROP_REQUEST = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "expect",
+    }
+)
+# Failures before the replica answered (refused, reset, stale keep-alive socket,
+# connect timeout): safe to try another one.
+_RETRYABLE = (aiohttp.ClientConnectionError,)
+
+
+async def refuse_not_ready(entry: ModelEntry) -> None:
+    """Default :data:`NoEndpoint` policy: answer 503 ``model_not_ready`` at once."""
+    replicas = entry.definition.replicas
+    raise errors.ModelNotReady(entry.name, replicas, retry_after_s=5 if replicas > 0 else None)
+
+
+def extract_model(body: bytes) -> str:
+    """Return the ``model`` field of a JSON request body.
+
+    Raises :class:`router.errors.InvalidRequest` when the body is not a JSON
+    object or ``model`` is missing or not a non-empty string.
+    """
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise errors.InvalidRequest("The request body must be a JSON object.")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.InvalidRequest(
+            "You must provide a model parameter (a non-empty string).", param="model"
+        )
+    return model
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+class Proxy:
+    """ASGI app for the proxied OpenAI endpoints. ``session`` is set by the lifespan."""
+
+    def __init__(
+        self,
+        table: EndpointTable,
+        metrics: RouterMetrics,
+        *,
+        max_body_bytes: int,
+        max_attempts: int,
+        no_endpoint: NoEndpoint = refuse_not_ready,
+    ) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.max_attempts = max(1, max_attempts)
+        self.no_endpoint = no_endpoint
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        bound: RequestMetrics = self.metrics.unknown
+        status = 500
+        try:
+            if scope["method"] != "POST":
+                raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            body = await self._read_body(receive)
+            model = extract_model(body)
+            entry = self.table.get(model)
+            if entry is None:
+                raise errors.ModelNotFound(model)
+            bound = entry.metrics
+            status = await self._forward(entry, scope, body, receive, send)
+        except errors.RouterError as exc:
+            status = await send_error(send, exc)
+        except _ClientGone:
+            status = STATUS_CLIENT_CLOSED
+        except Exception:
+            log.exception("unhandled error proxying %s", scope.get("path"))
+            # Fails (and is ignored) when the response had already started;
+            # uvicorn then drops the connection, which is all that is left to do.
+            with contextlib.suppress(Exception):
+                await send_error(send, errors.RouterError("The router failed unexpectedly."))
+        finally:
+            bound.observe(status, time.perf_counter() - started)
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        message = await receive()
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body", False):
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            return body
+        parts = [body]
+        size = len(body)
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise errors.BodyTooLarge(
+                    f"The request body is larger than {self.max_body_bytes} bytes."
+                )
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _forward(
+        self, entry: ModelEntry, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> int:
+        path = scope["path"]
+        if scope.get("query_string"):
+            path = f"{path}?{scope['query_string'].decode('latin-1')}"
+        headers = []
+        has_accept_encoding = False
+        for raw_name, raw_value in scope["headers"]:
+            name = raw_name.decode("latin-1")
+            if name not in _DROP_REQUEST:
+                headers.append((name, raw_value.decode("latin-1")))
+                has_accept_encoding = has_accept_encoding or name == "accept-encoding"
+        if not has_accept_encoding:
+            # Else aiohttp adds "gzip, deflate" and the replica may compress a
+            # body the client never asked to decompress. Setting it here rather
+            # than via skip_auto_headers keeps aiohttp on its fast path.
+            headers.append(("accept-encoding", "identity"))
+        watch = DisconnectWatch(receive)
+        try:
+            if not entry.endpoints:
+                await self.no_endpoint(entry)
+            return await self._attempts(entry, path, headers, body, receive, send, watch)
+        except asyncio.CancelledError:
+            if not watch.client_gone:
+                raise
+            # Our own cancellation, not a shutdown: the client left.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            log.info("model %s: client left before the answer; upstream closed", entry.name)
+            raise _ClientGone from None
+        finally:
+            watch.disarm()
+
+    async def _attempts(
+        self,
+        entry: ModelEntry,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        watch: DisconnectWatch,
+    ) -> int:
+        assert self.session is not None, "Proxy used outside the app lifespan"
+        tried: list[Endpoint] = []
+        failure: BaseException | None = None
+        for _ in range(self.max_attempts):
+            turn = entry.next_turn()
+            # Prefer a replica not tried yet; with none left, a fresh connection
+            # to the same one still beats failing on a stale keep-alive socket.
+            endpoint = pick(entry.endpoints, turn, tried) or pick(entry.endpoints, turn)
+            if endpoint is None:
+                await self.no_endpoint(entry)
+                continue
+            with InFlight(endpoint, entry.metrics.inflight):
+                try:
+                    upstream = await self.session.request(
+                        "POST", endpoint.url(path), data=body, headers=headers
+                    )
+                except aiohttp.SocketTimeoutError:
+                    # Connected, sent, and the replica stayed silent for the
+                    # whole read timeout: trying another one would double that.
+                    raise errors.UpstreamTimeout(
+                        f"The model `{entry.name}` replica at {endpoint.base_url} sent "
+                        f"nothing for {self.session.timeout.sock_read}s."
+                    ) from None
+                except _RETRYABLE as exc:
+                    tried.append(endpoint)
+                    failure = exc
+                    log.debug("model %s: %s failed before answering: %r", entry.name, endpoint, exc)
+                    continue
+                try:
+                    if upstream.content_type == "text/event-stream":
+                        watch.disarm()
+                        return await relay_stream(entry.name, upstream, receive, send)
+                    return await self._relay_whole(entry, upstream, send)
+                except BaseException:
+                    # Drop the connection rather than pool it half-read; for a
+                    # cancelled request this is what tells llama-server to stop.
+                    upstream.close()
+                    raise
+                finally:
+                    upstream.release()
+        raise errors.UpstreamUnavailable(
+            f"No replica of the model `{entry.name}` could be reached "
+            f"({len(set(tried))} tried): {failure!r}."
+        )
+
+    async def _relay_whole(
+        self, entry: ModelEntry, upstream: aiohttp.ClientResponse, send: Send
+    ) -> int:
+        try:
+            data = await upstream.read()
+        except TimeoutError as exc:
+            raise errors.UpstreamTimeout(
+                f"The model `{entry.name}` replica stopped sending ({type(exc).__name__})."
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise errors.UpstreamUnavailable(
+                f"The model `{entry.name}` replica failed while answering: {exc!r}."
+            ) from None
+        headers = response_headers(upstream)
+        headers.append((b"content-length", str(len(data)).encode()))
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+        return upstream.status
+
+
+class _MethodNotAllowed(errors.InvalidRequest):
+    status = 405
+    code = "method_not_allowed"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"allow", b"POST")]
+
+
+async def send_error(send: Send, exc: errors.RouterError) -> int:
+    """Send ``exc`` as a complete OpenAI error response; returns its status."""
+    status, headers, body = errors.render(exc)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+    return status

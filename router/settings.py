@@ -1,0 +1,100 @@
+"""Router settings: one frozen value built from defaults, environment and CLI flags.
+
+Read once by :mod:`router.cli` (``RouterSettings.from_env`` then flag
+overrides) and handed to :func:`router.app.create_app`; nothing else reads the
+environment.
+
+Environment variables (all optional):
+
+- ``CONSUL_HTTP_ADDR``: ``host:port`` or ``http(s)://host:port`` (default ``127.0.0.1:8500``)
+- ``CONSUL_HTTP_TOKEN``: Consul ACL token (default none)
+- ``LLMGW_ROUTER_HOST`` / ``LLMGW_ROUTER_PORT``: listen address (default ``127.0.0.1:8080``)
+- ``LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT``: seconds to open a connection to a replica (5)
+- ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``: seconds without a byte from a replica (600)
+- ``LLMGW_ROUTER_MAX_CONNECTIONS``: size of the upstream keep-alive pool (256)
+- ``LLMGW_ROUTER_DRAIN_TIMEOUT``: seconds to let in-flight requests finish on shutdown (30)
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Everything the router can be told. Durations are seconds, sizes bytes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    consul_addr: str = DEFAULT_CONSUL_ADDR
+    consul_token: str | None = None
+    # Consul caps a blocking query at 10 minutes; a shorter wait bounds how long
+    # a silently dropped connection can hide a change from us.
+    watch_wait_s: float = 60.0
+    watch_backoff_max_s: float = 10.0
+    upstream_connect_timeout_s: float = 5.0
+    # A non-streaming completion sends nothing until generation ends, so this is
+    # "longest generation we tolerate", not a network timeout.
+    upstream_read_timeout_s: float = 600.0
+    max_connections: int = 256
+    max_body_bytes: int = 32 * 1024 * 1024
+    # Replicas tried per request when a connection fails before any byte went out.
+    max_attempts: int = 3
+    drain_timeout_s: float = 30.0
+    access_log: bool = False
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
+        """Build settings from ``env`` (default ``os.environ``).
+
+        Raises ``ValueError`` when a numeric variable does not parse.
+        """
+        env = os.environ if env is None else env
+        base = cls()
+        overrides: dict[str, Any] = {}
+        if env.get("CONSUL_HTTP_ADDR"):
+            overrides["consul_addr"] = env["CONSUL_HTTP_ADDR"]
+        if env.get("CONSUL_HTTP_TOKEN"):
+            overrides["consul_token"] = env["CONSUL_HTTP_TOKEN"]
+        for var, field, kind in _ENV_FIELDS:
+            raw = env.get(var)
+            if raw:
+                try:
+                    overrides[field] = kind(raw)
+                except ValueError as exc:
+                    raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from exc
+        return replace(base, **overrides)
+
+    def with_overrides(self, **changes: Any) -> RouterSettings:
+        """Return a copy with every non-``None`` keyword applied (CLI flags)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def consul_location(self) -> tuple[str, str, int]:
+        """Split ``consul_addr`` into ``(scheme, host, port)``.
+
+        Raises ``ValueError`` for an address without a host.
+        """
+        raw = self.consul_addr if "//" in self.consul_addr else "//" + self.consul_addr
+        parsed = urllib.parse.urlsplit(raw)
+        if not parsed.hostname:
+            raise ValueError(f"consul address {self.consul_addr!r} has no host")
+        scheme = parsed.scheme or "http"
+        port = parsed.port or (443 if scheme == "https" else 8500)
+        return scheme, parsed.hostname, port
+
+
+_ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
+    ("LLMGW_ROUTER_HOST", "host", str),
+    ("LLMGW_ROUTER_PORT", "port", int),
+    ("LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT", "upstream_connect_timeout_s", float),
+    ("LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT", "upstream_read_timeout_s", float),
+    ("LLMGW_ROUTER_MAX_CONNECTIONS", "max_connections", int),
+    ("LLMGW_ROUTER_DRAIN_TIMEOUT", "drain_timeout_s", float),
+)

@@ -1,0 +1,141 @@
+"""Relaying an upstream answer while watching for the client to leave.
+
+Used by :mod:`router.proxy` only. Two tools, both aimed at one outcome: when
+the client goes away, the upstream connection is closed at once, so that
+llama-server stops generating and frees its slot.
+
+- :func:`relay_stream` sends a ``text/event-stream`` answer chunk by chunk as
+  aiohttp receives it (no buffering, no re-framing: the bytes are the
+  replica's), racing the copy against the client's ``http.disconnect`` and
+  cancelling the loser, as Starlette's ``StreamingResponse`` does.
+- :class:`DisconnectWatch` covers the time before the answer starts (a
+  non-streaming completion sends nothing until generation ends). Watching
+  costs a task, so it is armed with a timer and only starts for requests still
+  running after :data:`WATCH_AFTER_S`; fast requests never pay for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# nginx's code for "client closed the request before we answered".
+STATUS_CLIENT_CLOSED = 499
+
+# Seconds before a pending request starts watching for its client to leave.
+WATCH_AFTER_S = 0.25
+
+# Connection-scoped (RFC 9110 7.6.1) or set by uvicorn itself.
+_DROP_RESPONSE = frozenset(
+    {
+        b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
+        b"trailer", b"upgrade", b"proxy-connection", b"date", b"server",
+    }
+)  # fmt: skip
+
+
+def response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    """The replica's response headers minus hop-by-hop ones, as ASGI pairs."""
+    return [(k, v) for k, v in upstream.raw_headers if k.lower() not in _DROP_RESPONSE]
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client has disconnected (or the response completed)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class DisconnectWatch:
+    """Cancels the current task if its client disconnects.
+
+    Armed on creation; after :data:`WATCH_AFTER_S` it starts a task reading
+    ``receive``. ``client_gone`` tells the cancelled code that the
+    cancellation was ours. Always :meth:`disarm` when the request is done.
+    """
+
+    __slots__ = ("_receive", "_target", "_timer", "_watcher", "client_gone")
+
+    def __init__(self, receive: Receive, after_s: float = WATCH_AFTER_S) -> None:
+        self._receive = receive
+        self._target = asyncio.current_task()
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            after_s, self._start
+        )
+        self.client_gone = False
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        await wait_disconnect(self._receive)
+        if self._target is not None and not self._target.done():
+            self.client_gone = True
+            self._target.cancel()
+
+    def disarm(self) -> None:
+        """Stop watching; safe to call more than once."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+
+async def relay_stream(
+    model: str, upstream: aiohttp.ClientResponse, receive: Receive, send: Send
+) -> int:
+    """Copy an event stream to the client until it ends or the client leaves.
+
+    Returns the status to record: the replica's, :data:`STATUS_CLIENT_CLOSED`
+    when the client left first, 502 when the replica broke mid-stream. On
+    either failure the upstream connection is closed, not pooled.
+    """
+    await send(
+        {
+            "type": "http.response.start",
+            "status": upstream.status,
+            "headers": response_headers(upstream),
+        }
+    )
+    pump = asyncio.ensure_future(_pump(upstream, send))
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        pump.cancel()
+        gone.cancel()
+    if not pump.done() or pump.cancelled():
+        # Closing (not releasing) drops the TCP connection: llama-server
+        # notices on its next write and frees the slot.
+        upstream.close()
+        log.info("model %s: client left mid-stream; upstream request closed", model)
+        return STATUS_CLIENT_CLOSED
+    exc = pump.exception()
+    if exc is not None:
+        upstream.close()
+        # Bytes already went out, so no error response is possible. Ending
+        # without the final empty chunk makes uvicorn drop the connection: the
+        # client sees a truncated stream, not a clean end.
+        log.warning("model %s: upstream stream broke: %r", model, exc)
+        return 502
+    return upstream.status
+
+
+async def _pump(upstream: aiohttp.ClientResponse, send: Send) -> None:
+    async for chunk in upstream.content.iter_any():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,183 @@
+"""Consul watches that keep the :class:`~router.endpoints.EndpointTable` fresh.
+
+One task follows the KV prefix ``llmgw/models/``; it starts one task per
+defined model that follows ``health/service/llmgw-<model>?passing`` and
+cancels it when the model leaves KV. Started and stopped by the app's
+lifespan (:mod:`router.app`).
+
+Each watch has three layers (after kopf's watching.py):
+
+1. one blocking read (:class:`router.catalog.ConsulCatalog`);
+2. :func:`_list_then_watch`: read at index 0 (a full list), apply it, then
+   block on the last index; any index change, even backwards, is applied, an
+   index that went backwards restarts from 0, and an index of 0 is never
+   blocked on (Consul answers index 0 at once, so it would spin);
+3. :meth:`ConsulWatcher._forever`: reconnects forever with capped, jittered
+   exponential backoff and logs every failure, including our own bugs, so a
+   watch never dies silently.
+
+When Consul is unreachable the table keeps its last contents: routing to the
+endpoints we last saw passing beats refusing every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from router.catalog import ConsulCatalog
+from router.endpoints import EndpointTable
+from router.errors import CatalogError
+
+log = logging.getLogger(__name__)
+
+Read = Callable[[int], Awaitable[tuple[int, Any]]]
+Apply = Callable[[Any], None]
+
+# Floor between two reads of one watch: a Consul that answers at once (index
+# bug, flapping service) costs at most this many requests per second.
+_MIN_READ_INTERVAL_S = 0.05
+_BACKOFF_INITIAL_S = 0.2
+
+
+def next_index(previous: int, returned: int) -> int:
+    """Index to block on next, per Consul's blocking-query rules.
+
+    An index that went backwards (Consul restarted, snapshot restored) means
+    our view may be from another timeline: start over from 0. A returned
+    index below 1 is a Consul bug that would make every read return at once;
+    block on 1 instead.
+    """
+    if returned < previous:
+        return 0
+    return max(returned, 1)
+
+
+def backoff_delay(failures: int, cap_s: float, rand: Callable[[], float] = random.random) -> float:
+    """Seconds to sleep after ``failures`` consecutive failures (>= 1): doubling
+    from 0.2 s up to ``cap_s``, with up to half of it taken off as jitter."""
+    base = min(cap_s, _BACKOFF_INITIAL_S * 2 ** (failures - 1))
+    return base * (1 - 0.5 * rand())
+
+
+async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]) -> None:
+    index = 0
+    first = True
+    while True:
+        started = time.monotonic()
+        returned, value = await read(index)
+        on_read()
+        if first or returned != index:
+            apply(value)
+        first = False
+        index = next_index(index, returned)
+        elapsed = time.monotonic() - started
+        if elapsed < _MIN_READ_INTERVAL_S:
+            await asyncio.sleep(_MIN_READ_INTERVAL_S - elapsed)
+
+
+class ConsulWatcher:
+    """Owns the KV watch task and one health watch task per defined model."""
+
+    def __init__(
+        self,
+        catalog: ConsulCatalog,
+        table: EndpointTable,
+        *,
+        wait_s: float,
+        backoff_max_s: float,
+    ) -> None:
+        self._catalog = catalog
+        self._table = table
+        self._wait_s = wait_s
+        self._backoff_max_s = backoff_max_s
+        self._kv_task: asyncio.Task[None] | None = None
+        self._health_tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        """Start the KV watch; health watches follow from what it reads."""
+        if self._kv_task is None:
+            self._kv_task = self._spawn("kv", self._watch_models())
+
+    async def stop(self) -> None:
+        """Cancel every watch and wait for them to finish."""
+        tasks = list(self._health_tasks.values())
+        if self._kv_task is not None:
+            tasks.append(self._kv_task)
+        self._kv_task = None
+        self._health_tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def watched_models(self) -> list[str]:
+        """Models with a running health watch, sorted (for status and tests)."""
+        return sorted(self._health_tasks)
+
+    def _spawn(self, name: str, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"llmgw-watch-{name}")
+        task.add_done_callback(_report_unexpected_end)
+        return task
+
+    async def _watch_models(self) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.models(index, self._wait_s)
+
+        def apply(models: Any) -> None:
+            diff = self._table.set_models(models)
+            for name in diff.removed:
+                task = self._health_tasks.pop(name, None)
+                if task is not None:
+                    task.cancel()
+            for name in diff.added:
+                if name not in self._health_tasks:
+                    self._health_tasks[name] = self._spawn(
+                        f"health-{name}", self._watch_health(name)
+                    )
+
+        await self._forever("Consul KV llmgw/models/", read, apply)
+
+    async def _watch_health(self, model: str) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.passing(model, index, self._wait_s)
+
+        def apply(addresses: Any) -> None:
+            self._table.set_endpoints(model, addresses)
+
+        await self._forever(f"Consul health of llmgw-{model}", read, apply)
+
+    async def _forever(self, what: str, read: Read, apply: Apply) -> None:
+        failures = 0
+
+        def succeeded() -> None:
+            nonlocal failures
+            if failures:
+                log.info("%s: reading again after %d failure(s)", what, failures)
+            failures = 0
+
+        while True:
+            try:
+                await _list_then_watch(read, apply, succeeded)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                delay = backoff_delay(failures, self._backoff_max_s)
+                # Catalog errors are expected weather; anything else is our bug.
+                if isinstance(exc, CatalogError):
+                    log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
+                else:
+                    log.exception("%s: watch failed; retrying in %.1fs", what, delay)
+                await asyncio.sleep(delay)
+
+
+def _report_unexpected_end(task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    log.error("watch task %s ended, which it never should: %r", task.get_name(), exc)

@@ -1,0 +1,649 @@
+"""The router against a real Consul dev agent and stub llama-server upstreams.
+
+Self-contained: a module fixture starts ``consul agent -dev`` on free ports
+(binary from ``$LLMGW_CONSUL_BIN``, ``consul`` on PATH, or
+/tmp/aptb/x/usr/bin/consul) and the router as a subprocess
+(``python -m router serve``); stub upstreams are aiohttp servers on a
+background thread that record what they saw, including client disconnects.
+Everything is stopped at module teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from email.message import Message
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def consul_binary() -> str | None:
+    for candidate in (
+        os.environ.get("LLMGW_CONSUL_BIN"),
+        shutil.which("consul"),
+        "/tmp/aptb/x/usr/bin/consul",
+    ):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(
+    method: str, url: str, body: object | None = None, timeout: float = 10
+) -> tuple[int, Message, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def eventually(check, timeout: float = 5.0, interval: float = 0.02) -> float:
+    """Poll ``check`` until truthy; return the seconds it took."""
+    started = time.monotonic()
+    while True:
+        if check():
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+# --- Consul ------------------------------------------------------------------
+
+
+class Consul:
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(workdir / "consul.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "agent",
+                "-dev",
+                "-bind",
+                "127.0.0.1",
+                "-client",
+                "127.0.0.1",
+                "-http-port",
+                str(self.port),
+                "-dns-port",
+                "-1",
+                "-grpc-port",
+                "-1",
+                "-serf-lan-port",
+                str(free_port()),
+                "-serf-wan-port",
+                str(free_port()),
+                "-server-port",
+                str(free_port()),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        eventually(self._has_leader, timeout=30, interval=0.1)
+
+    def _has_leader(self) -> bool:
+        try:
+            return request("GET", f"{self.url}/v1/status/leader")[2] not in (b"", b'""')
+        except OSError:
+            return False
+
+    def define(self, name: str, replicas: int = 1, **extra: object) -> None:
+        doc = {
+            "name": name,
+            "definition_hash": f"h-{name}",
+            "replicas": replicas,
+            "source": "stub",
+            "profile": {},
+            **extra,
+        }
+        assert request("PUT", f"{self.url}/v1/kv/llmgw/models/{name}", doc)[0] == 200
+
+    def undefine(self, name: str) -> None:
+        assert request("DELETE", f"{self.url}/v1/kv/llmgw/models/{name}")[0] == 200
+
+    def register(self, model: str, instance: str, port: int, passing: bool = True) -> str:
+        service_id = f"llmgw-{model}-{instance}"
+        service = {
+            "ID": service_id,
+            "Name": f"llmgw-{model}",
+            "Address": "127.0.0.1",
+            "Port": port,
+            "Meta": {"llmgw_model": model, "llmgw_definition_hash": f"h-{model}"},
+            "Check": {
+                "CheckID": f"{service_id}-ttl",
+                "TTL": "1h",
+                "Status": "passing" if passing else "critical",
+            },
+        }
+        assert request("PUT", f"{self.url}/v1/agent/service/register", service)[0] == 200
+        return service_id
+
+    def set_check(self, service_id: str, passing: bool) -> None:
+        verb = "pass" if passing else "fail"
+        assert request("PUT", f"{self.url}/v1/agent/check/{verb}/{service_id}-ttl")[0] == 200
+
+    def deregister(self, service_id: str) -> None:
+        assert request("PUT", f"{self.url}/v1/agent/service/deregister/{service_id}")[0] == 200
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# --- stub upstreams ----------------------------------------------------------
+
+
+def sse_chunks(count: int) -> list[bytes]:
+    """Deterministic llama-server-like SSE events, ending with [DONE]."""
+    events = [
+        b"data: "
+        + json.dumps(
+            {
+                "id": "chatcmpl-stub",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "stub",
+                "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}],
+            }
+        ).encode()
+        + b"\n\n"
+        for i in range(count)
+    ]
+    return [*events, b"data: [DONE]\n\n"]
+
+
+class Stub:
+    """An OpenAI-ish upstream on a background event loop."""
+
+    def __init__(self, name: str, chunk_delay_s: float = 0.15) -> None:
+        self.name = name
+        self.chunk_delay_s = chunk_delay_s
+        self.port = free_port()
+        self.requests: list[dict] = []
+        self.disconnects = 0
+        self.disconnected = threading.Event()
+        self.completed_streams = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/{kind:.*}", self._handle)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(site.start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _health(self, req: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _handle(self, req: web.Request) -> web.StreamResponse:
+        body = await req.json()
+        self.requests.append({"path": req.path, "body": body, "headers": dict(req.headers)})
+        if not body.get("stream"):
+            # A slow non-streaming generation that notices its client leaving,
+            # as llama-server does.
+            deadline = time.monotonic() + float(body.get("delay_s", 0))
+            while time.monotonic() < deadline:
+                if req.transport is None or req.transport.is_closing():
+                    self.disconnects += 1
+                    self.disconnected.set()
+                    return web.Response(status=499)
+                await asyncio.sleep(0.02)
+            return web.json_response(
+                {
+                    "id": f"cmpl-{self.name}",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": body.get("model"),
+                    "system_fingerprint": self.name,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": f"hi from {self.name}",
+                            "message": {"role": "assistant", "content": f"hi from {self.name}"},
+                            "finish_reason": "stop",
+                            "logprobs": None,
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        try:
+            for chunk in sse_chunks(int(body.get("max_tokens", 5))):
+                await resp.write(chunk)
+                await asyncio.sleep(self.chunk_delay_s)
+            await resp.write_eof()
+            self.completed_streams += 1
+        except (ConnectionError, asyncio.CancelledError):
+            self.disconnects += 1
+            self.disconnected.set()
+            raise
+        return resp
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+# --- router ------------------------------------------------------------------
+
+
+class Router:
+    def __init__(self, consul: Consul, workdir: Path, name: str = "router", *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"{name}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "CONSUL_HTTP_ADDR": f"127.0.0.1:{consul.port}",
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "serve",
+                "--port",
+                str(self.port),
+                "--drain-timeout",
+                "10",
+                "--log-level",
+                "info",
+                *flags,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        eventually(self._healthy, timeout=30, interval=0.1)
+
+    def _healthy(self) -> bool:
+        assert self.proc.poll() is None, self.log_path.read_text()
+        try:
+            return request("GET", f"{self.url}/health")[0] == 200
+        except OSError:
+            return False
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        text = request("GET", f"{self.url}/metrics")[2].decode()
+        for line in text.splitlines():
+            series, _, value = line.rpartition(" ")
+            family, _, label_text = series.partition("{")
+            if family != name:
+                continue
+            found = dict(pair.split("=", 1) for pair in label_text.rstrip("}").split(",") if pair)
+            if found == {k: f'"{v}"' for k, v in labels.items()}:
+                return float(value)
+        return None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Consul, Router, Stub, Stub]]:
+    binary = consul_binary()
+    if binary is None:
+        pytest.skip("no consul binary (set LLMGW_CONSUL_BIN)")
+    workdir = tmp_path_factory.mktemp("router-consul")
+    consul = Consul(binary, workdir)
+    stubs: list[Stub] = []
+    router = None
+    try:
+        stubs = [Stub("a"), Stub("b")]
+        router = Router(consul, workdir)
+        yield consul, router, stubs[0], stubs[1]
+    finally:
+        if router is not None:
+            router.stop()
+        for stub in stubs:
+            stub.stop()
+        consul.stop()
+
+
+def endpoints_of(router: Router, model: str) -> float | None:
+    return router.metric("llmgw_router_endpoints", model=model)
+
+
+def define_serving(consul: Consul, router: Router, model: str, *stubs: Stub) -> list[str]:
+    consul.define(model, replicas=len(stubs) or 1)
+    ids = [consul.register(model, stub.name, stub.port) for stub in stubs]
+    eventually(lambda: endpoints_of(router, model) == len(stubs))
+    return ids
+
+
+def assert_openai_error(body: bytes, code: str | None) -> dict:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["message"]
+    return error
+
+
+def test_models_lists_kv_definitions(cluster) -> None:
+    consul, router, _, _ = cluster
+    consul.define("listed")
+    eventually(lambda: endpoints_of(router, "listed") == 0)
+    status, _, body = request("GET", f"{router.url}/v1/models")
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["object"] == "list"
+    assert {"id": "listed", "object": "model", "created": 0, "owned_by": "llmgw"} in doc["data"]
+
+
+def test_proxies_completion_to_passing_endpoint(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    define_serving(consul, router, "alpha", stub_a)
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 1}
+    status, headers, data = request("POST", f"{router.url}/v1/completions", body)
+    assert status == 200, data
+    assert json.loads(data)["system_fingerprint"] == "a"
+    direct = request("POST", f"http://127.0.0.1:{stub_a.port}/v1/completions", body)[2]
+    assert data == direct
+    assert headers["Content-Type"] == "application/json; charset=utf-8"
+    seen = stub_a.requests[-1]
+    assert seen["path"] == "/v1/completions" and seen["body"] == body
+    assert "gzip" not in seen["headers"].get("Accept-Encoding", "")
+    for path in ("/v1/chat/completions", "/v1/embeddings"):
+        assert request("POST", router.url + path, {"model": "alpha", "input": "x"})[0] == 200
+        assert stub_a.requests[-1]["path"] == path
+
+
+def test_unknown_model_is_404_model_not_found(cluster) -> None:
+    _, router, _, _ = cluster
+    status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "nope"})
+    assert status == 404
+    error = assert_openai_error(body, "model_not_found")
+    assert error["type"] == "invalid_request_error" and error["param"] == "model"
+    assert "nope" in error["message"]
+
+
+def test_defined_model_without_passing_endpoint_is_503(cluster) -> None:
+    consul, router, _, _ = cluster
+    consul.define("idle", replicas=2)
+    eventually(lambda: endpoints_of(router, "idle") == 0)
+    status, headers, body = request("POST", f"{router.url}/v1/chat/completions", {"model": "idle"})
+    assert status == 503
+    error = assert_openai_error(body, "model_not_ready")
+    assert "2 replica(s) desired" in error["message"] and "llmgw-idle" in error["message"]
+    assert headers["Retry-After"] == "5"
+
+
+def test_bad_requests_get_openai_errors(cluster) -> None:
+    _, router, _, _ = cluster
+    req = urllib.request.Request(f"{router.url}/v1/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 400
+    assert_openai_error(err.value.read(), None)
+    status, _, body = request("POST", f"{router.url}/v1/completions", {"prompt": "no model"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "model"
+    status, _, body = request("GET", f"{router.url}/v1/completions")
+    assert status == 405
+    assert_openai_error(body, "method_not_allowed")
+    status, _, body = request("GET", f"{router.url}/v1/nothing-here")
+    assert status == 404
+    assert_openai_error(body, "not_found")
+
+
+def test_critical_or_deregistered_endpoint_leaves_table_quickly(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    (service_id,) = define_serving(consul, router, "gamma", stub_a)
+    consul.set_check(service_id, passing=False)
+    took = eventually(lambda: endpoints_of(router, "gamma") == 0, timeout=5)
+    assert took < 2.0
+    status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "gamma"})
+    assert status == 503
+    assert_openai_error(body, "model_not_ready")
+
+    consul.set_check(service_id, passing=True)
+    eventually(lambda: endpoints_of(router, "gamma") == 1)
+    consul.deregister(service_id)
+    took = eventually(lambda: endpoints_of(router, "gamma") == 0, timeout=5)
+    assert took < 2.0
+
+
+def test_model_removed_from_kv_is_forgotten(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    define_serving(consul, router, "delta", stub_a)
+    consul.undefine("delta")
+    eventually(lambda: endpoints_of(router, "delta") is None, timeout=3)
+    status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "delta"})
+    assert status == 404
+    assert_openai_error(body, "model_not_found")
+
+
+def test_requests_spread_over_replicas_and_skip_dead_ones(cluster) -> None:
+    consul, router, stub_a, stub_b = cluster
+    define_serving(consul, router, "spread", stub_a, stub_b)
+    served = {
+        json.loads(request("POST", f"{router.url}/v1/completions", {"model": "spread"})[2])[
+            "system_fingerprint"
+        ]
+        for _ in range(10)
+    }
+    assert served == {"a", "b"}
+    # A replica that passes in Consul but refuses connections: retried elsewhere.
+    consul.register("spread", "dead", free_port())
+    eventually(lambda: endpoints_of(router, "spread") == 3)
+    for _ in range(12):
+        status, _, _ = request("POST", f"{router.url}/v1/completions", {"model": "spread"})
+        assert status == 200
+
+
+def read_stream(port: int, path: str, body: dict) -> tuple[list[tuple[float, bytes]], float]:
+    """POST and read the chunked body piece by piece: ([(seconds, bytes)], total seconds)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    started = time.monotonic()
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+    pieces = []
+    while chunk := resp.read1(65536):
+        pieces.append((time.monotonic() - started, chunk))
+    conn.close()
+    return pieces, time.monotonic() - started
+
+
+def test_sse_passes_through_chunk_by_chunk_with_identical_bytes(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    define_serving(consul, router, "streamer", stub_a)
+    body = {
+        "model": "streamer",
+        "stream": True,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    via, total = read_stream(router.port, "/v1/chat/completions", body)
+    direct, _ = read_stream(stub_a.port, "/v1/chat/completions", body)
+    assert b"".join(c for _, c in via) == b"".join(c for _, c in direct)
+    assert b"".join(c for _, c in via).endswith(b"data: [DONE]\n\n")
+    # 9 events 0.15 s apart: the first must arrive long before the last.
+    assert via[0][0] < total - 0.8
+    assert len(via) >= 5
+
+
+def test_client_disconnect_mid_stream_closes_upstream(cluster) -> None:
+    consul, router, _, _ = cluster
+    slow = Stub("slow", chunk_delay_s=0.1)
+    try:
+        define_serving(consul, router, "leaver", slow)
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
+        body = {"model": "leaver", "stream": True, "max_tokens": 200}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.read1(65536).startswith(b"data: ")
+        started = time.monotonic()
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert slow.disconnected.wait(5), "upstream never saw the client leave"
+        assert time.monotonic() - started < 3
+        assert slow.completed_streams == 0
+        eventually(lambda: router.metric("llmgw_router_inflight_requests", model="leaver") == 0)
+    finally:
+        slow.stop()
+
+
+def test_client_leaving_a_slow_non_streaming_request_closes_upstream(cluster) -> None:
+    consul, router, _, _ = cluster
+    slow = Stub("slow-whole")
+    try:
+        define_serving(consul, router, "patience", slow)
+        body = json.dumps({"model": "patience", "prompt": "x", "delay_s": 20}).encode()
+        with socket.create_connection(("127.0.0.1", router.port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            eventually(lambda: slow.requests, timeout=5)
+            time.sleep(0.5)
+        started = time.monotonic()
+        assert slow.disconnected.wait(5), "upstream never saw the client leave"
+        assert time.monotonic() - started < 3
+        eventually(lambda: router.metric("llmgw_router_inflight_requests", model="patience") == 0)
+        assert router.metric("llmgw_router_requests_total", model="patience", code="499") == 1
+    finally:
+        slow.stop()
+
+
+def test_silent_replica_times_out_once_without_retry(cluster, tmp_path: Path) -> None:
+    consul, _, _, _ = cluster
+    router = Router(consul, tmp_path, "impatient", "--upstream-read-timeout", "1")
+    mute, other = Stub("mute"), Stub("other")
+    try:
+        define_serving(consul, router, "silent", mute)
+        consul.register("silent", "other", other.port)
+        eventually(lambda: endpoints_of(router, "silent") == 2)
+        status, _, body = request(
+            "POST", f"{router.url}/v1/completions", {"model": "silent", "delay_s": 3}
+        )
+        assert status == 504
+        assert_openai_error(body, "upstream_timeout")
+        # The replica got the request and stayed silent: no second replica
+        # is made to wait out the same timeout.
+        time.sleep(0.3)
+        assert len(mute.requests) + len(other.requests) == 1
+    finally:
+        router.stop()
+        mute.stop()
+        other.stop()
+
+
+def test_official_openai_client(cluster) -> None:
+    openai = pytest.importorskip("openai")
+    consul, router, stub_a, _ = cluster
+    define_serving(consul, router, "oai", stub_a)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    completion = client.completions.create(model="oai", prompt="hi", max_tokens=1)
+    assert completion.choices[0].text == "hi from a"
+    chat = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content == "hi from a"
+    stream = client.chat.completions.create(
+        model="oai", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    assert text == "tok0 tok1 tok2 tok3 "
+    assert [m.id for m in client.models.list()].count("oai") == 1
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="missing", prompt="x")
+    assert err.value.code == "model_not_found"
+
+
+def test_metrics_series(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    define_serving(consul, router, "metered", stub_a)
+    consul.define("metered-idle", replicas=1)
+    eventually(lambda: endpoints_of(router, "metered-idle") == 0)
+    request("POST", f"{router.url}/v1/completions", {"model": "metered"})
+    request("POST", f"{router.url}/v1/completions", {"model": "metered-idle"})
+    assert router.metric("llmgw_router_requests_total", model="metered", code="200") >= 1
+    assert router.metric("llmgw_router_requests_total", model="metered-idle", code="503") == 1
+    assert router.metric("llmgw_router_request_duration_seconds_count", model="metered") >= 1
+    assert router.metric("llmgw_router_inflight_requests", model="metered") == 0
+
+
+def test_sigterm_drains_in_flight_stream_then_exits_cleanly(cluster, tmp_path: Path) -> None:
+    consul, _, stub_a, _ = cluster
+    router = Router(consul, tmp_path, name="draining")
+    try:
+        define_serving(consul, router, "drain", stub_a)
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=15)
+        body = {"model": "drain", "stream": True, "max_tokens": 6}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        first = resp.read1(65536)
+        router.proc.send_signal(signal.SIGTERM)
+        rest = resp.read()
+        assert (first + rest).endswith(b"data: [DONE]\n\n")
+        assert router.proc.wait(timeout=15) == 0
+    finally:
+        router.stop()
+    log = router.log_path.read_text()
+    for step in ("stop accepting", "cancelling Consul watches", "closing upstream", "done"):
+        assert f"shutdown: {step}" in log, log

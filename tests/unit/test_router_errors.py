@@ -1,0 +1,67 @@
+"""OpenAI error-object shapes (router.errors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router import errors
+
+
+def parsed(exc: errors.RouterError) -> tuple[int, dict[bytes, bytes], dict]:
+    status, headers, body = errors.render(exc)
+    return status, dict(headers), json.loads(body)
+
+
+def test_model_not_found_shape() -> None:
+    status, headers, body = parsed(errors.ModelNotFound("llama"))
+    assert status == 404
+    assert headers[b"content-type"] == b"application/json"
+    assert int(headers[b"content-length"]) == len(errors.render(errors.ModelNotFound("llama"))[2])
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_not_found"
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "model"
+    assert "llama" in error["message"]
+
+
+def test_model_not_ready_says_what_is_happening() -> None:
+    status, headers, body = parsed(errors.ModelNotReady("m", 2, retry_after_s=5))
+    assert status == 503
+    assert headers[b"retry-after"] == b"5"
+    assert body["error"]["code"] == "model_not_ready"
+    assert "2 replica(s) desired" in body["error"]["message"]
+    assert "llmgw-m" in body["error"]["message"]
+
+
+def test_model_with_zero_replicas_gets_no_retry_after() -> None:
+    status, headers, body = parsed(errors.ModelNotReady("m", 0, retry_after_s=None))
+    assert status == 503
+    assert b"retry-after" not in headers
+    assert "0 replicas desired" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    [
+        (errors.InvalidRequest("bad"), 400, None),
+        (errors.BodyTooLarge("big"), 413, "request_too_large"),
+        (errors.UpstreamUnavailable("down"), 502, "upstream_unavailable"),
+        (errors.UpstreamTimeout("slow"), 504, "upstream_timeout"),
+        (errors.RouterError("bug"), 500, None),
+    ],
+)
+def test_status_and_code(exc: errors.RouterError, status: int, code: str | None) -> None:
+    got_status, _, body = parsed(exc)
+    assert got_status == status
+    assert body["error"]["code"] == code
+    assert body["error"]["message"] == exc.message
+
+
+def test_tree_splits_by_what_the_caller_can_do() -> None:
+    assert issubclass(errors.ModelNotFound, errors.RequestRefused)
+    assert issubclass(errors.ModelNotReady, errors.ModelUnavailable)
+    assert issubclass(errors.UpstreamTimeout, errors.UpstreamError)
+    assert not issubclass(errors.CatalogUnavailable, errors.RouterError)

@@ -1,0 +1,124 @@
+"""Blocking-query index rules and watch supervision (router.watch)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from router.catalog import ModelDefinition, ServiceAddress
+from router.endpoints import EndpointTable
+from router.errors import CatalogUnavailable
+from router.metrics import RouterMetrics
+from router.watch import ConsulWatcher, backoff_delay, next_index
+
+
+def test_next_index_rules() -> None:
+    assert next_index(0, 10) == 10
+    assert next_index(10, 12) == 12
+    assert next_index(12, 5) == 0  # went backwards: start over
+    assert next_index(0, 0) == 1  # never block on 0
+    assert next_index(10, 10) == 10
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert backoff_delay(1, 10, rand=lambda: 0) == 0.2
+    assert backoff_delay(3, 10, rand=lambda: 0) == 0.8
+    assert backoff_delay(30, 10, rand=lambda: 0) == 10
+    assert backoff_delay(30, 10, rand=lambda: 1) == 5
+
+
+class FakeCatalog:
+    """Answers from scripted state; blocks until the state's index moves past the asked one."""
+
+    def __init__(self) -> None:
+        self.index = 1
+        self.defined: dict[str, ModelDefinition] = {}
+        self.healthy: dict[str, list[ServiceAddress]] = {}
+        self.fail_next = 0
+        self.changed = asyncio.Event()
+        self.health_reads: dict[str, int] = {}
+
+    def bump(self, *, backwards: bool = False) -> None:
+        self.index = 1 if backwards else self.index + 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _block(self, index: int, wait_s: float) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise CatalogUnavailable("scripted failure")
+        if index > 0 and index == self.index:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), wait_s)
+
+    async def models(self, index: int, wait_s: float):
+        await self._block(index, wait_s)
+        return self.index, dict(self.defined)
+
+    async def passing(self, model: str, index: int, wait_s: float):
+        self.health_reads[model] = self.health_reads.get(model, 0) + 1
+        await self._block(index, wait_s)
+        return self.index, list(self.healthy.get(model, []))
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.15)
+
+
+def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        catalog.defined = {"a": ModelDefinition("a", replicas=1)}
+        catalog.healthy = {"a": [ServiceAddress("h", 1)]}
+        watcher.start()
+        await settle()
+        assert watcher.watched_models() == ["a"]
+        assert [e.address.port for e in table.get("a").endpoints] == [1]
+
+        catalog.fail_next = 2
+        catalog.healthy["a"] = [ServiceAddress("h", 2)]
+        catalog.bump()
+        await asyncio.sleep(0.6)
+        assert [e.address.port for e in table.get("a").endpoints] == [2]
+
+        catalog.healthy["a"] = []
+        catalog.bump(backwards=True)
+        await settle()
+        assert table.get("a").endpoints == ()
+
+        catalog.defined = {"b": ModelDefinition("b")}
+        catalog.bump()
+        await settle()
+        assert watcher.watched_models() == ["b"]
+        assert table.get("a") is None
+
+        await watcher.stop()
+        assert watcher.watched_models() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_bug_in_apply_does_not_kill_the_watch() -> None:
+    async def scenario() -> int:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        calls = 0
+        real = table.set_models
+
+        def flaky(models):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise KeyError("bug")
+            return real(models)
+
+        table.set_models = flaky  # type: ignore[method-assign]
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        watcher.start()
+        await asyncio.sleep(0.5)
+        await watcher.stop()
+        return calls
+
+    assert asyncio.run(scenario()) >= 2

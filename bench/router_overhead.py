@@ -42,10 +42,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _support import (
+    Children,
+    RawClient,
+    cpu_seconds,
+    free_port,
+    http,
+    percentile,
+    rss_mb,
+    wait_for,
+)
+
 MODEL = "bench"
 TARGETS = {"p50_added_ms": 0.5, "p99_added_ms": 2.0, "router_rps": 3000.0, "rss_mb": 100.0}
 
@@ -113,82 +122,19 @@ def serve_stub(port: int) -> None:
 # --- processes ---------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def consul_binary() -> str:
-    explicit = os.environ.get("LLMGW_CONSUL_BIN")
-    if explicit:
-        return explicit
-    return shutil.which("consul") or "/tmp/aptb/x/usr/bin/consul"
-
-
-def http(method: str, url: str, body: bytes | None = None, timeout: float = 5) -> bytes:
-    req = urllib.request.Request(url, data=body, method=method)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
-
-
-def wait_for(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
-class Cluster:
+class Cluster(Children):
     """Consul + stub + router as child processes; ``close`` kills them all."""
 
     def __init__(self, workdir: str) -> None:
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen] = []
+        super().__init__(workdir)
         self.consul_port = free_port()
         self.stub_port = free_port()
         self.router_port = free_port()
         self.router: subprocess.Popen | None = None
 
-    def spawn(self, args: list[str], name: str, **kw) -> subprocess.Popen:
-        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **kw)
-        self.procs.append(proc)
-        return proc
-
     def start(self) -> None:
-        consul = f"http://127.0.0.1:{self.consul_port}"
-        self.spawn(
-            [
-                consul_binary(),
-                "agent",
-                "-dev",
-                "-bind",
-                "127.0.0.1",
-                "-client",
-                "127.0.0.1",
-                "-http-port",
-                str(self.consul_port),
-                "-dns-port",
-                "-1",
-                "-grpc-port",
-                "-1",
-                "-serf-lan-port",
-                str(free_port()),
-                "-serf-wan-port",
-                str(free_port()),
-                "-server-port",
-                str(free_port()),
-                "-log-level",
-                "warn",
-            ],
-            "consul",
-        )
         self.spawn([sys.executable, __file__, "--serve-stub", str(self.stub_port)], "stub")
-        wait_for(lambda: http("GET", f"{consul}/v1/status/leader") != b'""', 20, "consul leader")
+        consul = self.consul(self.consul_port)
         wait_for(lambda: socket.create_connection(("127.0.0.1", self.stub_port)), 10, "stub")
         service = {
             "ID": "llmgw-bench-1",
@@ -207,81 +153,17 @@ class Cluster:
             "profile": {},
         }
         http("PUT", f"{consul}/v1/kv/llmgw/models/{MODEL}", json.dumps(definition).encode())
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.router = self.spawn(
-            [
-                sys.executable,
-                "-m",
-                "router",
-                "serve",
-                "--port",
-                str(self.router_port),
-                "--consul-addr",
-                f"127.0.0.1:{self.consul_port}",
-                "--log-level",
-                "warning",
-            ],
-            "router",
-            cwd=REPO,
-            env=env,
-        )
+        self.router = self.router_process(self.router_port, self.consul_port)
         url = f"http://127.0.0.1:{self.router_port}/v1/completions"
         wait_for(lambda: http("POST", url, REQUEST_BODY) == STUB_BODY, 30, "router to route")
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # --- measurements --------------------------------------------------------------
 
 
-class RawClient:
-    """Blocking keep-alive HTTP/1.1 client: the same tiny cost for both targets."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.request = (
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\nContent-Length: "
-            + str(len(REQUEST_BODY)).encode()
-            + b"\r\n\r\n"
-            + REQUEST_BODY
-        )
-        self.buffer = b""
-
-    def roundtrip(self) -> float:
-        started = time.perf_counter()
-        self.sock.sendall(self.request)
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end >= 0:
-                head = self.buffer[:end].lower()
-                start = head.find(b"content-length:")
-                length = int(head[start + 15 :].split(b"\r\n", 1)[0])
-                if len(self.buffer) >= end + 4 + length:
-                    if not head.startswith(b"http/1.1 200"):
-                        raise RuntimeError(head.decode(errors="replace"))
-                    self.buffer = self.buffer[end + 4 + length :]
-                    return time.perf_counter() - started
-            self.buffer += self.sock.recv(65536)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def latency(direct_port: int, router_port: int, requests: int) -> dict:
-    direct, via = RawClient(direct_port), RawClient(router_port)
+    direct = RawClient(direct_port, REQUEST_BODY)
+    via = RawClient(router_port, REQUEST_BODY)
     for _ in range(200):  # warm both paths (pool, caches)
         direct.roundtrip()
         via.roundtrip()
@@ -361,19 +243,6 @@ def rps_python(port: int, connections: int, duration: float) -> tuple[float, int
     return asyncio.run(run())
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
 def measure(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
         cluster = Cluster(workdir)
@@ -381,12 +250,8 @@ def measure(args: argparse.Namespace) -> dict:
             try:
                 cluster.start()
             except Exception as exc:
-                logs = {
-                    p: Path(workdir, p).read_text(errors="replace")[-2000:]
-                    for p in os.listdir(workdir)
-                    if p.endswith(".log")
-                }
-                raise SystemExit(f"setup failed: {exc}\n{json.dumps(logs, indent=1)}") from exc
+                logs = json.dumps(cluster.logs(), indent=1)
+                raise SystemExit(f"setup failed: {exc}\n{logs}") from exc
             result = {"cpus": os.cpu_count()}
             result.update(latency(cluster.stub_port, cluster.router_port, args.requests))
             generator = "wrk" if shutil.which("wrk") else "python-aiohttp"

@@ -127,10 +127,14 @@ job "model" {
       port "http" {}
     }
 
-    # A load that fails fails fast and the same way each time (an unknown
-    # architecture, a missing file): retry a little in place, then let the
-    # scheduler move the allocation. These numbers are revisited by the
-    # parking work, which counts each failed start from Nomad's events.
+    # Failures must surface as Nomad events promptly, and the planner, not
+    # Nomad, decides when to give up: it counts every failed start from the
+    # event stream and parks the model after five in a row. So: retry in place
+    # twice, 5 s apart (a crash of a healthy server comes back in seconds),
+    # then fail the allocation and let the scheduler place a new one after 5 s,
+    # without limit. A start that keeps failing costs ~5 s per attempt and is
+    # parked about 30 s after the first failure; exponential delays would only
+    # stretch that to minutes, the quiet retry loop this project exists to end.
     restart {
       attempts = 2
       interval = "5m"
@@ -139,19 +143,18 @@ job "model" {
     }
 
     reschedule {
-      delay          = "10s"
-      delay_function = "exponential"
-      max_delay      = "5m"
+      delay          = "5s"
+      delay_function = "constant"
       unlimited      = true
     }
 
+    # No deployments (max_parallel = 0): Nomad never reschedules an allocation
+    # that failed inside a failed deployment, so the second allocation of a
+    # model that cannot start would never come, and its failures would stop
+    # surfacing before the planner could count five. The cost: a changed job
+    # replaces all its allocations at once instead of one by one.
     update {
-      max_parallel      = 1
-      health_check      = "checks"
-      min_healthy_time  = "1s"
-      healthy_deadline  = var.load_grace
-      progress_deadline = "0"
-      auto_revert       = false
+      max_parallel = 0
     }
 
     service {

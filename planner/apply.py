@@ -182,7 +182,13 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
 
 def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
             nomad: NomadClient, consul: ConsulClient, dry_run: bool) -> list[Outcome]:
-    """Carry out `changes` (or, with dry_run, ask Nomad for each plan instead)."""
+    """Carry out `changes` (or, with dry_run, ask Nomad for each plan instead).
+
+    Model records go to Consul first: the watcher and the router learn a model
+    from its record, and must know it before Nomad's first evaluation of it
+    arrives (C08 wants the unplaceable answer within 2 s of apply)."""
+    if not dry_run:
+        _sync_records(definitions, changes, consul)
     outcomes = []
     for change in changes:
         outcome = Outcome(change)
@@ -199,8 +205,6 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
         elif change.action is Action.DEREGISTER and not dry_run:
             outcome.eval_id = nomad.deregister(change.model).get("EvalID") or None
         outcomes.append(outcome)
-    if not dry_run:
-        _sync_records(definitions, changes, consul)
     return outcomes
 
 

@@ -11,6 +11,8 @@ stderr. Exit codes (also in `planner --help`):
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
 from enum import StrEnum
@@ -18,16 +20,22 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from planner import actions
+from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
 from planner.errors import InvalidDefinitions, PlannerError
+from planner.failures import PARK_AFTER
 from planner.nomad_client import NomadClient
 from planner.plandiff import format_diff
 from planner.settings import Settings
-from planner.status import ModelStatus, gather, headline
+from planner.state import StateStore
+from planner.status import ModelStatus, gather, headline, model_status
+from planner.watcher import Watcher
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later)."""
@@ -163,6 +171,61 @@ def _print_status(rows: list[ModelStatus]) -> None:
     out.print(table)
     if not rows:
         err.print("no models applied yet (run `planner apply models/`)")
+
+
+@app.command()
+def models(output: OutputOption = Output.table) -> None:
+    """The applied models with their state, failures, reason and last error (always exit 0)."""
+    _, nomad, consul = _clients()
+    try:
+        rows = gather(nomad, consul)
+    except PlannerError as exc:
+        raise _fail(exc) from exc
+    if output is Output.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    table = Table("model", "state", "failures", "reason", "since", "last error", box=None)
+    for r in rows:
+        table.add_row(r.name, r.state, str(r.consecutive_failures), r.reason, r.since or "",
+                      headline(r.last_error))
+    out.print(table)
+
+
+@app.command()
+def retry(model: Annotated[str, typer.Argument(help="the model to start again")],
+          output: OutputOption = Output.table) -> None:
+    """Lift a model's parking and start it again (the admin API's retry, run directly)."""
+    _, nomad, consul = _clients()
+    try:
+        record = consul.model_records().get(model)
+        if record is None:
+            err.print(f"error: model {model!r} was never applied")
+            raise typer.Exit(2)
+        state = actions.retry(nomad, StateStore(consul), model)
+        row = model_status(nomad, consul, model, record, state)
+    except PlannerError as exc:
+        raise _fail(exc) from exc
+    if output is Output.json:
+        print(json.dumps(row.as_dict(), indent=2))
+    else:
+        err.print(f"{model}: parking lifted, job started again ({row.state}: {row.reason})")
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="admin API listen address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="admin API port")] = 4650,
+    park_after: Annotated[int, typer.Option(help="consecutive start failures that park a "
+                                                 "model")] = PARK_AFTER,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
+) -> None:
+    """Run the watcher (start failures, parking, placement) and the admin API until stopped."""
+    _, nomad, consul = _clients()
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watcher = Watcher(nomad, consul, StateStore(consul), park_after=park_after)
+    admin = create_app(nomad, consul, os.environ.get("LLMGW_ADMIN_TOKEN") or None, watcher)
+    uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False)
 
 
 def main() -> None:

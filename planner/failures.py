@@ -67,9 +67,19 @@ def new_failures(state: ModelState, alloc: dict[str, Any]) -> list[StartFailure]
             if f.key not in state.counted and f.at_ns > state.healthy_at_ns]
 
 
-def count_failure(state: ModelState, failure: StartFailure, detail: str) -> ModelState:
-    """Count one failure; `detail` (the task's stderr tail) is appended to the last error."""
-    last_error = failure.message + (f"\n{detail.strip()}" if detail.strip() else "")
+def stderr_summary(tail: str, keep_errors: int = 6, keep_last: int = 3) -> str:
+    """What of a task's stderr tail an operator needs: the lines that mention an error
+    (each once, in order: llama.cpp names the cause first) and the last few lines."""
+    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
+    errors = [line for line in dict.fromkeys(lines) if "error" in line.lower()][:keep_errors]
+    last = [line for line in lines[-keep_last:] if line not in errors]
+    return "\n".join(errors + last)
+
+
+def count_failure(state: ModelState, failure: StartFailure, stderr_tail: str) -> ModelState:
+    """Count one failure; the last error is the task event plus a summary of its stderr."""
+    detail = stderr_summary(stderr_tail)
+    last_error = failure.message + (f"\n{detail}" if detail else "")
     return state.model_copy(update={
         "consecutive_failures": state.consecutive_failures + 1,
         "last_error": last_error,

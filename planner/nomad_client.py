@@ -125,7 +125,7 @@ class NomadClient:
             method="get", params={"prefix": "\x00"}))
         return int(response.headers.get("X-Nomad-Index", 0))
 
-    def task_stderr_tail(self, alloc_id: str, task: str, size: int = 2048) -> str:
+    def task_stderr_tail(self, alloc_id: str, task: str, size: int = 8192) -> str:
         """The last `size` bytes a task wrote to stderr, through the client filesystem
         API (/v1/client/fs/logs). Empty when the allocation's files are gone."""
         try:

@@ -16,6 +16,7 @@ States, as `planner status`, `planner models` and the admin API show them:
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -57,14 +58,18 @@ def _nanos_to_iso(nanos: int) -> str:
     return datetime.fromtimestamp(nanos / 1e9, tz=UTC).isoformat(timespec="seconds")
 
 
+# llama.cpp's log prefix: "0.00.008.710 E " (elapsed time and level).
+_LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] +")
+
+
 def headline(last_error: str | None) -> str:
-    """One line of a last error for a table: the task event, and the stderr line that
-    says what went wrong (the last one mentioning an error), if any."""
+    """One line of a last error for a table: the task event, and the first stderr line
+    that mentions an error (llama.cpp names the cause first, then says it is exiting)."""
     if not last_error:
         return ""
     first, *rest = last_error.splitlines()
-    errors = [line for line in rest if "error" in line.lower()]
-    return f"{first} | {errors[-1].strip()}" if errors else first
+    errors = [_LOG_PREFIX.sub("", line).strip() for line in rest if "error" in line.lower()]
+    return f"{first} | {errors[0]}" if errors else first
 
 
 def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:

@@ -80,6 +80,9 @@ class Watcher:
                     delay = 1.0
             except PlannerError as exc:
                 log.warning("event stream: %s; reconcile and reconnect in %.0f s", exc, delay)
+            except Exception:
+                # A bug in handling one event must not end the watch for good.
+                log.exception("event handling failed; reconcile and reconnect in %.0f s", delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
 
@@ -94,6 +97,10 @@ class Watcher:
                 await asyncio.to_thread(self.handle_passing, checks)
             except PlannerError as exc:
                 log.warning("consul health watch: %s; retry in 2 s", exc)
+                index = None
+                await asyncio.sleep(2)
+            except Exception:
+                log.exception("consul health watch failed; retry in 2 s")
                 index = None
                 await asyncio.sleep(2)
 

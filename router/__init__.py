@@ -1,9 +1,11 @@
 """llmgw router: an OpenAI-compatible HTTP proxy in front of llama-server replicas.
 
-It keeps an in-memory table of defined models (Consul KV ``llmgw/models/``) and
-their passing endpoints (Consul health of service ``llmgw-<model>``), fed by
-blocking-query watches, and forwards ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/embeddings`` to the least-loaded replica.
+It keeps an in-memory table of defined models (Consul KV ``llmgw/models/``),
+the planner's parked / unplaceable state (``llmgw/state/``) and their passing
+endpoints (Consul health of service ``llmgw-<model>``), fed by blocking-query
+watches, and forwards ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/embeddings`` to the least-loaded replica. Parked and unplaceable models
+are refused at once with the reason (:mod:`router.refusals`).
 
 Entry points: the ``router`` console script (:mod:`router.cli`) and
 :func:`create_app` for embedding the ASGI app. The router never imports the

@@ -33,7 +33,8 @@ from router import errors
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
-from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send, refuse_not_ready
+from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send
+from router.refusals import refuse_at_once
 from router.settings import RouterSettings
 from router.watch import ConsulWatcher
 
@@ -83,11 +84,12 @@ def upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
     )
 
 
-def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint = refuse_not_ready) -> FastAPI:
+def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint = refuse_at_once) -> FastAPI:
     """Build the router app for ``settings``.
 
     ``no_endpoint`` decides what a request for a defined model with no passing
-    endpoint gets (default: 503 ``model_not_ready`` at once). The returned
+    endpoint gets (default: 503 ``model_unplaceable`` or ``model_not_ready`` at
+    once). A parked model is refused before it is asked. The returned
     app's ``state`` carries ``table``, ``metrics``, ``proxy`` and, while
     running, ``watcher``.
     """

@@ -1,18 +1,20 @@
-"""Reads what the router needs from Consul: defined models and passing endpoints.
+"""Reads what the router needs from Consul: models, their state, passing endpoints.
 
-Two blocking queries, nothing else: the KV prefix ``llmgw/models/`` (one JSON
-definition per model, written by the planner) and
+Three blocking queries, nothing else: the KV prefixes ``llmgw/models/`` (one
+JSON definition per model, written by the planner) and ``llmgw/state/``
+(parked / unplaceable, parsed by :mod:`router.state`), and
 ``/v1/health/service/llmgw-<model>?passing``. Called only by the watch loops in
 :mod:`router.watch`; the request path never talks to Consul.
 
 A small aiohttp client rather than py-consul's ``consul.aio``: that adapter
 builds its connector with arguments aiohttp deprecates, returns the index as a
-string and has no per-call timeout, and the router needs two GETs. Every
+string and has no per-call timeout, and the router needs three GETs. Every
 aiohttp, timeout and decoding failure leaves this module as
 :class:`router.errors.CatalogUnavailable`.
 
 Parsing is split into pure functions (:func:`parse_models`,
-:func:`parse_endpoints`) that unit tests drive with Consul's JSON shapes.
+:func:`parse_endpoints`, :func:`router.state.parse_states`) that unit tests
+drive with Consul's JSON shapes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from router.errors import CatalogUnavailable
+from router.state import STATE_PREFIX, ModelState, parse_states
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,14 @@ class ConsulCatalog:
         """
         index, body = await self._get("/v1/kv/" + MODELS_PREFIX, {"recurse": "true"}, index, wait_s)
         return index, parse_models(body)
+
+    async def states(self, index: int, wait_s: float) -> tuple[int, dict[str, ModelState]]:
+        """Blocking read of every parked or unplaceable model's state.
+
+        Returns ``(consul_index, {name: state})``. Raises :class:`CatalogUnavailable`.
+        """
+        index, body = await self._get("/v1/kv/" + STATE_PREFIX, {"recurse": "true"}, index, wait_s)
+        return index, parse_states(body)
 
     async def passing(
         self, model: str, index: int, wait_s: float

@@ -10,6 +10,11 @@ The diffs are pure functions (:func:`diff_models`, :func:`diff_endpoints`)
 so unit tests can check them. An endpoint that stays keeps its
 :class:`~router.balancer.Endpoint` object, and so its in-flight count; who
 left is computed before the list is replaced.
+
+The planner's parked / unplaceable state (:mod:`router.state`) is hung on each
+:class:`ModelEntry` as two attributes, so the proxy's check for a model that
+is fine is one attribute read. States of models not (yet) defined are kept
+and attached when the model appears: the two watches race at startup.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from router.balancer import Endpoint
 from router.catalog import ModelDefinition, ServiceAddress
 from router.metrics import ModelMetrics, RouterMetrics
+from router.state import NO_STATE, ModelState, Parked, Unplaceable
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +84,22 @@ def diff_endpoints(
 class ModelEntry:
     """A defined model as the request path sees it."""
 
-    __slots__ = ("_ready", "_turn", "definition", "endpoints", "metrics", "name")
+    __slots__ = (
+        "_ready", "_turn", "definition", "endpoints", "metrics", "name", "parked", "unplaceable",
+    )  # fmt: skip
 
-    def __init__(self, definition: ModelDefinition, metrics: ModelMetrics) -> None:
+    def __init__(
+        self, definition: ModelDefinition, metrics: ModelMetrics, state: ModelState = NO_STATE
+    ) -> None:
         self.name = definition.name
         self.definition = definition
         self.metrics = metrics
         self.endpoints: tuple[Endpoint, ...] = ()
+        self.parked: Parked | None = None
+        self.unplaceable: Unplaceable | None = None
         self._turn = 0
         self._ready = asyncio.Event()
+        self._set_state(state)
 
     def next_turn(self) -> int:
         """Rotating start index for :func:`router.balancer.pick`."""
@@ -100,6 +113,20 @@ class ModelEntry:
             self._ready.set()
         else:
             self._ready.clear()
+
+    def _set_state(self, state: ModelState) -> None:
+        if state.parked != self.parked:
+            if state.parked is not None:
+                log.warning("model %s parked: %s", self.name, state.parked.reason)
+            else:
+                log.info("model %s no longer parked", self.name)
+        if state.unplaceable != self.unplaceable:
+            if state.unplaceable is not None:
+                log.warning("model %s unplaceable: %s", self.name, state.unplaceable.reason)
+            else:
+                log.info("model %s no longer unplaceable", self.name)
+        self.parked = state.parked
+        self.unplaceable = state.unplaceable
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for a passing endpoint; ``True`` if one is.
@@ -123,7 +150,17 @@ class EndpointTable:
     def __init__(self, metrics: RouterMetrics) -> None:
         self._metrics = metrics
         self._models: dict[str, ModelEntry] = {}
-        self.synced = False
+        self._states: dict[str, ModelState] = {}
+        self._models_read = False
+        self._states_read = False
+
+    @property
+    def synced(self) -> bool:
+        """Both the models and their states were read from Consul at least once.
+
+        Until then a parked model could be proxied or told "retry shortly".
+        """
+        return self._models_read and self._states_read
 
     def get(self, model: str) -> ModelEntry | None:
         """The entry of a defined ``model``, or ``None`` if it is not defined."""
@@ -147,14 +184,22 @@ class EndpointTable:
             self._metrics.model_removed(name)
             log.info("model %s removed from Consul KV", name)
         for name in diff.added:
-            entry = ModelEntry(definitions[name], self._metrics.model_defined(name))
+            state = self._states.get(name, NO_STATE)
+            entry = ModelEntry(definitions[name], self._metrics.model_defined(name), state)
             self._models[name] = entry
             log.info("model %s defined (%d replicas)", name, entry.definition.replicas)
         for name in diff.changed:
             self._models[name].definition = definitions[name]
             log.info("model %s redefined (%s)", name, definitions[name].definition_hash)
-        self.synced = True
+        self._models_read = True
         return diff
+
+    def set_states(self, states: Mapping[str, ModelState]) -> None:
+        """Replace every model's planner state (models absent from ``states`` have none)."""
+        self._states = dict(states)
+        for name, entry in self._models.items():
+            entry._set_state(self._states.get(name, NO_STATE))
+        self._states_read = True
 
     def set_endpoints(self, model: str, addresses: Iterable[ServiceAddress]) -> EndpointDiff | None:
         """Replace ``model``'s passing endpoints; ``None`` if the model is not defined."""

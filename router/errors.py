@@ -8,7 +8,9 @@ The tree, split by what the caller can do::
     │   ├── BodyTooLarge           413
     │   └── ModelNotFound          404 model_not_found (not defined in Consul KV)
     ├── ModelUnavailable           503: defined, but nothing can serve it now
-    │   └── ModelNotReady          503 model_not_ready (no passing endpoint)
+    │   ├── ModelNotReady          503 model_not_ready (no passing endpoint; Retry-After)
+    │   ├── ModelParked            503 model_parked (the planner gave up starting it)
+    │   └── ModelUnplaceable       503 model_unplaceable (Nomad: fits on no node)
     └── UpstreamError              the chosen replica failed us
         ├── UpstreamUnavailable    502 upstream_unavailable (connect refused, reset)
         └── UpstreamTimeout        504 upstream_timeout
@@ -20,12 +22,27 @@ Raised by :mod:`router.proxy` and :mod:`router.catalog`; rendered by
 :func:`error_body` in the proxy and the app's exception handlers. aiohttp and
 py-consul errors are translated where they are caught, so nothing above the
 proxy or the catalog sees a library's exception types.
+
+Errors the router answers instead of a model carry a :class:`Refusal`
+(``refusal``), the ``reason`` label of ``llmgw_router_refusals_total``.
+Parked and unplaceable refusals carry no ``Retry-After``: neither ends on a
+timer, and clients that honour the header would retry forever.
 """
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import ClassVar
+
+
+class Refusal(StrEnum):
+    """Why the router answered for a model instead of proxying to it."""
+
+    PARKED = "parked"
+    UNPLACEABLE = "unplaceable"
+    NOT_READY = "not_ready"
+    UNKNOWN_MODEL = "unknown_model"
 
 
 class RouterError(Exception):
@@ -34,6 +51,8 @@ class RouterError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
+    # Set on the errors that refuse a model (counted in llmgw_router_refusals_total).
+    refusal: ClassVar[Refusal | None] = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -62,6 +81,7 @@ class BodyTooLarge(RequestRefused):
 class ModelNotFound(RequestRefused):
     status = 404
     code = "model_not_found"
+    refusal = Refusal.UNKNOWN_MODEL
 
     def __init__(self, model: str) -> None:
         super().__init__(
@@ -92,6 +112,7 @@ class ModelUnavailable(RouterError):
 
 class ModelNotReady(ModelUnavailable):
     code = "model_not_ready"
+    refusal = Refusal.NOT_READY
 
     def __init__(self, model: str, desired_replicas: int, retry_after_s: int | None) -> None:
         if desired_replicas > 0:
@@ -108,6 +129,34 @@ class ModelNotReady(ModelUnavailable):
         )
         self.model = model
         self.desired_replicas = desired_replicas
+
+
+class ModelParked(ModelUnavailable):
+    """The planner parked the model after repeated start failures; an operator lifts it.
+
+    ``message`` comes from :func:`router.refusals.parked_message`.
+    """
+
+    code = "model_parked"
+    refusal = Refusal.PARKED
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message, param="model")
+        self.model = model
+
+
+class ModelUnplaceable(ModelUnavailable):
+    """Nomad's last placement attempt found no node the model fits on.
+
+    ``message`` comes from :func:`router.refusals.unplaceable_message`.
+    """
+
+    code = "model_unplaceable"
+    refusal = Refusal.UNPLACEABLE
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message, param="model")
+        self.model = model
 
 
 class UpstreamError(RouterError):

@@ -3,6 +3,9 @@
 Series (names and labels are part of the alerting contract):
 
 - ``llmgw_router_requests_total{model,code}``: proxied and refused requests by HTTP status
+- ``llmgw_router_refusals_total{model,reason}``: requests the router answered
+  itself instead of proxying, by :class:`router.errors.Refusal` (parked,
+  unplaceable, not_ready; unknown_model under ``model=""``); published at 0
 - ``llmgw_router_request_duration_seconds{model}``: time to the last byte sent
 - ``llmgw_router_inflight_requests{model}``: requests being served now
 - ``llmgw_router_endpoints{model}``: passing endpoints; published at 0 for every
@@ -21,7 +24,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router.errors import Refusal
+
 UNKNOWN_MODEL = ""
+
+# Refusals a defined model can get; published at 0 so rate() sees the first one.
+_MODEL_REFUSALS = (Refusal.PARKED, Refusal.UNPLACEABLE, Refusal.NOT_READY)
 
 # LLM requests run from milliseconds (embeddings) to minutes (long generations).
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -30,13 +38,15 @@ _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 class RequestMetrics:
     """Pre-bound request counters of one model label (or of undefined models)."""
 
-    __slots__ = ("_codes", "_requests", "duration", "model")
+    __slots__ = ("_codes", "_refusal_family", "_refusals", "_requests", "duration", "model")
 
-    def __init__(self, owner: RouterMetrics, model: str) -> None:
+    def __init__(self, owner: RouterMetrics, model: str, refusals: tuple[Refusal, ...]) -> None:
         self.model = model
         self._requests = owner.requests
         self._codes: dict[int, Counter] = {}
         self.duration = owner.duration.labels(model=model)
+        self._refusal_family = owner.refusals
+        self._refusals = {r: owner.refusals.labels(model=model, reason=r) for r in refusals}
 
     def observe(self, status: int, seconds: float) -> None:
         """Record one finished request: its HTTP status and duration in seconds."""
@@ -46,6 +56,15 @@ class RequestMetrics:
         child.inc()
         self.duration.observe(seconds)
 
+    def refused(self, reason: Refusal) -> None:
+        """Count one request the router refused itself (its status goes to :meth:`observe`)."""
+        child = self._refusals.get(reason)
+        if child is None:
+            child = self._refusals[reason] = self._refusal_family.labels(
+                model=self.model, reason=reason
+            )
+        child.inc()
+
 
 class ModelMetrics(RequestMetrics):
     """All label children of one defined model, bound once and reused."""
@@ -53,7 +72,7 @@ class ModelMetrics(RequestMetrics):
     __slots__ = ("endpoints", "inflight")
 
     def __init__(self, owner: RouterMetrics, model: str) -> None:
-        super().__init__(owner, model)
+        super().__init__(owner, model, _MODEL_REFUSALS)
         self.inflight = owner.inflight.labels(model=model)
         self.endpoints = owner.endpoints.labels(model=model)
 
@@ -67,6 +86,12 @@ class RouterMetrics:
             "llmgw_router_requests_total",
             "Requests answered by the router, by model and HTTP status code.",
             ("model", "code"),
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "llmgw_router_refusals_total",
+            "Requests the router refused itself instead of proxying, by model and reason.",
+            ("model", "reason"),
             registry=self.registry,
         )
         self.duration = Histogram(
@@ -90,7 +115,7 @@ class RouterMetrics:
         )
         self._models: dict[str, ModelMetrics] = {}
         # Only request counters: "0 endpoints for model ''" would be noise.
-        self.unknown = RequestMetrics(self, UNKNOWN_MODEL)
+        self.unknown = RequestMetrics(self, UNKNOWN_MODEL, (Refusal.UNKNOWN_MODEL,))
 
     def for_model(self, model: str) -> ModelMetrics:
         """Bound children for a defined ``model`` (created on first use).
@@ -120,6 +145,8 @@ class RouterMetrics:
             family.remove(model)
         for status in bound._codes:
             self.requests.remove(model, str(status))
+        for reason in bound._refusals:
+            self.refusals.remove(model, reason)
 
     def exposition(self) -> tuple[bytes, str]:
         """Current text exposition and its content type, for ``GET /metrics``."""

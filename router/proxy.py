@@ -16,9 +16,12 @@ go upstream unchanged over one shared aiohttp keep-alive pool.
   before any byte went to the client; after that an error can only end the
   stream.
 
-When a defined model has no passing endpoint the :data:`NoEndpoint` policy
-decides; the default refuses at once with 503 ``model_not_ready``. Later
-policies (activate on demand, refuse parked models) plug in there.
+A parked model is refused at once (:func:`router.refusals.gate`), before its
+endpoints are looked at. When a defined model has no passing endpoint the
+:data:`NoEndpoint` policy decides; the default
+(:func:`router.refusals.refuse_at_once`) refuses at once with 503
+``model_unplaceable`` or ``model_not_ready``. On-demand activation plugs in
+there. Every refusal is counted by its :class:`router.errors.Refusal`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from router import errors
+from router import errors, refusals
 from router.balancer import Endpoint, InFlight, pick
 from router.endpoints import EndpointTable, ModelEntry
 from router.metrics import RequestMetrics, RouterMetrics
@@ -75,12 +78,6 @@ _DROP_REQUEST = frozenset(
 _RETRYABLE = (aiohttp.ClientConnectionError,)
 
 
-async def refuse_not_ready(entry: ModelEntry) -> None:
-    """Default :data:`NoEndpoint` policy: answer 503 ``model_not_ready`` at once."""
-    replicas = entry.definition.replicas
-    raise errors.ModelNotReady(entry.name, replicas, retry_after_s=5 if replicas > 0 else None)
-
-
 def extract_model(body: bytes) -> str:
     """Return the ``model`` field of a JSON request body.
 
@@ -115,7 +112,7 @@ class Proxy:
         *,
         max_body_bytes: int,
         max_attempts: int,
-        no_endpoint: NoEndpoint = refuse_not_ready,
+        no_endpoint: NoEndpoint = refusals.refuse_at_once,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -137,8 +134,14 @@ class Proxy:
             if entry is None:
                 raise errors.ModelNotFound(model)
             bound = entry.metrics
+            if entry.parked is not None:
+                # Parked wins over passing endpoints: the planner stopped the
+                # job, and a replica still deregistering must not serve.
+                raise refusals.parked(entry.name, entry.parked)
             status = await self._forward(entry, scope, body, receive, send)
         except errors.RouterError as exc:
+            if exc.refusal is not None:
+                bound.refused(exc.refusal)
             status = await send_error(send, exc)
         except _ClientGone:
             status = STATUS_CLIENT_CLOSED

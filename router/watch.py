@@ -2,7 +2,10 @@
 
 One task follows the KV prefix ``llmgw/models/``; it starts one task per
 defined model that follows ``health/service/llmgw-<model>?passing`` and
-cancels it when the model leaves KV. Started and stopped by the app's
+cancels it when the model leaves KV. One more task follows the KV prefix
+``llmgw/state/`` (the planner's parked / unplaceable records), one watch for
+every model, so a parked model is refused within one blocking-query round trip
+of the planner's write. Started and stopped by the app's
 lifespan (:mod:`router.app`).
 
 Each watch has three layers (after kopf's watching.py):
@@ -96,19 +99,21 @@ class ConsulWatcher:
         self._wait_s = wait_s
         self._backoff_max_s = backoff_max_s
         self._kv_task: asyncio.Task[None] | None = None
+        self._state_task: asyncio.Task[None] | None = None
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self) -> None:
-        """Start the KV watch; health watches follow from what it reads."""
+        """Start the KV watches; health watches follow from what the models one reads."""
         if self._kv_task is None:
             self._kv_task = self._spawn("kv", self._watch_models())
+        if self._state_task is None:
+            self._state_task = self._spawn("state", self._watch_states())
 
     async def stop(self) -> None:
         """Cancel every watch and wait for them to finish."""
         tasks = list(self._health_tasks.values())
-        if self._kv_task is not None:
-            tasks.append(self._kv_task)
-        self._kv_task = None
+        tasks += [t for t in (self._kv_task, self._state_task) if t is not None]
+        self._kv_task = self._state_task = None
         self._health_tasks.clear()
         for task in tasks:
             task.cancel()
@@ -141,6 +146,12 @@ class ConsulWatcher:
                     )
 
         await self._forever("Consul KV llmgw/models/", read, apply)
+
+    async def _watch_states(self) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.states(index, self._wait_s)
+
+        await self._forever("Consul KV llmgw/state/", read, self._table.set_states)
 
     async def _watch_health(self, model: str) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:

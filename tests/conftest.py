@@ -85,10 +85,22 @@ def cluster(binaries: Path, test_ca: TlsCA,
         down(cluster)
 
 
+SLOW_START_SECONDS = 90
+
+
 @pytest.fixture(scope="session")
-def planner_env(cluster: Cluster, binaries: Path) -> dict[str, str]:
+def planner_env(cluster: Cluster, binaries: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Engines: the real llama-server, and `slow-llama.cpp`, the same binary behind a
+    script that sleeps first. That one is a fake (C09): a model that really takes 90 s
+    to load needs gigabytes of weights; what matters to Nomad and Consul is the same,
+    a server that does not answer its health check for 90 s."""
+    slow = tmp_path_factory.mktemp("engines") / "slow-llama-server"
+    slow.write_text(f"#!/bin/sh\nsleep {SLOW_START_SECONDS}\n"
+                    f"exec {binaries / 'llama-server'} \"$@\"\n")
+    slow.chmod(0o755)
     return {**os.environ, **cluster.env,
-            "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'}"}
+            "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'},slow-llama.cpp={slow}"}
 
 
 @pytest.fixture(scope="session")
@@ -154,3 +166,48 @@ def passing_endpoints(cluster: Cluster, service: str) -> list[str]:
     nodes = http_json(f"{cluster.consul_addr}/v1/health/service/{service}?passing=true")
     return [f"{n['Service']['Address'] or n['Node']['Address']}:{n['Service']['Port']}"
             for n in nodes]
+
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+class PlannerDaemon:
+    """`planner serve` as a subprocess that a test can stop and start again."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env = {**env, "LLMGW_ADMIN_TOKEN": ADMIN_TOKEN}
+        self.log = log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: http_json(f"{self.url}/health", timeout=2)["reconciled"], 30,
+                 "planner serve to reconcile")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def model(self, name: str) -> dict:
+        return http_json(f"{self.url}/v1/models/{name}")
+
+
+@pytest.fixture(scope="session")
+def planner_daemon(cluster: Cluster, planner_env: dict[str, str]) -> Iterator[PlannerDaemon]:
+    daemon = PlannerDaemon(planner_env, cluster.root / "planner.log")
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()

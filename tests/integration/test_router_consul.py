@@ -1,8 +1,8 @@
 """The router against a real Consul dev agent and stub llama-server upstreams.
 
 Self-contained: a module fixture starts ``consul agent -dev`` on free ports
-(binary from ``$LLMGW_CONSUL_BIN``, ``consul`` on PATH, or
-/tmp/aptb/x/usr/bin/consul) and the router as a subprocess
+(binary from ``$LLMGW_CONSUL_BIN``, ``consul`` on PATH,
+~/.cache/llmgw/bin/consul or /tmp/aptb/x/usr/bin/consul) and the router as a subprocess
 (``python -m router serve``); stub upstreams are aiohttp servers on a
 background thread that record what they saw, including client disconnects.
 Everything is stopped at module teardown.
@@ -39,6 +39,7 @@ def consul_binary() -> str | None:
     for candidate in (
         os.environ.get("LLMGW_CONSUL_BIN"),
         shutil.which("consul"),
+        str(Path.home() / ".cache/llmgw/bin/consul"),  # where devcluster bootstrap puts it
         "/tmp/aptb/x/usr/bin/consul",
     ):
         if candidate and os.access(candidate, os.X_OK):
@@ -131,6 +132,13 @@ class Consul:
 
     def undefine(self, name: str) -> None:
         assert request("DELETE", f"{self.url}/v1/kv/llmgw/models/{name}")[0] == 200
+
+    def set_state(self, name: str, doc: dict) -> None:
+        """Write the planner's per-model state (``llmgw/state/<name>``)."""
+        assert request("PUT", f"{self.url}/v1/kv/llmgw/state/{name}", doc)[0] == 200
+
+    def clear_state(self, name: str) -> None:
+        assert request("DELETE", f"{self.url}/v1/kv/llmgw/state/{name}")[0] == 200
 
     def register(self, model: str, instance: str, port: int, passing: bool = True) -> str:
         service_id = f"llmgw-{model}-{instance}"
@@ -647,3 +655,123 @@ def test_sigterm_drains_in_flight_stream_then_exits_cleanly(cluster, tmp_path: P
     log = router.log_path.read_text()
     for step in ("stop accepting", "cancelling Consul watches", "closing upstream", "done"):
         assert f"shutdown: {step}" in log, log
+
+
+# --- parked and unplaceable models (planner state in llmgw/state/) ----------
+
+KEV_LINE = "llama_model_load: error loading model: unknown model architecture: 'kev'"
+KEV_ERROR = "\n".join(
+    [
+        "Terminated: Exit Code: 1",
+        "0.00.002.058 I srv  llama_server: initializing ...",
+        f"0.00.010.861 E {KEV_LINE}",
+        "0.00.010.889 E llama_model_load_from_file_impl: failed to load model",
+        "0.00.012.319 I srv    operator(): operator(): cleaning up before exit...",
+        "0.00.013.184 E srv  llama_server: exiting due to model loading error",
+    ]
+)
+MISSING_GPU = 'no node has an nvidia/gpu device: 1 of 1 nodes filtered ("missing devices")'
+
+
+def planner_state(name: str, *, parked: bool = False, unplaceable: bool = False) -> dict:
+    """A state document shaped as the planner writes it, ignored keys included."""
+    return {
+        "name": name,
+        "consecutive_failures": 5 if parked else 0,
+        "last_error": KEV_ERROR,
+        "last_error_at": "2026-11-29T21:00:00+00:00",
+        "counted": [f"alloc{i}/server/{i}" for i in range(5)],
+        "healthy_allocs": [],
+        "healthy_at_ns": 0,
+        "parked": {
+            "reason": "5 consecutive start failures",
+            "last_error": KEV_ERROR,
+            "since": "2026-11-29T21:00:05+00:00",
+            "definition_hash": f"h-{name}",
+        }
+        if parked
+        else None,
+        "unplaceable": {
+            "reason": MISSING_GPU,
+            "since": "2026-11-29T21:00:00+00:00",
+            "eval_id": "0b7c5ef2",
+        }
+        if unplaceable
+        else None,
+    }
+
+
+def refusal_code(router: Router, model: str) -> str | None:
+    status, _, body = request("POST", f"{router.url}/v1/completions", {"model": model})
+    return json.loads(body)["error"]["code"] if status >= 400 else None
+
+
+def test_parked_model_is_refused_at_once_with_its_error(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    define_serving(consul, router, "kev", stub_a)
+    assert refusal_code(router, "kev") is None
+
+    consul.set_state("kev", planner_state("kev", parked=True))
+    took = eventually(lambda: refusal_code(router, "kev") == "model_parked", timeout=3)
+    assert took < 1.0
+    served = len(stub_a.requests)
+    status, headers, body = request("POST", f"{router.url}/v1/chat/completions", {"model": "kev"})
+    # Parked wins over the endpoint that still passes, and says why.
+    assert status == 503 and len(stub_a.requests) == served
+    assert "Retry-After" not in headers
+    error = assert_openai_error(body, "model_parked")
+    assert error["param"] == "model" and error["type"] == "server_error"
+    assert KEV_LINE in error["message"] and "Terminated: Exit Code: 1" in error["message"]
+    assert "5 consecutive start failures" in error["message"]
+    assert "change its source or profile, or run `planner retry kev`" in error["message"]
+    assert "retry shortly" not in error["message"] and len(error["message"]) < 1024
+    assert router.metric("llmgw_router_refusals_total", model="kev", reason="parked") >= 2
+    assert router.metric("llmgw_router_requests_total", model="kev", code="503") >= 2
+
+    consul.clear_state("kev")
+    took = eventually(lambda: refusal_code(router, "kev") is None, timeout=3)
+    assert took < 1.0
+
+
+def test_parked_model_without_endpoints_is_parked_not_loading(cluster) -> None:
+    consul, router, _, _ = cluster
+    consul.define("kev-stopped", replicas=1)
+    eventually(lambda: endpoints_of(router, "kev-stopped") == 0)
+    assert refusal_code(router, "kev-stopped") == "model_not_ready"
+    consul.set_state("kev-stopped", planner_state("kev-stopped", parked=True))
+    eventually(lambda: refusal_code(router, "kev-stopped") == "model_parked", timeout=1)
+    consul.clear_state("kev-stopped")
+    eventually(lambda: refusal_code(router, "kev-stopped") == "model_not_ready", timeout=1)
+
+
+def test_unplaceable_model_is_refused_with_the_placement_reason(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    consul.define("huge", replicas=1)
+    eventually(lambda: endpoints_of(router, "huge") == 0)
+    consul.set_state("huge", planner_state("huge", unplaceable=True))
+    eventually(lambda: refusal_code(router, "huge") == "model_unplaceable", timeout=1)
+    status, headers, body = request("POST", f"{router.url}/v1/completions", {"model": "huge"})
+    assert status == 503 and "Retry-After" not in headers
+    error = assert_openai_error(body, "model_unplaceable")
+    assert f"fits on no node (since 2026-11-29T21:00:00+00:00): {MISSING_GPU}" in error["message"]
+    assert router.metric("llmgw_router_refusals_total", model="huge", reason="unplaceable") >= 2
+
+    # Capacity appeared and a replica passes before the planner clears the
+    # record: serve it (only "no passing endpoint" is unplaceable).
+    consul.register("huge", "a", stub_a.port)
+    eventually(lambda: refusal_code(router, "huge") is None, timeout=3)
+    consul.clear_state("huge")
+
+
+def test_router_started_after_parking_refuses_from_its_first_request(cluster, tmp_path) -> None:
+    consul, _, stub_a, _ = cluster
+    service_id = consul.register("early", "a", stub_a.port)
+    consul.define("early", replicas=1)
+    consul.set_state("early", planner_state("early", parked=True))
+    router = Router(consul, tmp_path, "late-router")  # returns once /health is 200
+    try:
+        assert refusal_code(router, "early") == "model_parked"
+    finally:
+        router.stop()
+        consul.deregister(service_id)
+        consul.clear_state("early")

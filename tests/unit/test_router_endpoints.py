@@ -76,7 +76,10 @@ def test_table_follows_models_and_endpoints() -> None:
     assert not table.synced and table.get("a") is None
     table.set_models({"a": ModelDefinition("a", replicas=1)})
     entry = table.get("a")
-    assert table.synced and entry is not None and entry.endpoints == ()
+    assert entry is not None and entry.endpoints == ()
+    assert not table.synced  # states not read yet: a parked model could slip through
+    table.set_states({})
+    assert table.synced
     assert metrics.endpoints.labels(model="a")._value.get() == 0
 
     table.set_endpoints("a", [ServiceAddress("h", 1), ServiceAddress("h", 2)])

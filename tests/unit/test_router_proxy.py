@@ -24,6 +24,7 @@ def client() -> TestClient:
     # No lifespan: no Consul and no upstream pool, the table is filled by hand.
     app = create_app(RouterSettings())
     app.state.table.set_models({"ready-later": ModelDefinition("ready-later", replicas=1)})
+    app.state.table.set_states({})
     return TestClient(app, raise_server_exceptions=False)
 
 

@@ -9,6 +9,7 @@ from router.catalog import ModelDefinition, ServiceAddress
 from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
 from router.metrics import RouterMetrics
+from router.state import ModelState, Parked
 from router.watch import ConsulWatcher, backoff_delay, next_index
 
 
@@ -34,6 +35,7 @@ class FakeCatalog:
         self.index = 1
         self.defined: dict[str, ModelDefinition] = {}
         self.healthy: dict[str, list[ServiceAddress]] = {}
+        self.model_states: dict[str, ModelState] = {}
         self.fail_next = 0
         self.changed = asyncio.Event()
         self.health_reads: dict[str, int] = {}
@@ -54,6 +56,10 @@ class FakeCatalog:
     async def models(self, index: int, wait_s: float):
         await self._block(index, wait_s)
         return self.index, dict(self.defined)
+
+    async def states(self, index: int, wait_s: float):
+        await self._block(index, wait_s)
+        return self.index, dict(self.model_states)
 
     async def passing(self, model: str, index: int, wait_s: float):
         self.health_reads[model] = self.health_reads.get(model, 0) + 1
@@ -93,6 +99,15 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
         await settle()
         assert watcher.watched_models() == ["b"]
         assert table.get("a") is None
+
+        catalog.model_states = {"b": ModelState(parked=Parked("5 consecutive start failures"))}
+        catalog.bump()
+        await settle()
+        assert table.get("b").parked == Parked("5 consecutive start failures")
+        catalog.model_states = {}
+        catalog.bump()
+        await settle()
+        assert table.get("b").parked is None
 
         await watcher.stop()
         assert watcher.watched_models() == []

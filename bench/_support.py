@@ -1,0 +1,208 @@
+"""Helpers the router benchmarks share: child processes, Consul, the router, a raw client.
+
+Imported by ``bench/router_overhead.py`` and ``bench/refusal_latency.py`` (run
+as scripts, so ``bench/`` is on ``sys.path``). Everything listens on
+127.0.0.1; :class:`Children` stops whatever it started, on any exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def consul_binary() -> str:
+    """``$LLMGW_CONSUL_BIN``, else ``consul`` on PATH, else the dev cluster's copy."""
+    explicit = os.environ.get("LLMGW_CONSUL_BIN")
+    if explicit:
+        return explicit
+    for candidate in (
+        shutil.which("consul"),
+        str(Path.home() / ".cache/llmgw/bin/consul"),
+        "/tmp/aptb/x/usr/bin/consul",
+    ):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise SystemExit("no consul binary: set LLMGW_CONSUL_BIN")
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 5) -> bytes:
+    req = urllib.request.Request(url, data=body, method=method)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read()
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+class Children:
+    """Child processes logging to ``workdir``; :meth:`close` stops them, newest first."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, args: list[str], name: str, **kw) -> subprocess.Popen:
+        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def logs(self, tail: int = 2000) -> dict[str, str]:
+        """The last ``tail`` characters of every child's log, for a setup failure."""
+        return {
+            name: Path(self.workdir, name).read_text(errors="replace")[-tail:]
+            for name in os.listdir(self.workdir)
+            if name.endswith(".log")
+        }
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def consul(self, port: int) -> str:
+        """Start ``consul agent -dev`` on ``port`` (others free, DNS and gRPC off); its URL."""
+        self.spawn(
+            [
+                consul_binary(),
+                "agent",
+                "-dev",
+                "-bind",
+                "127.0.0.1",
+                "-client",
+                "127.0.0.1",
+                "-http-port",
+                str(port),
+                "-dns-port",
+                "-1",
+                "-grpc-port",
+                "-1",
+                "-serf-lan-port",
+                str(free_port()),
+                "-serf-wan-port",
+                str(free_port()),
+                "-server-port",
+                str(free_port()),
+                "-log-level",
+                "warn",
+            ],
+            "consul",
+        )
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http("GET", f"{url}/v1/status/leader") != b'""', 20, "consul leader")
+        return url
+
+    def router_process(self, port: int, consul_port: int) -> subprocess.Popen:
+        """Start ``python -m router serve`` on ``port`` against the Consul on ``consul_port``."""
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return self.spawn(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "serve",
+                "--port",
+                str(port),
+                "--consul-addr",
+                f"127.0.0.1:{consul_port}",
+                "--log-level",
+                "warning",
+            ],
+            "router",
+            cwd=REPO,
+            env=env,
+        )
+
+
+class RawClient:
+    """Blocking keep-alive HTTP/1.1 client: a tiny, constant cost per request.
+
+    Sends one fixed ``POST /v1/completions``; :meth:`roundtrip` raises unless
+    the status is ``expect``. ``last_body`` keeps the last response body.
+    """
+
+    def __init__(
+        self, port: int, body: bytes, expect: int = 200, timeout: float | None = None
+    ) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        self.status_line = f"http/1.1 {expect} ".encode()
+        self.buffer = b""
+        self.last_body = b""
+
+    def roundtrip(self) -> float:
+        started = time.perf_counter()
+        self.sock.sendall(self.request)
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end >= 0:
+                head = self.buffer[:end].lower()
+                start = head.find(b"content-length:")
+                length = int(head[start + 15 :].split(b"\r\n", 1)[0])
+                if len(self.buffer) >= end + 4 + length:
+                    if not head.startswith(self.status_line):
+                        raise RuntimeError(head.decode(errors="replace"))
+                    self.last_body = self.buffer[end + 4 : end + 4 + length]
+                    self.buffer = self.buffer[end + 4 + length :]
+                    return time.perf_counter() - started
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise RuntimeError("connection closed by the server")
+            self.buffer += chunk
+
+    def close(self) -> None:
+        self.sock.close()

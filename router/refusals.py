@@ -1,0 +1,147 @@
+"""What the router answers, at once, for a model it cannot serve, and in what words.
+
+Two decisions, both pure and both read from the in-memory table (no Consul
+call per request):
+
+- :func:`gate`: a **parked** model is refused whatever its endpoints say
+  (503 ``model_parked``). The proxy inlines it (checks ``entry.parked``, then
+  calls :func:`parked`) so a model that is fine pays one attribute read.
+- :func:`when_no_endpoint`: a defined model with no passing endpoint is
+  **unplaceable** (503 ``model_unplaceable``, with Nomad's reason) or **not
+  ready** (503 ``model_not_ready`` with ``Retry-After``).
+
+:func:`refuse_at_once` wraps the second as the proxy's default
+:data:`router.proxy.NoEndpoint` policy. On-demand activation replaces that
+policy, not this module's wording: it will ask the planner for a fresh
+placement attempt and wait for its answer before refusing.
+
+Parked and unplaceable refusals carry no ``Retry-After``: clients retry that
+forever, and neither state ends by waiting (parked needs an operator; an
+unplaceable model places by itself only when capacity appears).
+
+Messages stay under :data:`MESSAGE_LIMIT` characters: the planner's last error
+holds a stderr tail of up to 2 KB, of which :func:`summarize_error` keeps the
+first line (the task event, e.g. ``Terminated: Exit Code: 1``) and the lines
+that say what went wrong (``... unknown model architecture: 'kev'``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from router import errors
+from router.endpoints import ModelEntry
+from router.state import Parked, Unplaceable
+
+MESSAGE_LIMIT = 1000
+# Share of the message the last error may take; the rest is reason and remedy.
+ERROR_LIMIT = 600
+_LINE_LIMIT = 300
+# Lines of the stderr tail kept: llama.cpp names the cause first, then repeats it.
+_MAX_LINES = 3
+_SEPARATOR = " | "
+
+# Lines of a stderr tail worth showing, strongest first: llama.cpp says
+# "error" on the line that names the cause ("error loading model: unknown model
+# architecture"); "failed to load model" lines after it only repeat the fact.
+_ERROR = re.compile(r"error", re.IGNORECASE)
+# llama.cpp's log prefix (elapsed time and level, "0.00.010.861 E "): noise in a
+# message, and it makes repeated lines look different.
+_LOG_PREFIX = re.compile(r"^\d+(?:\.\d+)+ [A-Z] ")
+_TROUBLE = re.compile(
+    r"fail|unknown|unsupported|invalid|cannot|can't|unable|not found|no such|denied|"
+    r"out of memory|\boom\b|abort|exception|panic|fatal|segmentation",
+    re.IGNORECASE,
+)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def summarize_error(text: str, limit: int = ERROR_LIMIT) -> str:
+    """The useful part of a planner ``last_error``, on one line, at most ``limit`` chars.
+
+    Keeps the first line (the task event) and the first three distinct lines
+    mentioning "error", in their original order, joined by `` | ``. With no
+    such line, lines with other trouble words (fail, unknown, out of memory,
+    ...) stand in, and failing those the last line (a process's last words
+    are usually its reason). llama.cpp's time/level prefixes and runs of
+    blanks are dropped.
+    """
+    lines = [" ".join(_LOG_PREFIX.sub("", line.strip()).split()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return ""
+    head, rest = _clip(lines[0], _LINE_LIMIT), lines[1:]
+    wanted = [i for i, line in enumerate(rest) if _ERROR.search(line)]
+    wanted = wanted or [i for i, line in enumerate(rest) if _TROUBLE.search(line)]
+    if not wanted and rest:
+        wanted = [len(rest) - 1]
+    budget = limit - len(head)
+    chosen = [head]
+    for i in wanted:
+        piece = _clip(rest[i], _LINE_LIMIT)
+        if len(chosen) > _MAX_LINES:
+            break
+        if piece in chosen or len(piece) + len(_SEPARATOR) > budget:
+            continue
+        chosen.append(piece)
+        budget -= len(piece) + len(_SEPARATOR)
+    return _clip(_SEPARATOR.join(chosen), limit)
+
+
+@functools.lru_cache(maxsize=256)
+def parked_message(model: str, parked: Parked) -> str:
+    """Why ``model`` is refused and what lifts it. Cached: a parked model's
+    clients keep asking, and the record changes only when the planner writes."""
+    since = f" since {parked.since}" if parked.since else ""
+    last = summarize_error(parked.last_error)
+    last_part = f" Last error: {last}." if last else ""
+    remedy = (
+        f" Requests are refused until it is unparked: change its source or profile, "
+        f"or run `planner retry {model}`."
+    )
+    head = f"The model `{model}` is parked{since}: {_clip(parked.reason, _LINE_LIMIT)}."
+    return _clip(head + last_part, MESSAGE_LIMIT - len(remedy)) + remedy
+
+
+@functools.lru_cache(maxsize=256)
+def unplaceable_message(model: str, unplaceable: Unplaceable) -> str:
+    """Why ``model`` cannot run anywhere and what changes that."""
+    since = f" (since {unplaceable.since})" if unplaceable.since else ""
+    remedy = (
+        " Nomad places it by itself when a node with room joins; "
+        "or change its profile to ask for less."
+    )
+    head = f"The model `{model}` fits on no node{since}: {unplaceable.reason}."
+    return _clip(head, MESSAGE_LIMIT - len(remedy)) + remedy
+
+
+def parked(model: str, record: Parked) -> errors.ModelParked:
+    """The 503 ``model_parked`` for ``model``, parked as ``record`` says."""
+    return errors.ModelParked(model, parked_message(model, record))
+
+
+def gate(entry: ModelEntry) -> errors.ModelParked | None:
+    """The refusal that applies even while endpoints pass: a parked model."""
+    return None if entry.parked is None else parked(entry.name, entry.parked)
+
+
+def when_no_endpoint(entry: ModelEntry) -> errors.ModelUnavailable:
+    """The refusal for a defined model with no passing endpoint, most specific first."""
+    refusal = gate(entry)
+    if refusal is not None:
+        return refusal
+    if entry.unplaceable is not None:
+        return errors.ModelUnplaceable(
+            entry.name, unplaceable_message(entry.name, entry.unplaceable)
+        )
+    replicas = entry.definition.replicas
+    return errors.ModelNotReady(entry.name, replicas, retry_after_s=5 if replicas > 0 else None)
+
+
+async def refuse_at_once(entry: ModelEntry) -> None:
+    """Default :data:`router.proxy.NoEndpoint` policy: raise :func:`when_no_endpoint`."""
+    raise when_no_endpoint(entry)

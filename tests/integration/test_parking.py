@@ -1,0 +1,234 @@
+"""Parking and unplaceable on real parts: C05-C09 and a planner restart mid-count.
+
+The slow-loading model of C09 is applied first (module fixture) and checked
+last, so its 90 s load overlaps the other tests instead of adding to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from devcluster.cluster import Cluster
+from tests.conftest import (
+    ADMIN_TOKEN,
+    SLOW_START_SECONDS,
+    PlannerDaemon,
+    http_json,
+    nomad_get,
+    wait_for,
+)
+from tests.support.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.integration
+
+KEV_ERROR = "unknown model architecture: 'kev'"
+SMALL = 'context: 512\n  cpu: 500\n  memory: 256MiB\n  args: ["--threads", "1"]'
+
+
+def starts(cluster: Cluster, job_id: str) -> int:
+    """How many times Nomad started the task, over every allocation of the job."""
+    allocs = nomad_get(cluster, f"/v1/job/{job_id}/allocations")
+    return sum(1 for a in allocs for s in (a.get("TaskStates") or {}).values()
+               for e in s.get("Events") or [] if e["Type"] == "Started")
+
+
+def write_model(folder: Path, name: str, source: Path, replicas: int = 1,
+                profile: str = SMALL) -> Path:
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.yaml").write_text(
+        f"name: {name}\nsource: file://{source}\nprofile:\n  {profile}\nreplicas: {replicas}\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def slow_model(planner: Callable, planner_daemon: PlannerDaemon, tiny_model: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> float:
+    folder = write_model(tmp_path_factory.mktemp("c09"), "c09-slow", tiny_model,
+                         profile=SMALL + "\n  engine: slow-llama.cpp")
+    assert planner("apply", str(folder)).returncode == 0
+    return time.monotonic()
+
+
+def test_c05_c06_kev_model_is_parked_after_exactly_five_starts(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
+        slow_model: float, tmp_path: Path) -> None:
+    kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+    folder = write_model(tmp_path / "models", "c05-kev", kev)
+    assert planner("apply", str(folder)).returncode == 0
+
+    # C06: two or three failures in, it reads as failing, with the count and the error.
+    failing = wait_for(lambda: (m := planner_daemon.model("c05-kev"))["consecutive_failures"]
+                       in (2, 3) and m, 60, "2 or 3 counted failures")
+    assert failing["state"] == "failing" and KEV_ERROR in failing["last_error"]
+    shown = planner("status")
+    assert "failing" in shown.stdout and KEV_ERROR in shown.stdout, shown.stdout
+
+    parked = wait_for(lambda: (m := planner_daemon.model("c05-kev"))["state"] == "parked" and m,
+                      90, "c05-kev to be parked")
+    parked_at = time.monotonic()
+    assert parked["consecutive_failures"] == 5
+    assert KEV_ERROR in parked["last_error"]
+    time.sleep(12)  # longer than a restart (5 s) plus a reschedule (5 s): no 6th start
+    assert starts(cluster, "c05-kev") == 5
+    job = nomad_get(cluster, "/v1/job/c05-kev")
+    assert job["Stop"] is True
+    assert job["Meta"]["llmgw_parked_reason"] == "5 consecutive start failures"
+    assert KEV_ERROR in job["Meta"]["llmgw_parked_last_error"]
+    print(f"parked {time.monotonic() - parked_at:.1f} s ago")
+
+    status = planner("status")
+    assert status.returncode == 1 and "parked" in status.stdout and KEV_ERROR in status.stdout
+    listed = json.loads(planner("models", "--output", "json").stdout)
+    [row] = [r for r in listed if r["name"] == "c05-kev"]
+    assert row["state"] == "parked" and KEV_ERROR in row["last_error"]
+    assert set(row) >= {"name", "state", "desired", "ready", "consecutive_failures", "reason",
+                        "last_error", "since"}
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        http_json(f"{router}/v1/completions", {"model": "c05-kev", "prompt": "x"})
+    error = json.load(refused.value)["error"]
+    assert refused.value.code == 503 and error["code"] == "model_parked"
+    assert KEV_ERROR in error["message"] and "planner retry c05-kev" in error["message"]
+
+    # Survives a planner restart; the same definition re-applied stays parked.
+    planner_daemon.stop()
+    planner_daemon.start()
+    assert planner_daemon.model("c05-kev")["state"] == "parked"
+    versions = len(nomad_get(cluster, "/v1/job/c05-kev/versions")["Versions"])
+    again = json.loads(planner("apply", str(folder), "--output", "json").stdout)
+    assert [c["action"] for c in again["changes"] if c["model"] == "c05-kev"] == ["parked"]
+    assert len(nomad_get(cluster, "/v1/job/c05-kev/versions")["Versions"]) == versions
+    write_model(folder, "c05-kev", kev, replicas=2)
+    planner("apply", str(folder))
+    assert nomad_get(cluster, "/v1/job/c05-kev")["Stop"] is True
+    assert planner_daemon.model("c05-kev")["state"] == "parked"
+    assert starts(cluster, "c05-kev") == 5
+
+    # `planner retry` lifts it: the job starts again (and fails again, for real).
+    retried = planner("retry", "c05-kev")
+    assert retried.returncode == 0, retried.stderr
+    wait_for(lambda: starts(cluster, "c05-kev") > 5, 30, "a start after retry")
+    wait_for(lambda: planner_daemon.model("c05-kev")["state"] == "parked", 90, "parked again")
+
+    # A new source lifts it too.
+    kev2 = write_tiny_gguf(tmp_path / "kev2.gguf", architecture="kev", seed=1)
+    write_model(folder, "c05-kev", kev2, replicas=1)
+    changed = json.loads(planner("apply", str(folder), "--output", "json").stdout)
+    [change] = [c for c in changed["changes"] if c["model"] == "c05-kev"]
+    assert change["action"] == "update" and "lifts parking" in change["reason"]
+    assert planner_daemon.model("c05-kev")["state"] != "parked"
+    assert nomad_get(cluster, "/v1/job/c05-kev")["Stop"] is False
+    planner("retry", "c05-kev")  # leave nothing failing behind for the other tests
+    http_json_delete(f"{cluster.nomad_addr}/v1/job/c05-kev")
+
+
+def http_json_delete(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=10).close()
+
+
+def test_planner_restart_mid_count_continues(cluster: Cluster, planner: Callable,
+                                             planner_daemon: PlannerDaemon,
+                                             tmp_path: Path) -> None:
+    kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+    folder = write_model(tmp_path / "models", "restart-kev", kev)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model("restart-kev")["consecutive_failures"] >= 2, 60,
+             "two counted failures")
+    planner_daemon.stop()
+    stopped_with = json.loads(planner("models", "--output", "json").stdout)
+    [before] = [r for r in stopped_with if r["name"] == "restart-kev"]
+    planner_daemon.start()
+    after = planner_daemon.model("restart-kev")
+    # Failures that happened while it was down are counted now, once; none twice.
+    assert after["consecutive_failures"] >= before["consecutive_failures"]
+    assert after["consecutive_failures"] <= starts(cluster, "restart-kev")
+    parked = wait_for(lambda: (m := planner_daemon.model("restart-kev"))["state"] == "parked"
+                      and m, 90, "restart-kev parked")
+    assert parked["consecutive_failures"] == 5
+    time.sleep(6)
+    assert starts(cluster, "restart-kev") == 5
+
+
+def llama_pid(alias: str) -> int:
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--alias" in argv and alias.encode() in argv:
+                return int(proc.name)
+    raise LookupError(alias)
+
+
+def test_c07_sigkill_of_a_healthy_server_is_not_a_start_failure(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    folder = write_model(tmp_path / "models", "c07-heal", tiny_model)
+    assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
+    wait_for(lambda: planner_daemon.model("c07-heal")["state"] == "serving", 20, "serving")
+    wait_for(lambda: http_json(f"{cluster.consul_addr}/v1/kv/llmgw/state/c07-heal"), 10,
+             "the planner to see the allocation healthy")
+    first = llama_pid("c07-heal")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: llama_pid("c07-heal") != first, 30, "a new llama-server process")
+    back = wait_for(lambda: (m := planner_daemon.model("c07-heal"))["state"] == "serving" and m,
+                    30, "c07-heal serving again")
+    assert back["consecutive_failures"] == 0
+
+
+def test_c08_gpu_profile_is_unplaceable_within_2s_and_warned_once(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    folder = write_model(tmp_path / "models", "c08-gpu", tiny_model,
+                         profile="gpus: 1\n  gpu_memory: 8GiB\n  memory: 256MiB")
+    applied_at = time.monotonic()
+    assert planner("apply", str(folder)).returncode == 0
+    model = wait_for(lambda: (m := planner_daemon.model("c08-gpu"))["state"] == "unplaceable"
+                     and m, 5, "c08-gpu unplaceable")
+    assert time.monotonic() - applied_at < 2 + 1.5  # 2 s, plus this test's own CLI start-up
+    assert 'no node has an nvidia/gpu device: 1 of 1 node filtered ("missing devices")' \
+        in model["reason"]
+    for _ in range(3):  # more evaluations with the same outcome: no more warnings
+        http_json(f"{cluster.nomad_addr}/v1/job/c08-gpu/evaluate", {"JobID": "c08-gpu"})
+    time.sleep(2)
+    warnings = [line for line in planner_daemon.log.read_text().splitlines()
+                if "c08-gpu is unplaceable" in line]
+    assert len(warnings) == 1, warnings
+    status = planner("status")
+    assert status.returncode == 1 and "unplaceable" in status.stdout
+
+
+def test_c09_slow_load_is_not_killed_and_counts_no_failure(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        slow_model: float) -> None:
+    remaining = SLOW_START_SECONDS + 30 - (time.monotonic() - slow_model)
+    model = wait_for(lambda: (m := planner_daemon.model("c09-slow"))["state"] == "serving"
+                     and m, max(remaining, 10), "c09-slow serving")
+    assert model["consecutive_failures"] == 0
+    assert starts(cluster, "c09-slow") == 1
+    assert time.monotonic() - slow_model >= SLOW_START_SECONDS
+
+
+def test_retry_through_admin_api_needs_the_token(planner_daemon: PlannerDaemon,
+                                                  planner: Callable, tiny_model: Path,
+                                                  tmp_path: Path) -> None:
+    assert planner("apply", str(write_model(tmp_path / "m", "admin-zero", tiny_model,
+                                            replicas=0))).returncode == 0
+    url = f"{planner_daemon.url}/v1/models/admin-zero/retry"
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=10)
+    assert denied.value.code == 401
+    request = urllib.request.Request(url, data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.load(response)["name"] == "admin-zero"

@@ -1,0 +1,260 @@
+"""Parked / unplaceable state, refusal wording and the decisions (router.state, router.refusals)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from router import errors
+from router.app import create_app
+from router.catalog import ModelDefinition, ServiceAddress
+from router.endpoints import EndpointTable
+from router.metrics import RouterMetrics
+from router.refusals import (
+    MESSAGE_LIMIT,
+    gate,
+    parked_message,
+    refuse_at_once,
+    summarize_error,
+    unplaceable_message,
+    when_no_endpoint,
+)
+from router.settings import RouterSettings
+from router.state import ModelState, Parked, Unplaceable, parse_states
+
+# A real llama-server's stderr for a GGUF with general.architecture = "kev",
+# after the Nomad task event the planner puts first.
+KEV_ERROR = """Terminated: Exit Code: 1
+0.00.002.058 I srv  llama_server: initializing ...
+0.00.007.933 I srv    load_model: loading model '/tmp/kev.gguf'
+0.00.010.861 E llama_model_load: error loading model: unknown model architecture: 'kev'
+0.00.010.889 E llama_model_load_from_file_impl: failed to load model
+0.00.011.538 E common_fit_params: encountered an error while trying to fit params to free \
+device memory: failed to load model
+0.00.012.296 E llama_model_load: error loading model: unknown model architecture: 'kev'
+0.00.012.309 E llama_model_load_from_file_impl: failed to load model
+0.00.012.311 E cmn  common_init_: failed to load model '/tmp/kev.gguf'
+0.00.012.314 E srv    load_model: failed to load model, '/tmp/kev.gguf'
+0.00.012.319 I srv    operator(): operator(): cleaning up before exit...
+0.00.013.184 E srv  llama_server: exiting due to model loading error"""
+KEV_LINE = "llama_model_load: error loading model: unknown model architecture: 'kev'"
+MISSING_GPU = 'no node has an nvidia/gpu device: 1 of 1 nodes filtered ("missing devices")'
+
+
+def kv(key: str, value: object) -> dict:
+    raw = value if isinstance(value, bytes) else json.dumps(value).encode()
+    return {"Key": key, "Value": base64.b64encode(raw).decode()}
+
+
+def state_doc(name: str, parked: bool = False, unplaceable: bool = False) -> dict:
+    """The planner's JSON, with the keys the router ignores."""
+    return {
+        "name": name,
+        "consecutive_failures": 5 if parked else 0,
+        "last_error": KEV_ERROR if parked else None,
+        "last_error_at": "2026-11-29T21:00:00+00:00",
+        "counted": ["a/t/1"],
+        "healthy_allocs": [],
+        "healthy_at_ns": 0,
+        "parked": {
+            "reason": "5 consecutive start failures",
+            "last_error": KEV_ERROR,
+            "since": "2026-11-29T21:00:05+00:00",
+            "definition_hash": "abc",
+        }
+        if parked
+        else None,
+        "unplaceable": {"reason": MISSING_GPU, "since": "2026-11-29T21:00:00+00:00", "eval_id": "e"}
+        if unplaceable
+        else None,
+        "added_later": {"x": 1},
+    }
+
+
+# --- parsing -------------------------------------------------------------------
+
+
+def test_parse_states_keeps_parked_and_unplaceable_only() -> None:
+    states = parse_states(
+        [
+            kv("llmgw/state/p", state_doc("p", parked=True)),
+            kv("llmgw/state/u", state_doc("u", unplaceable=True)),
+            kv("llmgw/state/fine", state_doc("fine")),
+            kv("llmgw/state/broken", b"{nope"),
+            kv("llmgw/state/wrong", {"parked": "yes"}),
+            kv("llmgw/state/p/deeper", state_doc("x", parked=True)),
+        ]
+    )
+    assert sorted(states) == ["p", "u"]
+    assert states["p"] == ModelState(
+        parked=Parked("5 consecutive start failures", KEV_ERROR, "2026-11-29T21:00:05+00:00")
+    )
+    assert states["u"].unplaceable == Unplaceable(MISSING_GPU, "2026-11-29T21:00:00+00:00")
+    assert states["u"].parked is None
+    assert parse_states(None) == {}
+
+
+def test_parked_without_its_own_error_borrows_the_documents() -> None:
+    doc = state_doc("p", parked=True)
+    doc["parked"]["last_error"] = None
+    (state,) = parse_states([kv("llmgw/state/p", doc)]).values()
+    assert state.parked is not None and state.parked.last_error == KEV_ERROR
+
+
+# --- wording -----------------------------------------------------------------
+
+
+def test_summary_keeps_event_and_the_lines_that_name_the_error() -> None:
+    summary = summarize_error(KEV_ERROR)
+    assert summary.startswith("Terminated: Exit Code: 1 | " + KEV_LINE)
+    assert summary.count("unknown model architecture") == 1  # repeated line shown once
+    assert "0.00.0" not in summary  # llama.cpp's time/level prefix dropped
+    assert "initializing" not in summary and "cleaning up" not in summary
+    assert "\n" not in summary
+
+
+def test_summary_falls_back_to_trouble_words_then_last_line() -> None:
+    assert summarize_error("Driver Failure: boom\nok\nCUDA out of memory\nbye") == (
+        "Driver Failure: boom | CUDA out of memory"
+    )
+    assert summarize_error("Terminated: Exit Code: 137\nstarting\nloading 40%") == (
+        "Terminated: Exit Code: 137 | loading 40%"
+    )
+    assert summarize_error("") == "" and summarize_error("\n \n") == ""
+
+
+def test_summary_is_bounded() -> None:
+    noisy = "Terminated\n" + "\n".join(f"error {i}: " + "x" * 500 for i in range(50))
+    summary = summarize_error(noisy, limit=600)
+    assert len(summary) <= 600 and summary.startswith("Terminated | error 0: ")
+    assert len(summarize_error("e" * 5000)) <= 600
+
+
+def test_parked_message_says_why_and_what_lifts_it() -> None:
+    message = parked_message(
+        "kevin", Parked("5 consecutive start failures", KEV_ERROR, "2026-11-29T21:00:05+00:00")
+    )
+    assert "`kevin` is parked" in message
+    assert "5 consecutive start failures" in message
+    assert KEV_LINE in message
+    assert "Terminated: Exit Code: 1" in message
+    assert message.endswith("change its source or profile, or run `planner retry kevin`.")
+    assert "retry shortly" not in message
+    assert len(message) < MESSAGE_LIMIT
+
+
+def test_messages_stay_under_the_limit_whatever_the_planner_wrote() -> None:
+    huge = Parked("r" * 5000, "E" * 5000 + "\n" + "error " * 2000, "s")
+    message = parked_message("m", huge)
+    assert len(message) <= MESSAGE_LIMIT
+    assert message.endswith("`planner retry m`.")
+    message = unplaceable_message("m", Unplaceable("x" * 5000))
+    assert len(message) <= MESSAGE_LIMIT and "fits on no node" in message
+
+
+def test_unplaceable_message_carries_nomads_reason() -> None:
+    message = unplaceable_message("big", Unplaceable(MISSING_GPU, "2026-11-29T21:00:00+00:00"))
+    assert f"The model `big` fits on no node (since 2026-11-29T21:00:00+00:00): {MISSING_GPU}." in (
+        message
+    )
+
+
+# --- decisions ----------------------------------------------------------------
+
+
+def table_with(**states: ModelState) -> EndpointTable:
+    table = EndpointTable(RouterMetrics())
+    table.set_models({n: ModelDefinition(n, replicas=1) for n in ("fine", *states)})
+    table.set_states(states)
+    return table
+
+
+PARKED = ModelState(parked=Parked("5 consecutive start failures", KEV_ERROR))
+UNPLACEABLE = ModelState(unplaceable=Unplaceable(MISSING_GPU))
+
+
+def test_decisions() -> None:
+    table = table_with(
+        p=PARKED, u=UNPLACEABLE, both=ModelState(PARKED.parked, UNPLACEABLE.unplaceable)
+    )
+    fine, p, u, both = (table.get(n) for n in ("fine", "p", "u", "both"))
+    assert gate(fine) is None and gate(u) is None
+    assert isinstance(gate(p), errors.ModelParked)
+    assert isinstance(when_no_endpoint(p), errors.ModelParked)
+    assert isinstance(when_no_endpoint(both), errors.ModelParked)  # parked wins
+    refusal = when_no_endpoint(u)
+    assert isinstance(refusal, errors.ModelUnplaceable) and MISSING_GPU in refusal.message
+    assert isinstance(when_no_endpoint(fine), errors.ModelNotReady)
+    with pytest.raises(errors.ModelUnplaceable):
+        asyncio.run(refuse_at_once(u))
+
+
+def test_parked_and_unplaceable_render_without_retry_after() -> None:
+    table = table_with(p=PARKED, u=UNPLACEABLE)
+    for name, code in (("p", "model_parked"), ("u", "model_unplaceable")):
+        status, headers, body = errors.render(when_no_endpoint(table.get(name)))
+        assert status == 503
+        assert b"retry-after" not in dict(headers)
+        error = json.loads(body)["error"]
+        assert error["code"] == code and error["type"] == "server_error"
+        assert error["param"] == "model"
+
+
+def test_state_follows_models_in_either_order() -> None:
+    table = EndpointTable(RouterMetrics())
+    table.set_states({"late": PARKED})  # state read before the model is
+    table.set_models({"late": ModelDefinition("late")})
+    entry = table.get("late")
+    assert entry.parked == PARKED.parked
+    table.set_states({})
+    assert entry.parked is None and entry.unplaceable is None
+    table.set_states({"late": UNPLACEABLE})
+    assert entry.unplaceable == UNPLACEABLE.unplaceable
+
+
+# --- through the app ------------------------------------------------------------
+
+
+@pytest.fixture
+def app():
+    app = create_app(RouterSettings())
+    table = app.state.table
+    table.set_models({n: ModelDefinition(n, replicas=1) for n in ("p", "u", "idle")})
+    table.set_states({"p": PARKED, "u": UNPLACEABLE})
+    return app
+
+
+def test_parked_wins_over_a_passing_endpoint(app) -> None:
+    # The endpoint is unreachable: reaching it would be a 502, not a 503.
+    app.state.table.set_endpoints("p", [ServiceAddress("127.0.0.1", 9)])
+    response = TestClient(app).post("/v1/chat/completions", json={"model": "p"})
+    assert response.status_code == 503
+    assert "retry-after" not in response.headers
+    error = response.json()["error"]
+    assert error["code"] == "model_parked" and KEV_LINE in error["message"]
+
+
+def test_refusals_are_counted_by_reason(app) -> None:
+    client = TestClient(app)
+    for model in ("p", "p", "u", "idle", "nope"):
+        client.post("/v1/completions", json={"model": model})
+    text = client.get("/metrics").text
+    for series in (
+        'llmgw_router_refusals_total{model="p",reason="parked"} 2.0',
+        'llmgw_router_refusals_total{model="u",reason="unplaceable"} 1.0',
+        'llmgw_router_refusals_total{model="idle",reason="not_ready"} 1.0',
+        'llmgw_router_refusals_total{model="",reason="unknown_model"} 1.0',
+        'llmgw_router_refusals_total{model="idle",reason="parked"} 0.0',  # exists at zero
+        'llmgw_router_requests_total{code="503",model="p"} 2.0',
+        'llmgw_router_requests_total{code="404",model=""} 1.0',
+    ):
+        assert series in text, series
+
+
+def test_removed_model_drops_its_refusal_series(app) -> None:
+    app.state.table.set_models({})
+    assert 'model="p"' not in app.state.metrics.exposition()[0].decode()

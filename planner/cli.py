@@ -42,8 +42,8 @@ have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later
 
 app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-# Not a terminal (CI logs, pipes): no colour, and wide enough that rows do not wrap.
-_WIDTH = None if sys.stdout.isatty() else 200
+# Not a terminal (CI logs, pipes, grep): no colour, and rows never wrap.
+_WIDTH = None if sys.stdout.isatty() else 100_000
 out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 

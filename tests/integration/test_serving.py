@@ -91,7 +91,7 @@ def test_job_service_and_status_are_visible(
     assert "llmgw-main-tiny" in services
     status = planner("status", "--output", "json")
     [row] = [r for r in json.loads(status.stdout) if r["name"] == "main-tiny"]
-    assert (row["state"], row["desired"], row["passing"]) == ("serving", 1, 1)
+    assert (row["state"], row["desired"], row["ready"]) == ("serving", 1, 1)
 
 
 def test_completion_through_router(router: str, serving: str) -> None:

@@ -92,6 +92,12 @@ variable "replicas" {
   default = 1
 }
 
+variable "on_demand" {
+  type        = bool
+  default     = false
+  description = "Registered with 0 instances; the planner scales it up when asked for."
+}
+
 variable "load_grace" {
   type        = string
   default     = "10m"
@@ -118,6 +124,7 @@ job "model" {
   meta {
     llmgw_model           = var.model
     llmgw_definition_hash = var.definition_hash
+    llmgw_on_demand       = var.on_demand ? "true" : "false"
   }
 
   group "server" {

@@ -6,8 +6,13 @@ Routes:
                                     running, ready, consecutive_failures, reason,
                                     last_error, since)
   GET  /v1/models/{name}            ModelStatus; 404 for a model that was never applied
-  POST /v1/models/{name}/retry      lift parking and start again; needs
-                                    `Authorization: Bearer <token>` (LLMGW_ADMIN_TOKEN)
+  POST /v1/models/{name}/retry      lift parking and start again
+  POST /v1/models/{name}/activate   a fresh placement answer (planner.activation):
+                                    {"name", "status": serving|loading|parked|unplaceable,
+                                     "reason", "last_error", "since", "eval_id"}
+  POST /v1/usage                    {"models": [names]} -> 204: used now (idle scale-down)
+The POST routes change things and need `Authorization: Bearer <token>`
+(LLMGW_ADMIN_TOKEN; the router sends it as LLMGW_PLANNER_TOKEN).
 Errors use {"error": {"message", "type", "code"}}, the shape the router uses.
 Reads go to Nomad and Consul on each call: the admin API is for operators and
 the router's rare questions, not a hot path.
@@ -24,10 +29,13 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from planner import actions
+from planner.activation import Activator, ModelNotFound
 from planner.consul_client import ConsulClient
 from planner.errors import PlannerError, Rejected
+from planner.idle import IdleScaler
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
 from planner.status import gather, model_status
@@ -50,23 +58,29 @@ def _authorized(authorization: str | None, token: str | None) -> JSONResponse | 
     return None
 
 
+class Usage(BaseModel):
+    models: list[str]
+
+
 def create_app(nomad: NomadClient, consul: ConsulClient, token: str | None,
-               watcher: Watcher | None = None) -> FastAPI:
-    """The admin app; with a watcher, its loops run for the app's lifetime."""
+               watcher: Watcher | None = None, idle: IdleScaler | None = None) -> FastAPI:
+    """The admin app; the watcher's and idle scaler's loops run for its lifetime."""
+    activator = Activator(nomad, consul, StateStore(consul))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if watcher is None:
-            yield
-            return
         async with aiohttp.ClientSession() as session:
-            task = asyncio.create_task(watcher.run(session), name="watcher")
+            tasks = []
+            if watcher is not None:
+                tasks.append(asyncio.create_task(watcher.run(session), name="watcher"))
+            if idle is not None:
+                tasks.append(asyncio.create_task(idle.run(), name="idle-scaler"))
             try:
                 yield
             finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     app = FastAPI(title="llmgw planner", lifespan=lifespan)
 
@@ -101,4 +115,24 @@ def create_app(nomad: NomadClient, consul: ConsulClient, token: str | None,
         state = actions.retry(nomad, StateStore(consul), name)
         return model_status(nomad, consul, name, record, state).as_dict()
 
+    @app.post("/v1/models/{name}/activate", response_model=None)
+    async def activate(name: str,
+                       authorization: str | None = Header(None)) -> dict[str, Any] | JSONResponse:
+        refusal = _authorized(authorization, token)
+        if refusal is not None:
+            return refusal
+        try:
+            return (await activator.activate(name)).as_dict()
+        except ModelNotFound as exc:
+            return _error(404, "model_not_found", str(exc))
+
+    @app.post("/v1/usage", status_code=204, response_model=None)
+    async def usage(body: Usage, authorization: str | None = Header(None)) -> JSONResponse | None:
+        refusal = _authorized(authorization, token)
+        if refusal is not None:
+            return refusal
+        await asyncio.to_thread(activator.used, body.models)
+        return None
+
+    app.state.activator = activator
     return app

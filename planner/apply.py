@@ -95,6 +95,17 @@ def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Chan
                   parked_job(job, parked))
 
 
+def _keep_activation(job: Job, old: Job) -> Job:
+    """An on-demand job is rendered with count 0; an update must not stop a model that
+    is active now, so it keeps the registered count (the idle scaler lowers it)."""
+    if (job.get("Meta") or {}).get("llmgw_on_demand") != "true" or old.get("Stop"):
+        return job
+    counts = {tg["Name"]: tg.get("Count", 0) for tg in old.get("TaskGroups") or []}
+    groups = [{**tg, "Count": counts.get(tg["Name"], tg.get("Count", 0))}
+              for tg in job.get("TaskGroups") or []]
+    return {**job, "TaskGroups": groups}
+
+
 def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
            parked: dict[str, Parked] | None = None) -> list[Change]:
     """Pure: compare rendered jobs with registered llmgw jobs; one Change per model.
@@ -112,7 +123,8 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
             changes.append(Change(name, Action.CREATE, "new model", job))
         elif old.get("Stop") or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != \
                 job["Meta"][SPEC_HASH_KEY]:
-            changes.append(Change(name, Action.UPDATE, _update_reason(job, old), job))
+            changes.append(Change(name, Action.UPDATE, _update_reason(job, old),
+                                  _keep_activation(job, old)))
         else:
             changes.append(Change(name, Action.UNCHANGED, "no changes"))
     for name in sorted(set(registered) - set(rendered)):
@@ -129,7 +141,9 @@ def model_record(definition: ModelDefinition) -> dict[str, Any]:
     return {"name": definition.name, "definition_hash": definition.definition_hash,
             "replicas": definition.replicas, "source": definition.source,
             "sha256": definition.sha256,
-            "profile": definition.profile.model_dump(mode="json")}
+            "profile": definition.profile.model_dump(mode="json"),
+            "on_demand": definition.on_demand.model_dump(mode="json")
+            if definition.on_demand else None}
 
 
 def _check_engines(models: dict[str, tuple[Path, ModelDefinition]], settings: Settings) -> None:

@@ -30,12 +30,13 @@ from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
 from planner.errors import InvalidDefinitions, PlannerError
 from planner.failures import PARK_AFTER
+from planner.idle import IdleScaler
 from planner.nomad_client import NomadClient
 from planner.plandiff import format_diff
 from planner.settings import Settings
 from planner.state import StateStore
 from planner.status import ModelStatus, gather, headline, model_status
-from planner.watcher import Watcher
+from planner.watcher import Watcher, utcnow
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later)."""
@@ -224,7 +225,8 @@ def serve(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     watcher = Watcher(nomad, consul, StateStore(consul), park_after=park_after)
-    admin = create_app(nomad, consul, os.environ.get("LLMGW_ADMIN_TOKEN") or None, watcher)
+    idle = IdleScaler(nomad, consul, StateStore(consul), utcnow)
+    admin = create_app(nomad, consul, os.environ.get("LLMGW_ADMIN_TOKEN") or None, watcher, idle)
     uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False)
 
 

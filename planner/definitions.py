@@ -19,9 +19,10 @@ One file holds one model:
       load_timeout: 10m                 # how long a start may take before health checks count
       args: ["--threads", "2"]          # extra llama-server arguments, one argv element each
     replicas: 1
+    on_demand: {idle_after: 15m}        # optional: run only while used (0 replicas when idle)
 
 The definition hash covers what the server runs (source, sha256, profile) and
-not `replicas`: later, a changed hash lifts parking, and scaling must not.
+not `replicas` or `on_demand`: a changed hash lifts parking, scaling must not.
 """
 
 from __future__ import annotations
@@ -123,6 +124,15 @@ class Profile(BaseModel):
         return self
 
 
+class OnDemand(BaseModel):
+    """Run only while used: registered with 0 instances, started by a request (the
+    router's activation), stopped again after `idle_after` without requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    idle_after: Seconds = 900
+
+
 class ModelDefinition(BaseModel):
     """One model, as written in one YAML file."""
 
@@ -132,7 +142,8 @@ class ModelDefinition(BaseModel):
     source: str
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     profile: Profile
-    replicas: int = Field(1, ge=0, le=100)
+    replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
+    on_demand: OnDemand | None = None
 
     @field_validator("source")
     @classmethod

@@ -52,7 +52,9 @@ def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]
         "cpu": profile.cpu,
         "memory_mb": max(1, profile.memory // 2**20),
         "args": list(profile.args),
-        "replicas": definition.replicas,
+        # An on-demand model is registered idle; activation scales it up.
+        "replicas": 0 if definition.on_demand else definition.replicas,
+        "on_demand": definition.on_demand is not None,
         "load_grace": f"{profile.load_timeout}s",
         "datacenters": list(settings.datacenters),
     }

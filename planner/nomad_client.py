@@ -95,6 +95,23 @@ class NomadClient:
         return self._call(f"plan job {job['ID']}",
                           lambda: self._api.job.plan_job(job["ID"], {"Job": job}, diff=True))
 
+    def scale(self, job_id: str, group: str, count: int, message: str) -> str | None:
+        """Set a task group's count (/v1/job/:id/scale); returns the evaluation ID.
+
+        Nomad answers 400 "job scaling blocked due to active deployment" while a
+        deployment runs; that arrives as NomadRejected with Nomad's words."""
+        body = {"Count": count, "Target": {"Group": group}, "Message": message}
+        answer = self._call(f"scale job {job_id}", lambda: self._api.job.request(
+            job_id, "scale", json=body, method="post").json())
+        return answer.get("EvalID") or None
+
+    def evaluate(self, job_id: str) -> str | None:
+        """Force a new evaluation of a job (/v1/job/:id/evaluate); returns its ID."""
+        body = {"JobID": job_id, "EvalOptions": {"ForceReschedule": False}}
+        answer = self._call(f"evaluate job {job_id}", lambda: self._api.job.request(
+            job_id, "evaluate", json=body, method="post").json())
+        return answer.get("EvalID") or None
+
     def deregister(self, job_id: str, purge: bool = False) -> dict[str, Any]:
         """Stop a job (purge=True also removes it from Nomad's state)."""
         return self._call(f"deregister job {job_id}",

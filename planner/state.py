@@ -52,6 +52,7 @@ class ModelState(BaseModel):
     healthy_at_ns: int = 0  # when one last did: older failures no longer count
     parked: Parked | None = None
     unplaceable: Unplaceable | None = None
+    last_used_at: str | None = None  # last activation or router usage report (on-demand)
 
     def remember(self, field: str, key: str) -> tuple[str, ...]:
         """`field`'s keys with `key` appended, oldest dropped past MAX_REMEMBERED."""

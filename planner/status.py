@@ -88,9 +88,23 @@ def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
+def _on_demand_idle(row: dict[str, Any], record: dict[str, Any], state: ModelState,
+                    now: datetime) -> ModelStatus:
+    """Desired 0 satisfies an on-demand model only if nobody asked for it lately: asked
+    for and placed nowhere is a model short of what it should have."""
+    idle_after = int(record["on_demand"]["idle_after"])
+    if state.last_used_at:
+        asked = (now - datetime.fromisoformat(state.last_used_at)).total_seconds()
+        if asked < idle_after:
+            return ModelStatus(**row, state="loading", reason=f"asked for {asked:.0f} s ago; "
+                               "no instance yet", last_error=state.last_error, since=None)
+    return ModelStatus(**row, state="idle", reason=f"on demand; stops after {idle_after} s "
+                       "without requests", last_error=None, since=state.last_used_at)
+
+
 def observe(name: str, record: dict[str, Any], job: Job | None,
             allocations: list[dict[str, Any]], health: ServiceHealth,
-            state: ModelState | None = None) -> ModelStatus:
+            state: ModelState | None = None, now: datetime | None = None) -> ModelStatus:
     """Pure: one model's state from what Nomad, Consul and the planner's own state say."""
     state = state or ModelState(name=name)
     running = sum(1 for a in allocations if a.get("ClientStatus") == "running")
@@ -108,6 +122,8 @@ def observe(name: str, record: dict[str, Any], job: Job | None,
     if state.unplaceable and health.passing < max(desired, 1):
         return ModelStatus(**row, state="unplaceable", reason=state.unplaceable.reason,
                            last_error=last_error, since=state.unplaceable.since)
+    if desired == 0 and record.get("on_demand"):
+        return _on_demand_idle(row, record, state, now or datetime.now(UTC))
     if desired == 0:
         stopped = (job is None or bool(job.get("Stop"))) and wanted > 0
         reason = ("job not registered" if job is None else "job stopped") if stopped \

@@ -7,16 +7,24 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from devcluster import demo
 from devcluster.cluster import down, status, up
 
 
-def _stop_router(root: Path) -> None:
-    pidfile = root / "router.pid"
+def _stop(root: Path, name: str) -> None:
+    """Stop a background llmgw process the demo started (SIGTERM: it drains, then exits)."""
+    pidfile = root / f"{name}.pid"
     with contextlib.suppress(OSError, ValueError):
-        os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+        pid = int(pidfile.read_text())
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if Path(f"/proc/{pid}").exists():
+            os.killpg(pid, signal.SIGKILL)
     pidfile.unlink(missing_ok=True)
 
 
@@ -31,9 +39,10 @@ def main() -> None:
         up(cluster)
         print(f"consul {cluster.consul_addr}  nomad {cluster.nomad_addr}  state {cluster.root}")
     elif args.command == "down":
-        _stop_router(cluster.root)
+        _stop(cluster.root, "router")
+        _stop(cluster.root, "planner")
         down(cluster)
-        print("stopped: router, nomad (jobs purged), consul", file=sys.stderr)
+        print("stopped: router, planner, nomad (jobs purged), consul", file=sys.stderr)
     else:
         running = status(cluster)
         print(" ".join(f"{agent}={'up' if ok else 'down'}" for agent, ok in running.items()))

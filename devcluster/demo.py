@@ -1,15 +1,18 @@
 """`make demo`: Gemma 3 270M served through the router on a real dev cluster.
 
 Called by `python -m devcluster demo` after the bootstrap. Steps, each shown
-as it runs: cluster up (standard ports, state in .run/demo), `planner apply
-models/ --wait`, router up on 127.0.0.1:8080, one completion through the
-router, `planner status`. Leaves everything running and says how to stop it.
+as it runs: cluster up (standard ports, state in .run/demo), `planner serve`
+(watcher + admin API on 127.0.0.1:4650), `planner apply models/ --wait`,
+router up on 127.0.0.1:8080, one completion through the router, `planner
+status`. Leaves everything running and says how to stop it (`make down`).
+The admin token is generated once and kept in .run/demo/admin-token.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ from devcluster.bootstrap import BIN, REPO
 from devcluster.cluster import Cluster, up
 
 ROUTER_PORT = 8080
+PLANNER_PORT = 4650
 PROMPT = "The capital of France is"
 
 
@@ -32,24 +36,44 @@ def demo_cluster() -> Cluster:
     return Cluster(REPO / ".run" / "demo", port_offset=0)
 
 
+def admin_token(cluster: Cluster) -> str:
+    path = cluster.root / "admin-token"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(24))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
 def planner_env(cluster: Cluster) -> dict[str, str]:
+    token = admin_token(cluster)
     return {**os.environ, **cluster.env, "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "LLMGW_ADMIN_TOKEN": token, "LLMGW_PLANNER_TOKEN": token,
+            "LLMGW_PLANNER_URL": f"http://127.0.0.1:{PLANNER_PORT}"}
 
 
-def start_router(cluster: Cluster) -> None:
-    pidfile = cluster.root / "router.pid"
+def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None:
+    """Start a long-running llmgw process in the background (once) and wait for its /health."""
+    pidfile = cluster.root / f"{name}.pid"
     if pidfile.exists() and Path(f"/proc/{pidfile.read_text().strip()}").exists():
-        say(f"router already running (pid {pidfile.read_text().strip()})")
+        say(f"{name} already running (pid {pidfile.read_text().strip()})")
         return
-    with (cluster.root / "router.log").open("ab") as log:
-        proc = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / "router"), "serve", "--host", "127.0.0.1",
-             "--port", str(ROUTER_PORT)],
-            env=planner_env(cluster), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
+    with (cluster.root / f"{name}.log").open("ab") as log:
+        proc = subprocess.Popen(argv, env=planner_env(cluster), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     pidfile.write_text(str(proc.pid))
-    say(f"router started (pid {proc.pid}, log {cluster.root / 'router.log'})")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(health_url, timeout=2).close()
+            break
+        except (urllib.error.URLError, ConnectionError) as exc:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"[demo] {name} did not start: {exc}; see "
+                                 f"{cluster.root / f'{name}.log'}") from exc
+            time.sleep(0.3)
+    say(f"{name} started (pid {proc.pid}, log {cluster.root / f'{name}.log'})")
 
 
 def complete(model: str, timeout: float = 120.0) -> dict:
@@ -76,10 +100,15 @@ def main() -> None:
     up(cluster)
     say(f"cluster up: Nomad UI {cluster.nomad_addr}/ui, Consul UI {cluster.consul_addr}/ui")
     env = planner_env(cluster)
+    venv = REPO / ".venv" / "bin"
+    start(cluster, "planner", [str(venv / "planner"), "serve", "--port", str(PLANNER_PORT)],
+          f"http://127.0.0.1:{PLANNER_PORT}/health")
     say("planner apply models/ --wait")
-    subprocess.run([str(REPO / ".venv" / "bin" / "planner"), "apply", str(REPO / "models"),
+    subprocess.run([str(venv / "planner"), "apply", str(REPO / "models"),
                     "--wait", "--timeout", "300"], env=env, check=True)
-    start_router(cluster)
+    start(cluster, "router", [str(venv / "router"), "serve", "--host", "127.0.0.1",
+                              "--port", str(ROUTER_PORT)],
+          f"http://127.0.0.1:{ROUTER_PORT}/health")
     say(f"asking gemma-3-270m through the router: {PROMPT!r}")
     started = time.monotonic()
     answer = complete("gemma-3-270m")

@@ -209,7 +209,7 @@ def nomad_build() -> None:
     shutil.copytree(api, work / "api")
     for path in (work, *work.rglob("*")):
         path.chmod(path.stat().st_mode | 0o200)
-    say("nomad: go build (about 10 min on 2 cores; log in ~/.cache/llmgw/logs/nomad.log)")
+    say(f"nomad: go build (about 10 min on 2 cores; log in {CACHE / 'logs' / 'nomad.log'})")
     # -checklinkname=0: some 2023 dependencies pull runtime symbols with
     # //go:linkname, which Go >= 1.23's linker refuses by default.
     out = CACHE / "build" / "nomad.new"
@@ -287,7 +287,7 @@ def llama_build() -> None:
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
          "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
          "-DLLAMA_CURL=OFF"], log=log)
-    say("llama-server: compiling (about 10 min on 2 cores; log in ~/.cache/llmgw/logs/llama.log)")
+    say(f"llama-server: compiling (about 15 min on 2 cores; log {CACHE / 'logs' / 'llama.log'})")
     run(["cmake", "--build", str(work / "build"), "--target", "llama-server",
          "-j", str(os.cpu_count() or 2)], log=log)
     BIN.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 Called by :mod:`router.cli` (which runs it under uvicorn) and by tests. Nothing
 starts at import or at :func:`create_app`; the lifespan opens the upstream
-aiohttp pool and the Consul watches on startup and closes them, in named
-steps, on shutdown.
+aiohttp pool, the Consul watches and the planner client (activation, usage
+reports) on startup and closes them, in named steps, on shutdown.
 
 Routes:
 
@@ -30,12 +30,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import errors
+from router.activation import Activator
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
+from router.plannerapi import PlannerAPI
 from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
 from router.settings import RouterSettings
+from router.usage import UsageReporter
 from router.watch import ConsulWatcher
 
 log = logging.getLogger(__name__)
@@ -84,17 +87,32 @@ def upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
     )
 
 
-def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint = refuse_at_once) -> FastAPI:
+def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = None) -> FastAPI:
     """Build the router app for ``settings``.
 
     ``no_endpoint`` decides what a request for a defined model with no passing
-    endpoint gets (default: 503 ``model_unplaceable`` or ``model_not_ready`` at
-    once). A parked model is refused before it is asked. The returned
-    app's ``state`` carries ``table``, ``metrics``, ``proxy`` and, while
-    running, ``watcher``.
+    endpoint gets. By default that is on-demand activation through the
+    planner at ``settings.planner_url`` (:class:`router.activation.Activator`),
+    with usage reports (:class:`router.usage.UsageReporter`); with
+    ``settings.activation`` off, :func:`router.refusals.refuse_at_once`. A
+    parked model is refused before it is asked. The returned app's ``state``
+    carries ``table``, ``metrics``, ``proxy``, ``activator`` and ``usage``
+    (``None`` without activation) and, while running, ``watcher``. The
+    activator needs the lifespan (it opens the planner client there).
     """
     metrics = RouterMetrics()
     table = EndpointTable(metrics)
+    planner: PlannerAPI | None = None
+    activator: Activator | None = None
+    usage: UsageReporter | None = None
+    if settings.activation:
+        planner = PlannerAPI(
+            settings.planner_url, settings.planner_token, settings.activate_timeout_s
+        )
+        activator = Activator(table, planner, window_s=settings.activation_window_s)
+        usage = UsageReporter(table, planner, settings.usage_interval_s)
+    if no_endpoint is None:
+        no_endpoint = activator if activator is not None else refuse_at_once
     proxy = Proxy(
         table,
         metrics,
@@ -113,13 +131,21 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint = refuse_at_
         )
         app.state.watcher = watcher
         watcher.start()
+        if planner is not None and usage is not None:
+            await planner.start()
+            usage.start()
         log.info(
-            "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss",
+            "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss; %s",
             scheme,
             host,
             port,
             settings.upstream_connect_timeout_s,
             settings.upstream_read_timeout_s,
+            f"activation through the planner at {settings.planner_url} "
+            f"(window {settings.activation_window_s:g} s, usage every "
+            f"{settings.usage_interval_s:g} s)"
+            if planner is not None
+            else "activation off",
         )
         try:
             yield
@@ -127,6 +153,11 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint = refuse_at_
             # uvicorn has already stopped accepting and drained connections.
             log.info("shutdown: cancelling Consul watches")
             await watcher.stop()
+            if planner is not None and usage is not None and activator is not None:
+                log.info("shutdown: stopping usage reports and activate calls")
+                await usage.stop()
+                await activator.close()
+                await planner.close()
             log.info("shutdown: closing upstream connection pool")
             await proxy.session.close()
             await catalog.close()
@@ -142,6 +173,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint = refuse_at_
     app.state.table = table
     app.state.metrics = metrics
     app.state.proxy = proxy
+    app.state.activator = activator
+    app.state.usage = usage
     app.proxy = proxy
     _add_routes(app, table, metrics)
     _add_error_handlers(app)

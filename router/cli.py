@@ -10,7 +10,13 @@ not start (bad settings, port in use), 2 for a usage error.
 
 Shutdown runs in named steps: stop accepting connections, drain the open
 ones (up to ``--drain-timeout`` seconds; a second signal forces exit), then
-the app's lifespan cancels the Consul watches and closes the upstream pool.
+the app's lifespan cancels the Consul watches, stops the usage reports and
+activate calls, and closes the upstream pool.
+
+Activation (``--planner-url``, ``--planner-token``, ``--activation-window``,
+``--usage-interval``, ``--no-activation``) is described in
+:mod:`router.activation`; prefer ``LLMGW_PLANNER_TOKEN`` to the flag, which
+shows in the process list.
 """
 
 from __future__ import annotations
@@ -80,6 +86,36 @@ def serve(
     drain_timeout: Annotated[
         float | None, typer.Option(help="Seconds to let requests finish on shutdown.")
     ] = None,
+    planner_url: Annotated[
+        str | None,
+        typer.Option(help="Planner admin API for activation (env LLMGW_PLANNER_URL)."),
+    ] = None,
+    planner_token: Annotated[
+        str | None,
+        typer.Option(help="Bearer token for the planner (env LLMGW_PLANNER_TOKEN)."),
+    ] = None,
+    activation_window: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to hold a request for a loading model (env "
+            "LLMGW_ACTIVATION_WINDOW, default 45)."
+        ),
+    ] = None,
+    usage_interval: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between usage reports to the planner (env "
+            "LLMGW_USAGE_INTERVAL, default 10)."
+        ),
+    ] = None,
+    activation: Annotated[
+        bool | None,
+        typer.Option(
+            "--activation/--no-activation",
+            help="Ask the planner to start a model with no endpoint (env LLMGW_ACTIVATION; "
+            "default on). Off: refuse at once, report no usage.",
+        ),
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
@@ -96,10 +132,15 @@ def serve(
             upstream_connect_timeout_s=upstream_connect_timeout,
             upstream_read_timeout_s=upstream_read_timeout,
             drain_timeout_s=drain_timeout,
+            planner_url=planner_url,
+            planner_token=planner_token,
+            activation_window_s=activation_window,
+            usage_interval_s=usage_interval,
+            activation=activation,
             access_log=access_log,
             log_level=log_level,
         )
-        settings.consul_location()
+        settings.validate()
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
         raise typer.Exit(1) from None

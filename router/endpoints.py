@@ -11,6 +11,10 @@ so unit tests can check them. An endpoint that stays keeps its
 :class:`~router.balancer.Endpoint` object, and so its in-flight count; who
 left is computed before the list is replaced.
 
+A request for a model with no passing endpoint may wait for one
+(:mod:`router.activation`): :meth:`ModelEntry.wait_changed` wakes it on the
+next change of endpoints or planner state, so nobody polls the table.
+
 The planner's parked / unplaceable state (:mod:`router.state`) is hung on each
 :class:`ModelEntry` as two attributes, so the proxy's check for a model that
 is fine is one attribute read. States of models not (yet) defined are kept
@@ -85,7 +89,8 @@ class ModelEntry:
     """A defined model as the request path sees it."""
 
     __slots__ = (
-        "_ready", "_turn", "definition", "endpoints", "metrics", "name", "parked", "unplaceable",
+        "_changed", "_ready", "_turn", "definition", "endpoints", "loading_since", "metrics",
+        "name", "parked", "unplaceable", "used",
     )  # fmt: skip
 
     def __init__(
@@ -99,6 +104,16 @@ class ModelEntry:
         self.unplaceable: Unplaceable | None = None
         self._turn = 0
         self._ready = asyncio.Event()
+        # Replaced on every change, so a waiter that took the current one
+        # before checking the entry cannot miss a change (one event loop).
+        self._changed = asyncio.Event()
+        # Set by the proxy on every request, read and cleared by the usage
+        # reporter (router.usage): one attribute write on the hot path.
+        self.used = False
+        # When this router first asked the planner to start the model in the
+        # current loading episode (time.monotonic()); router.activation sets
+        # it, a passing endpoint ends the episode.
+        self.loading_since: float | None = None
         self._set_state(state)
 
     def next_turn(self) -> int:
@@ -111,8 +126,14 @@ class ModelEntry:
         self.metrics.endpoints.set(len(endpoints))
         if endpoints:
             self._ready.set()
+            self.loading_since = None
         else:
             self._ready.clear()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _set_state(self, state: ModelState) -> None:
         if state.parked != self.parked:
@@ -125,8 +146,11 @@ class ModelEntry:
                 log.warning("model %s unplaceable: %s", self.name, state.unplaceable.reason)
             else:
                 log.info("model %s no longer unplaceable", self.name)
+        changed = state.parked != self.parked or state.unplaceable != self.unplaceable
         self.parked = state.parked
         self.unplaceable = state.unplaceable
+        if changed:
+            self._notify()
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for a passing endpoint; ``True`` if one is.
@@ -142,6 +166,21 @@ class ModelEntry:
         except TimeoutError:
             return False
         return bool(self.endpoints)
+
+    async def wait_changed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the next change of endpoints or
+        planner state (parked / unplaceable); ``False`` on timeout.
+
+        Check the entry, then call this with no ``await`` in between: a change
+        made after the check wakes the call.
+        """
+        event = self._changed
+        try:
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True
 
 
 class EndpointTable:
@@ -165,6 +204,10 @@ class EndpointTable:
     def get(self, model: str) -> ModelEntry | None:
         """The entry of a defined ``model``, or ``None`` if it is not defined."""
         return self._models.get(model)
+
+    def entries(self) -> list[ModelEntry]:
+        """Every defined model's entry (a copy: safe to iterate across awaits)."""
+        return list(self._models.values())
 
     def definitions(self) -> list[ModelDefinition]:
         """Every defined model, sorted by name."""

@@ -10,7 +10,11 @@ The tree, split by what the caller can do::
     ├── ModelUnavailable           503: defined, but nothing can serve it now
     │   ├── ModelNotReady          503 model_not_ready (no passing endpoint; Retry-After)
     │   ├── ModelParked            503 model_parked (the planner gave up starting it)
-    │   └── ModelUnplaceable       503 model_unplaceable (Nomad: fits on no node)
+    │   ├── ModelUnplaceable       503 model_unplaceable (Nomad: fits on no node)
+    │   ├── ModelLoading           503 model_loading (activated, not ready within the
+    │   │                          activation window; Retry-After)
+    │   └── PlannerUnavailable     503 planner_unavailable (the activator API did not
+    │                              answer usefully; the model's state is unknown)
     └── UpstreamError              the chosen replica failed us
         ├── UpstreamUnavailable    502 upstream_unavailable (connect refused, reset)
         └── UpstreamTimeout        504 upstream_timeout
@@ -18,7 +22,8 @@ The tree, split by what the caller can do::
     CatalogError                   reading Consul failed; never reaches a client,
     └── CatalogUnavailable         the watch loops back off and retry
 
-Raised by :mod:`router.proxy` and :mod:`router.catalog`; rendered by
+Raised by :mod:`router.proxy`, :mod:`router.catalog`, :mod:`router.plannerapi`
+and :mod:`router.activation`; rendered by
 :func:`error_body` in the proxy and the app's exception handlers. aiohttp and
 py-consul errors are translated where they are caught, so nothing above the
 proxy or the catalog sees a library's exception types.
@@ -26,7 +31,8 @@ proxy or the catalog sees a library's exception types.
 Errors the router answers instead of a model carry a :class:`Refusal`
 (``refusal``), the ``reason`` label of ``llmgw_router_refusals_total``.
 Parked and unplaceable refusals carry no ``Retry-After``: neither ends on a
-timer, and clients that honour the header would retry forever.
+timer, and clients that honour the header would retry forever. Loading and
+planner-unavailable refusals do: both usually end within seconds.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Refusal(StrEnum):
     PARKED = "parked"
     UNPLACEABLE = "unplaceable"
     NOT_READY = "not_ready"
+    LOADING = "loading"
+    PLANNER_UNAVAILABLE = "planner_unavailable"
     UNKNOWN_MODEL = "unknown_model"
 
 
@@ -83,12 +91,9 @@ class ModelNotFound(RequestRefused):
     code = "model_not_found"
     refusal = Refusal.UNKNOWN_MODEL
 
-    def __init__(self, model: str) -> None:
-        super().__init__(
-            f"The model `{model}` does not exist: it is not defined in llmgw "
-            f"(no Consul KV key llmgw/models/{model}).",
-            param="model",
-        )
+    def __init__(self, model: str, why: str | None = None) -> None:
+        why = why or f"it is not defined in llmgw (no Consul KV key llmgw/models/{model})"
+        super().__init__(f"The model `{model}` does not exist: {why}.", param="model")
         self.model = model
 
 
@@ -111,16 +116,24 @@ class ModelUnavailable(RouterError):
 
 
 class ModelNotReady(ModelUnavailable):
+    """No passing endpoint; ``what`` (default: from the replica count) says why."""
+
     code = "model_not_ready"
     refusal = Refusal.NOT_READY
 
-    def __init__(self, model: str, desired_replicas: int, retry_after_s: int | None) -> None:
-        if desired_replicas > 0:
+    def __init__(
+        self,
+        model: str,
+        desired_replicas: int,
+        retry_after_s: int | None,
+        what: str | None = None,
+    ) -> None:
+        if what is None and desired_replicas > 0:
             what = (
                 f"{desired_replicas} replica(s) desired, none passing its Consul health "
                 f"check (service llmgw-{model}); it is starting or failing"
             )
-        else:
+        elif what is None:
             what = "0 replicas desired, so nothing is scheduled to serve it"
         super().__init__(
             f"The model `{model}` is defined but has no ready endpoint: {what}.",
@@ -157,6 +170,36 @@ class ModelUnplaceable(ModelUnavailable):
     def __init__(self, model: str, message: str) -> None:
         super().__init__(message, param="model")
         self.model = model
+
+
+class ModelLoading(ModelUnavailable):
+    """The planner is starting the model, and no replica passed within the activation window.
+
+    ``message`` comes from :mod:`router.activation`, which says for how long it
+    has been loading and from when that is measured.
+    """
+
+    code = "model_loading"
+    refusal = Refusal.LOADING
+
+    def __init__(self, model: str, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, param="model")
+        self.model = model
+
+
+class PlannerUnavailable(ModelUnavailable):
+    """The planner's activator API could not be reached or answered an error.
+
+    Raised by :mod:`router.plannerapi`; the message names the planner's URL and
+    what failed. ``retry_after_s`` is ``None`` for a refused token (waiting does
+    not fix configuration).
+    """
+
+    code = "planner_unavailable"
+    refusal = Refusal.PLANNER_UNAVAILABLE
+
+    def __init__(self, message: str, retry_after_s: int | None = 5) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class UpstreamError(RouterError):

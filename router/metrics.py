@@ -5,7 +5,15 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_requests_total{model,code}``: proxied and refused requests by HTTP status
 - ``llmgw_router_refusals_total{model,reason}``: requests the router answered
   itself instead of proxying, by :class:`router.errors.Refusal` (parked,
-  unplaceable, not_ready; unknown_model under ``model=""``); published at 0
+  unplaceable, not_ready, loading, planner_unavailable; unknown_model under
+  ``model=""``); published at 0
+- ``llmgw_router_activations_total{model,outcome}``: activate calls this router
+  made to the planner (one per call, however many requests shared it), by the
+  planner's answer (serving, loading, parked, unplaceable) or ``error``;
+  published at 0
+- ``llmgw_router_activation_wait_seconds{model}``: how long a request that
+  found no passing endpoint waited, from then (the activate call included)
+  until it got an endpoint or was refused, left or timed out
 - ``llmgw_router_request_duration_seconds{model}``: time to the last byte sent
 - ``llmgw_router_inflight_requests{model}``: requests being served now
 - ``llmgw_router_endpoints{model}``: passing endpoints; published at 0 for every
@@ -29,10 +37,22 @@ from router.errors import Refusal
 UNKNOWN_MODEL = ""
 
 # Refusals a defined model can get; published at 0 so rate() sees the first one.
-_MODEL_REFUSALS = (Refusal.PARKED, Refusal.UNPLACEABLE, Refusal.NOT_READY)
+_MODEL_REFUSALS = (
+    Refusal.PARKED,
+    Refusal.UNPLACEABLE,
+    Refusal.NOT_READY,
+    Refusal.LOADING,
+    Refusal.PLANNER_UNAVAILABLE,
+)
+
+# Outcomes of an activate call: the planner's four answers, or no usable answer.
+ACTIVATION_OUTCOMES = ("serving", "loading", "parked", "unplaceable", "error")
 
 # LLM requests run from milliseconds (embeddings) to minutes (long generations).
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# An activation wait is a planner answer (~0.1-2 s), or a model load (seconds
+# to the 45 s default window).
+_WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 45, 60, 120)
 
 
 class RequestMetrics:
@@ -69,12 +89,16 @@ class RequestMetrics:
 class ModelMetrics(RequestMetrics):
     """All label children of one defined model, bound once and reused."""
 
-    __slots__ = ("endpoints", "inflight")
+    __slots__ = ("activation_wait", "activations", "endpoints", "inflight")
 
     def __init__(self, owner: RouterMetrics, model: str) -> None:
         super().__init__(owner, model, _MODEL_REFUSALS)
         self.inflight = owner.inflight.labels(model=model)
         self.endpoints = owner.endpoints.labels(model=model)
+        self.activations = {
+            o: owner.activations.labels(model=model, outcome=o) for o in ACTIVATION_OUTCOMES
+        }
+        self.activation_wait = owner.activation_wait.labels(model=model)
 
 
 class RouterMetrics:
@@ -113,6 +137,20 @@ class RouterMetrics:
             ("model",),
             registry=self.registry,
         )
+        self.activations = Counter(
+            "llmgw_router_activations_total",
+            "Activate calls this router made to the planner, by model and outcome.",
+            ("model", "outcome"),
+            registry=self.registry,
+        )
+        self.activation_wait = Histogram(
+            "llmgw_router_activation_wait_seconds",
+            "Seconds a request waited for a passing endpoint of a model that had none "
+            "(the activate call included).",
+            ("model",),
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
         self._models: dict[str, ModelMetrics] = {}
         # Only request counters: "0 endpoints for model ''" would be noise.
         self.unknown = RequestMetrics(self, UNKNOWN_MODEL, (Refusal.UNKNOWN_MODEL,))
@@ -141,8 +179,10 @@ class RouterMetrics:
         bound = self._models.pop(model, None)
         if bound is None:
             return
-        for family in (self.duration, self.inflight, self.endpoints):
+        for family in (self.duration, self.inflight, self.endpoints, self.activation_wait):
             family.remove(model)
+        for outcome in bound.activations:
+            self.activations.remove(model, outcome)
         for status in bound._codes:
             self.requests.remove(model, str(status))
         for reason in bound._refusals:

@@ -18,10 +18,12 @@ go upstream unchanged over one shared aiohttp keep-alive pool.
 
 A parked model is refused at once (:func:`router.refusals.gate`), before its
 endpoints are looked at. When a defined model has no passing endpoint the
-:data:`NoEndpoint` policy decides; the default
-(:func:`router.refusals.refuse_at_once`) refuses at once with 503
-``model_unplaceable`` or ``model_not_ready``. On-demand activation plugs in
-there. Every refusal is counted by its :class:`router.errors.Refusal`.
+:data:`NoEndpoint` policy decides: the router's is on-demand activation
+(:class:`router.activation.Activator`: ask the planner, then wait a bounded
+time for an endpoint); :func:`router.refusals.refuse_at_once` refuses at once
+with 503 ``model_unplaceable`` or ``model_not_ready``. Every refusal is
+counted by its :class:`router.errors.Refusal`. Each request marks its model
+used (``entry.used``) for :mod:`router.usage`.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class Proxy:
             if entry is None:
                 raise errors.ModelNotFound(model)
             bound = entry.metrics
+            entry.used = True  # for the usage report (router.usage)
             if entry.parked is not None:
                 # Parked wins over passing endpoints: the planner stopped the
                 # job, and a replica still deregistering must not serve.

@@ -10,10 +10,11 @@ call per request):
   **unplaceable** (503 ``model_unplaceable``, with Nomad's reason) or **not
   ready** (503 ``model_not_ready`` with ``Retry-After``).
 
-:func:`refuse_at_once` wraps the second as the proxy's default
-:data:`router.proxy.NoEndpoint` policy. On-demand activation replaces that
-policy, not this module's wording: it will ask the planner for a fresh
-placement attempt and wait for its answer before refusing.
+:func:`refuse_at_once` wraps the second as a :data:`router.proxy.NoEndpoint`
+policy (the router's with ``--no-activation``). On-demand activation
+(:mod:`router.activation`, the default policy) asks the planner for a fresh
+placement attempt first, and refuses in this module's words
+(:func:`parked`, :func:`unplaceable`) when that is the answer.
 
 Parked and unplaceable refusals carry no ``Retry-After``: clients retry that
 forever, and neither state ends by waiting (parked needs an operator; an
@@ -124,6 +125,11 @@ def parked(model: str, record: Parked) -> errors.ModelParked:
     return errors.ModelParked(model, parked_message(model, record))
 
 
+def unplaceable(model: str, record: Unplaceable) -> errors.ModelUnplaceable:
+    """The 503 ``model_unplaceable`` for ``model``, with Nomad's reason from ``record``."""
+    return errors.ModelUnplaceable(model, unplaceable_message(model, record))
+
+
 def gate(entry: ModelEntry) -> errors.ModelParked | None:
     """The refusal that applies even while endpoints pass: a parked model."""
     return None if entry.parked is None else parked(entry.name, entry.parked)
@@ -135,13 +141,11 @@ def when_no_endpoint(entry: ModelEntry) -> errors.ModelUnavailable:
     if refusal is not None:
         return refusal
     if entry.unplaceable is not None:
-        return errors.ModelUnplaceable(
-            entry.name, unplaceable_message(entry.name, entry.unplaceable)
-        )
+        return unplaceable(entry.name, entry.unplaceable)
     replicas = entry.definition.replicas
     return errors.ModelNotReady(entry.name, replicas, retry_after_s=5 if replicas > 0 else None)
 
 
 async def refuse_at_once(entry: ModelEntry) -> None:
-    """Default :data:`router.proxy.NoEndpoint` policy: raise :func:`when_no_endpoint`."""
+    """:data:`router.proxy.NoEndpoint` policy without activation: raise :func:`when_no_endpoint`."""
     raise when_no_endpoint(entry)

@@ -13,6 +13,14 @@ Environment variables (all optional):
 - ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``: seconds without a byte from a replica (600)
 - ``LLMGW_ROUTER_MAX_CONNECTIONS``: size of the upstream keep-alive pool (256)
 - ``LLMGW_ROUTER_DRAIN_TIMEOUT``: seconds to let in-flight requests finish on shutdown (30)
+- ``LLMGW_PLANNER_URL``: the planner's admin API, for on-demand activation and
+  usage reports (default ``http://127.0.0.1:4650``)
+- ``LLMGW_PLANNER_TOKEN``: bearer token for it (the planner's ``LLMGW_ADMIN_TOKEN``)
+- ``LLMGW_ACTIVATION_WINDOW``: seconds a request for a loading model is held
+  before 503 ``model_loading`` (45)
+- ``LLMGW_USAGE_INTERVAL``: seconds between usage reports to the planner (10)
+- ``LLMGW_ACTIVATION``: ``0`` / ``false`` turns activation off: a model with no
+  passing endpoint is refused at once, and no usage is reported (default on)
 """
 
 from __future__ import annotations
@@ -20,10 +28,11 @@ from __future__ import annotations
 import os
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
+DEFAULT_PLANNER_URL = "http://127.0.0.1:4650"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +42,7 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     consul_addr: str = DEFAULT_CONSUL_ADDR
-    consul_token: str | None = None
+    consul_token: str | None = field(default=None, repr=False)
     # Consul caps a blocking query at 10 minutes; a shorter wait bounds how long
     # a silently dropped connection can hide a change from us.
     watch_wait_s: float = 60.0
@@ -49,6 +58,16 @@ class RouterSettings:
     drain_timeout_s: float = 30.0
     access_log: bool = False
     log_level: str = "info"
+    # On-demand activation (router.activation) and usage reports (router.usage).
+    activation: bool = True
+    planner_url: str = DEFAULT_PLANNER_URL
+    planner_token: str | None = field(default=None, repr=False)
+    # A 40 s wait is a slow request; a 15 min wait is a job pretending to be one.
+    activation_window_s: float = 45.0
+    # The planner waits up to ~2 s for its placement answer; this bounds the
+    # rest (a planner that accepts connections but hangs).
+    activate_timeout_s: float = 5.0
+    usage_interval_s: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -63,11 +82,15 @@ class RouterSettings:
             overrides["consul_addr"] = env["CONSUL_HTTP_ADDR"]
         if env.get("CONSUL_HTTP_TOKEN"):
             overrides["consul_token"] = env["CONSUL_HTTP_TOKEN"]
-        for var, field, kind in _ENV_FIELDS:
+        if env.get("LLMGW_PLANNER_TOKEN"):
+            overrides["planner_token"] = env["LLMGW_PLANNER_TOKEN"]
+        if env.get("LLMGW_ACTIVATION"):
+            overrides["activation"] = _flag("LLMGW_ACTIVATION", env["LLMGW_ACTIVATION"])
+        for var, name, kind in _ENV_FIELDS:
             raw = env.get(var)
             if raw:
                 try:
-                    overrides[field] = kind(raw)
+                    overrides[name] = kind(raw)
                 except ValueError as exc:
                     raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from exc
         return replace(base, **overrides)
@@ -75,6 +98,15 @@ class RouterSettings:
     def with_overrides(self, **changes: Any) -> RouterSettings:
         """Return a copy with every non-``None`` keyword applied (CLI flags)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for settings the router cannot start with."""
+        self.consul_location()
+        planner = urllib.parse.urlsplit(self.planner_url)
+        if self.activation and (planner.scheme not in ("http", "https") or not planner.hostname):
+            raise ValueError(f"planner URL {self.planner_url!r} is not an http(s):// URL")
+        if self.activation_window_s < 0 or self.usage_interval_s <= 0:
+            raise ValueError("the activation window must be >= 0 s and the usage interval > 0 s")
 
     def consul_location(self) -> tuple[str, str, int]:
         """Split ``consul_addr`` into ``(scheme, host, port)``.
@@ -97,4 +129,18 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT", "upstream_read_timeout_s", float),
     ("LLMGW_ROUTER_MAX_CONNECTIONS", "max_connections", int),
     ("LLMGW_ROUTER_DRAIN_TIMEOUT", "drain_timeout_s", float),
+    ("LLMGW_PLANNER_URL", "planner_url", str),
+    ("LLMGW_ACTIVATION_WINDOW", "activation_window_s", float),
+    ("LLMGW_USAGE_INTERVAL", "usage_interval_s", float),
 )
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _flag(var: str, raw: str) -> bool:
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"{var}={raw!r} is not a boolean (1/0, true/false)")

@@ -9,6 +9,7 @@ the cluster fixture purges every job and stops both agents at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -95,12 +96,15 @@ def planner_env(cluster: Cluster, binaries: Path,
     script that sleeps first. That one is a fake (C09): a model that really takes 90 s
     to load needs gigabytes of weights; what matters to Nomad and Consul is the same,
     a server that does not answer its health check for 90 s."""
-    slow = tmp_path_factory.mktemp("engines") / "slow-llama-server"
-    slow.write_text(f"#!/bin/sh\nsleep {SLOW_START_SECONDS}\n"
-                    f"exec {binaries / 'llama-server'} \"$@\"\n")
-    slow.chmod(0o755)
+    engines = {"llama.cpp": str(binaries / "llama-server")}
+    folder = tmp_path_factory.mktemp("engines")
+    for name, seconds in (("slow-llama.cpp", SLOW_START_SECONDS), ("wait8-llama.cpp", 8)):
+        script = folder / name
+        script.write_text(f"#!/bin/sh\nsleep {seconds}\nexec {binaries / 'llama-server'} \"$@\"\n")
+        script.chmod(0o755)
+        engines[name] = str(script)
     return {**os.environ, **cluster.env,
-            "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'},slow-llama.cpp={slow}"}
+            "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +130,7 @@ def model_files(tmp_path: Path, tiny_model: Path) -> Callable[..., Path]:
     folder.mkdir()
 
     def write(name: str, source: str | None = None, replicas: int = 1,
-              profile: str = "context: 512\n  cpu: 500\n  memory: 256MiB\n"
+              profile: str = "context: 512\n  cpu: 100\n  memory: 256MiB\n"
                              "  args: [\"--threads\", \"1\"]", extra: str = "") -> Path:
         text = (f"name: {name}\nsource: {source or 'file://' + str(tiny_model)}\n"
                 f"profile:\n  {profile}\nreplicas: {replicas}\n{extra}")
@@ -136,16 +140,18 @@ def model_files(tmp_path: Path, tiny_model: Path) -> Callable[..., Path]:
     return write
 
 
-@pytest.fixture(scope="session")
-def router(cluster: Cluster) -> Iterator[str]:
-    """A real router process reading the test cluster's Consul; yields its base URL."""
+@contextlib.contextmanager
+def run_router(cluster: Cluster, planner_url: str, **env: str) -> Iterator[str]:
+    """A real router process for the test cluster and planner; yields its base URL."""
     port = free_port()
-    log = cluster.root / "router.log"
+    log = cluster.root / f"router-{port}.log"
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
              "--port", str(port)],
-            env={**os.environ, **cluster.env}, stdout=out, stderr=subprocess.STDOUT)
+            env={**os.environ, **cluster.env, "LLMGW_PLANNER_URL": planner_url,
+                 "LLMGW_PLANNER_TOKEN": ADMIN_TOKEN, **env},
+            stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_json(f"{base}/health", timeout=2) is not None, 30, "router /health")
@@ -156,6 +162,12 @@ def router(cluster: Cluster) -> Iterator[str]:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def router(cluster: Cluster, planner_daemon: PlannerDaemon) -> Iterator[str]:
+    with run_router(cluster, planner_daemon.url) as base:
+        yield base
 
 
 def nomad_get(cluster: Cluster, path: str) -> Any:

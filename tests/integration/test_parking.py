@@ -31,7 +31,7 @@ from tests.support.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.integration
 
 KEV_ERROR = "unknown model architecture: 'kev'"
-SMALL = 'context: 512\n  cpu: 500\n  memory: 256MiB\n  args: ["--threads", "1"]'
+SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 
 
 def starts(cluster: Cluster, job_id: str) -> int:

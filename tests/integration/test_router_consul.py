@@ -6,6 +6,12 @@ Self-contained: a module fixture starts ``consul agent -dev`` on free ports
 (``python -m router serve``); stub upstreams are aiohttp servers on a
 background thread that record what they saw, including client disconnects.
 Everything is stopped at module teardown.
+
+The routers run with activation off, except in the on-demand tests at the
+end: there a scripted planner stub (:class:`PlannerStub`, the activator API
+only) answers activate calls, and what the router waits for (a passing
+replica, a parked record) comes from the real Consul. The real planner's side
+is tested in test_on_demand.py.
 """
 
 from __future__ import annotations
@@ -293,6 +299,9 @@ class Router:
             **os.environ,
             "PYTHONPATH": str(REPO),
             "CONSUL_HTTP_ADDR": f"127.0.0.1:{consul.port}",
+            # Off unless a test turns it on with --activation and its own
+            # planner: the default planner URL may be a demo's planner.
+            "LLMGW_ACTIVATION": "0",
         }
         self.proc = subprocess.Popen(
             [
@@ -775,3 +784,219 @@ def test_router_started_after_parking_refuses_from_its_first_request(cluster, tm
         router.stop()
         consul.deregister(service_id)
         consul.clear_state("early")
+
+
+# --- on-demand activation (a scripted planner; real Consul) ------------------
+
+PLANNER_TOKEN = "router-test-token"
+LOADING = {"status": "loading", "reason": "scaled up from 0", "last_error": None, "since": None}
+
+
+class PlannerStub:
+    """The planner's activator API, scripted: ``answers[model]`` is the answer to
+    every activate call for it (404 for a model without one). Records calls."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.answers: dict[str, dict] = {}
+        self.delay_s: dict[str, float] = {}  # per model, before answering
+        self.activations: list[tuple[float, str]] = []
+        self.usage: list[list[str]] = []
+        self.bad_tokens = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/models/{name}/activate", self._activate)
+        app.router.add_post("/v1/usage", self._usage)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(site.start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def _authorized(self, req: web.Request) -> bool:
+        ok = req.headers.get("Authorization") == f"Bearer {PLANNER_TOKEN}"
+        self.bad_tokens += not ok
+        return ok
+
+    async def _activate(self, req: web.Request) -> web.Response:
+        if not self._authorized(req):
+            return web.json_response({"error": {"message": "bad token"}}, status=401)
+        name = req.match_info["name"]
+        self.activations.append((time.monotonic(), name))
+        await asyncio.sleep(self.delay_s.get(name, 0.0))
+        answer = self.answers.get(name)
+        if answer is None:
+            return web.json_response({"error": {"message": "never applied"}}, status=404)
+        return web.json_response({"name": name, **answer})
+
+    async def _usage(self, req: web.Request) -> web.Response:
+        if not self._authorized(req):
+            return web.json_response({"error": {"message": "bad token"}}, status=401)
+        self.usage.append((await req.json())["models"])
+        return web.Response(status=204)
+
+    def calls(self, model: str) -> int:
+        return sum(1 for _, name in self.activations if name == model)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def on_demand(cluster, tmp_path_factory: pytest.TempPathFactory):
+    consul, _, stub_a, _ = cluster
+    planner = PlannerStub()
+    router = None
+    try:
+        router = Router(
+            consul,
+            tmp_path_factory.mktemp("on-demand"),
+            "activating-router",
+            "--activation",
+            "--planner-url",
+            planner.url,
+            "--planner-token",
+            PLANNER_TOKEN,
+            "--activation-window",
+            "4",
+            "--usage-interval",
+            "0.2",
+        )
+        yield consul, router, planner, stub_a
+    finally:
+        if router is not None:
+            router.stop()
+        planner.stop()
+
+
+def post_later(router: Router, model: str, **body: object) -> tuple[threading.Thread, dict]:
+    """POST in a background thread; the dict gets status, headers, body, seconds."""
+    result: dict = {}
+
+    def go() -> None:
+        started = time.monotonic()
+        status, headers, data = request(
+            "POST", f"{router.url}/v1/completions", {"model": model, **body}, timeout=30
+        )
+        result.update(status=status, headers=headers, body=data, done=time.monotonic())
+        result["seconds"] = result["done"] - started
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_loading_model_is_served_when_its_replica_passes_in_consul(on_demand) -> None:
+    consul, router, planner, stub_a = on_demand
+    planner.answers["cold"] = LOADING
+    planner.delay_s["cold"] = 0.5  # all four requests arrive while the call is in flight
+    consul.define("cold", replicas=1)
+    eventually(lambda: endpoints_of(router, "cold") == 0)
+    threads = [post_later(router, "cold") for _ in range(4)]
+    eventually(lambda: planner.calls("cold") >= 1)
+    time.sleep(0.8)
+    assert not any(result for _, result in threads)  # held, not refused
+    passed_at = time.monotonic()
+    consul.register("cold", "a", stub_a.port)
+    for thread, result in threads:
+        thread.join(10)
+        assert result["status"] == 200, result
+        # Woken by the watch's change, not by a poll: well under a second.
+        assert result["done"] - passed_at < 0.5
+    # Four concurrent requests, one activate call.
+    assert planner.calls("cold") == 1
+    assert router.metric("llmgw_router_activations_total", model="cold", outcome="loading") == 1
+    assert router.metric("llmgw_router_activation_wait_seconds_count", model="cold") == 4
+    assert planner.bad_tokens == 0
+
+
+def test_window_runs_out_then_the_next_request_is_served(on_demand) -> None:
+    consul, router, planner, stub_a = on_demand
+    planner.answers["slow-load"] = LOADING
+    consul.define("slow-load", replicas=1)
+    eventually(lambda: endpoints_of(router, "slow-load") == 0)
+    started = time.monotonic()
+    status, headers, body = request("POST", f"{router.url}/v1/completions", {"model": "slow-load"})
+    assert 4 <= time.monotonic() - started < 6
+    assert status == 503 and headers["Retry-After"] == "5"
+    error = assert_openai_error(body, "model_loading")
+    assert "`slow-load` is loading" in error["message"]
+    consul.register("slow-load", "a", stub_a.port)
+    eventually(lambda: endpoints_of(router, "slow-load") == 1)
+    status, _, _ = request("POST", f"{router.url}/v1/completions", {"model": "slow-load"})
+    assert status == 200
+    assert router.metric("llmgw_router_refusals_total", model="slow-load", reason="loading") == 1
+
+
+def test_parked_in_consul_while_waiting_is_refused_at_once(on_demand) -> None:
+    consul, router, planner, _ = on_demand
+    planner.answers["doomed"] = LOADING
+    consul.define("doomed", replicas=1)
+    eventually(lambda: endpoints_of(router, "doomed") == 0)
+    thread, result = post_later(router, "doomed")
+    eventually(lambda: planner.calls("doomed") >= 1)
+    time.sleep(0.3)
+    parked_at = time.monotonic()
+    consul.set_state("doomed", planner_state("doomed", parked=True))
+    thread.join(5)
+    assert result["status"] == 503 and result["done"] - parked_at < 1.0
+    error = assert_openai_error(result["body"], "model_parked")
+    assert KEV_LINE in error["message"]
+    # Parked in KV: refused without asking the planner again.
+    assert refusal_code(router, "doomed") == "model_parked"
+    assert planner.calls("doomed") == 1
+    consul.clear_state("doomed")
+
+
+def test_unplaceable_answer_is_refused_at_once(on_demand) -> None:
+    consul, router, planner, _ = on_demand
+    since = "2026-11-29T21:00:00+00:00"
+    planner.answers["too-big"] = {"status": "unplaceable", "reason": MISSING_GPU, "since": since}
+    consul.define("too-big", replicas=1)
+    eventually(lambda: endpoints_of(router, "too-big") == 0)
+    started = time.monotonic()
+    status, headers, body = request("POST", f"{router.url}/v1/completions", {"model": "too-big"})
+    assert time.monotonic() - started < 1.0
+    assert status == 503 and "Retry-After" not in headers
+    assert MISSING_GPU in assert_openai_error(body, "model_unplaceable")["message"]
+
+
+def test_usage_reports_reach_the_planner(on_demand) -> None:
+    consul, router, planner, stub_a = on_demand
+    define_serving(consul, router, "busy", stub_a)
+    request("POST", f"{router.url}/v1/completions", {"model": "busy"})
+    eventually(lambda: any("busy" in models for models in planner.usage), timeout=3)
+    # A long stream keeps its model reported while it lasts.
+    before = len(planner.usage)
+    body = {"model": "busy", "stream": True, "max_tokens": 8}  # 8 x 0.15 s
+    read_stream(router.port, "/v1/completions", body)
+    assert sum("busy" in models for models in planner.usage[before:]) >= 3
+
+
+def test_planner_down_is_planner_unavailable_fast(cluster, tmp_path: Path) -> None:
+    consul, _, _, _ = cluster
+    down = f"http://127.0.0.1:{free_port()}"
+    router = Router(consul, tmp_path, "orphan", "--activation", "--planner-url", down)
+    try:
+        consul.define("orphaned", replicas=1)
+        eventually(lambda: endpoints_of(router, "orphaned") == 0)
+        started = time.monotonic()
+        status, headers, body = request(
+            "POST", f"{router.url}/v1/completions", {"model": "orphaned"}
+        )
+        assert time.monotonic() - started < 1.0
+        assert status == 503 and headers["Retry-After"] == "5"
+        assert down in assert_openai_error(body, "planner_unavailable")["message"]
+    finally:
+        router.stop()

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 # Slow enough to stream for several seconds: a wider, deeper random model
 # and a long generation that ignores end-of-sequence.
 SLOW_PROFILE = (
-    'context: 4096\n  cpu: 500\n  memory: 512MiB\n  args: ["--threads", "1", "--parallel", "1"]'
+    'context: 4096\n  cpu: 100\n  memory: 512MiB\n  args: ["--threads", "1", "--parallel", "1"]'
 )
 
 
@@ -74,7 +74,7 @@ def serving(
     folder = tmp_path_factory.mktemp("serving")
     (folder / "main.yaml").write_text(
         f"name: main-tiny\nsource: file://{tiny_model}\nprofile:\n  context: 512\n"
-        '  cpu: 500\n  memory: 256MiB\n  args: ["--threads", "1"]\nreplicas: 1\n'
+        '  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]\nreplicas: 1\n'
     )
     endpoint = serve(planner, folder, cluster, "main-tiny")
     wait_for(lambda: router_has(router, "main-tiny"), 10, "router to list main-tiny")

@@ -22,7 +22,9 @@ def test_extract_model() -> None:
 @pytest.fixture
 def client() -> TestClient:
     # No lifespan: no Consul and no upstream pool, the table is filled by hand.
-    app = create_app(RouterSettings())
+    # Activation off: it needs the planner client the lifespan opens
+    # (test_router_activation covers it).
+    app = create_app(RouterSettings(activation=False))
     app.state.table.set_models({"ready-later": ModelDefinition("ready-later", replicas=1)})
     app.state.table.set_states({})
     return TestClient(app, raise_server_exceptions=False)

@@ -221,7 +221,7 @@ def test_state_follows_models_in_either_order() -> None:
 
 @pytest.fixture
 def app():
-    app = create_app(RouterSettings())
+    app = create_app(RouterSettings(activation=False))  # refuse at once, as without a planner
     table = app.state.table
     table.set_models({n: ModelDefinition(n, replicas=1) for n in ("p", "u", "idle")})
     table.set_states({"p": PARKED, "u": UNPLACEABLE})

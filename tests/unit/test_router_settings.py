@@ -26,3 +26,29 @@ def test_environment_and_overrides() -> None:
 def test_bad_number_names_the_variable() -> None:
     with pytest.raises(ValueError, match="LLMGW_ROUTER_PORT"):
         RouterSettings.from_env({"LLMGW_ROUTER_PORT": "eighty"})
+
+
+def test_activation_settings_from_environment_and_flags() -> None:
+    defaults = RouterSettings.from_env({})
+    assert defaults.activation and defaults.planner_url == "http://127.0.0.1:4650"
+    assert (defaults.activation_window_s, defaults.usage_interval_s) == (45.0, 10.0)
+    assert defaults.planner_token is None
+    settings = RouterSettings.from_env(
+        {
+            "LLMGW_PLANNER_URL": "http://planner.service:4650",
+            "LLMGW_PLANNER_TOKEN": "s3cret",
+            "LLMGW_ACTIVATION_WINDOW": "30",
+            "LLMGW_USAGE_INTERVAL": "5",
+        }
+    )
+    assert settings.planner_url == "http://planner.service:4650"
+    assert (settings.activation_window_s, settings.usage_interval_s) == (30.0, 5.0)
+    assert settings.planner_token == "s3cret" and "s3cret" not in repr(settings)
+    settings.validate()
+    flagged = settings.with_overrides(activation_window_s=2.5, activation=False)
+    assert flagged.activation_window_s == 2.5 and not flagged.activation
+    assert not RouterSettings.from_env({"LLMGW_ACTIVATION": "false"}).activation
+    with pytest.raises(ValueError, match="LLMGW_ACTIVATION"):
+        RouterSettings.from_env({"LLMGW_ACTIVATION": "maybe"})
+    with pytest.raises(ValueError, match="planner URL"):
+        RouterSettings(planner_url="planner:4650").validate()

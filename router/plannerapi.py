@@ -1,0 +1,176 @@
+"""The router's client of the planner's activator API: activate a model, report usage.
+
+Two calls, both ``POST`` with ``Authorization: Bearer <token>`` (the planner's
+``LLMGW_ADMIN_TOKEN``; the contract lives in ``planner/admin.py``):
+
+- ``/v1/models/{name}/activate`` -> 200 ``{"name", "status", "reason",
+  "last_error", "since"}``, status one of :data:`STATUSES` (another one is
+  passed on for :mod:`router.activation` to refuse in the planner's words). The planner makes a
+  fresh placement attempt if the model is not placed or starting, waits up to
+  ~2 s for Nomad's answer, and says what it saw;
+- ``/v1/usage`` with ``{"models": [...]}`` -> 204: those models were used now.
+
+Called by :mod:`router.activation` (one activate call per model at a time) and
+:mod:`router.usage` (one usage call per interval). Every aiohttp, timeout,
+status and decoding failure leaves this module as
+:class:`router.errors.PlannerUnavailable` (a 404 on activate as
+:class:`router.errors.ModelNotFound`), so nothing above sees aiohttp's types.
+
+Its own aiohttp session, not the upstream pool: short timeouts (a planner that
+accepts connections and then hangs must cost a request seconds, not minutes),
+and nothing here competes with proxied requests for connections.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from router import errors
+
+log = logging.getLogger(__name__)
+
+STATUSES = frozenset({"serving", "loading", "parked", "unplaceable"})
+
+# Connection refused answers at once; this bounds a host that drops SYNs.
+_CONNECT_TIMEOUT_S = 2.0
+_DETAIL_LIMIT = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """The planner's answer to one activate call."""
+
+    name: str
+    status: str
+    reason: str = ""
+    last_error: str = ""
+    since: str = ""
+
+
+def parse_activation(model: str, doc: Any) -> Activation:
+    """Read an activate answer. Raises ``ValueError`` when it is not one (no status)."""
+    if not isinstance(doc, dict):
+        raise ValueError("the answer is not a JSON object")
+    status = doc.get("status")
+    if not isinstance(status, str) or not status:
+        raise ValueError(f"no status in {doc!r:.200}")
+
+    def text(key: str) -> str:
+        value = doc.get(key)
+        return value if isinstance(value, str) else ""
+
+    return Activation(
+        name=model,
+        status=status,
+        reason=text("reason"),
+        last_error=text("last_error"),
+        since=text("since"),
+    )
+
+
+def _detail(body: bytes) -> str:
+    """The planner's error message (its ``{"error": {"message"}}``), else the body, clipped."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace")
+    message = " ".join(str(message).split())
+    return message if len(message) <= _DETAIL_LIMIT else message[: _DETAIL_LIMIT - 1] + "…"
+
+
+class PlannerAPI:
+    """The two activator calls over a private aiohttp session.
+
+    :meth:`start` and :meth:`close` run inside the event loop (the router's
+    lifespan, or a test's).
+    """
+
+    def __init__(self, base_url: str, token: str | None, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._token = token
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(
+                total=self.timeout_s, sock_connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)
+            ),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def activate(self, model: str) -> Activation:
+        """Ask the planner to bring ``model`` up (or say why it cannot).
+
+        Raises :class:`router.errors.PlannerUnavailable` or
+        :class:`router.errors.ModelNotFound` (the planner never applied it).
+        """
+        path = f"/v1/models/{urllib.parse.quote(model, safe='')}/activate"
+        what = f"activate the model `{model}`"
+        status, body = await self._post(path, None, what)
+        if status == 404:
+            # Defined in KV, unknown to the planner: removed a moment ago.
+            raise errors.ModelNotFound(
+                model, f"the planner at {self.base_url} does not know it ({_detail(body)})"
+            )
+        if status != 200:
+            raise self._refused(status, body, what)
+        try:
+            return parse_activation(model, json.loads(body))
+        except ValueError as exc:
+            raise errors.PlannerUnavailable(
+                f"The planner at {self.base_url} gave an answer this router does not "
+                f"understand when asked to {what}: {exc}."
+            ) from None
+
+    async def report_usage(self, models: Sequence[str]) -> None:
+        """Tell the planner ``models`` were used now. Raises :class:`PlannerUnavailable`."""
+        what = f"record the use of {len(models)} model(s)"
+        status, body = await self._post("/v1/usage", {"models": list(models)}, what)
+        if status not in (200, 204):
+            raise self._refused(status, body, what)
+
+    async def _post(self, path: str, payload: object, what: str) -> tuple[int, bytes]:
+        if self._session is None:
+            raise RuntimeError("PlannerAPI used before start()")
+        try:
+            async with self._session.post(self.base_url + path, json=payload) as resp:
+                return resp.status, await resp.read()
+        except TimeoutError:
+            raise errors.PlannerUnavailable(
+                f"The planner at {self.base_url} did not answer within {self.timeout_s:g} s "
+                f"when asked to {what}."
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise errors.PlannerUnavailable(
+                f"The planner at {self.base_url} could not be reached to {what} "
+                f"({type(exc).__name__}: {exc})."
+            ) from None
+
+    def _refused(self, status: int, body: bytes, what: str) -> errors.PlannerUnavailable:
+        detail = _detail(body)
+        if status in (401, 403):
+            # Configuration, not a passing state: no Retry-After.
+            log.error("the planner at %s refused this router's token: %s", self.base_url, detail)
+            return errors.PlannerUnavailable(
+                f"The planner at {self.base_url} refused this router's token when asked to "
+                f"{what} (HTTP {status}: {detail}). Set the router's --planner-token / "
+                f"LLMGW_PLANNER_TOKEN to the planner's LLMGW_ADMIN_TOKEN.",
+                retry_after_s=None,
+            )
+        return errors.PlannerUnavailable(
+            f"The planner at {self.base_url} could not {what} (HTTP {status}: {detail})."
+        )

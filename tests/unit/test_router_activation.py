@@ -1,0 +1,502 @@
+"""On-demand activation and usage reports (router.activation, router.plannerapi, router.usage).
+
+A unit test of the router's policy, not of the planner: the planner's
+activator API is played by a small scripted aiohttp server on 127.0.0.1
+(:class:`StubPlanner`) that answers each activate call from a list, records
+every call and header, and doubles as the upstream replica once a test makes
+an endpoint "pass" (by writing it into the endpoint table, as the Consul watch
+would). The router app is driven over ASGI in the test's event loop, without
+its lifespan (no Consul). The real planner and Consul are in
+tests/integration/test_router_consul.py and tests/integration/test_on_demand.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from router.app import create_app, upstream_session
+from router.catalog import ModelDefinition, ServiceAddress
+from router.endpoints import EndpointTable
+from router.settings import RouterSettings
+from router.state import ModelState, Parked, Unplaceable
+
+TOKEN = "s3cret"
+MISSING_GPU = 'no node has an nvidia/gpu device: 1 of 1 nodes filtered ("missing devices")'
+
+
+def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
+    asyncio.run(asyncio.wait_for(scenario, timeout))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StubPlanner:
+    """Scripted activator API plus a trivial upstream, on one aiohttp server.
+
+    ``answers[model]`` is a list of activate answers, used in order (the last
+    one repeats): a dict (merged over ``{"status": ...}`` defaults) or an int
+    HTTP status answered with an error body. A model without a script is 404.
+    """
+
+    def __init__(self, answers: dict[str, list[dict | int]], delay_s: float = 0.0) -> None:
+        self.answers = answers
+        self.delay_s = delay_s
+        self.activations: list[str] = []
+        self.authorization: list[str | None] = []
+        self.usage: list[list[str]] = []
+        self.upstream_hits = 0
+        self.usage_status = 204
+        app = web.Application()
+        app.router.add_post("/v1/models/{name}/activate", self._activate)
+        app.router.add_post("/v1/usage", self._usage)
+        app.router.add_post("/v1/completions", self._upstream)
+        self._runner = web.AppRunner(app)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _activate(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.activations.append(name)
+        self.authorization.append(request.headers.get("Authorization"))
+        await asyncio.sleep(self.delay_s)
+        script = self.answers.get(name)
+        if not script:
+            error = {"message": f"model {name!r} was never applied", "code": "model_not_found"}
+            return web.json_response({"error": error}, status=404)
+        answer = script.pop(0) if len(script) > 1 else script[0]
+        if isinstance(answer, int):
+            error = {"message": "nomad is unreachable", "type": "planner_error", "code": "x"}
+            return web.json_response({"error": error}, status=answer)
+        body = {"name": name, "reason": "", "last_error": None, "since": None, **answer}
+        return web.json_response(body)
+
+    async def _usage(self, request: web.Request) -> web.Response:
+        self.authorization.append(request.headers.get("Authorization"))
+        self.usage.append((await request.json())["models"])
+        return web.Response(status=self.usage_status)
+
+    async def _upstream(self, request: web.Request) -> web.Response:
+        self.upstream_hits += 1
+        return web.json_response({"object": "text_completion", "served_by": "stub"})
+
+
+def router_tasks() -> set[asyncio.Task]:
+    """Running tasks, minus the stub server's keep-alive connection handlers."""
+    return {
+        t
+        for t in asyncio.all_tasks()
+        if t.get_coro().__qualname__ != "RequestHandler.start"  # type: ignore[union-attr]
+    }
+
+
+class Harness:
+    def __init__(self, app: Any, stub: StubPlanner) -> None:
+        self.app = app
+        self.stub = stub
+        self.table: EndpointTable = app.state.table
+
+    def pass_endpoint(self, model: str = "m") -> None:
+        """What the Consul watch does when a replica passes its check."""
+        self.table.set_endpoints(model, [ServiceAddress("127.0.0.1", self.stub.port)])
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return self.app.state.metrics.registry.get_sample_value(name, labels)
+
+    async def post(
+        self, model: str = "m", leave_after_s: float | None = None
+    ) -> tuple[int | None, dict[str, str], dict]:
+        """One request over ASGI: (status, headers, JSON body); status None if the client left."""
+        sent: list[dict] = []
+        payload = json.dumps({"model": model, "prompt": "hi"}).encode()
+        delivered = False
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": payload, "more_body": False}
+            if leave_after_s is None:
+                await asyncio.Event().wait()  # connected until cancelled
+            await asyncio.sleep(leave_after_s)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+        }
+        await self.app(scope, receive, send)
+        if not sent:
+            return None, {}, {}
+        headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+        body = b"".join(m.get("body", b"") for m in sent[1:])
+        return sent[0]["status"], headers, json.loads(body)
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    answers: dict[str, list[dict | int]] | None = None,
+    *,
+    window_s: float = 5.0,
+    delay_s: float = 0.0,
+    planner_url: str | None = None,
+    token: str | None = TOKEN,
+    models: tuple[str, ...] = ("m",),
+) -> AsyncIterator[Harness]:
+    stub = StubPlanner(answers or {}, delay_s)
+    await stub.start()
+    settings = RouterSettings(
+        planner_url=planner_url or stub.url,
+        planner_token=token,
+        activation_window_s=window_s,
+        usage_interval_s=0.1,
+    )
+    app = create_app(settings)
+    app.state.table.set_models({n: ModelDefinition(n, replicas=1) for n in models})
+    app.state.table.set_states({})
+    await app.state.activator.api.start()
+    app.state.proxy.session = upstream_session(settings)
+    try:
+        yield Harness(app, stub)
+    finally:
+        await app.state.usage.stop()
+        await app.state.activator.close()
+        await app.state.activator.api.close()
+        await app.state.proxy.session.close()
+        await stub.stop()
+
+
+LOADING = {"status": "loading", "reason": "scaled up from 0; allocation pending"}
+
+
+# --- answers that refuse at once ------------------------------------------------
+
+
+def test_unplaceable_is_refused_at_once_with_the_reason() -> None:
+    async def scenario() -> None:
+        answer = {"status": "unplaceable", "reason": MISSING_GPU, "since": "2026-11-29T21:00Z"}
+        async with harness({"m": [answer]}) as h:
+            started = time.monotonic()
+            status, headers, body = await h.post()
+            assert time.monotonic() - started < 0.5
+            assert status == 503 and "retry-after" not in headers
+            error = body["error"]
+            assert error["code"] == "model_unplaceable" and MISSING_GPU in error["message"]
+            assert h.stub.activations == ["m"] and h.stub.authorization == [f"Bearer {TOKEN}"]
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="unplaceable") == 1
+            assert h.metric("llmgw_router_refusals_total", model="m", reason="unplaceable") == 1
+            # Each request asks again: asking is what makes the planner retry.
+            await h.post()
+            assert h.stub.activations == ["m", "m"]
+
+    run(scenario())
+
+
+def test_parked_answer_and_parked_state() -> None:
+    async def scenario() -> None:
+        answer = {"status": "parked", "reason": "5 consecutive start failures",
+                  "last_error": "Terminated: Exit Code: 1\nerror loading model: kev"}  # fmt: skip
+        async with harness({"m": [answer], "k": [LOADING]}, models=("m", "k")) as h:
+            status, _, body = await h.post()
+            assert status == 503 and body["error"]["code"] == "model_parked"
+            assert "5 consecutive start failures" in body["error"]["message"]
+            assert "error loading model: kev" in body["error"]["message"]
+            # Parked in Consul KV: refused without asking the planner.
+            h.table.set_states({"k": ModelState(parked=Parked("5 consecutive start failures"))})
+            status, _, body = await h.post("k")
+            assert status == 503 and body["error"]["code"] == "model_parked"
+            assert h.stub.activations == ["m"]
+
+    run(scenario())
+
+
+def test_planner_not_found_is_model_not_found() -> None:
+    async def scenario() -> None:
+        async with harness({}) as h:
+            status, _, body = await h.post()
+            assert status == 404 and body["error"]["code"] == "model_not_found"
+            assert f"the planner at {h.stub.url} does not know it" in body["error"]["message"]
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="error") == 1
+
+    run(scenario())
+
+
+def test_status_outside_the_contract_is_refused_in_the_planners_words() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [{"status": "stopped", "reason": "0 replicas wanted"}]}) as h:
+            started = time.monotonic()
+            status, headers, body = await h.post()
+            assert time.monotonic() - started < 0.5
+            assert status == 503 and "retry-after" not in headers
+            assert body["error"]["code"] == "model_not_ready"
+            assert "(stopped: 0 replicas wanted)" in body["error"]["message"]
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="error") == 1
+
+    run(scenario())
+
+
+# --- waiting for an endpoint ------------------------------------------------------
+
+
+def test_loading_then_endpoint_passes_is_forwarded() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}) as h:
+            request = asyncio.ensure_future(h.post())
+            await asyncio.sleep(0.3)
+            assert not request.done()
+            h.pass_endpoint()
+            status, _, body = await asyncio.wait_for(request, 2)
+            assert status == 200 and body["served_by"] == "stub"
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="loading") == 1
+            assert h.metric("llmgw_router_activation_wait_seconds_count", model="m") == 1
+            assert h.metric("llmgw_router_activation_wait_seconds_sum", model="m") >= 0.3
+            # Served from now on without asking the planner.
+            assert (await h.post())[0] == 200
+            assert h.stub.activations == ["m"]
+            assert h.table.get("m").loading_since is None
+
+    run(scenario())
+
+
+def test_serving_answer_waits_for_the_watch_to_catch_up() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [{"status": "serving"}]}) as h:
+            request = asyncio.ensure_future(h.post())
+            await asyncio.sleep(0.1)
+            h.pass_endpoint()
+            assert (await asyncio.wait_for(request, 2))[0] == 200
+
+    run(scenario())
+
+
+def test_window_shorter_than_the_load_is_503_loading_then_served() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}, window_s=0.3) as h:
+            started = time.monotonic()
+            status, headers, body = await h.post()
+            waited = time.monotonic() - started
+            assert 0.3 <= waited < 1.0
+            assert status == 503 and headers["retry-after"] == "5"
+            error = body["error"]
+            assert error["code"] == "model_loading" and error["param"] == "model"
+            assert "`m` is loading (planner: scaled up from 0" in error["message"]
+            assert "first asked the planner to start it" in error["message"]
+            first_asked = h.table.get("m").loading_since
+            # A second try asks again; the episode (and its start) carries on.
+            assert (await h.post())[2]["error"]["code"] == "model_loading"
+            assert h.table.get("m").loading_since == first_asked
+            assert h.stub.activations == ["m", "m"]
+            assert h.metric("llmgw_router_refusals_total", model="m", reason="loading") == 2
+            h.pass_endpoint()
+            assert (await h.post())[0] == 200
+
+    run(scenario())
+
+
+def test_parked_while_waiting_is_refused_at_once() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}, window_s=30) as h:
+            request = asyncio.ensure_future(h.post())
+            await asyncio.sleep(0.3)
+            h.table.set_states({"m": ModelState(parked=Parked("5 consecutive start failures"))})
+            started = time.monotonic()
+            status, _, body = await asyncio.wait_for(request, 2)
+            assert time.monotonic() - started < 0.2
+            assert status == 503 and body["error"]["code"] == "model_parked"
+
+    run(scenario())
+
+
+def test_fresh_unplaceable_while_waiting_is_refused_but_not_a_stale_one() -> None:
+    async def scenario() -> None:
+        stale = ModelState(unplaceable=Unplaceable("an hour-old answer", "2026-11-29T20:00Z"))
+        fresh = ModelState(unplaceable=Unplaceable(MISSING_GPU, "2026-11-29T21:00Z"))
+        async with harness({"m": [LOADING]}, window_s=30) as h:
+            h.table.set_states({"m": stale})  # the planner cleared it; the watch lags
+            request = asyncio.ensure_future(h.post())
+            await asyncio.sleep(0.2)
+            h.table.set_states({})
+            await asyncio.sleep(0.1)
+            assert not request.done()
+            h.table.set_states({"m": fresh})  # Nomad's answer to the fresh attempt
+            status, _, body = await asyncio.wait_for(request, 2)
+            assert status == 503 and body["error"]["code"] == "model_unplaceable"
+            assert MISSING_GPU in body["error"]["message"]
+
+    run(scenario())
+
+
+def test_model_removed_while_waiting_is_not_found() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}, window_s=30) as h:
+            request = asyncio.ensure_future(h.post())
+            await asyncio.sleep(0.2)
+            h.table.set_models({})
+            status, _, body = await asyncio.wait_for(request, 2)
+            assert status == 404 and body["error"]["code"] == "model_not_found"
+
+    run(scenario())
+
+
+def test_concurrent_requests_share_one_activate_call() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}, delay_s=0.3) as h:
+            requests = [asyncio.ensure_future(h.post()) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            h.pass_endpoint()
+            results = await asyncio.wait_for(asyncio.gather(*requests), 3)
+            assert [r[0] for r in results] == [200] * 8
+            assert h.stub.activations == ["m"]
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="loading") == 1
+            assert h.metric("llmgw_router_activation_wait_seconds_count", model="m") == 8
+
+    run(scenario())
+
+
+def test_client_leaving_while_waiting_stops_the_wait_without_leaking_tasks() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}, window_s=30) as h:
+            before = router_tasks()
+            started = time.monotonic()
+            status, _, _ = await asyncio.wait_for(h.post(leave_after_s=0.2), 2)
+            assert status is None  # nothing sent: the client is gone
+            assert time.monotonic() - started < 1.0
+            await asyncio.sleep(0.05)
+            assert router_tasks() == before
+            assert h.metric("llmgw_router_requests_total", model="m", code="499") == 1
+            assert h.metric("llmgw_router_activation_wait_seconds_count", model="m") == 1
+
+    run(scenario())
+
+
+def test_a_waiter_leaving_does_not_cancel_the_shared_call() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [LOADING]}, delay_s=0.5, window_s=30) as h:
+            leaver = asyncio.ensure_future(h.post(leave_after_s=0.05))
+            stayer = asyncio.ensure_future(h.post())
+            assert (await asyncio.wait_for(leaver, 2))[0] is None
+            await asyncio.sleep(0.6)  # the shared call has answered by now
+            h.pass_endpoint()
+            assert (await asyncio.wait_for(stayer, 2))[0] == 200
+            assert h.stub.activations == ["m"]
+
+    run(scenario())
+
+
+# --- the planner failing ----------------------------------------------------------
+
+
+def test_planner_down_is_planner_unavailable_fast() -> None:
+    async def scenario() -> None:
+        down = f"http://127.0.0.1:{free_port()}"
+        async with harness(planner_url=down) as h:
+            started = time.monotonic()
+            status, headers, body = await h.post()
+            assert time.monotonic() - started < 1.0
+            assert status == 503 and headers["retry-after"] == "5"
+            error = body["error"]
+            assert error["code"] == "planner_unavailable" and down in error["message"]
+            assert "could not be reached to activate the model `m`" in error["message"]
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="error") == 1
+            refused = h.metric(
+                "llmgw_router_refusals_total", model="m", reason="planner_unavailable"
+            )
+            assert refused == 1
+
+    run(scenario())
+
+
+def test_planner_errors_and_a_refused_token() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [503], "t": [401]}, models=("m", "t")) as h:
+            status, headers, body = await h.post("m")
+            assert status == 503 and body["error"]["code"] == "planner_unavailable"
+            assert "HTTP 503: nomad is unreachable" in body["error"]["message"]
+            status, headers, body = await h.post("t")
+            assert status == 503 and "retry-after" not in headers
+            assert "LLMGW_PLANNER_TOKEN" in body["error"]["message"]
+            assert TOKEN not in body["error"]["message"]
+
+    run(scenario())
+
+
+# --- usage reports ----------------------------------------------------------------
+
+
+def test_usage_heartbeat_posts_the_used_models() -> None:
+    async def scenario() -> None:
+        answers = {"cold": [{"status": "unplaceable", "reason": "no room"}]}
+        async with harness(answers, models=("m", "cold", "unused")) as h:
+            h.pass_endpoint("m")
+            reporter = h.app.state.usage
+            assert await reporter.report() == []  # nothing used: nothing sent
+            assert h.stub.usage == []
+            await h.post("m")
+            await h.post("cold")  # refused, but activating counts as use
+            reporter.start()  # every 0.1 s
+            await asyncio.sleep(0.35)
+            assert h.stub.usage == [["cold", "m"]]  # once, and only while used
+            assert h.stub.authorization[-1] == f"Bearer {TOKEN}"
+            # A request in flight (a long stream) keeps its model counted.
+            h.table.get("m").endpoints[0].inflight += 1
+            await asyncio.sleep(0.25)
+            assert h.stub.usage[-1] == ["m"] and len(h.stub.usage) >= 3
+            h.table.get("m").endpoints[0].inflight -= 1
+
+    run(scenario())
+
+
+def test_failed_usage_report_is_logged_and_carried_over(caplog) -> None:
+    async def scenario() -> None:
+        async with harness(models=("m",)) as h:
+            h.pass_endpoint("m")
+            reporter = h.app.state.usage
+            h.stub.usage_status = 500
+            await h.post("m")
+            assert await reporter.report() == []
+            assert await reporter.report() == []  # retried, warned once
+            h.stub.usage_status = 204
+            assert await reporter.report() == ["m"]
+            assert len(h.stub.usage) == 3
+
+    run(scenario())
+    warnings = [r for r in caplog.records if "usage report failed" in r.getMessage()]
+    assert len(warnings) == 1 and "HTTP 500" in warnings[0].getMessage()
+
+
+def test_activation_series_exist_at_zero() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            for outcome in ("serving", "loading", "parked", "unplaceable", "error"):
+                assert h.metric("llmgw_router_activations_total", model="m", outcome=outcome) == 0
+            for reason in ("loading", "planner_unavailable"):
+                assert h.metric("llmgw_router_refusals_total", model="m", reason=reason) == 0
+            h.table.set_models({})
+            text = h.app.state.metrics.exposition()[0].decode()
+            assert 'model="m"' not in text
+
+    run(scenario())

@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.error
 from collections.abc import Callable
+from email.message import Message
 from pathlib import Path
 
 import openai
@@ -43,11 +44,11 @@ def complete(router: str, model: str, timeout: float = 60) -> dict:
                      {"model": model, "prompt": "hi", "max_tokens": 4}, timeout=timeout)
 
 
-def refusal(router: str, model: str) -> tuple[int, dict, dict]:
+def refusal(router: str, model: str) -> tuple[int, dict, Message]:
     """(status, error object, headers) of a request that must be refused."""
     with pytest.raises(urllib.error.HTTPError) as info:
         complete(router, model)
-    return info.value.code, json.load(info.value)["error"], dict(info.value.headers)
+    return info.value.code, json.load(info.value)["error"], info.value.headers
 
 
 def job_count(cluster: Cluster, name: str) -> int:

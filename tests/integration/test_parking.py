@@ -81,6 +81,12 @@ def test_c05_c06_kev_model_is_parked_after_exactly_five_starts(
     assert starts(cluster, "c05-kev") == 5
     job = nomad_get(cluster, "/v1/job/c05-kev")
     assert job["Stop"] is True
+    fifth = sorted(e["Time"] for a in nomad_get(cluster, "/v1/job/c05-kev/allocations")
+                   for st in a["TaskStates"].values() for e in st["Events"]
+                   if e["Type"] == "Terminated")[4]
+    park_seconds = (job["SubmitTime"] - fifth) / 1e9
+    print(f"C05: 5th failure event -> parked job registered: {park_seconds:.3f} s")
+    assert 0 < park_seconds < 5  # inside the 5 s restart delay: what rules out a 6th start
     assert job["Meta"]["llmgw_parked_reason"] == "5 consecutive start failures"
     assert KEV_ERROR in job["Meta"]["llmgw_parked_last_error"]
     print(f"parked {time.monotonic() - parked_at:.1f} s ago")

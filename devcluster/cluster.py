@@ -89,6 +89,16 @@ def _wait(what: str, check: object, timeout: float, log: Path) -> None:
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s ({last}); log {log}:\n{tail}")
 
 
+def free_offset(candidates: range) -> int:
+    """The first port offset whose consul and nomad ports are all free (so two test
+    runs, e.g. two checkouts, each get a cluster of their own)."""
+    for offset in candidates:
+        ports = [p + offset for p in (8300, 8301, 8302, 8500, 8502, 8600, 4646, 4647, 4648)]
+        if not any(_port_taken(port) for port in ports):
+            return offset
+    raise OSError(f"no free port offset in {candidates}")
+
+
 def _port_taken(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -140,9 +150,10 @@ def _consul_argv(cluster: Cluster) -> list[str]:
 
 def _nomad_config(cluster: Cluster) -> str:
     o = cluster.port_offset
-    # Dynamic ports (where llama-server listens): the demo's cluster and any
-    # other get separate ranges, below Linux's ephemeral range (32768+).
-    low = 20000 if o == 0 else 25000
+    # Dynamic ports (where llama-server listens): the demo's cluster gets
+    # 20000-24999, others 1000 each from 25000 by offset, all below Linux's
+    # ephemeral range (32768+).
+    low, size = (20000, 5000) if o == 0 else (25000 + (o // 10 % 5) * 1000, 1000)
     return f"""
 data_dir  = "{cluster.root / 'nomad'}"
 bind_addr = "127.0.0.1"
@@ -154,7 +165,7 @@ ports {{
 }}
 client {{
   min_dynamic_port = {low}
-  max_dynamic_port = {low + 4999}
+  max_dynamic_port = {low + size - 1}
   options = {{
     "driver.denylist" = "docker,qemu,java,exec"
   }}

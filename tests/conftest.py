@@ -2,8 +2,9 @@
 cluster, one router, tiny GGUF models. Each test uses its own model names, so
 tests share the cluster without stepping on each other.
 
-Ports: the cluster uses the dev ports + 11000 (consul 19500, nomad 15646), so
-the tests can run while the demo's cluster is up. Nothing is left running:
+Ports: the cluster uses the dev ports + 11000 (consul 19500, nomad 15646), or
+the next free offset, so the tests can run while the demo's cluster (or another
+test run) is up. Nothing is left running:
 the cluster fixture purges every job and stops both agents at the end.
 """
 
@@ -24,11 +25,13 @@ from typing import Any
 import pytest
 
 from devcluster.bootstrap import BIN
-from devcluster.cluster import Cluster, down, up
+from devcluster.cluster import Cluster, down, free_offset, up
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.tls import TlsCA, make_ca
 
-TEST_PORT_OFFSET = 11000
+# The dev ports + 11000 (consul 19500, nomad 15646), or + 11010, 11020... when a
+# concurrent test run holds them.
+TEST_PORT_OFFSETS = range(11000, 11050, 10)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
@@ -78,7 +81,7 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TlsCA:
 @pytest.fixture(scope="session")
 def cluster(binaries: Path, test_ca: TlsCA,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("cluster"), TEST_PORT_OFFSET)
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"), free_offset(TEST_PORT_OFFSETS))
     try:
         up(cluster, extra_env={"SSL_CERT_FILE": str(test_ca.bundle)})
         yield cluster

@@ -175,14 +175,18 @@ job "model" {
         llmgw_definition_hash = var.definition_hash
       }
 
+      # Every second: an on-demand request waits for this check to pass, so
+      # its interval is most of what activation adds to the model's own load
+      # time (bench/cold_start.py: p50 0.87 s overhead at 2 s). One GET of
+      # /health a second per instance costs llama-server nothing.
       check {
         type     = "http"
         path     = "/health"
-        interval = "2s"
+        interval = "1s"
         timeout  = "2s"
 
         check_restart {
-          limit = 3
+          limit = 6
           grace = var.load_grace
         }
       }

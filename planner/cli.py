@@ -147,14 +147,19 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
         time.sleep(1)
 
 
+def _rows() -> list[ModelStatus]:
+    """Every applied model's status, or exit with the agents' error."""
+    _, nomad, consul = _clients()
+    try:
+        return gather(nomad, consul)
+    except PlannerError as exc:
+        raise _fail(exc) from exc
+
+
 @app.command()
 def status(output: OutputOption = Output.table) -> None:
     """A row per applied model; exit 0 only when every model has what it should."""
-    _, nomad, consul = _clients()
-    try:
-        rows = gather(nomad, consul)
-    except PlannerError as exc:
-        raise _fail(exc) from exc
+    rows = _rows()
     if output is Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     else:
@@ -177,11 +182,7 @@ def _print_status(rows: list[ModelStatus]) -> None:
 @app.command()
 def models(output: OutputOption = Output.table) -> None:
     """The applied models with their state, failures, reason and last error (always exit 0)."""
-    _, nomad, consul = _clients()
-    try:
-        rows = gather(nomad, consul)
-    except PlannerError as exc:
-        raise _fail(exc) from exc
+    rows = _rows()
     if output is Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return

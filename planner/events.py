@@ -8,8 +8,9 @@ caller's loop decides what to do (reconcile, then resume from index + 1).
 
 Frame shapes (Nomad 1.6 API docs, "Event Stream"): `{"Index": N, "Events":
 [{"Topic", "Type", "Key", "Index", "Payload": {...}}]}`, and `{}` as a
-heartbeat every 10 s. A read that waits longer than `read_timeout` (default
-45 s, comfortably above the heartbeat interval) means the stream is dead.
+heartbeat every 30 s (nomad/event_endpoint.go, `NewJsonStream(ctx, 30*time.Second)`).
+A read that waits longer than `read_timeout` (default 65 s: two heartbeats
+missed, not one late) means the stream is dead.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TOPICS = ("Allocation", "Evaluation", "Job")
 
 async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: int,
                         token: str | None = None, topics: tuple[str, ...] = TOPICS,
-                        read_timeout: float = 45.0) -> AsyncIterator[dict[str, Any]]:
+                        read_timeout: float = 65.0) -> AsyncIterator[dict[str, Any]]:
     """Yield each event with Index >= `index`, forever; raise NomadUnavailable when the
     stream fails or goes silent for `read_timeout` seconds."""
     params = [("topic", f"{topic}:*") for topic in topics] + [("index", str(index))]

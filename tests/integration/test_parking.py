@@ -197,11 +197,11 @@ def test_c08_gpu_profile_is_unplaceable_within_2s_and_warned_once(
         tiny_model: Path, tmp_path: Path) -> None:
     folder = write_model(tmp_path / "models", "c08-gpu", tiny_model,
                          profile="gpus: 1\n  gpu_memory: 8GiB\n  memory: 256MiB")
-    applied_at = time.monotonic()
     assert planner("apply", str(folder)).returncode == 0
+    applied_at = time.monotonic()
     model = wait_for(lambda: (m := planner_daemon.model("c08-gpu"))["state"] == "unplaceable"
-                     and m, 5, "c08-gpu unplaceable")
-    assert time.monotonic() - applied_at < 2 + 1.5  # 2 s, plus this test's own CLI start-up
+                     and m, 2, "c08-gpu unplaceable within 2 s of apply")
+    print(f"C08: unplaceable {time.monotonic() - applied_at:.2f} s after apply returned")
     assert 'no node has an nvidia/gpu device: 1 of 1 node filtered ("missing devices")' \
         in model["reason"]
     for _ in range(3):  # more evaluations with the same outcome: no more warnings

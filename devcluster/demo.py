@@ -118,6 +118,8 @@ def main() -> None:
     subprocess.run([str(REPO / ".venv" / "bin" / "planner"), "status"], env=env, check=False)
     say("everything is still running. Try:")
     say(f"  export PATH={BIN}:$PATH   # nomad, consul")
+    say(f"  export LLMGW_ENGINES=llama.cpp={BIN / 'llama-server'}"
+        f" LLMGW_ADMIN_TOKEN=$(cat {cluster.root / 'admin-token'})   # for planner commands")
     say("  nomad job status gemma-3-270m ; consul catalog services")
     say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")

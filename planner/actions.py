@@ -44,12 +44,23 @@ def park(nomad: NomadClient, name: str, parked: Parked) -> None:
         nomad.register(parked_job(job, parked))
 
 
-def retry(nomad: NomadClient, store: StateStore, name: str) -> ModelState:
-    """Lift parking and start the job again. Raises Rejected when there is no such job."""
+def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[ModelState, str]:
+    """Try a model again: lift parking and start the job, or, for an unplaceable model,
+    ask the scheduler again. Returns the state and what was done, in words.
+    Raises Rejected when there is no such job."""
     job = nomad.job(name)
     if job is None:
         raise Rejected(f"model {name!r} has no Nomad job; run `planner apply` first")
-    state = retried(store.load(name))
-    store.save(state)
-    nomad.register(unparked_job(job))
-    return state
+    state = store.load(name)
+    if state.parked is not None:
+        state = retried(state)
+        store.save(state)
+        nomad.register(unparked_job(job))
+        return state, "parking lifted; the job is starting again"
+    if state.unplaceable is not None or job.get("Stop"):
+        if job.get("Stop"):
+            nomad.register(unparked_job(job))
+        else:
+            nomad.evaluate(name)
+        return state, "asked the scheduler to place it again"
+    return state, "not parked or unplaceable; nothing to retry"

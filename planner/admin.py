@@ -112,8 +112,8 @@ def create_app(nomad: NomadClient, consul: ConsulClient, token: str | None,
         record = consul.model_records().get(name)
         if record is None:
             return _error(404, "model_not_found", f"model {name!r} was never applied")
-        state = actions.retry(nomad, StateStore(consul), name)
-        return model_status(nomad, consul, name, record, state).as_dict()
+        state, done = actions.retry(nomad, StateStore(consul), name)
+        return {**model_status(nomad, consul, name, record, state).as_dict(), "retry": done}
 
     @app.post("/v1/models/{name}/activate", response_model=None)
     async def activate(name: str,

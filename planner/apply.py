@@ -229,12 +229,14 @@ def _version_after(nomad: NomadClient, job_id: str) -> int | None:
 
 def _sync_records(definitions: dict[str, ModelDefinition], changes: list[Change],
                   consul: ConsulClient) -> None:
-    """Write each model's KV record only where it differs; drop records of pruned models."""
+    """Write each model's KV record only where it differs; drop the record and the
+    state (failures, parking) of pruned models, so a model defined again starts clean."""
     existing = consul.model_records()
     for name, definition in definitions.items():
         record = model_record(definition)
         if existing.get(name) != record:
             consul.put_model_record(record)
     for change in changes:
-        if change.action is Action.DEREGISTER and change.model in existing:
+        if change.action is Action.DEREGISTER:
             consul.delete_model_record(change.model)
+            StateStore(consul).delete(change.model)

@@ -32,6 +32,7 @@ from planner.errors import InvalidDefinitions, PlannerError
 from planner.failures import PARK_AFTER
 from planner.idle import IdleScaler
 from planner.nomad_client import NomadClient
+from planner.placement import evaluation_reason
 from planner.plandiff import format_diff
 from planner.settings import Settings
 from planner.state import StateStore
@@ -111,6 +112,7 @@ def _outcome_json(outcome: Outcome) -> dict[str, Any]:
     data = outcome.as_dict()
     if outcome.plan is not None:
         data["diff"] = format_diff(outcome.plan.get("Diff"))
+        data["placement"] = evaluation_reason(outcome.plan)
     return data
 
 
@@ -125,6 +127,9 @@ def _print_outcomes(outcomes: list[Outcome], dry_run: bool) -> None:
             out.print(f"\nplan for {o.change.model}:", markup=False)
             for line in format_diff(o.plan.get("Diff")):
                 out.print(line, markup=False)
+            unplaced = evaluation_reason(o.plan)
+            if unplaced:
+                out.print(f"placement: would not place: {unplaced}", markup=False)
 
 
 def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
@@ -141,6 +146,13 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
             last = line
         if all(s.satisfied for s in rows.values()):
             return
+        given_up = {n: s for n, s in rows.items() if s.state in ("parked", "unplaceable")}
+        if given_up:
+            for name, row in sorted(given_up.items()):
+                err.print(f"error: {name} is {row.state}: {row.reason}"
+                          + (f"; last error: {headline(row.last_error)}" if row.last_error
+                             else ""), markup=False)
+            raise typer.Exit(1)
         if time.monotonic() > deadline:
             err.print(f"error: not serving after {timeout:.0f} s")
             raise typer.Exit(1)
@@ -203,14 +215,14 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
         if record is None:
             err.print(f"error: model {model!r} was never applied")
             raise typer.Exit(2)
-        state = actions.retry(nomad, StateStore(consul), model)
+        state, done = actions.retry(nomad, StateStore(consul), model)
         row = model_status(nomad, consul, model, record, state)
     except PlannerError as exc:
         raise _fail(exc) from exc
     if output is Output.json:
-        print(json.dumps(row.as_dict(), indent=2))
+        print(json.dumps({**row.as_dict(), "retry": done}, indent=2))
     else:
-        err.print(f"{model}: parking lifted, job started again ({row.state}: {row.reason})")
+        err.print(f"{model}: {done} (now {row.state}: {row.reason})")
 
 
 @app.command()

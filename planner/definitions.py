@@ -140,7 +140,8 @@ class ModelDefinition(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     source: str
-    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    sha256: Annotated[str, BeforeValidator(lambda v: str(v).lower())] | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$")
     profile: Profile
     replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
     on_demand: OnDemand | None = None
@@ -234,7 +235,9 @@ def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
     if error["type"] == "string_pattern_mismatch" and error["loc"] == ("name",):
         message = ("expected a DNS label: lowercase letters, digits and '-', "
                    "starting and ending with a letter or digit, at most 57 characters")
-    if error["type"] != "missing" and "input" in error:
+    if error["type"] in ("tuple_type", "list_type"):
+        message = "expected a list of strings, e.g. [\"--threads\", \"2\"]"
+    if error["type"] != "missing" and "input" in error and "got " not in message:
         message += f" (got {error['input']!r})"
     return message
 

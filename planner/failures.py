@@ -15,6 +15,7 @@ planner restarts change nothing. A passing allocation resets the count.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -67,13 +68,27 @@ def new_failures(state: ModelState, alloc: dict[str, Any]) -> list[StartFailure]
             if f.key not in state.counted and f.at_ns > state.healthy_at_ns]
 
 
-def stderr_summary(tail: str, keep_errors: int = 6, keep_last: int = 3) -> str:
-    """What of a task's stderr tail an operator needs: the lines that mention an error
-    (each once, in order: llama.cpp names the cause first) and the last few lines."""
-    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
-    errors = [line for line in dict.fromkeys(lines) if "error" in line.lower()][:keep_errors]
-    last = [line for line in lines[-keep_last:] if line not in errors]
-    return "\n".join(errors + last)
+# llama.cpp's log prefix: elapsed time and level, "0.00.008.710 E ".
+_LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) +")
+_TROUBLE = re.compile(r"error|fail|unknown|invalid|cannot|unable|no such|out of memory", re.I)
+
+
+def stderr_summary(tail: str, keep_errors: int = 8, keep_last: int = 2) -> str:
+    """What of a task's stderr tail an operator needs: its error lines (llama.cpp's
+    level E, or words of trouble), each once and in order, since llama.cpp names
+    the cause first ("failed to open GGUF file", "unknown model architecture"),
+    then its last lines. Time prefixes are dropped, so repeats collapse."""
+    lines, errors = [], []
+    for raw in tail.splitlines():
+        match = _LOG_PREFIX.match(raw)
+        line = (raw[match.end():] if match else raw).strip()
+        if not line or line in lines:
+            continue
+        lines.append(line)
+        if (match and match.group(1) == "E") or _TROUBLE.search(line):
+            errors.append(line)
+    last = [line for line in lines[-keep_last:] if line not in errors[:keep_errors]]
+    return "\n".join(errors[:keep_errors] + last)
 
 
 def count_failure(state: ModelState, failure: StartFailure, stderr_tail: str) -> ModelState:

@@ -63,13 +63,12 @@ _LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] +")
 
 
 def headline(last_error: str | None) -> str:
-    """One line of a last error for a table: the task event, and the first stderr line
-    that mentions an error (llama.cpp names the cause first, then says it is exiting)."""
+    """One line of a last error for a table and a log: the task event and the first
+    stderr line kept with it (failures.stderr_summary puts the cause first)."""
     if not last_error:
         return ""
     first, *rest = last_error.splitlines()
-    errors = [_LOG_PREFIX.sub("", line).strip() for line in rest if "error" in line.lower()]
-    return f"{first} | {errors[0]}" if errors else first
+    return f"{first} | {_LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
 
 
 def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:

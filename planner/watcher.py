@@ -36,6 +36,7 @@ from planner.failures import PARK_AFTER, count_failure, decide_parking, mark_hea
 from planner.nomad_client import NomadClient
 from planner.placement import WarningLog, evaluation_reason, should_warn
 from planner.state import ModelState, StateStore, Unplaceable
+from planner.status import headline
 
 log = logging.getLogger("planner.watcher")
 
@@ -148,17 +149,18 @@ class Watcher:
                 detail = self.nomad.task_stderr_tail(failure.alloc_id, failure.task)
                 state = count_failure(state, failure, detail)
                 log.warning("model %s: start failure %d in a row: %s", name,
-                            state.consecutive_failures, failure.message)
+                            state.consecutive_failures, headline(state.last_error))
             if state.unplaceable and alloc.get("ClientStatus") in ("pending", "running"):
                 log.info("model %s: placed (was unplaceable: %s)", name, state.unplaceable.reason)
                 state = state.model_copy(update={"unplaceable": None})
             state = decide_parking(state, record["definition_hash"], self.clock(),
                                    self.park_after)
+            # Saved before the job stops, so nobody reads "stopped" in between.
+            self.store.save(state)
             if state.parked is not None and before.parked is None:
                 actions.park(self.nomad, name, state.parked)
                 log.error("model %s: parked after %d consecutive start failures; last error: %s",
-                          name, state.consecutive_failures, state.last_error)
-            self.store.save(state)
+                          name, state.consecutive_failures, headline(state.last_error))
 
     def on_evaluation(self, evaluation: dict[str, Any]) -> None:
         """A completed evaluation says whether the model could be placed, and if not, why."""

@@ -65,19 +65,18 @@ def summarize_error(text: str, limit: int = ERROR_LIMIT) -> str:
     """The useful part of a planner ``last_error``, on one line, at most ``limit`` chars.
 
     Keeps the first line (the task event) and the first three distinct lines
-    mentioning "error", in their original order, joined by `` | ``. With no
-    such line, lines with other trouble words (fail, unknown, out of memory,
-    ...) stand in, and failing those the last line (a process's last words
-    are usually its reason). llama.cpp's time/level prefixes and runs of
-    blanks are dropped.
+    mentioning an error or other trouble words (fail, unknown, out of
+    memory, ...), in their original order (llama.cpp names the cause first:
+    "failed to open GGUF file", "unknown model architecture"), joined by
+    `` | ``; failing those the last line (a process's last words are usually
+    its reason). llama.cpp's time/level prefixes and runs of blanks are dropped.
     """
     lines = [" ".join(_LOG_PREFIX.sub("", line.strip()).split()) for line in text.splitlines()]
     lines = [line for line in lines if line]
     if not lines:
         return ""
     head, rest = _clip(lines[0], _LINE_LIMIT), lines[1:]
-    wanted = [i for i, line in enumerate(rest) if _ERROR.search(line)]
-    wanted = wanted or [i for i, line in enumerate(rest) if _TROUBLE.search(line)]
+    wanted = [i for i, line in enumerate(rest) if _ERROR.search(line) or _TROUBLE.search(line)]
     if not wanted and rest:
         wanted = [len(rest) - 1]
     budget = limit - len(head)

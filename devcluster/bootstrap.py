@@ -295,17 +295,34 @@ def llama_build() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def link_llama() -> None:
-    link = BIN / "llama-server"
+# The node layout the planner assumes by default (planner.settings): engines in
+# /opt/llmgw/bin, models in /opt/llmgw/models. On this one-node dev cluster
+# they are links into the cache.
+NODE_ROOT = Path("/opt/llmgw")
+
+
+def _link(link: Path, target: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
     if link.is_symlink() or link.exists():
+        if link.resolve() == target.resolve():
+            return
         link.unlink()
-    link.symlink_to(llama_binary().name)
+    link.symlink_to(target)
+
+
+def link_llama() -> None:
+    _link(BIN / "llama-server", BIN / llama_binary().name)
+    try:
+        _link(NODE_ROOT / "bin" / "llama-server", BIN / "llama-server")
+    except OSError as exc:
+        say(f"llama-server: cannot link {NODE_ROOT / 'bin'} ({exc.strerror}); set "
+            f"LLMGW_ENGINES=llama.cpp={BIN / 'llama-server'} for the planner")
 
 
 # --- demo model ----------------------------------------------------------------
 
 # Where the demo's model YAML expects the file on the (single, local) node.
-NODE_MODELS = Path(os.environ.get("LLMGW_NODE_MODELS", "/opt/llmgw/models"))
+NODE_MODELS = NODE_ROOT / "models"
 
 
 def gemma_path() -> Path:
@@ -313,11 +330,7 @@ def gemma_path() -> Path:
 
 
 def link_gemma() -> None:
-    NODE_MODELS.mkdir(parents=True, exist_ok=True)
-    link = NODE_MODELS / GEMMA_FILE
-    if link.resolve() != gemma_path().resolve():
-        link.unlink(missing_ok=True)
-        link.symlink_to(gemma_path())
+    _link(NODE_MODELS / GEMMA_FILE, gemma_path())
 
 
 def gemma_done() -> bool:

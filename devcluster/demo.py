@@ -46,8 +46,7 @@ def admin_token(cluster: Cluster) -> str:
 
 def planner_env(cluster: Cluster) -> dict[str, str]:
     token = admin_token(cluster)
-    return {**os.environ, **cluster.env, "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+    return {**os.environ, **cluster.env, "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
             "LLMGW_ADMIN_TOKEN": token, "LLMGW_PLANNER_TOKEN": token,
             "LLMGW_PLANNER_URL": f"http://127.0.0.1:{PLANNER_PORT}"}
 
@@ -118,8 +117,7 @@ def main() -> None:
     subprocess.run([str(REPO / ".venv" / "bin" / "planner"), "status"], env=env, check=False)
     say("everything is still running. Try:")
     say(f"  export PATH={BIN}:$PATH   # nomad, consul")
-    say(f"  export LLMGW_ENGINES=llama.cpp={BIN / 'llama-server'}"
-        f" LLMGW_ADMIN_TOKEN=$(cat {cluster.root / 'admin-token'})   # for planner commands")
+    say(f"  export LLMGW_ADMIN_TOKEN=$(cat {cluster.root / 'admin-token'})   # admin API")
     say("  nomad job status gemma-3-270m ; consul catalog services")
     say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")

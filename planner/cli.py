@@ -139,7 +139,8 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
     while models:
         rows = {s.name: s for s in gather(nomad, consul) if s.name in models}
         line = ", ".join(f"{n}: {s.state} ({s.reason})"
-                         + (f" last error: {s.last_error}" if s.state == "failing" else "")
+                         + (f" last error: {headline(s.last_error)}" if s.state == "failing"
+                            else "")
                          for n, s in sorted(rows.items()))
         if line != last:
             err.print(f"waiting: {line}", markup=False)

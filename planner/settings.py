@@ -8,7 +8,9 @@ with `nomad` and `consul` works with `planner`):
   CONSUL_HTTP_TOKEN   optional ACL token
   LLMGW_ENGINES       engine name -> llama-server path on the nodes,
                       "llama.cpp=/opt/llama/bin/llama-server,other=/path";
-                      default "llama.cpp=llama-server" (found on the node's PATH)
+                      default "llama.cpp=/opt/llmgw/bin/llama-server" (the node
+                      layout: engines in /opt/llmgw/bin, models in /opt/llmgw/models;
+                      `make bootstrap` links the dev node's there)
   LLMGW_TASK_DRIVER   default raw_exec (what `nomad agent -dev` enables)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)
   LLMGW_JOBSPEC       default jobspecs/model.nomad.hcl of this checkout
@@ -39,7 +41,8 @@ class Settings:
     nomad_token: str | None = None
     consul_addr: str = "127.0.0.1:8500"
     consul_token: str | None = None
-    engines: dict[str, str] = field(default_factory=lambda: {"llama.cpp": "llama-server"})
+    engines: dict[str, str] = field(
+        default_factory=lambda: {"llama.cpp": "/opt/llmgw/bin/llama-server"})
     task_driver: str = "raw_exec"
     datacenters: tuple[str, ...] = ("*",)
     jobspec: Path = DEFAULT_JOBSPEC

@@ -116,3 +116,22 @@ def test_idle_models_after_idle_after_without_use() -> None:
               "fresh": ModelState(name="fresh", last_used_at=T0.isoformat())}
     assert idle_models(records, counts, states, T0) == ["od"]
     assert idle_models(records, {**counts, "od": 0}, states, T0) == []
+
+
+# Real llama-server stderr (trimmed): a missing file and a file that is not GGUF.
+MISSING = """\
+0.00.004.312 I srv    load_model: loading model '/m/nope.gguf'
+0.00.004.400 E gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)
+0.00.004.420 E llama_model_load: error loading model: llama_model_loader: failed to load model
+0.00.004.500 E srv  llama_server: exiting due to model loading error
+"""
+GARBAGE = MISSING.replace("failed to open GGUF file '/m/x' (No such file or directory)",
+                          "invalid magic characters: '??B?', expected 'GGUF'")
+
+
+def test_stderr_summary_names_what_tells_the_failures_apart() -> None:
+    assert stderr_summary(MISSING).splitlines()[0] == \
+        "gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)"
+    assert "invalid magic characters" in stderr_summary(GARBAGE).splitlines()[0]
+    repeated = MISSING + MISSING.replace("0.00.004", "0.00.009")
+    assert stderr_summary(repeated) == stderr_summary(MISSING)  # repeats collapse

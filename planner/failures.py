@@ -69,7 +69,7 @@ def new_failures(state: ModelState, alloc: dict[str, Any]) -> list[StartFailure]
 
 
 # llama.cpp's log prefix: elapsed time and level, "0.00.008.710 E ".
-_LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) +")
+LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) +")
 _TROUBLE = re.compile(r"error|fail|unknown|invalid|cannot|unable|no such|out of memory", re.I)
 
 
@@ -80,7 +80,7 @@ def stderr_summary(tail: str, keep_errors: int = 8, keep_last: int = 2) -> str:
     then its last lines. Time prefixes are dropped, so repeats collapse."""
     lines, errors = [], []
     for raw in tail.splitlines():
-        match = _LOG_PREFIX.match(raw)
+        match = LOG_PREFIX.match(raw)
         line = (raw[match.end():] if match else raw).strip()
         if not line or line in lines:
             continue

@@ -16,12 +16,12 @@ States, as `planner status`, `planner models` and the admin API show them:
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from planner.consul_client import ConsulClient, ServiceHealth
+from planner.failures import LOG_PREFIX
 from planner.nomad_client import Job, NomadClient
 from planner.state import ModelState, StateStore
 
@@ -58,17 +58,13 @@ def _nanos_to_iso(nanos: int) -> str:
     return datetime.fromtimestamp(nanos / 1e9, tz=UTC).isoformat(timespec="seconds")
 
 
-# llama.cpp's log prefix: "0.00.008.710 E " (elapsed time and level).
-_LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] +")
-
-
 def headline(last_error: str | None) -> str:
     """One line of a last error for a table and a log: the task event and the first
     stderr line kept with it (failures.stderr_summary puts the cause first)."""
     if not last_error:
         return ""
     first, *rest = last_error.splitlines()
-    return f"{first} | {_LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
+    return f"{first} | {LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
 
 
 def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:

@@ -130,10 +130,12 @@ class Activator:
             return Answer(name, "loading", "an instance is starting")
         self.store.save(state.model_copy(update={"unplaceable": None}))
         target = max(int(record.get("replicas", 1)), 1) if record.get("on_demand") else _count(job)
-        return self._attempt(name, job, target)
+        return self._attempt(name, job, target, state.unplaceable)
 
-    def _attempt(self, name: str, job: Job, target: int) -> Answer:
-        """One fresh placement attempt, answered by the evaluation it creates."""
+    def _attempt(self, name: str, job: Job, target: int,
+                 previous: Unplaceable | None) -> Answer:
+        """One fresh placement attempt, answered by the evaluation it creates. An
+        answer with the previous reason keeps its `since`: unplaceable since then."""
         self.attempts += 1
         if _count(job) < target:
             try:
@@ -149,7 +151,8 @@ class Activator:
         reason = evaluation_reason(evaluation) if evaluation else None
         if reason is None:
             return Answer(name, "loading", "placed; the server is starting", eval_id=eval_id)
-        since = self.clock().isoformat(timespec="seconds")
+        since = previous.since if previous and previous.reason == reason else \
+            self.clock().isoformat(timespec="seconds")
         state = self.store.load(name)
         self.store.save(state.model_copy(update={"unplaceable": Unplaceable(
             reason=reason, since=since, eval_id=eval_id)}))

@@ -93,8 +93,9 @@ def _on_demand_idle(row: dict[str, Any], record: dict[str, Any], state: ModelSta
         if asked < idle_after:
             return ModelStatus(**row, state="loading", reason=f"asked for {asked:.0f} s ago; "
                                "no instance yet", last_error=state.last_error, since=None)
-    return ModelStatus(**row, state="idle", reason=f"on demand; stops after {idle_after} s "
-                       "without requests", last_error=None, since=state.last_used_at)
+    return ModelStatus(**row, state="idle", reason=f"on demand: starts on request, stops "
+                       f"{idle_after} s after the last one", last_error=None,
+                       since=state.last_used_at)
 
 
 def observe(name: str, record: dict[str, Any], job: Job | None,

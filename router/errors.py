@@ -31,8 +31,11 @@ proxy or the catalog sees a library's exception types.
 Errors the router answers instead of a model carry a :class:`Refusal`
 (``refusal``), the ``reason`` label of ``llmgw_router_refusals_total``.
 Parked and unplaceable refusals carry no ``Retry-After``: neither ends on a
-timer, and clients that honour the header would retry forever. Loading and
-planner-unavailable refusals do: both usually end within seconds.
+timer, and clients that honour the header would retry forever. They carry
+``x-should-retry: false`` instead, which the OpenAI SDKs honour (without it
+they retry a 503 twice, tripling the time to the answer and the planner's
+work). Loading and planner-unavailable refusals carry ``Retry-After``: both
+usually end within seconds.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ class ModelUnavailable(RouterError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         if self.retry_after_s is None:
-            return []
+            return [(b"x-should-retry", b"false")]
         return [(b"retry-after", str(self.retry_after_s).encode())]
 
 

@@ -112,8 +112,8 @@ def unplaceable_message(model: str, unplaceable: Unplaceable) -> str:
     """Why ``model`` cannot run anywhere and what changes that."""
     since = f" (since {unplaceable.since})" if unplaceable.since else ""
     remedy = (
-        " Nomad places it by itself when a node with room joins; "
-        "or change its profile to ask for less."
+        " Each new request asks the scheduler again, so it runs as soon as a node"
+        " has room; or change its profile to ask for less."
     )
     head = f"The model `{model}` fits on no node{since}: {unplaceable.reason}."
     return _clip(head, MESSAGE_LIMIT - len(remedy)) + remedy

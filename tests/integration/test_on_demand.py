@@ -114,6 +114,13 @@ def test_c11_twenty_clients_get_the_reason_fast_from_one_attempt(
         assert "missing devices" in error["message"]
     assert len(attempts_since(cluster, "c11-gpu", before)) == 1
 
+    # The official SDK (default: 2 retries on a 503) takes the answer as final.
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused")
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="c11-gpu", prompt="hi", max_tokens=4)
+    assert refused.value.status_code == 503 and time.monotonic() - started < 1
+
 
 def free_memory_mb(cluster: Cluster) -> int:
     """The dev node's memory that no running allocation (of any test) has reserved."""

@@ -8,8 +8,10 @@ as scripts, so ``bench/`` is on ``sys.path``). Everything listens on
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +47,18 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 5) -
     req = urllib.request.Request(url, data=body, method=method)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.read()
+
+
+def define_model(consul: str, model: str) -> None:
+    """Write the planner's KV record for `model` (what makes the router know it)."""
+    definition = {"name": model, "definition_hash": "bench", "replicas": 1,
+                  "source": "stub", "profile": {}}
+    http("PUT", f"{consul}/v1/kv/llmgw/models/{model}", json.dumps(definition).encode())
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so a bench's finally blocks stop its children."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def wait_for(check, timeout: float, what: str) -> None:

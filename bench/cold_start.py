@@ -48,16 +48,14 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from types import FrameType
 
-from _support import REPO, Children, free_port, percentile, wait_for
+from _support import REPO, Children, exit_on_sigterm, free_port, percentile, wait_for
 
 sys.path.insert(0, str(REPO))
 
@@ -336,10 +334,6 @@ def print_table(r: dict) -> None:
     )
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # Turn SIGTERM into SystemExit so the finally blocks stop the children and the cluster.
-    sys.exit(128 + signum)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -349,7 +343,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.cycles < 1:
         parser.error("--cycles must be at least 1")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     with contextlib.suppress(KeyboardInterrupt):
         result = measure(args)
         if args.output == "json":

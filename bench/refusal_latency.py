@@ -30,13 +30,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import threading
-from types import FrameType
 
-from _support import Children, RawClient, cpu_seconds, free_port, http, percentile, wait_for
+from _support import (
+    Children,
+    RawClient,
+    cpu_seconds,
+    define_model,
+    exit_on_sigterm,
+    free_port,
+    http,
+    percentile,
+    wait_for,
+)
 
 MODEL = "parked-bench"
 TARGET_P99_MS = 20.0
@@ -62,14 +70,7 @@ def setup(children: Children) -> tuple[int, int]:
     """Start Consul and the router with a parked model; ``(router port, router pid)``."""
     consul_port, router_port = free_port(), free_port()
     consul = children.consul(consul_port)
-    definition = {
-        "name": MODEL,
-        "definition_hash": "bench",
-        "replicas": 1,
-        "source": "stub",
-        "profile": {},
-    }
-    http("PUT", f"{consul}/v1/kv/llmgw/models/{MODEL}", json.dumps(definition).encode())
+    define_model(consul, MODEL)
     state = {
         "name": MODEL,
         "consecutive_failures": 5,
@@ -205,10 +206,6 @@ def print_table(r: dict) -> None:
     )
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # Turn SIGTERM into SystemExit so the finally blocks stop the children.
-    sys.exit(128 + signum)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -219,7 +216,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.requests, args.concurrent_requests, args.connections) < 1:
         parser.error("counts must be at least 1")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     result = measure(args)
     if args.output == "json":
         print(json.dumps(result, indent=2))

@@ -48,6 +48,7 @@ from _support import (
     Children,
     RawClient,
     cpu_seconds,
+    define_model,
     free_port,
     http,
     percentile,
@@ -145,14 +146,7 @@ class Cluster(Children):
             "Check": {"CheckID": "bench-ttl", "TTL": "1h", "Status": "passing"},
         }
         http("PUT", f"{consul}/v1/agent/service/register", json.dumps(service).encode())
-        definition = {
-            "name": MODEL,
-            "definition_hash": "bench",
-            "replicas": 1,
-            "source": "stub",
-            "profile": {},
-        }
-        http("PUT", f"{consul}/v1/kv/llmgw/models/{MODEL}", json.dumps(definition).encode())
+        define_model(consul, MODEL)
         self.router = self.router_process(self.router_port, self.consul_port)
         url = f"http://127.0.0.1:{self.router_port}/v1/completions"
         wait_for(lambda: http("POST", url, REQUEST_BODY) == STUB_BODY, 30, "router to route")

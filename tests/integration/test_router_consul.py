@@ -202,34 +202,53 @@ def sse_chunks(count: int) -> list[bytes]:
     return [*events, b"data: [DONE]\n\n"]
 
 
-class Stub:
-    """An OpenAI-ish upstream on a background event loop."""
+class ThreadedServer:
+    """An aiohttp server on its own event loop in a thread, so synchronous tests can
+    run it beside the router; subclasses add their routes in ``routes``."""
 
-    def __init__(self, name: str, chunk_delay_s: float = 0.15) -> None:
-        self.name = name
-        self.chunk_delay_s = chunk_delay_s
+    def __init__(self) -> None:
         self.port = free_port()
-        self.requests: list[dict] = []
-        self.disconnects = 0
-        self.disconnected = threading.Event()
-        self.completed_streams = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         assert self._ready.wait(10)
 
+    def routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
-        app.router.add_post("/v1/{kind:.*}", self._handle)
-        app.router.add_get("/health", self._health)
+        self.routes(app)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         self._loop.run_until_complete(site.start())
         self._ready.set()
         self._loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+class Stub(ThreadedServer):
+    """An OpenAI-ish upstream on a background event loop."""
+
+    def __init__(self, name: str, chunk_delay_s: float = 0.15) -> None:
+        self.name = name
+        self.chunk_delay_s = chunk_delay_s
+        self.requests: list[dict] = []
+        self.disconnects = 0
+        self.disconnected = threading.Event()
+        self.completed_streams = 0
+        super().__init__()
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/{kind:.*}", self._handle)
+        app.router.add_get("/health", self._health)
 
     async def _health(self, req: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -279,11 +298,6 @@ class Stub:
             self.disconnected.set()
             raise
         return resp
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 # --- router ------------------------------------------------------------------
@@ -792,35 +806,22 @@ PLANNER_TOKEN = "router-test-token"
 LOADING = {"status": "loading", "reason": "scaled up from 0", "last_error": None, "since": None}
 
 
-class PlannerStub:
+class PlannerStub(ThreadedServer):
     """The planner's activator API, scripted: ``answers[model]`` is the answer to
     every activate call for it (404 for a model without one). Records calls."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.answers: dict[str, dict] = {}
         self.delay_s: dict[str, float] = {}  # per model, before answering
         self.activations: list[tuple[float, str]] = []
         self.usage: list[list[str]] = []
         self.bad_tokens = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10)
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/models/{name}/activate", self._activate)
         app.router.add_post("/v1/usage", self._usage)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        self._loop.run_until_complete(site.start())
-        self._ready.set()
-        self._loop.run_forever()
 
     def _authorized(self, req: web.Request) -> bool:
         ok = req.headers.get("Authorization") == f"Bearer {PLANNER_TOKEN}"
@@ -846,11 +847,6 @@ class PlannerStub:
 
     def calls(self, model: str) -> int:
         return sum(1 for _, name in self.activations if name == model)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,69 @@
+"""llmgw's contract: what the planner writes and the router reads, written once.
+
+Both `planner` and `router` import this package; it imports neither (the
+import-linter contracts in pyproject.toml check both). It holds:
+
+- `states`: the model states every view shows (`ModelState`) and the answers
+  of the activation API (`ActivationStatus`);
+- `keys`: the Consul KV layout, the Consul service names and the Nomad job
+  meta keys;
+- `documents`: the pydantic documents stored in Consul KV and sent over the
+  activation API, with the functions that encode and decode them.
+
+A contract test (tests/unit/contract) proves the router accepts every value
+the planner can produce. docs/architecture.md explains the states.
+"""
+
+from llmgw_contract.documents import (
+    ActivationAnswer,
+    LeaderRecord,
+    ModelRecord,
+    Parked,
+    ReplicaRecord,
+    StateDocument,
+    Unplaceable,
+    UsageRecord,
+    decode,
+    encode,
+)
+from llmgw_contract.keys import (
+    LEADER_KEY,
+    PARKED_META,
+    PLANNER_SERVICE,
+    SERVICE_PREFIX,
+    JobMeta,
+    KVPrefix,
+    alloc_from_service_id,
+    kv_key,
+    model_from_key,
+    model_from_service,
+    service_name,
+)
+from llmgw_contract.states import SATISFIED_STATES, ActivationStatus, ModelState
+
+__all__ = [
+    "LEADER_KEY",
+    "PARKED_META",
+    "PLANNER_SERVICE",
+    "SATISFIED_STATES",
+    "SERVICE_PREFIX",
+    "ActivationAnswer",
+    "ActivationStatus",
+    "JobMeta",
+    "KVPrefix",
+    "LeaderRecord",
+    "ModelRecord",
+    "ModelState",
+    "Parked",
+    "ReplicaRecord",
+    "StateDocument",
+    "Unplaceable",
+    "UsageRecord",
+    "alloc_from_service_id",
+    "decode",
+    "encode",
+    "kv_key",
+    "model_from_key",
+    "model_from_service",
+    "service_name",
+]

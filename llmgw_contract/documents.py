@@ -1,0 +1,172 @@
+"""The documents llmgw stores in Consul KV and sends over the activation API.
+
+Every document is a frozen pydantic model that ignores keys it does not know,
+so a router older than its planner still reads what it needs. `encode` and
+`decode` are the only (de)serialisers; `decode` raises ValueError for anything
+that is not a valid document of the asked type, so a reader can skip one bad
+key without losing the others.
+
+Who writes and who reads (keys in `llmgw_contract.keys`):
+
+    ModelRecord     planner apply -> router (models it knows), planner
+    StateDocument   planner       -> router (parked / unplaceable), planner CLIs
+    UsageRecord     planner leader (coarse copy of router usage) -> planner
+    LeaderRecord    planner leader -> planner followers (where to forward writes)
+    ActivationAnswer  planner admin API -> router
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from llmgw_contract.states import ActivationStatus
+
+# Bounds on the lists a state document keeps, so it never grows without end:
+# enough for every start of every replica a model has before it is parked,
+# with room for planner restarts mid-way.
+MAX_COUNTED = 64
+MAX_REPLICAS = 32
+MAX_HEALTHY_ENTRIES = 8
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class ModelRecord(Document):
+    """One applied model definition, as `planner apply` wrote it (llmgw/models/<name>)."""
+
+    name: str
+    definition_hash: str
+    replicas: int  # for an on-demand model: how many while active
+    source: str = ""
+    sha256: str | None = None
+    profile: dict[str, Any] = {}
+    on_demand: dict[str, Any] | None = None  # {"idle_after": seconds}
+
+    @property
+    def idle_after(self) -> int | None:
+        """Seconds without requests before an on-demand model scales to 0; None if always on."""
+        return None if self.on_demand is None else int(self.on_demand["idle_after"])
+
+
+class Parked(Document):
+    """The planner stopped the model after too many start failures with no healthy replica.
+
+    Its durable copy is the stopped Nomad job's meta (`keys.PARKED_META`)."""
+
+    reason: str
+    last_error: str | None = None
+    since: str = ""  # ISO 8601, UTC
+    definition_hash: str = ""  # the definition that failed; a different one lifts parking
+
+
+class Unplaceable(Document):
+    """Nomad's last placement attempt left replicas unplaced, and why.
+
+    `placed` of `desired` replicas were placed (0 of N: nothing runs). A
+    `provisional` answer was given while allocations on the cluster were
+    stopping (room being made): the router waits instead of refusing.
+    """
+
+    reason: str
+    since: str = ""
+    eval_id: str | None = None
+    placed: int = 0
+    desired: int = 0
+    provisional: bool = False
+
+
+class ReplicaRecord(Document):
+    """One allocation of a model and its own start failures (failures are per replica).
+
+    `healthy_entries` are the times (Unix ns) the allocation was seen to start
+    passing its check, newest last; a run is healthy if one of them falls
+    between its start and its end. `stable_entry` is the entry whose run was
+    healthy for the whole stability window (it reset the counts).
+    """
+
+    alloc_id: str
+    name: str = ""  # Nomad's allocation name, "<job>.server[<index>]"
+    node: str = ""  # node name
+    definition_hash: str = ""
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    last_error_at: str | None = None
+    healthy_entries: tuple[int, ...] = ()
+    stable_entry: int = 0
+
+    @property
+    def index(self) -> str:
+        """The replica as Nomad names it within the job: `server[1]`."""
+        return self.name.partition(".")[2] or self.name or self.alloc_id[:8]
+
+
+class StateDocument(Document):
+    """What the planner knows about one model beyond what Nomad and Consul show
+    (llmgw/state/<name>). Written only with a check-and-set on the index read.
+
+    The failure figures refer to `definition_hash`: a new definition starts
+    them over, and failures of allocations of another definition never count.
+    """
+
+    name: str
+    definition_hash: str = ""
+    consecutive_failures: int = 0  # across replicas, since the last stable healthy run
+    start_failures_total: int = 0  # every failure counted for this model, ever
+    last_error: str | None = None
+    last_error_at: str | None = None
+    counted: tuple[str, ...] = ()  # failure keys already counted: "alloc/task/time"
+    replicas: tuple[ReplicaRecord, ...] = ()
+    parked: Parked | None = None
+    unplaceable: Unplaceable | None = None
+
+    def replica(self, alloc_id: str) -> ReplicaRecord | None:
+        return next((r for r in self.replicas if r.alloc_id == alloc_id), None)
+
+
+class UsageRecord(Document):
+    """When a model was last asked for (llmgw/usage/<name>), kept coarsely by the leader."""
+
+    last_used_at: str  # ISO 8601, UTC
+
+
+class LeaderRecord(Document):
+    """The planner instance holding the leader lock (llmgw/leader) and its admin API."""
+
+    id: str
+    address: str  # base URL of its admin API, e.g. http://10.0.0.5:4650
+    since: str = ""
+
+
+class ActivationAnswer(Document):
+    """The planner's answer to `POST /v1/models/{name}/activate`."""
+
+    name: str
+    status: ActivationStatus
+    reason: str = ""
+    last_error: str | None = None
+    since: str | None = None
+    eval_id: str | None = None
+
+
+D = TypeVar("D", bound=Document)
+
+
+def encode(document: Document) -> str:
+    """The document as compact, key-sorted JSON (what goes into KV or on the wire)."""
+    return json.dumps(document.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def decode(kind: type[D], raw: str | bytes | dict[str, Any]) -> D:
+    """Parse a document of type `kind` from JSON text or an already-decoded object.
+
+    Raises ValueError (with pydantic's or json's reason) when it is not one."""
+    try:
+        data = json.loads(raw) if isinstance(raw, str | bytes) else raw
+        return kind.model_validate(data)
+    except (ValidationError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not a {kind.__name__}: {exc}") from None

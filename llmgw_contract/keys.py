@@ -1,0 +1,95 @@
+"""Where llmgw keeps things: Consul KV keys, Consul service names, Nomad job meta.
+
+KV layout (all JSON, see `llmgw_contract.documents`):
+
+    llmgw/models/<name>   ModelRecord     written by `planner apply`; restored by the
+                                          leader from the job's meta if it vanishes
+    llmgw/state/<name>    StateDocument   written by the planner (every write a
+                                          check-and-set); a cache of what Nomad's job
+                                          meta holds durably
+    llmgw/usage/<name>    UsageRecord     the leader's coarse copy of when the model
+                                          was last asked for (routers report to it)
+    llmgw/leader          LeaderRecord    held with a Consul session by the planner
+                                          that acts (leader election)
+
+The router watches `llmgw/models/` and `llmgw/state/`, never `llmgw/usage/`: a
+usage heartbeat must not wake every router.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+KV_ROOT = "llmgw/"
+LEADER_KEY = "llmgw/leader"
+
+
+class KVPrefix(StrEnum):
+    MODELS = "llmgw/models/"
+    STATE = "llmgw/state/"
+    USAGE = "llmgw/usage/"
+
+
+def kv_key(prefix: KVPrefix, model: str) -> str:
+    """`llmgw/<kind>/<model>`."""
+    return f"{prefix}{model}"
+
+
+def model_from_key(prefix: KVPrefix, key: str) -> str | None:
+    """The model a key under `prefix` belongs to, or None for a key nested deeper."""
+    name = key.removeprefix(prefix) if key.startswith(prefix) else ""
+    return name if name and "/" not in name else None
+
+
+# Consul service of a model's replicas. "llmgw-" + a model name (at most 57
+# characters) stays within a DNS label's 63 (RFC 1035).
+SERVICE_PREFIX = "llmgw-"
+# The planner's own Consul service (its admin API), which carries the TTL check
+# that its leadership session is bound to.
+PLANNER_SERVICE = "llmgw-planner"
+
+
+def service_name(model: str) -> str:
+    """`llmgw-<model>`: the Consul service a model's replicas register."""
+    return SERVICE_PREFIX + model
+
+
+def model_from_service(service: str) -> str | None:
+    """The model behind an `llmgw-<model>` service name; None for other services,
+    including the planner's own."""
+    if not service.startswith(SERVICE_PREFIX) or service == PLANNER_SERVICE:
+        return None
+    return service.removeprefix(SERVICE_PREFIX) or None
+
+
+# Nomad registers a task's Consul service as
+# _nomad-task-<alloc id>-<task, or group-<group>>-<service>-<port>
+# (command/agent/consul/service_client.go, MakeAllocServiceID).
+_NOMAD_SERVICE_ID = re.compile(r"^_nomad-task-([0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})-")
+
+
+def alloc_from_service_id(service_id: str) -> str | None:
+    """The Nomad allocation ID inside a Consul service ID Nomad registered, or None."""
+    match = _NOMAD_SERVICE_ID.match(service_id)
+    return match.group(1) if match else None
+
+
+class JobMeta(StrEnum):
+    """Meta keys on a model's Nomad job (values are strings; the Nomad UI shows them).
+
+    The parking keys are the durable record of a parked model: Consul KV is a
+    cache rebuilt from them.
+    """
+
+    MODEL = "llmgw_model"
+    DEFINITION_HASH = "llmgw_definition_hash"
+    SPEC_HASH = "llmgw_spec_hash"
+    ON_DEMAND = "llmgw_on_demand"
+    RECORD = "llmgw_record"  # the ModelRecord as JSON, to restore llmgw/models/<name>
+    PARKED_REASON = "llmgw_parked_reason"
+    PARKED_LAST_ERROR = "llmgw_parked_last_error"
+    PARKED_SINCE = "llmgw_parked_since"
+
+
+PARKED_META = (JobMeta.PARKED_REASON, JobMeta.PARKED_LAST_ERROR, JobMeta.PARKED_SINCE)

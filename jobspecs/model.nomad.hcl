@@ -134,62 +134,35 @@ job "model" {
       port "http" {}
     }
 
-    # Failures must surface as Nomad events promptly, and the planner, not
-    # Nomad, decides when to give up: it counts every failed start from the
-    # event stream and parks the model after five in a row. So: retry in place
-    # twice, 5 s apart (a crash of a healthy server comes back in seconds),
-    # then fail the allocation and let the scheduler place a new one after 5 s,
-    # without limit. A start that keeps failing costs ~5 s per attempt and is
-    # parked about 30 s after the first failure; exponential delays would only
-    # stretch that to minutes, the quiet retry loop this project exists to end.
+    # Failures must surface as Nomad events promptly, and each replica stops
+    # failing on its own: restart in place 5 s apart, and after the 5th start
+    # fails the allocation and leave it failed (no reschedule). So a replica
+    # that cannot start (a file missing on its node, a GPU taken) is tried
+    # exactly 5 times while the other replicas go on serving, and the planner,
+    # counting the same starts from the event stream, parks the model only when
+    # no replica of its definition is healthy (docs/architecture.md,
+    # "Failures"). The 30 m interval covers five crash-after-ready runs of up
+    # to the 2 min stability window, so Nomad gives up no sooner than the
+    # planner counts five. `planner retry` places a stopped replica again
+    # (a forced reschedule, which Nomad steers off the node it failed on).
     restart {
-      attempts = 2
-      interval = "5m"
+      attempts = 4
+      interval = "30m"
       delay    = "5s"
       mode     = "fail"
     }
 
     reschedule {
-      delay          = "5s"
-      delay_function = "constant"
-      unlimited      = true
+      attempts  = 0
+      unlimited = false
     }
 
     # No deployments (max_parallel = 0): Nomad never reschedules an allocation
-    # that failed inside a failed deployment, so the second allocation of a
-    # model that cannot start would never come, and its failures would stop
-    # surfacing before the planner could count five. The cost: a changed job
-    # replaces all its allocations at once instead of one by one.
+    # that failed inside a failed deployment, and the planner, not a deployment,
+    # judges health. The cost: a changed job replaces all its allocations at
+    # once instead of one by one.
     update {
       max_parallel = 0
-    }
-
-    service {
-      name     = local.service
-      port     = "http"
-      provider = "consul"
-      tags     = ["llmgw", "model-server"]
-
-      meta {
-        llmgw_model           = var.model
-        llmgw_definition_hash = var.definition_hash
-      }
-
-      # Every second: an on-demand request waits for this check to pass, so
-      # its interval is most of what activation adds to the model's own load
-      # time (bench/cold_start.py: p50 0.87 s overhead at 2 s). One GET of
-      # /health a second per instance costs llama-server nothing.
-      check {
-        type     = "http"
-        path     = "/health"
-        interval = "1s"
-        timeout  = "2s"
-
-        check_restart {
-          limit = 6
-          grace = var.load_grace
-        }
-      }
     }
 
     task "llama-server" {
@@ -207,6 +180,48 @@ job "model" {
             content {
               checksum = "sha256:${options.value}"
             }
+          }
+        }
+      }
+
+      # In the task, not the group: Nomad registers a task's services (and
+      # starts watching its check_restart, grace included) at every start of
+      # the task and removes them when it exits, so a restarted server gets
+      # its load grace again and is out of the router's table while it
+      # reloads. A group service stays registered across task restarts and
+      # keeps the grace of the first start: a healthy server killed once was
+      # killed again by the check while it reloaded (issue "Model state done
+      # right", item 8).
+      service {
+        name     = local.service
+        port     = "http"
+        provider = "consul"
+        tags     = ["llmgw", "model-server"]
+
+        meta {
+          llmgw_model           = var.model
+          llmgw_definition_hash = var.definition_hash
+        }
+
+        # Every second: an on-demand request waits for this check to pass, so
+        # its interval is most of what activation adds to the model's own load
+        # time (bench/cold_start.py: p50 0.87 s overhead at 2 s). One GET of
+        # /health a second per instance costs llama-server nothing.
+        #
+        # A busy server must not be restarted: only 20 failed checks in a row
+        # after the load grace (20 s of /health not answering within 5 s)
+        # restart it. The router caps requests in flight per replica at its
+        # slots, so /health always finds a free HTTP thread
+        # (tests/integration/test_model_state.py, C18, measures it).
+        check {
+          type     = "http"
+          path     = "/health"
+          interval = "1s"
+          timeout  = "5s"
+
+          check_restart {
+            limit = 20
+            grace = var.load_grace
           }
         }
       }

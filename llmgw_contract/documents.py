@@ -122,6 +122,7 @@ class StateDocument(Document):
     counted: tuple[str, ...] = ()  # failure keys already counted: "alloc/task/time"
     replicas: tuple[ReplicaRecord, ...] = ()
     parked: Parked | None = None
+    job_index: int = 0  # the Nomad JobModifyIndex that `parked` reflects (newer wins)
     unplaceable: Unplaceable | None = None
 
     def replica(self, alloc_id: str) -> ReplicaRecord | None:

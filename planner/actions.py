@@ -1,34 +1,43 @@
-"""The planner's actions on a model's job: park, unpark (retry). One place that acts.
+"""The planner's actions on a model's job: park, retry. One place that acts.
 
 Called by the watcher (park, when `failures.decide_parking` says so), by
 `planner retry` and the admin API's retry route (both through `retry`), and
 by `apply` (a parked model's new job version is registered stopped, with the
 parking meta, until its definition changes).
 
-A parked job is stopped but kept, so the Nomad UI shows it, with these meta
-keys on the job (Nomad meta values are strings):
+Nomad first, Consul KV second. A parked job is stopped but kept, so the
+Nomad UI shows it, with the reason in its meta (`llmgw_contract.PARKED_META`):
+
   llmgw_parked_reason      "5 consecutive start failures"
   llmgw_parked_last_error  the last task event and stderr tail (at most 2000 chars)
   llmgw_parked_since       ISO 8601 UTC
+
+That meta is the durable record (docs/architecture.md, "Parking"); the
+`parked` member of the KV state document is a cache of it, written after
+Nomad with the job's modify index (`set_parked`), so a late writer holding an
+older Nomad answer can never undo a newer one: KV and Nomad agree at the end
+whatever order a park, a retry and the watcher's sync run in.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument
 from planner.errors import Rejected
 from planner.failures import retried
 from planner.nomad_client import Job, NomadClient
-from planner.state import ModelState, Parked, StateStore
+from planner.state import StateStore
 
-PARKED_META = ("llmgw_parked_reason", "llmgw_parked_last_error", "llmgw_parked_since")
 META_VALUE_LIMIT = 2000
 
 
 def parked_job(job: Job, parked: Parked) -> Job:
     """`job` stopped, with the parking reason in its meta."""
     meta = {**(job.get("Meta") or {}),
-            "llmgw_parked_reason": parked.reason,
-            "llmgw_parked_last_error": (parked.last_error or "")[-META_VALUE_LIMIT:],
-            "llmgw_parked_since": parked.since}
+            JobMeta.PARKED_REASON: parked.reason,
+            JobMeta.PARKED_LAST_ERROR: (parked.last_error or "")[-META_VALUE_LIMIT:],
+            JobMeta.PARKED_SINCE: parked.since}
     return {**job, "Stop": True, "Meta": meta}
 
 
@@ -37,30 +46,67 @@ def unparked_job(job: Job) -> Job:
     return {**job, "Stop": False, "Meta": meta}
 
 
-def park(nomad: NomadClient, name: str, parked: Parked) -> None:
-    """Stop the model's job, keeping it, with the reason in its meta."""
+def parked_from_job(job: Job | None) -> Parked | None:
+    """The parking record a job's meta holds (the durable one), or None."""
+    meta: dict[str, Any] = (job or {}).get("Meta") or {}
+    if JobMeta.PARKED_REASON not in meta:
+        return None
+    return Parked(reason=meta[JobMeta.PARKED_REASON],
+                  last_error=meta.get(JobMeta.PARKED_LAST_ERROR) or None,
+                  since=meta.get(JobMeta.PARKED_SINCE, ""),
+                  definition_hash=meta.get(JobMeta.DEFINITION_HASH, ""))
+
+
+def set_parked(state: StateDocument, parked: Parked | None, job_index: int) -> StateDocument:
+    """The KV cache of parking, as of the Nomad job at modify index `job_index`; an
+    answer older than the one the document already reflects changes nothing."""
+    if job_index < state.job_index:
+        return state
+    if parked is None and state.parked is not None:
+        state = retried(state)
+    return state.model_copy(update={"parked": parked, "job_index": job_index})
+
+
+def _index(answer: dict[str, Any]) -> int:
+    return int(answer.get("JobModifyIndex") or 0)
+
+
+def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> None:
+    """Stop the model's job, keeping it, with the reason in its meta; then record it."""
     job = nomad.job(name)
-    if job is not None:
-        nomad.register(parked_job(job, parked))
+    if job is None:
+        return
+    answer = nomad.register(parked_job(job, parked))
+    store.update(name, lambda s: set_parked(s, parked, _index(answer)))
 
 
-def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[ModelState, str]:
-    """Try a model again: lift parking and start the job, or, for an unplaceable model,
-    ask the scheduler again. Returns the state and what was done, in words.
+def sync_parking(store: StateStore, name: str, job: Job) -> None:
+    """Make the KV cache say what the job (read at its JobModifyIndex) says."""
+    index = int(job.get("JobModifyIndex") or 0)
+    store.update(name, lambda s: set_parked(s, parked_from_job(job), index))
+
+
+def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[StateDocument, str]:
+    """Try a model again: lift parking and start the job; for a job Nomad gave up on
+    (replicas stopped after their restart attempts) or an unplaceable one, ask the
+    scheduler to place it again. Returns the state and what was done, in words.
     Raises Rejected when there is no such job."""
     job = nomad.job(name)
     if job is None:
         raise Rejected(f"model {name!r} has no Nomad job; run `planner apply` first")
-    state = store.load(name)
-    if state.parked is not None:
-        state = retried(state)
-        store.save(state)
-        nomad.register(unparked_job(job))
-        return state, "parking lifted; the job is starting again"
-    if state.unplaceable is not None or job.get("Stop"):
-        if job.get("Stop"):
-            nomad.register(unparked_job(job))
-        else:
-            nomad.evaluate(name)
+    if parked_from_job(job) is not None or job.get("Stop"):
+        answer = nomad.register(unparked_job(job))
+        after = store.update(name, lambda s: set_parked(s, None, _index(answer))).after
+        return after, "parking lifted; the job is starting again" \
+            if parked_from_job(job) else "the stopped job is starting again"
+    failed = [a for a in nomad.allocations(name)
+              if a.get("ClientStatus") == "failed" and a.get("DesiredStatus") == "run"
+              and not a.get("NextAllocation")]
+    state = store.update(name, retried).after
+    if failed:
+        nomad.evaluate(name, force_reschedule=True)
+        return state, f"{len(failed)} stopped replica(s) placed again"
+    if state.unplaceable is not None:
+        nomad.evaluate(name)
         return state, "asked the scheduler to place it again"
-    return state, "not parked or unplaceable; nothing to retry"
+    return state, "not parked, unplaceable or stopped; nothing to retry"

@@ -1,25 +1,25 @@
 """Activation: a fresh placement answer for a model someone is asking for.
 
-Called by the admin API's `POST /v1/models/{name}/activate` (the router calls
-it when a defined model has no passing endpoint) and `POST /v1/usage`.
+Called by the admin API's `POST /v1/models/{name}/activate` on the leader
+(the router calls it when a defined model has no passing endpoint). Answers
+are the contract's `ActivationAnswer`:
 
-An activation:
-  parked               -> answered at once with the reason (no attempt)
-  replicas: 0          -> "stopped" (an always-on model defined with no instances)
+  parked               -> at once, with the reason (no attempt)
+  job stopped, or replicas: 0 on an always-on model -> "stopped" (no attempt)
   passing somewhere    -> "serving"
   starting already     -> "loading" (an allocation is pending or running; no attempt)
   otherwise            -> clear the old placement answer and make a fresh attempt:
                           scale the group up to its replicas (on-demand, from 0), or
                           force a new evaluation when it is already scaled; then wait
                           for *that* evaluation (at most `EVAL_WAIT`) and answer
-                          "unplaceable" with Nomad's reason, or "loading".
-Concurrent activations of one model share one attempt (single flight): twenty
-clients asking at once make one evaluation, and each later request asks again,
-which is what lets a model that fit nowhere an hour ago be placed now.
+                          "unplaceable" with Nomad's reason, or "loading" (placed, or
+                          room is being made: `planner.unplaceable`).
 
-One planner for now: with two, each would make its own attempt and both would
-write the same state (last writer wins, and both writes say the same thing);
-the leader election issue makes followers forward here instead.
+Concurrent activations of one model share one attempt (single flight):
+twenty clients asking at once make one evaluation, and each later request
+asks again, which is what lets a model that fit nowhere an hour ago be
+placed now. Only the leader activates (followers forward), so two planners
+never make two attempts for one burst.
 """
 
 from __future__ import annotations
@@ -28,15 +28,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from llmgw_contract import (
+    ActivationAnswer,
+    ActivationStatus,
+    ModelRecord,
+    StateDocument,
+    Unplaceable,
+    service_name,
+)
+from planner import unplaceable as unplaced
+from planner.actions import parked_from_job
 from planner.consul_client import ConsulClient
 from planner.errors import NomadRejected, Rejected
-from planner.nomad_client import Job, NomadClient
-from planner.placement import evaluation_reason
-from planner.state import StateStore, Unplaceable
+from planner.nomad_client import Job, NomadClient, group_count
+from planner.state import StateStore
+from planner.usage import UsageBook
 
 log = logging.getLogger("planner.activation")
 
@@ -47,31 +56,12 @@ EVAL_DONE = frozenset({"complete", "failed", "canceled", "blocked"})
 GROUP = "server"  # the task group in jobspecs/model.nomad.hcl
 
 
-@dataclass(frozen=True)
-class Answer:
-    """What the router is told: status serving | loading | parked | unplaceable | stopped."""
-
-    name: str
-    status: str
-    reason: str
-    last_error: str | None = None
-    since: str | None = None
-    eval_id: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class ModelNotFound(Rejected):
     pass
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def _count(job: Job) -> int:
-    return sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
 
 
 def _starting(allocations: list[dict[str, Any]]) -> bool:
@@ -83,14 +73,16 @@ class Activator:
     """Makes and shares fresh placement attempts; records use for idle scale-down."""
 
     def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
-                 clock: Callable[[], datetime] = _now, eval_wait: float = EVAL_WAIT) -> None:
-        self.nomad, self.consul, self.store = nomad, consul, store
+                 usage: UsageBook, clock: Callable[[], datetime] = _now,
+                 eval_wait: float = EVAL_WAIT, datacenters: tuple[str, ...] = ("*",)) -> None:
+        self.nomad, self.consul, self.store, self.usage = nomad, consul, store, usage
         self.clock = clock
         self.eval_wait = eval_wait
-        self._inflight: dict[str, asyncio.Task[Answer]] = {}
+        self.datacenters = datacenters
+        self._inflight: dict[str, asyncio.Task[ActivationAnswer]] = {}
         self.attempts = 0  # fresh placement attempts made, for tests and metrics
 
-    async def activate(self, name: str) -> Answer:
+    async def activate(self, name: str) -> ActivationAnswer:
         """The answer for `name`, sharing an attempt already in flight. Raises
         ModelNotFound for a model never applied, Unavailable when Nomad is down."""
         task = self._inflight.get(name)
@@ -100,44 +92,45 @@ class Activator:
             task.add_done_callback(lambda _: self._inflight.pop(name, None))
         return await asyncio.shield(task)
 
-    def used(self, names: list[str]) -> None:
-        """The router says these models had requests: remember when (idle scale-down)."""
-        now = self.clock().isoformat(timespec="seconds")
-        records = self.consul.model_records()
-        for name in names:
-            if name in records:
-                state = self.store.load(name)
-                self.store.save(state.model_copy(update={"last_used_at": now}))
-
-    def _activate(self, name: str) -> Answer:
+    def _activate(self, name: str) -> ActivationAnswer:
         record = self.consul.model_records().get(name)
         if record is None:
             raise ModelNotFound(f"model {name!r} was never applied")
-        self.used([name])
-        state = self.store.load(name)
-        if state.parked:
-            return Answer(name, "parked", state.parked.reason, state.parked.last_error,
-                          state.parked.since)
-        if self.consul.service_health(f"llmgw-{name}").passing > 0:
-            return Answer(name, "serving", "an instance passes its health check")
+        self.usage.used([name], persist_now=True)
         job = self.nomad.job(name)
+        state = self.store.load(name)
+        parked = parked_from_job(job) or (state.parked if job is None or job.get("Stop")
+                                          else None)
+        if parked is not None:
+            return ActivationAnswer(name=name, status=ActivationStatus.PARKED,
+                                    reason=parked.reason, last_error=parked.last_error,
+                                    since=parked.since)
+        if self.consul.service_health(service_name(name)).passing > 0:
+            return ActivationAnswer(name=name, status=ActivationStatus.SERVING,
+                                    reason="an instance passes its health check")
         if job is None or job.get("Stop"):
-            return Answer(name, "unplaceable", "its Nomad job is not running; run `planner "
-                                               "apply` (or `planner retry`) first")
-        if not record.get("on_demand") and _count(job) == 0:
-            return Answer(name, "stopped", "0 replicas wanted (replicas: 0 in its definition)")
-        if _starting(self.nomad.allocations(name)) and not state.unplaceable:
-            return Answer(name, "loading", "an instance is starting")
-        self.store.save(state.model_copy(update={"unplaceable": None}))
-        target = max(int(record.get("replicas", 1)), 1) if record.get("on_demand") else _count(job)
-        return self._attempt(name, job, target, state.unplaceable)
+            return ActivationAnswer(name=name, status=ActivationStatus.STOPPED,
+                                    reason="its Nomad job is not running; run `planner apply` "
+                                           "(or `planner retry`) first")
+        if record.idle_after is None and group_count(job) == 0:
+            return ActivationAnswer(name=name, status=ActivationStatus.STOPPED,
+                                    reason="0 replicas wanted (replicas: 0 in its definition)")
+        short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional \
+            else None
+        if _starting(self.nomad.allocations(name)) and short is None:
+            return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
+                                    reason=state.unplaceable.reason if state.unplaceable
+                                    else "an instance is starting")
+        target = max(record.replicas, 1) if record.idle_after is not None else group_count(job)
+        return self._attempt(name, record, job, target, state)
 
-    def _attempt(self, name: str, job: Job, target: int,
-                 previous: Unplaceable | None) -> Answer:
-        """One fresh placement attempt, answered by the evaluation it creates. An
-        answer with the previous reason keeps its `since`: unplaceable since then."""
+    def _attempt(self, name: str, record: ModelRecord, job: Job, target: int,
+                 state: StateDocument) -> ActivationAnswer:
+        """One fresh placement attempt, answered by the evaluation it creates. The old
+        answer is cleared first; a new one with the same reason keeps its `since`."""
         self.attempts += 1
-        if _count(job) < target:
+        self.store.update(name, lambda s: s.model_copy(update={"unplaceable": None}))
+        if group_count(job) < target:
             try:
                 eval_id = self.nomad.scale(name, GROUP, target, "llmgw activation")
             except NomadRejected as exc:
@@ -148,15 +141,16 @@ class Activator:
             eval_id = self.nomad.evaluate(name)
         log.info("model %s: placement attempt (evaluation %s)", name, (eval_id or "")[:8])
         evaluation = self._wait(eval_id)
-        reason = evaluation_reason(evaluation) if evaluation else None
-        if reason is None:
-            return Answer(name, "loading", "placed; the server is starting", eval_id=eval_id)
-        since = previous.since if previous and previous.reason == reason else \
-            self.clock().isoformat(timespec="seconds")
-        state = self.store.load(name)
-        self.store.save(state.model_copy(update={"unplaceable": Unplaceable(
-            reason=reason, since=since, eval_id=eval_id)}))
-        return Answer(name, "unplaceable", reason, since=since, eval_id=eval_id)
+        if evaluation is None:
+            return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
+                                    reason="placed; the server is starting", eval_id=eval_id)
+        answer = unplaced.answer(self.nomad, record, self.nomad.job(name), evaluation,
+                                 self.datacenters, self.clock())
+        if answer is not None and state.unplaceable is not None and \
+                state.unplaceable.reason == answer.reason:
+            answer = answer.model_copy(update={"since": state.unplaceable.since})
+        self.store.update(name, lambda s: unplaced.with_unplaceable(s, answer))
+        return _answer(name, answer, eval_id)
 
     def _wait(self, eval_id: str | None) -> dict[str, Any] | None:
         """Poll the evaluation until the scheduler is done with it, at most eval_wait s."""
@@ -168,3 +162,32 @@ class Activator:
             if evaluation.get("Status") in EVAL_DONE or time.monotonic() > deadline:
                 return evaluation
             time.sleep(0.05)
+
+
+def _answer(name: str, unplaceable: Unplaceable | None, eval_id: str | None) -> ActivationAnswer:
+    if unplaceable is None:
+        return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
+                                reason="placed; the server is starting", eval_id=eval_id)
+    if unplaceable.provisional:
+        return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
+                                reason=unplaceable.reason, since=unplaceable.since,
+                                eval_id=eval_id)
+    return ActivationAnswer(name=name, status=ActivationStatus.UNPLACEABLE,
+                            reason=unplaceable.reason, since=unplaceable.since, eval_id=eval_id)
+
+
+def answers_for_every_status() -> list[ActivationAnswer]:
+    """One answer of each kind this module gives (the contract test feeds them to the
+    router's reader)."""
+    room = Unplaceable(reason="waiting for room", provisional=True)
+    short = Unplaceable(reason="memory exhausted on 1 of 1 node")
+    return [
+        ActivationAnswer(name="m", status=ActivationStatus.PARKED, reason="5 consecutive start "
+                         "failures", last_error="Terminated: Exit Code: 1", since="2026-01-01"),
+        ActivationAnswer(name="m", status=ActivationStatus.SERVING, reason="passes"),
+        ActivationAnswer(name="m", status=ActivationStatus.STOPPED, reason="0 replicas wanted"),
+        ActivationAnswer(name="m", status=ActivationStatus.LOADING, reason="an instance is "
+                         "starting"),
+        _answer("m", None, "e1"), _answer("m", room, "e2"), _answer("m", short, "e3"),
+    ]
+

@@ -1,21 +1,23 @@
-"""The planner's admin API (FastAPI), served by `planner serve` beside the watcher.
+"""The planner's admin API (FastAPI), served by every `planner serve`.
 
 Routes:
-  GET  /health                      {"status": "ok", "reconciled": bool}
+  GET  /health                      {"status", "role": leader|follower|candidate,
+                                     "ready", "leader": {"id", "address"} | null}
   GET  /v1/models                   [ModelStatus] (planner.status: name, state, desired,
-                                    running, ready, consecutive_failures, reason,
-                                    last_error, since)
+                                    running, ready, failures, reason, last error,
+                                    since, replicas with their node and failures)
   GET  /v1/models/{name}            ModelStatus; 404 for a model that was never applied
-  POST /v1/models/{name}/retry      lift parking and start again
-  POST /v1/models/{name}/activate   a fresh placement answer (planner.activation):
-                                    {"name", "status": serving|loading|parked|unplaceable,
-                                     "reason", "last_error", "since", "eval_id"}
+  POST /v1/models/{name}/retry      lift parking, or place stopped replicas again
+  POST /v1/models/{name}/activate   a fresh placement answer: llmgw_contract.ActivationAnswer
   POST /v1/usage                    {"models": [names]} -> 204: used now (idle scale-down)
+
 The POST routes change things and need `Authorization: Bearer <token>`
-(LLMGW_ADMIN_TOKEN; the router sends it as LLMGW_PLANNER_TOKEN).
-Errors use {"error": {"message", "type", "code"}}, the shape the router uses.
-Reads go to Nomad and Consul on each call: the admin API is for operators and
-the router's rare questions, not a hot path.
+(LLMGW_ADMIN_TOKEN; the router sends it as LLMGW_PLANNER_TOKEN). Only the
+leader acts: a follower forwards a POST to the leader's address (from
+`llmgw/leader`) and relays its answer, or answers 503 `no_leader` with
+Retry-After while an election is under way. GET routes are answered by any
+instance from Nomad and Consul directly. Errors use {"error": {"message",
+"type", "code"}}, the shape the router uses.
 """
 
 from __future__ import annotations
@@ -28,23 +30,22 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from planner import actions
-from planner.activation import Activator, ModelNotFound
-from planner.consul_client import ConsulClient
+from planner.activation import ModelNotFound
 from planner.errors import PlannerError, Rejected
-from planner.idle import IdleScaler
-from planner.nomad_client import NomadClient
-from planner.state import StateStore
+from planner.serve import PlannerNode
 from planner.status import gather, model_status
-from planner.watcher import Watcher
+
+FORWARD_TIMEOUT_S = 30.0  # activation waits at most ~2 s for Nomad; room for a slow Nomad
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
+def _error(status: int, code: str, message: str,
+           headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "planner_error", "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def _authorized(authorization: str | None, token: str | None) -> JSONResponse | None:
@@ -62,25 +63,45 @@ class Usage(BaseModel):
     models: list[str]
 
 
-def create_app(nomad: NomadClient, consul: ConsulClient, token: str | None,
-               watcher: Watcher | None = None, idle: IdleScaler | None = None) -> FastAPI:
-    """The admin app; the watcher's and idle scaler's loops run for its lifetime."""
-    activator = Activator(nomad, consul, StateStore(consul))
+async def _forward(node: PlannerNode, request: Request, session: aiohttp.ClientSession) \
+        -> Response:
+    """Relay a write to the leader, or say that there is none right now."""
+    leader = node.leadership.leader
+    if leader is None or leader.id == node.leadership.id:
+        return _error(503, "no_leader", "no planner holds the leader lock right now (an "
+                      "election is under way); retry in a few seconds", {"Retry-After": "2"})
+    headers = {k: v for k, v in request.headers.items()
+               if k.lower() in ("authorization", "content-type")}
+    try:
+        async with session.post(leader.address.rstrip("/") + request.url.path,
+                                data=await request.body(), headers=headers) as answer:
+            body = await answer.read()
+            return Response(body, status_code=answer.status,
+                            media_type=answer.headers.get("Content-Type"))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return _error(503, "leader_unreachable", f"the leader at {leader.address} did not "
+                      f"answer ({type(exc).__name__}: {exc}); retry shortly",
+                      {"Retry-After": "2"})
+
+
+def create_app(node: PlannerNode, token: str | None, run_node: bool = True) -> FastAPI:
+    """The admin app; with `run_node`, the node campaigns for its lifetime."""
+    nomad, consul = node.nomad, node.consul
+    forwarder: dict[str, aiohttp.ClientSession] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with aiohttp.ClientSession() as session:
-            tasks = []
-            if watcher is not None:
-                tasks.append(asyncio.create_task(watcher.run(session), name="watcher"))
-            if idle is not None:
-                tasks.append(asyncio.create_task(idle.run(), name="idle-scaler"))
+        async with aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S)) as session:
+            forwarder["session"] = session
+            task = asyncio.create_task(node.run(), name="planner-node") if run_node else None
             try:
                 yield
             finally:
-                for task in tasks:
+                if task is not None:
+                    await node.stop()
                     task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                    await asyncio.gather(task, return_exceptions=True)
 
     app = FastAPI(title="llmgw planner", lifespan=lifespan)
 
@@ -91,7 +112,11 @@ def create_app(nomad: NomadClient, consul: ConsulClient, token: str | None,
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "reconciled": bool(watcher and watcher.ready.is_set())}
+        leader = node.leadership.leader
+        role = "leader" if node.is_leader else "follower" if leader else "candidate"
+        return {"status": "ok", "role": role, "ready": node.ready, "id": node.leadership.id,
+                "leader": None if leader is None else {"id": leader.id,
+                                                       "address": leader.address}}
 
     @app.get("/v1/models")
     def list_models() -> list[dict[str, Any]]:
@@ -102,37 +127,46 @@ def create_app(nomad: NomadClient, consul: ConsulClient, token: str | None,
         record = consul.model_records().get(name)
         if record is None:
             return _error(404, "model_not_found", f"model {name!r} was never applied")
-        return model_status(nomad, consul, name, record, StateStore(consul).load(name)).as_dict()
+        return model_status(nomad, consul, name, record).as_dict()
 
     @app.post("/v1/models/{name}/retry", response_model=None)
-    def retry(name: str, authorization: str | None = Header(None)) -> dict[str, Any] | JSONResponse:
+    async def retry(name: str, request: Request,
+                    authorization: str | None = Header(None)) -> Any:
         refusal = _authorized(authorization, token)
         if refusal is not None:
             return refusal
+        if not node.is_leader:
+            return await _forward(node, request, forwarder["session"])
         record = consul.model_records().get(name)
         if record is None:
             return _error(404, "model_not_found", f"model {name!r} was never applied")
-        state, done = actions.retry(nomad, StateStore(consul), name)
-        return {**model_status(nomad, consul, name, record, state).as_dict(), "retry": done}
+        state, done = await asyncio.to_thread(actions.retry, nomad, node.store, name)
+        row = await asyncio.to_thread(model_status, nomad, consul, name, record, state)
+        return {**row.as_dict(), "retry": done}
 
     @app.post("/v1/models/{name}/activate", response_model=None)
-    async def activate(name: str,
-                       authorization: str | None = Header(None)) -> dict[str, Any] | JSONResponse:
+    async def activate(name: str, request: Request,
+                       authorization: str | None = Header(None)) -> Any:
         refusal = _authorized(authorization, token)
         if refusal is not None:
             return refusal
+        if not node.is_leader:
+            return await _forward(node, request, forwarder["session"])
         try:
-            return (await activator.activate(name)).as_dict()
+            return (await node.activator.activate(name)).model_dump(mode="json")
         except ModelNotFound as exc:
             return _error(404, "model_not_found", str(exc))
 
     @app.post("/v1/usage", status_code=204, response_model=None)
-    async def usage(body: Usage, authorization: str | None = Header(None)) -> JSONResponse | None:
+    async def usage(body: Usage, request: Request,
+                    authorization: str | None = Header(None)) -> Response | None:
         refusal = _authorized(authorization, token)
         if refusal is not None:
             return refusal
-        await asyncio.to_thread(activator.used, body.models)
+        if not node.is_leader:
+            return await _forward(node, request, forwarder["session"])
+        await asyncio.to_thread(node.usage.used, body.models)
         return None
 
-    app.state.activator = activator
+    app.state.node = node
     return app

@@ -16,15 +16,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from planner.actions import parked_job
+from llmgw_contract import JobMeta, KVPrefix, Parked, kv_key
+from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
 from planner.errors import DefinitionError, InvalidDefinitions
-from planner.failures import retried
 from planner.jobspec import SPEC_HASH_KEY, render
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
-from planner.state import Parked, StateStore
+from planner.state import StateStore
 
 
 class Action(StrEnum):
@@ -66,14 +66,14 @@ class Outcome:
 
 
 def is_managed(job: Job) -> bool:
-    return "llmgw_model" in (job.get("Meta") or {})
+    return JobMeta.MODEL in (job.get("Meta") or {})
 
 
 def _update_reason(new: Job, old: Job) -> str:
     new_meta, old_meta = new.get("Meta") or {}, old.get("Meta") or {}
     if old.get("Stop"):
         return "job was stopped"
-    if new_meta.get("llmgw_definition_hash") != old_meta.get("llmgw_definition_hash"):
+    if new_meta.get(JobMeta.DEFINITION_HASH) != old_meta.get(JobMeta.DEFINITION_HASH):
         return "source or profile changed"
     old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
     new_count = sum(tg.get("Count", 0) for tg in new.get("TaskGroups") or [])
@@ -85,7 +85,7 @@ def _update_reason(new: Job, old: Job) -> str:
 def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Change:
     """A parked model stays parked under the same definition (ARCHITECTURE.md: lifted
     only by a new source or profile, or `planner retry`); a new one lifts it."""
-    if job["Meta"]["llmgw_definition_hash"] != parked.definition_hash:
+    if job["Meta"][JobMeta.DEFINITION_HASH] != parked.definition_hash:
         return Change(name, Action.UPDATE, "source or profile changed; lifts parking", job,
                       unpark=True)
     if old is not None and (old.get("Meta") or {}).get(SPEC_HASH_KEY) == job["Meta"][SPEC_HASH_KEY]:
@@ -98,7 +98,7 @@ def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Chan
 def _keep_activation(job: Job, old: Job) -> Job:
     """An on-demand job is rendered with count 0; an update must not stop a model that
     is active now, so it keeps the registered count (the idle scaler lowers it)."""
-    if (job.get("Meta") or {}).get("llmgw_on_demand") != "true" or old.get("Stop"):
+    if (job.get("Meta") or {}).get(JobMeta.ON_DEMAND) != "true" or old.get("Stop"):
         return job
     counts = {tg["Name"]: tg.get("Count", 0) for tg in old.get("TaskGroups") or []}
     groups = [{**tg, "Count": counts.get(tg["Name"], tg.get("Count", 0))}
@@ -134,16 +134,6 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
             changes.append(Change(name, Action.ORPHANED,
                                   "no longer defined in git; run with --prune to stop it"))
     return changes
-
-
-def model_record(definition: ModelDefinition) -> dict[str, Any]:
-    """The KV record the router and `planner status` read for a defined model."""
-    return {"name": definition.name, "definition_hash": definition.definition_hash,
-            "replicas": definition.replicas, "source": definition.source,
-            "sha256": definition.sha256,
-            "profile": definition.profile.model_dump(mode="json"),
-            "on_demand": definition.on_demand.model_dump(mode="json")
-            if definition.on_demand else None}
 
 
 def _check_engines(models: dict[str, tuple[Path, ModelDefinition]], settings: Settings) -> None:
@@ -189,8 +179,10 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     registered = _registered_llmgw_jobs(nomad)
     _check_foreign(rendered, nomad, models, registered)
     definitions = {name: d for name, (_, d) in models.items()}
-    parked = {name: s.parked for name, s in StateStore(consul).load_all().items()
-              if s.parked is not None}
+    # The stopped job's meta is the durable record of parking (docs/architecture.md):
+    # a wiped or stale KV cache must never un-park a model on re-apply.
+    parked = {name: p for name, job in registered.items()
+              if (p := parked_from_job(job)) is not None}
     return definitions, decide(rendered, registered, prune, parked)
 
 
@@ -200,9 +192,11 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
 
     Model records go to Consul first: the watcher and the router learn a model
     from its record, and must know it before Nomad's first evaluation of it
-    arrives (C08 wants the unplaceable answer within 2 s of apply)."""
+    arrives (C08 wants the unplaceable answer within 2 s of apply). A pruned
+    model's record goes last, after its job is stopped, so the leader never
+    sees a running job without a record (which it would restore)."""
     if not dry_run:
-        _sync_records(definitions, changes, consul)
+        _write_records(definitions, consul)
     outcomes = []
     for change in changes:
         outcome = Outcome(change)
@@ -210,14 +204,16 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
             if dry_run:
                 outcome.plan = nomad.plan(change.job)
             else:
-                if change.unpark:
-                    store = StateStore(consul)
-                    store.save(retried(store.load(change.model)))
                 answer = nomad.register(change.job)
+                if change.unpark:
+                    index = int(answer.get("JobModifyIndex") or 0)
+                    StateStore(consul).update(change.model,
+                                              lambda s, i=index: set_parked(s, None, i))
                 outcome.eval_id = answer.get("EvalID") or None
                 outcome.job_version = _version_after(nomad, change.model)
         elif change.action is Action.DEREGISTER and not dry_run:
             outcome.eval_id = nomad.deregister(change.model).get("EvalID") or None
+            _forget(change.model, consul)
         outcomes.append(outcome)
     return outcomes
 
@@ -227,16 +223,18 @@ def _version_after(nomad: NomadClient, job_id: str) -> int | None:
     return None if job is None else job.get("Version")
 
 
-def _sync_records(definitions: dict[str, ModelDefinition], changes: list[Change],
-                  consul: ConsulClient) -> None:
-    """Write each model's KV record only where it differs; drop the record and the
-    state (failures, parking) of pruned models, so a model defined again starts clean."""
+def _write_records(definitions: dict[str, ModelDefinition], consul: ConsulClient) -> None:
+    """Write each model's KV record only where it differs."""
     existing = consul.model_records()
     for name, definition in definitions.items():
-        record = model_record(definition)
+        record = definition.record()
         if existing.get(name) != record:
             consul.put_model_record(record)
-    for change in changes:
-        if change.action is Action.DEREGISTER:
-            consul.delete_model_record(change.model)
-            StateStore(consul).delete(change.model)
+
+
+def _forget(name: str, consul: ConsulClient) -> None:
+    """Drop a pruned model's record, state (failures, parking) and last use, so a model
+    defined again starts clean."""
+    consul.delete_model_record(name)
+    StateStore(consul).delete(name)
+    consul.delete_key(kv_key(KVPrefix.USAGE, name))

@@ -24,20 +24,20 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from llmgw_contract import ModelState
 from planner import actions
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
 from planner.errors import InvalidDefinitions, PlannerError
-from planner.failures import PARK_AFTER
-from planner.idle import IdleScaler
+from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
 from planner.nomad_client import NomadClient
 from planner.placement import evaluation_reason
 from planner.plandiff import format_diff
+from planner.serve import PlannerNode
 from planner.settings import Settings
 from planner.state import StateStore
-from planner.status import ModelStatus, gather, headline, model_status
-from planner.watcher import Watcher, utcnow
+from planner.status import ModelStatus, ReplicaState, gather, model_status
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later)."""
@@ -139,15 +139,18 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
     while models:
         rows = {s.name: s for s in gather(nomad, consul) if s.name in models}
         line = ", ".join(f"{n}: {s.state} ({s.reason})"
-                         + (f" last error: {headline(s.last_error)}" if s.state == "failing"
-                            else "")
+                         + (f" last error: {headline(s.last_error)}"
+                            if s.state == ModelState.FAILING else "")
                          for n, s in sorted(rows.items()))
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line
         if all(s.satisfied for s in rows.values()):
             return
-        given_up = {n: s for n, s in rows.items() if s.state in ("parked", "unplaceable")}
+        # States that do not end by waiting: an operator has to act.
+        given_up = {n: s for n, s in rows.items()
+                    if s.state in (ModelState.PARKED, ModelState.UNPLACEABLE)
+                    or any(r.state == ReplicaState.STOPPED for r in s.replicas)}
         if given_up:
             for name, row in sorted(given_up.items()):
                 err.print(f"error: {name} is {row.state}: {row.reason}"
@@ -230,17 +233,24 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
 def serve(
     host: Annotated[str, typer.Option(help="admin API listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="admin API port")] = 4650,
+    advertise: Annotated[str, typer.Option(help="the admin API's URL as other planners "
+                                                "reach it (default http://HOST:PORT)")] = "",
     park_after: Annotated[int, typer.Option(help="consecutive start failures that park a "
                                                  "model")] = PARK_AFTER,
+    stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
+                                                   "before its failures are forgiven")]
+    = STABLE_AFTER_S,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
 ) -> None:
-    """Run the watcher (start failures, parking, placement) and the admin API until stopped."""
-    _, nomad, consul = _clients()
+    """Campaign for leadership; while leading, run the watcher (start failures, parking,
+    placement), the idle scaler and activation; always serve the admin API."""
+    settings, nomad, consul = _clients()
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    watcher = Watcher(nomad, consul, StateStore(consul), park_after=park_after)
-    idle = IdleScaler(nomad, consul, StateStore(consul), utcnow)
-    admin = create_app(nomad, consul, os.environ.get("LLMGW_ADMIN_TOKEN") or None, watcher, idle)
+    rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
+    node = PlannerNode(nomad, consul, advertise or f"http://{host}:{port}", rules,
+                       settings.datacenters)
+    admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None)
     uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False)
 
 

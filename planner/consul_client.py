@@ -1,18 +1,18 @@
-"""The planner's only door to Consul: model records in KV and service health.
+"""The planner's only door to Consul: KV documents, health, and its own service and session.
 
-Called by `apply` (model records) and `status` (health). Raises only
+Called by `apply` (model records), `state` (state documents, check-and-set),
+`status` (health), the watcher (passing checks), `leader` (the planner's
+service, its TTL check and the leadership session) and `usage`. Raises only
 `planner.errors` types: ConsulUnavailable when Consul cannot be reached or
 fails, Rejected when it refuses a request.
 
-KV layout (read by the router, which never imports the planner):
-  llmgw/models/<name>   JSON {"name", "definition_hash", "replicas", "source",
-                        "sha256", "profile"}: the applied definition
-  llmgw/state/<name>    JSON ModelState (planner.state): failures, parked, unplaceable
+The KV layout and documents are the contract's (`llmgw_contract.keys`,
+`llmgw_contract.documents`).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,17 +23,28 @@ import consul
 import consul.exceptions
 import requests
 
+from llmgw_contract import (
+    KVPrefix,
+    ModelRecord,
+    alloc_from_service_id,
+    decode,
+    encode,
+    kv_key,
+    model_from_key,
+)
 from planner.errors import ConsulUnavailable, Rejected
 
-MODELS_PREFIX = "llmgw/models/"
+log = logging.getLogger("planner.consul")
 
 
 @dataclass(frozen=True)
 class ServiceHealth:
-    """Instances of one Consul service: how many exist and how many pass every check."""
+    """Instances of one Consul service: how many exist, how many pass every check, and
+    the Nomad allocations of those that pass."""
 
     total: int
     passing: int
+    passing_allocs: frozenset[str] = frozenset()
 
 
 @contextmanager
@@ -47,7 +58,7 @@ def _translated(action: str) -> Iterator[None]:
 
 
 class ConsulClient:
-    """Thin wrapper over py-consul for the planner's KV records and health reads."""
+    """Thin wrapper over py-consul for the calls the planner makes."""
 
     def __init__(self, address: str, token: str | None = None) -> None:
         url = urlparse(address if "://" in address else f"http://{address}")
@@ -58,33 +69,56 @@ class ConsulClient:
         with _translated(action):
             return fn()
 
-    def get_json(self, key: str) -> Any:
-        """The JSON value at `key`, or None when the key does not exist."""
+    # --- KV ----------------------------------------------------------------------
+
+    def get_indexed(self, key: str) -> tuple[int, str | None]:
+        """(ModifyIndex, text) of `key`; (0, None) when it does not exist (a
+        check-and-set with index 0 then creates it only if still absent)."""
         _, item = self._call(f"read {key}", lambda: self._api.kv.get(key))
-        return json.loads(item["Value"]) if item and item["Value"] else None
+        if not item:
+            return 0, None
+        value = item["Value"]
+        return int(item["ModifyIndex"]), value.decode() if value else None
 
-    def get_json_prefix(self, prefix: str) -> dict[str, Any]:
-        """Every JSON value under `prefix`: {key: value}."""
+    def get_texts(self, prefix: str) -> dict[str, str]:
+        """Every non-empty value under `prefix`: {key: text}."""
         _, items = self._call(f"read {prefix}", lambda: self._api.kv.get(prefix, recurse=True))
-        return {item["Key"]: json.loads(item["Value"]) for item in items or [] if item["Value"]}
+        return {item["Key"]: item["Value"].decode() for item in items or [] if item["Value"]}
 
-    def put_json(self, key: str, value: Any) -> None:
-        text = json.dumps(value, sort_keys=True)
+    def put_text(self, key: str, text: str) -> None:
         self._call(f"write {key}", lambda: self._api.kv.put(key, text))
+
+    def cas_put(self, key: str, text: str, index: int) -> bool:
+        """Write `key` only if its ModifyIndex is still `index` (0: only if absent).
+        False when another writer changed it first."""
+        return bool(self._call(f"write {key}", lambda: self._api.kv.put(key, text, cas=index)))
 
     def delete_key(self, key: str) -> None:
         self._call(f"delete {key}", lambda: self._api.kv.delete(key))
 
-    def model_records(self) -> dict[str, dict[str, Any]]:
-        """Every applied model record: {name: record}."""
-        return {key.removeprefix(MODELS_PREFIX): record
-                for key, record in self.get_json_prefix(MODELS_PREFIX).items()}
+    # --- model records ---------------------------------------------------------------
 
-    def put_model_record(self, record: dict[str, Any]) -> None:
-        self.put_json(MODELS_PREFIX + record["name"], record)
+    def model_records(self) -> dict[str, ModelRecord]:
+        """Every applied model record: {name: record}. A record that does not decode is
+        skipped with an error in the log (one bad key must not hide the others)."""
+        records = {}
+        for key, text in self.get_texts(KVPrefix.MODELS).items():
+            name = model_from_key(KVPrefix.MODELS, key)
+            if name is None:
+                continue
+            try:
+                records[name] = decode(ModelRecord, text)
+            except ValueError as exc:
+                log.error("skipping %s: %s", key, exc)
+        return records
+
+    def put_model_record(self, record: ModelRecord) -> None:
+        self.put_text(kv_key(KVPrefix.MODELS, record.name), encode(record))
 
     def delete_model_record(self, name: str) -> None:
-        self.delete_key(MODELS_PREFIX + name)
+        self.delete_key(kv_key(KVPrefix.MODELS, name))
+
+    # --- health ---------------------------------------------------------------------
 
     def passing_checks(self, index: int | None, wait: str = "5s") -> tuple[int, list[Any]]:
         """Blocking query on every passing check: returns once the set changed after
@@ -97,6 +131,52 @@ class ConsulClient:
         """Instances of `service` registered anywhere, and those whose checks all pass."""
         _, nodes = self._call(f"read health of {service}",
                               lambda: self._api.health.service(service))
-        passing = sum(1 for node in nodes
-                      if all(check["Status"] == "passing" for check in node["Checks"]))
-        return ServiceHealth(total=len(nodes), passing=passing)
+        passing = [node for node in nodes
+                   if all(check["Status"] == "passing" for check in node["Checks"])]
+        allocs = frozenset(a for node in passing
+                           if (a := alloc_from_service_id(node["Service"]["ID"])))
+        return ServiceHealth(total=len(nodes), passing=len(passing), passing_allocs=allocs)
+
+    # --- the planner's own service and session (leader election) ------------------
+
+    def register_ttl_service(self, name: str, service_id: str, address: str, port: int,
+                             ttl: str, deregister_after: str) -> str:
+        """Register a service with a TTL check that starts passing; returns the check ID
+        (`service:<service_id>`). Consul removes the service `deregister_after` once the
+        check stays critical (a planner that died without deregistering)."""
+        check = consul.Check.ttl(ttl)
+        check["DeregisterCriticalServiceAfter"] = deregister_after
+        check["Status"] = "passing"
+        self._call(f"register service {service_id}", lambda: self._api.agent.service.register(
+            name, service_id=service_id, address=address, port=port, check=check))
+        return f"service:{service_id}"
+
+    def deregister_service(self, service_id: str) -> None:
+        self._call(f"deregister service {service_id}",
+                   lambda: self._api.agent.service.deregister(service_id))
+
+    def pass_ttl(self, check_id: str) -> None:
+        self._call(f"update check {check_id}", lambda: self._api.agent.check.ttl_pass(check_id))
+
+    def create_session(self, name: str, checks: list[str], lock_delay_s: int) -> str:
+        """A session bound to `checks` (invalidated as soon as one goes critical), with
+        the `release` behaviour: its locks are released, the keys stay."""
+        return str(self._call("create session", lambda: self._api.session.create(
+            name=name, checks=checks, lock_delay=lock_delay_s, behavior="release")))
+
+    def destroy_session(self, session_id: str) -> None:
+        self._call("destroy session", lambda: self._api.session.destroy(session_id))
+
+    def acquire(self, key: str, text: str, session_id: str) -> bool:
+        """Try to take the lock on `key` for `session_id`, writing `text` when taken."""
+        return bool(self._call(f"acquire {key}", lambda: self._api.kv.put(
+            key, text, acquire=session_id)))
+
+    def release(self, key: str, session_id: str) -> None:
+        self._call(f"release {key}", lambda: self._api.kv.put(key, None, release=session_id))
+
+    def watch_key(self, key: str, index: int | None, wait: str = "5s") -> tuple[int, Any]:
+        """Blocking read of one key: (index, item with Session, Value, ModifyIndex or None)."""
+        new_index, item = self._call(f"watch {key}", lambda: self._api.kv.get(
+            key, index=index, wait=wait))
+        return int(new_index), item

@@ -47,6 +47,7 @@ from pydantic import (
     model_validator,
 )
 
+from llmgw_contract import ModelRecord, service_name
 from planner.errors import DefinitionError, InvalidDefinitions
 
 # Nomad job IDs and Consul service names both accept this; "llmgw-" + name
@@ -169,7 +170,16 @@ class ModelDefinition(BaseModel):
 
     @property
     def service_name(self) -> str:
-        return f"llmgw-{self.name}"
+        return service_name(self.name)
+
+    def record(self) -> ModelRecord:
+        """The KV record the router and the planner's daemons read (llmgw/models/<name>);
+        the job's meta carries a copy, so a wiped KV can be restored from Nomad."""
+        return ModelRecord(name=self.name, definition_hash=self.definition_hash,
+                           replicas=self.replicas, source=self.source, sha256=self.sha256,
+                           profile=self.profile.model_dump(mode="json"),
+                           on_demand=self.on_demand.model_dump(mode="json")
+                           if self.on_demand else None)
 
 
 @dataclass(frozen=True)

@@ -1,71 +1,136 @@
-"""Count start failures and decide parking: pure functions over Nomad allocations.
+"""Count start failures per replica and decide parking: pure functions over Nomad allocations.
 
-Called by the watcher for every Allocation it sees (from the event stream or
-from a reconcile listing; the same allocation may come many times) and for
-every allocation Consul reports passing.
+Called by the watcher (`planner.watcher`) for every Allocation it sees (from
+the event stream or a reconcile listing; the same allocation may come many
+times), for every allocation Consul starts reporting as passing, and on a
+periodic tick that notices runs that stayed healthy. The rules
+(docs/architecture.md, "Failures"):
 
-A start failure is a llama-server start that ended before its allocation was
-ever healthy (ARCHITECTURE.md, "Decisions worth keeping"): a task event
-`Terminated`, `Driver Failure`, `Failed Artifact Download`, `Setup Failure`
-or `Failed Validation`, not caused by a stop (no `Killing` since the last
-start), in an allocation that never passed its Consul check. Each is counted
-once, keyed by allocation, task and event time, so replayed events and
-planner restarts change nothing. A passing allocation resets the count.
+- A **run** of a replica is one start of its task, from its `Started` event to
+  the event that ended it (`Terminated`, `Driver Failure`, ...).
+- A run that ended before the replica ever passed its health check is a
+  **start failure**; one that passed and ended within the stability window
+  (`Rules.stable_after_ns`, 2 min by default, like Kubernetes' crash-loop
+  back-off reset) is a **crash after ready**: a failure too. A stop the
+  scheduler or an operator asked for (`Killing` after the start) is neither.
+- A run healthy for the whole window is **stable**: it resets its replica's
+  count and the model's.
+- Counts are kept per replica (a Nomad allocation) and for the model
+  (consecutive failures across replicas since the last stable run), and only
+  for allocations of the model's current definition: a new definition starts
+  over, and a late event of an old one never counts against it.
+- The model is **parked** when its count reaches `Rules.park_after` and no
+  replica of the current definition protects it: one running with no failure
+  of its own (serving, or still loading), or one whose current run is stable.
+  A replica that keeps failing beside a healthy one leaves the model
+  `degraded`, never parked; Nomad stops that replica by itself after its
+  restart attempts (jobspecs/model.nomad.hcl: no reschedule).
+
+Each failure is counted once, keyed by allocation, task and event time, so
+replayed events and planner restarts change nothing.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from planner.state import ModelState, Parked
+from llmgw_contract.documents import (
+    MAX_COUNTED,
+    MAX_HEALTHY_ENTRIES,
+    MAX_REPLICAS,
+    Parked,
+    ReplicaRecord,
+    StateDocument,
+)
 
 PARK_AFTER = 5  # consecutive start failures; `planner serve --park-after` overrides
+STABLE_AFTER_S = 120  # a healthy run this long resets the counts; `--stable-after` overrides
 
+# Nomad's task event types (nomad/structs/structs.go, TaskEvent constants).
 ENDS_A_START = frozenset({"Terminated", "Driver Failure", "Failed Artifact Download",
                           "Setup Failure", "Failed Validation"})
 STOP_REQUESTED = frozenset({"Killing", "Killed", "Sibling Task Failed"})
 NEW_START = frozenset({"Started", "Restarting", "Received"})
+RESTART_SIGNALED = "Restart Signaled"
+# `nomad alloc restart` (an operator) signals a restart with this reason; it is
+# a stop asked for, not a failure (client/allocrunner/alloc_runner.go).
+_USER_RESTART = "User requested"
+
+# Client statuses of an allocation whose task may still run or start.
+LIVE_CLIENT_STATUSES = frozenset({"pending", "running"})
+
+
+@dataclass(frozen=True)
+class Rules:
+    park_after: int = PARK_AFTER
+    stable_after_ns: int = STABLE_AFTER_S * 10**9
 
 
 @dataclass(frozen=True)
 class StartFailure:
+    """One run that ended on its own. `started_ns` is its Started event (0: it never
+    started, e.g. a driver or artifact failure)."""
+
     key: str  # "<alloc id>/<task>/<event time ns>"
     alloc_id: str
     task: str
     message: str  # "Terminated: Exit Code: 1"
     at_ns: int
+    started_ns: int
+
+
+@dataclass(frozen=True)
+class AllocInfo:
+    """What the counting needs of one allocation besides its events."""
+
+    alloc_id: str
+    name: str
+    node: str
+    definition_hash: str
+    client_status: str
+    desired_status: str
+
+    @property
+    def live(self) -> bool:
+        return self.desired_status == "run" and self.client_status in LIVE_CLIENT_STATUSES
 
 
 def iso(nanos: int) -> str:
     return datetime.fromtimestamp(nanos / 1e9, tz=UTC).isoformat(timespec="seconds")
 
 
+def _stop_asked(event: dict[str, Any]) -> bool:
+    kind = event.get("Type", "")
+    if kind in STOP_REQUESTED:
+        return True
+    reason = event.get("RestartReason") or event.get("DisplayMessage") or ""
+    return kind == RESTART_SIGNALED and reason.startswith(_USER_RESTART)
+
+
 def start_failures(alloc: dict[str, Any]) -> Iterator[StartFailure]:
-    """Every start that ended in this allocation's task events, oldest first."""
+    """Every run that ended on its own in this allocation's task events, oldest first."""
     for task, task_state in sorted((alloc.get("TaskStates") or {}).items()):
-        stopping = False
+        stopping, started = False, 0
         for event in sorted(task_state.get("Events") or [], key=lambda e: e.get("Time", 0)):
-            kind = event.get("Type", "")
+            kind, at = event.get("Type", ""), int(event.get("Time", 0))
             if kind in NEW_START:
                 stopping = False
-            elif kind in STOP_REQUESTED:
+                started = at if kind == "Started" else started
+            elif _stop_asked(event):
                 stopping = True
             elif kind in ENDS_A_START and not stopping:
                 message = event.get("DisplayMessage") or event.get("Message") or kind
-                yield StartFailure(f"{alloc['ID']}/{task}/{event.get('Time', 0)}", alloc["ID"],
-                                   task, f"{kind}: {message}", int(event.get("Time", 0)))
+                yield StartFailure(f"{alloc['ID']}/{task}/{at}", alloc["ID"], task,
+                                   f"{kind}: {message}", at, started)
 
 
-def new_failures(state: ModelState, alloc: dict[str, Any]) -> list[StartFailure]:
-    """Uncounted failures in `alloc`: a never-healthy allocation, after the last reset."""
-    if alloc["ID"] in state.healthy_allocs:
-        return []
-    return [f for f in start_failures(alloc)
-            if f.key not in state.counted and f.at_ns > state.healthy_at_ns]
+def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailure]:
+    """Failures in `alloc` not counted yet (the caller checks the definition)."""
+    return [f for f in start_failures(alloc) if f.key not in state.counted]
 
 
 # llama.cpp's log prefix: elapsed time and level, "0.00.008.710 E ".
@@ -91,41 +156,155 @@ def stderr_summary(tail: str, keep_errors: int = 8, keep_last: int = 2) -> str:
     return "\n".join(errors[:keep_errors] + last)
 
 
-def count_failure(state: ModelState, failure: StartFailure, stderr_tail: str) -> ModelState:
-    """Count one failure; the last error is the task event plus a summary of its stderr."""
-    detail = stderr_summary(stderr_tail)
-    last_error = failure.message + (f"\n{detail}" if detail else "")
-    return state.model_copy(update={
-        "consecutive_failures": state.consecutive_failures + 1,
-        "last_error": last_error,
-        "last_error_at": iso(failure.at_ns),
-        "counted": state.remember("counted", failure.key),
-    })
+def headline(last_error: str | None) -> str:
+    """One line of a last error for a table and a log: the task event and the first
+    stderr line kept with it (`stderr_summary` puts the cause first)."""
+    if not last_error:
+        return ""
+    first, *rest = last_error.splitlines()
+    return f"{first} | {LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
 
 
-def mark_healthy(state: ModelState, alloc_id: str, now_ns: int) -> ModelState:
-    """An allocation passed its check: it is healthy for good, and the count starts over."""
-    if alloc_id in state.healthy_allocs:
+# --- replicas -------------------------------------------------------------------------
+
+
+def _with_replica(state: StateDocument, replica: ReplicaRecord) -> StateDocument:
+    others = tuple(r for r in state.replicas if r.alloc_id != replica.alloc_id)
+    return state.model_copy(update={"replicas": (*others, replica)[-MAX_REPLICAS:]})
+
+
+def track(state: StateDocument, info: AllocInfo) -> StateDocument:
+    """Keep a record of an allocation of the current definition (node, name); drop the
+    record of one the scheduler stopped (a replaced or scaled-away replica)."""
+    known = state.replica(info.alloc_id)
+    if info.desired_status != "run":
+        if known is None:
+            return state
+        return state.model_copy(update={
+            "replicas": tuple(r for r in state.replicas if r.alloc_id != info.alloc_id)})
+    if info.definition_hash != state.definition_hash or known is not None:
         return state
-    return state.model_copy(update={
-        "consecutive_failures": 0,
-        "healthy_allocs": state.remember("healthy_allocs", alloc_id),
-        "healthy_at_ns": now_ns,
-        "unplaceable": None,
-    })
+    return _with_replica(state, ReplicaRecord(alloc_id=info.alloc_id, name=info.name,
+                                              node=info.node,
+                                              definition_hash=info.definition_hash))
 
 
-def decide_parking(state: ModelState, definition_hash: str, now: datetime,
-                   park_after: int = PARK_AFTER) -> ModelState:
-    """Park once the count reaches `park_after`; an already parked model stays as it is."""
-    if state.parked is not None or state.consecutive_failures < park_after:
+def healthy_entry(replica: ReplicaRecord | None, failure: StartFailure) -> int:
+    """When the failed run started passing its check (0: it never did)."""
+    if replica is None:
+        return 0
+    inside = [e for e in replica.healthy_entries if failure.started_ns <= e <= failure.at_ns]
+    return min(inside, default=0)
+
+
+def judge(state: StateDocument, failure: StartFailure, stderr_tail: str,
+          rules: Rules) -> StateDocument:
+    """Account for one ended run of a replica of the current definition: a failure
+    (start failure, or crash within the stability window), or the end of a stable run."""
+    replica = state.replica(failure.alloc_id) or ReplicaRecord(alloc_id=failure.alloc_id,
+                                                               definition_hash=state.definition_hash)
+    counted = (*state.counted, failure.key)[-MAX_COUNTED:]
+    entry = healthy_entry(replica, failure)
+    if entry and failure.at_ns - entry >= rules.stable_after_ns:
+        return stabilize(state.model_copy(update={"counted": counted}), replica.alloc_id, entry)
+    detail = stderr_summary(stderr_tail)
+    message = failure.message
+    if entry:
+        message += f" ({(failure.at_ns - entry) / 1e9:.0f} s after it passed its health check)"
+    last_error = message + (f"\n{detail}" if detail else "")
+    at = iso(failure.at_ns)
+    replica = replica.model_copy(update={
+        "consecutive_failures": replica.consecutive_failures + 1,
+        "last_error": last_error, "last_error_at": at})
+    state = state.model_copy(update={
+        "consecutive_failures": state.consecutive_failures + 1,
+        "start_failures_total": state.start_failures_total + 1,
+        "last_error": last_error, "last_error_at": at, "counted": counted})
+    return _with_replica(state, replica)
+
+
+def passing(state: StateDocument, alloc_id: str, at_ns: int) -> StateDocument:
+    """The allocation started passing its check at `at_ns` (a new healthy run)."""
+    replica = state.replica(alloc_id)
+    if replica is None or at_ns in replica.healthy_entries:
+        return state
+    entries = (*replica.healthy_entries, at_ns)[-MAX_HEALTHY_ENTRIES:]
+    return _with_replica(state, replica.model_copy(update={"healthy_entries": entries}))
+
+
+def stabilize(state: StateDocument, alloc_id: str, entry: int) -> StateDocument:
+    """The run that started passing at `entry` stayed healthy for the stability
+    window: the replica's count and the model's start over (once per run)."""
+    replica = state.replica(alloc_id)
+    if replica is None or replica.stable_entry == entry:
+        return state
+    replica = replica.model_copy(update={"consecutive_failures": 0, "stable_entry": entry})
+    state = state.model_copy(update={"consecutive_failures": 0})
+    return _with_replica(state, replica)
+
+
+def due_stable(state: StateDocument, passing_since: Mapping[str, int], now_ns: int,
+               rules: Rules) -> list[tuple[str, int]]:
+    """(alloc, entry) of replicas passing without a break for the whole stability window
+    and not yet marked stable for that run. `passing_since`: alloc -> when it started
+    passing, as the watcher saw it."""
+    due = []
+    for replica in state.replicas:
+        since = passing_since.get(replica.alloc_id)
+        if since is None or now_ns - since < rules.stable_after_ns:
+            continue
+        entry = max((e for e in replica.healthy_entries if e <= since), default=since)
+        if replica.stable_entry != entry:
+            due.append((replica.alloc_id, entry))
+    return due
+
+
+# --- the model ------------------------------------------------------------------------
+
+
+def protective(state: StateDocument, allocs: Mapping[str, AllocInfo],
+               passing_now: frozenset[str]) -> list[ReplicaRecord]:
+    """Replicas of the current definition that forbid parking: live with no failure of
+    their own (serving or still loading), or passing in a run that became stable."""
+    keep = []
+    for replica in state.replicas:
+        info = allocs.get(replica.alloc_id)
+        if info is None or not info.live or replica.definition_hash != state.definition_hash:
+            continue
+        stable = replica.alloc_id in passing_now and replica.stable_entry != 0 and \
+            replica.stable_entry == max(replica.healthy_entries, default=0)
+        if replica.consecutive_failures == 0 or stable:
+            keep.append(replica)
+    return keep
+
+
+def decide_parking(state: StateDocument, allocs: Mapping[str, AllocInfo],
+                   passing_now: frozenset[str], now: datetime,
+                   rules: Rules) -> StateDocument:
+    """Park once the count reaches `park_after` and no replica protects the model; an
+    already parked model stays as it is."""
+    if state.parked is not None or state.consecutive_failures < rules.park_after:
+        return state
+    if protective(state, allocs, passing_now):
         return state
     parked = Parked(reason=f"{state.consecutive_failures} consecutive start failures",
                     last_error=state.last_error, since=now.isoformat(timespec="seconds"),
-                    definition_hash=definition_hash)
+                    definition_hash=state.definition_hash)
     return state.model_copy(update={"parked": parked})
 
 
-def retried(state: ModelState) -> ModelState:
+def for_definition(state: StateDocument, definition_hash: str) -> StateDocument:
+    """The state for the model's current definition: a new one starts every count
+    over and forgets the old replicas (parking is lifted by `apply`, not here)."""
+    if state.definition_hash == definition_hash:
+        return state
+    return state.model_copy(update={"definition_hash": definition_hash,
+                                    "consecutive_failures": 0, "replicas": (),
+                                    "last_error": None, "last_error_at": None})
+
+
+def retried(state: StateDocument) -> StateDocument:
     """Lift parking (a changed definition or `planner retry`): a fresh count."""
-    return state.model_copy(update={"parked": None, "consecutive_failures": 0})
+    replicas = tuple(r.model_copy(update={"consecutive_failures": 0}) for r in state.replicas)
+    return state.model_copy(update={"parked": None, "consecutive_failures": 0,
+                                    "replicas": replicas})

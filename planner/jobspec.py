@@ -8,6 +8,8 @@ the job meta:
 
   llmgw_model            the model name
   llmgw_definition_hash  source + profile (set through the template's variables)
+  llmgw_record           the model's KV record (JSON), to restore llmgw/models/<name>
+                         from Nomad if Consul's copy is lost
   llmgw_spec_hash        the whole rendered job, replicas included: what `apply`
                          compares to decide whether to register again
 """
@@ -18,11 +20,12 @@ import hashlib
 import json
 from typing import Any
 
+from llmgw_contract import JobMeta, encode
 from planner.definitions import ModelDefinition, resolve_source
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
 
-SPEC_HASH_KEY = "llmgw_spec_hash"
+SPEC_HASH_KEY = JobMeta.SPEC_HASH
 
 
 def _hcl_value(value: Any) -> str:
@@ -80,5 +83,6 @@ def render(definition: ModelDefinition, settings: Settings, nomad: NomadClient,
     """
     hcl = template if template is not None else settings.jobspec.read_text()
     job = nomad.parse(hcl, variable_file(variables(definition, settings)))
-    job["Meta"] = {**(job.get("Meta") or {}), SPEC_HASH_KEY: spec_hash(job)}
+    job["Meta"] = {**(job.get("Meta") or {}), JobMeta.RECORD: encode(definition.record())}
+    job["Meta"][SPEC_HASH_KEY] = spec_hash(job)
     return job

@@ -26,6 +26,13 @@ from planner.errors import NomadRejected, NomadUnavailable
 Job = dict[str, Any]
 
 
+def group_count(job: Job | None) -> int:
+    """Replicas the job asks for now (0 for a missing or stopped job)."""
+    if job is None or job.get("Stop"):
+        return 0
+    return sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
+
+
 def _response_text(exc: nomad_exc.BaseNomadException) -> str:
     resp = exc.nomad_resp
     if isinstance(resp, requests.Response):
@@ -105,9 +112,13 @@ class NomadClient:
             job_id, "scale", json=body, method="post").json())
         return answer.get("EvalID") or None
 
-    def evaluate(self, job_id: str) -> str | None:
-        """Force a new evaluation of a job (/v1/job/:id/evaluate); returns its ID."""
-        body = {"JobID": job_id, "EvalOptions": {"ForceReschedule": False}}
+    def evaluate(self, job_id: str, force_reschedule: bool = False) -> str | None:
+        """Force a new evaluation of a job (/v1/job/:id/evaluate); returns its ID.
+
+        With `force_reschedule`, failed allocations are placed again although the
+        job's reschedule policy gave up on them (how `planner retry` starts a
+        replica Nomad stopped after its restart attempts)."""
+        body = {"JobID": job_id, "EvalOptions": {"ForceReschedule": force_reschedule}}
         answer = self._call(f"evaluate job {job_id}", lambda: self._api.job.request(
             job_id, "evaluate", json=body, method="post").json())
         return answer.get("EvalID") or None
@@ -126,6 +137,29 @@ class NomadClient:
         """Allocation stubs of a job (ClientStatus, TaskStates with events)."""
         return self._call(f"read allocations of {job_id}",
                           lambda: self._api.job.get_allocations(job_id))
+
+    def allocation(self, alloc_id: str) -> dict[str, Any] | None:
+        """One allocation in full (with its Job), or None when Nomad no longer has it."""
+        try:
+            return self._call(f"read allocation {alloc_id[:8]}",
+                              lambda: self._api.allocation.get_allocation(alloc_id))
+        except NomadRejected as exc:
+            if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
+                return None
+            raise
+
+    def stopping_allocations(self) -> list[dict[str, Any]]:
+        """Allocation stubs the scheduler told to stop whose tasks still run: room that
+        is being made. (A filter expression, Nomad >= 1.3, keeps the answer small.)"""
+        expression = ('(DesiredStatus == "stop" or DesiredStatus == "evict") and '
+                      '(ClientStatus == "running" or ClientStatus == "pending")')
+        return self._call("list stopping allocations", lambda: self._api.allocations.request(
+            method="get", params={"filter": expression}).json())
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node's stub with its resources (NodeResources.Devices: the GPUs)."""
+        return self._call("list nodes", lambda: self._api.nodes.request(
+            method="get", params={"resources": "true"}).json())
 
     def evaluation(self, eval_id: str) -> dict[str, Any]:
         return self._call(f"read evaluation {eval_id}",

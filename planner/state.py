@@ -1,97 +1,111 @@
-"""Per-model failure, parking and placement state: a frozen value, stored in Consul KV.
+"""Per-model state documents in Consul KV, changed only by check-and-set.
 
-Called by the watcher (which computes new values), `apply` and `retry`
-(which read and clear parking), and `status` / the admin API (which read).
-Stored at `llmgw/state/<name>` as JSON so it survives planner restarts and
-is readable by the router, which refuses parked and unplaceable models.
-`StateStore.save` writes only when the value changed.
+Called by the watcher (failures, parking, placement), `apply` and `retry`
+(parking), activation (placement answers) and the status views (reads). The
+document is `llmgw_contract.StateDocument` at `llmgw/state/<name>`; the
+router reads the same document.
+
+Every change goes through `StateStore.update(name, change)`: read the
+document and its ModifyIndex, compute `change(document)` (a pure function: it
+may run more than once), and write with `?cas=<index>` (Consul KV API,
+"Check-And-Set"). When another writer got there first, Consul answers false
+and the update starts over from the fresh document; so a usage report, a
+`planner retry` in another process and the watcher can never undo each
+other's work (issue "Model state done right", item 2). A change that leaves
+the document as it was writes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
 
+from llmgw_contract import KVPrefix, StateDocument, decode, encode, kv_key, model_from_key
 from planner.consul_client import ConsulClient
+from planner.errors import ConsulUnavailable
 
-STATE_PREFIX = "llmgw/state/"
-# Dedupe memory: enough to cover every start of every allocation a model can
-# have before it is parked, with room for restarts of the planner mid-way.
-MAX_REMEMBERED = 64
+log = logging.getLogger("planner.state")
 
+Change = Callable[[StateDocument], StateDocument]
 
-class Parked(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    reason: str
-    last_error: str | None
-    since: str  # ISO 8601, UTC
-    definition_hash: str  # a different hash at apply time lifts parking
+# Conflicts need another writer of the same key in the same few milliseconds;
+# twenty in a row would mean a writer stuck in a loop, not contention.
+MAX_CAS_ATTEMPTS = 20
 
 
-class Unplaceable(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    reason: str
-    since: str
-    eval_id: str | None = None
+class CasConflict(Exception):
+    """Another writer changed the key between our read and our write."""
 
 
-class ModelState(BaseModel):
-    """What the planner knows about one model beyond what Nomad and Consul show."""
+@dataclass(frozen=True)
+class Updated:
+    """The document before and after one update (equal when nothing changed)."""
 
-    model_config = ConfigDict(frozen=True)
+    before: StateDocument
+    after: StateDocument
 
-    name: str
-    consecutive_failures: int = 0
-    last_error: str | None = None
-    last_error_at: str | None = None
-    counted: tuple[str, ...] = ()  # failure keys already counted: "alloc/task/time"
-    healthy_allocs: tuple[str, ...] = ()  # allocations seen passing their check
-    healthy_at_ns: int = 0  # when one last did: older failures no longer count
-    parked: Parked | None = None
-    unplaceable: Unplaceable | None = None
-    last_used_at: str | None = None  # last activation or router usage report (on-demand)
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
 
-    def remember(self, field: str, key: str) -> tuple[str, ...]:
-        """`field`'s keys with `key` appended, oldest dropped past MAX_REMEMBERED."""
-        keys: tuple[str, ...] = getattr(self, field)
-        return (*keys, key)[-MAX_REMEMBERED:]
+
+def _document(name: str, text: str | None) -> StateDocument:
+    if not text:
+        return StateDocument(name=name)
+    try:
+        return decode(StateDocument, text)
+    except ValueError as exc:
+        # A document we cannot read is replaced, not fatal: it is a cache of what
+        # Nomad holds (parking lives in the job's meta, failures in its events).
+        log.error("model %s: unreadable state document, starting from empty (%s)", name, exc)
+        return StateDocument(name=name)
 
 
 class StateStore:
-    """Loads and saves ModelState in Consul KV; keeps the last saved value to skip no-op writes."""
+    """Reads and check-and-set writes of the state documents."""
 
     def __init__(self, consul: ConsulClient) -> None:
         self._consul = consul
-        self._saved: dict[str, ModelState] = {}
 
-    def load(self, name: str) -> ModelState:
-        raw = self._consul.get_json(STATE_PREFIX + name)
-        state = ModelState.model_validate(raw) if raw else ModelState(name=name)
-        self._saved[name] = state
-        return state
+    def load(self, name: str) -> StateDocument:
+        """The model's document (an empty one when it has none)."""
+        _, text = self._consul.get_indexed(kv_key(KVPrefix.STATE, name))
+        return _document(name, text)
 
-    def load_all(self) -> dict[str, ModelState]:
+    def load_all(self) -> dict[str, StateDocument]:
+        """Every model's document: {name: document}."""
         states = {}
-        for raw in self._consul.get_json_prefix(STATE_PREFIX).values():
-            state = ModelState.model_validate(raw)
-            states[state.name] = self._saved[state.name] = state
+        for key, text in self._consul.get_texts(KVPrefix.STATE).items():
+            name = model_from_key(KVPrefix.STATE, key)
+            if name is not None:
+                states[name] = _document(name, text)
         return states
 
-    def save(self, state: ModelState) -> bool:
-        """Write `state` if it differs from what was last loaded or saved; True if written."""
-        if self._saved.get(state.name) == state:
-            return False
-        self._consul.put_json(STATE_PREFIX + state.name, state.model_dump(mode="json"))
-        self._saved[state.name] = state
-        return True
+    def update(self, name: str, change: Change) -> Updated:
+        """Apply `change` to the current document with check-and-set, starting over on a
+        conflict (at most MAX_CAS_ATTEMPTS times, then ConsulUnavailable)."""
+        key = kv_key(KVPrefix.STATE, name)
+        retrying = Retrying(retry=retry_if_exception_type(CasConflict),
+                            stop=stop_after_attempt(MAX_CAS_ATTEMPTS),
+                            wait=wait_random(0, 0.02), reraise=True)
+        try:
+            for attempt in retrying:
+                with attempt:
+                    index, text = self._consul.get_indexed(key)
+                    before = _document(name, text)
+                    after = change(before)
+                    if after == before:
+                        return Updated(before, after)
+                    if not self._consul.cas_put(key, encode(after), index):
+                        raise CasConflict(key)
+                    return Updated(before, after)
+        except CasConflict:
+            raise ConsulUnavailable(f"write {key}: {MAX_CAS_ATTEMPTS} check-and-set "
+                                    "conflicts in a row") from None
+        raise AssertionError("unreachable: tenacity either returns or raises")
 
     def delete(self, name: str) -> None:
-        self._consul.delete_key(STATE_PREFIX + name)
-        self._saved.pop(name, None)
-
-
-def as_json(state: ModelState) -> dict[str, Any]:
-    return state.model_dump(mode="json")
+        self._consul.delete_key(kv_key(KVPrefix.STATE, name))

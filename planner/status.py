@@ -1,35 +1,60 @@
-"""`planner status`: what each applied model should have, and what it has.
+"""`planner status` / `planner models` / the admin API: what each model should have, and has.
 
-Called by the CLI. `observe` is pure (a model's record, its Nomad job and
-allocations, its Consul health -> one ModelStatus); `gather` reads the
-agents once per model and calls it.
+`observe` is pure (a model's record, its Nomad job and allocations, its
+Consul health, its state document and last use -> one ModelStatus); `gather`
+and `model_status` read the agents and call it. The states are the
+contract's (`llmgw_contract.ModelState`; docs/architecture.md draws them).
 
-States, as `planner status`, `planner models` and the admin API show them:
-  parked       stopped after too many start failures in a row (planner.state)
-  unplaceable  Nomad can place it on no node; the reason is the scheduler's
-  serving      every desired instance passes its Consul check
-  failing      not all pass, and starts have been failing (count, last error)
-  loading      placed and starting; not all instances pass yet
-  idle         desired 0 on purpose (replicas: 0)
-  stopped      the job is missing or stopped while the definition wants replicas
+Parking is read from the job's meta first (the durable record) and from the
+KV document only for a stopped job, so a KV cache that lags or vanished never
+shows a running model as parked or a parked one as running.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from llmgw_contract import (
+    SATISFIED_STATES,
+    ModelRecord,
+    ModelState,
+    Parked,
+    ReplicaRecord,
+    StateDocument,
+    UsageRecord,
+    service_name,
+)
+from planner.actions import parked_from_job
 from planner.consul_client import ConsulClient, ServiceHealth
-from planner.failures import LOG_PREFIX
-from planner.nomad_client import Job, NomadClient
-from planner.state import ModelState, StateStore
+from planner.failures import STABLE_AFTER_S, headline, iso
+from planner.nomad_client import Job, NomadClient, group_count
+from planner.state import StateStore
+from planner.usage import usage_records
 
-# Task events that end a start (Nomad's TaskEvent types, structs.go). "Not
-# Restarting" is left out: it follows one of these and says less than it.
-FAILURE_EVENTS = frozenset({"Driver Failure", "Failed Validation", "Setup Failure",
-                            "Failed Artifact Download", "Terminated"})
-SATISFIED = frozenset({"serving", "idle"})
+
+class ReplicaState:
+    """Words for one replica in `replicas` (not a model state)."""
+
+    SERVING = "serving"
+    LOADING = "loading"
+    FAILING = "failing"  # failed starts, or crashed soon after passing; still restarted
+    STOPPED = "stopped"  # Nomad stopped restarting it (its restart attempts ran out)
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    replica: str  # Nomad's name within the job: server[1]
+    alloc_id: str
+    node: str
+    state: str
+    consecutive_failures: int
+    last_error: str | None
+    last_error_at: str | None
+    healthy_since: str | None = None  # when its current run started passing
+    stable: bool = False  # healthy for the stability window: its failures are forgiven
 
 
 @dataclass(frozen=True)
@@ -37,125 +62,200 @@ class ModelStatus:
     """One row of `planner status`; `as_dict` is the admin API's and `--output json`'s shape."""
 
     name: str
-    state: str
+    state: ModelState
     desired: int
     running: int
     ready: int  # instances passing their Consul check
     consecutive_failures: int
+    start_failures_total: int
     reason: str
     last_error: str | None
     since: str | None
+    replicas: tuple[ReplicaStatus, ...] = field(default=())
 
     @property
     def satisfied(self) -> bool:
-        return self.state in SATISFIED
+        return self.state in SATISFIED_STATES
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["state"] = str(self.state)
+        return data
 
 
-def _nanos_to_iso(nanos: int) -> str:
-    return datetime.fromtimestamp(nanos / 1e9, tz=UTC).isoformat(timespec="seconds")
+@dataclass(frozen=True)
+class Observed:
+    """What Nomad and Consul show of one model now."""
+
+    job: Job | None
+    allocations: list[dict[str, Any]]
+    health: ServiceHealth
 
 
-def headline(last_error: str | None) -> str:
-    """One line of a last error for a table and a log: the task event and the first
-    stderr line kept with it (failures.stderr_summary puts the cause first)."""
-    if not last_error:
-        return ""
-    first, *rest = last_error.splitlines()
-    return f"{first} | {LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
+def _stable(record: ReplicaRecord | None) -> bool:
+    """Its latest healthy run lasted the stability window."""
+    return record is not None and record.stable_entry != 0 and \
+        record.stable_entry == max(record.healthy_entries, default=0)
 
 
-def last_failure(allocations: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """(message, time) of the newest failure event in the newest allocation that has one."""
-    for alloc in sorted(allocations, key=lambda a: a.get("CreateIndex", 0), reverse=True):
-        events = [e for state in (alloc.get("TaskStates") or {}).values()
-                  for e in state.get("Events") or []]
-        for event in sorted(events, key=lambda e: e.get("Time", 0), reverse=True):
-            if event.get("Type") not in FAILURE_EVENTS:
-                continue
-            if event.get("Type") == "Terminated" and event.get("ExitCode", 0) == 0 and \
-                    not event.get("Signal"):
-                continue
-            message = event.get("DisplayMessage") or event.get("Type")
-            return f"{event['Type']}: {message}", _nanos_to_iso(event.get("Time", 0))
+def _replica_state(alloc: dict[str, Any], record: ReplicaRecord | None,
+                   passing: bool) -> str | None:
+    client, desired = alloc.get("ClientStatus"), alloc.get("DesiredStatus")
+    failures = record.consecutive_failures if record else 0
+    if desired != "run":
+        return None
+    if client == "failed" and not alloc.get("NextAllocation"):
+        return ReplicaState.STOPPED
+    if client not in ("pending", "running"):
+        return None
+    stable = _stable(record)
+    if passing:
+        return ReplicaState.SERVING if failures == 0 or stable else ReplicaState.FAILING
+    return ReplicaState.FAILING if failures else ReplicaState.LOADING
+
+
+def replicas(observed: Observed, state: StateDocument) -> tuple[ReplicaStatus, ...]:
+    """A row per allocation the job wants (running, starting, or stopped by Nomad after
+    its restart attempts), with its own failures."""
+    rows = []
+    for alloc in sorted(observed.allocations, key=lambda a: (a.get("Name", ""), a["ID"])):
+        record = state.replica(alloc["ID"])
+        passes = alloc["ID"] in observed.health.passing_allocs
+        kind = _replica_state(alloc, record, passes)
+        if kind is None:
+            continue
+        entry = max(record.healthy_entries, default=0) if record and passes else 0
+        rows.append(ReplicaStatus(
+            replica=alloc.get("Name", "").partition(".")[2] or alloc["ID"][:8],
+            alloc_id=alloc["ID"], node=alloc.get("NodeName") or alloc.get("NodeID", "")[:8],
+            state=kind, consecutive_failures=record.consecutive_failures if record else 0,
+            last_error=record.last_error if record else None,
+            last_error_at=record.last_error_at if record else None,
+            healthy_since=iso(entry) if entry else None, stable=passes and _stable(record)))
+    return tuple(rows)
+
+
+def _describe(bad: Iterable[ReplicaStatus]) -> str:
+    parts = []
+    for r in bad:
+        what = {ReplicaState.STOPPED: "stopped by Nomad after its restart attempts",
+                ReplicaState.FAILING: "failing"}.get(r.state, r.state)
+        parts.append(f"{r.replica} on {r.node}: {r.consecutive_failures} consecutive "
+                     f"failures, {what}")
+    return "; ".join(parts)
+
+
+def observe(name: str, record: ModelRecord, observed: Observed,
+            state: StateDocument | None = None, usage: UsageRecord | None = None,
+            now: datetime | None = None) -> ModelStatus:
+    """Pure: one model's status from what Nomad, Consul and the planner's state say."""
+    state = state or StateDocument(name=name)
+    now = now or datetime.now(UTC)
+    rows = replicas(observed, state)
+    desired = group_count(observed.job)
+    ready = observed.health.passing
+    base = {"name": name, "desired": desired, "ready": ready,
+            "running": sum(1 for a in observed.allocations if a.get("ClientStatus") == "running"),
+            "consecutive_failures": state.consecutive_failures,
+            "start_failures_total": state.start_failures_total, "replicas": rows}
+
+    def status(kind: ModelState, reason: str, last_error: str | None = None,
+               since: str | None = None) -> ModelStatus:
+        return ModelStatus(**base, state=kind, reason=reason, last_error=last_error, since=since)
+
+    parked = _parked(observed.job, state)
+    if parked is not None:
+        return status(ModelState.PARKED, parked.reason, parked.last_error, parked.since)
+    if desired == 0:
+        return _wants_none(record, observed.job, state, usage, now, status)
+    bad = [r for r in rows if r.state in (ReplicaState.FAILING, ReplicaState.STOPPED)]
+    clean = [r for r in rows if r.state == ReplicaState.SERVING]
+    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional \
+        else None
+    counts = f"{ready} of {desired} ready"
+    if ready == 0:
+        if short is not None and not any(r.state != ReplicaState.STOPPED for r in rows):
+            return status(ModelState.UNPLACEABLE, short.reason, state.last_error, short.since)
+        if bad or state.consecutive_failures:
+            return status(ModelState.FAILING, _failing_reason(counts, state, bad),
+                          state.last_error, state.last_error_at)
+        waiting = state.unplaceable.reason if state.unplaceable else counts
+        return status(ModelState.LOADING, waiting)
+    if bad or short is not None:
+        trouble = "; ".join(filter(None, [_describe(bad), short.reason if short else ""]))
+        if clean:
+            worst = bad[0] if bad else None
+            return status(ModelState.DEGRADED, f"{counts}; {trouble}",
+                          worst.last_error if worst else None,
+                          worst.last_error_at if worst else short.since if short else None)
+        return status(ModelState.FAILING, f"{counts}, crashing: {trouble}; stable after "
+                      f"{STABLE_AFTER_S} s healthy", state.last_error, state.last_error_at)
+    if ready < desired:
+        return status(ModelState.LOADING, counts)
+    return status(ModelState.SERVING, counts)
+
+
+def _failing_reason(counts: str, state: StateDocument, bad: list[ReplicaStatus]) -> str:
+    count = state.consecutive_failures
+    reason = f"{counts}; {count} consecutive start failures" if count else \
+        f"{counts}; last start failed"
+    stopped = [r for r in bad if r.state == ReplicaState.STOPPED]
+    if stopped:
+        reason += f"; {_describe(stopped)}"
+    return reason
+
+
+def _parked(job: Job | None, state: StateDocument) -> Parked | None:
+    """The job's meta is the durable record; the KV copy counts only for a stopped job
+    (a parking whose Nomad write has not been seen yet cannot be a running job)."""
+    from_job = parked_from_job(job)
+    if from_job is not None:
+        return from_job
+    if state.parked is not None and (job is None or job.get("Stop")):
+        return state.parked
     return None
 
 
-def _on_demand_idle(row: dict[str, Any], record: dict[str, Any], state: ModelState,
-                    now: datetime) -> ModelStatus:
-    """Desired 0 satisfies an on-demand model only if nobody asked for it lately: asked
-    for and placed nowhere is a model short of what it should have."""
-    idle_after = int(record["on_demand"]["idle_after"])
-    if state.last_used_at:
-        asked = (now - datetime.fromisoformat(state.last_used_at)).total_seconds()
-        if asked < idle_after:
-            return ModelStatus(**row, state="loading", reason=f"asked for {asked:.0f} s ago; "
-                               "no instance yet", last_error=state.last_error, since=None)
-    return ModelStatus(**row, state="idle", reason=f"on demand: starts on request, stops "
-                       f"{idle_after} s after the last one", last_error=None,
-                       since=state.last_used_at)
+def _wants_none(record: ModelRecord, job: Job | None, state: StateDocument,
+                usage: UsageRecord | None, now: datetime, status: Any) -> ModelStatus:
+    """Desired 0: idle on purpose, an on-demand model asked for and not yet placed, or
+    a job that is missing or stopped while its definition wants replicas."""
+    idle_after = record.idle_after
+    if idle_after is not None:
+        if usage is not None:
+            asked = (now - datetime.fromisoformat(usage.last_used_at)).total_seconds()
+            if asked < idle_after:
+                return status(ModelState.LOADING, f"asked for {asked:.0f} s ago; no "
+                              "instance yet", state.last_error)
+        return status(ModelState.IDLE, f"on demand: starts on request, stops {idle_after} s "
+                      "after the last one", None, usage.last_used_at if usage else None)
+    if (job is None or job.get("Stop")) and record.replicas > 0:
+        return status(ModelState.STOPPED, "job not registered" if job is None else
+                      "job stopped")
+    return status(ModelState.IDLE, "0 replicas wanted")
 
 
-def observe(name: str, record: dict[str, Any], job: Job | None,
-            allocations: list[dict[str, Any]], health: ServiceHealth,
-            state: ModelState | None = None, now: datetime | None = None) -> ModelStatus:
-    """Pure: one model's state from what Nomad, Consul and the planner's own state say."""
-    state = state or ModelState(name=name)
-    running = sum(1 for a in allocations if a.get("ClientStatus") == "running")
-    wanted = int(record.get("replicas", 0))
-    desired = 0 if job is None or job.get("Stop") else \
-        sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
-    row = {"name": name, "desired": desired, "running": running, "ready": health.passing,
-           "consecutive_failures": state.consecutive_failures}
-    failure = last_failure(allocations)
-    last_error, error_at = (state.last_error, state.last_error_at) if state.last_error \
-        else failure or (None, None)
-    if state.parked:
-        return ModelStatus(**row, state="parked", reason=state.parked.reason,
-                           last_error=state.parked.last_error, since=state.parked.since)
-    if state.unplaceable and health.passing < max(desired, 1):
-        return ModelStatus(**row, state="unplaceable", reason=state.unplaceable.reason,
-                           last_error=last_error, since=state.unplaceable.since)
-    if desired == 0 and record.get("on_demand"):
-        return _on_demand_idle(row, record, state, now or datetime.now(UTC))
-    if desired == 0:
-        stopped = (job is None or bool(job.get("Stop"))) and wanted > 0
-        reason = ("job not registered" if job is None else "job stopped") if stopped \
-            else "0 replicas wanted"
-        return ModelStatus(**row, state="stopped" if stopped else "idle", reason=reason,
-                           last_error=None, since=None)
-    ready = f"{health.passing} of {desired} ready"
-    if health.passing >= desired:
-        return ModelStatus(**row, state="serving", reason=ready, last_error=None, since=None)
-    if state.consecutive_failures or (failure and _newest_failed(allocations)):
-        count = state.consecutive_failures
-        reason = f"{ready}; {count} consecutive start failures" if count \
-            else f"{ready}; last start failed"
-        return ModelStatus(**row, state="failing", reason=reason, last_error=last_error,
-                           since=error_at)
-    return ModelStatus(**row, state="loading", reason=ready, last_error=None, since=None)
-
-
-def _newest_failed(allocations: list[dict[str, Any]]) -> bool:
-    if not allocations:
-        return False
-    newest = max(allocations, key=lambda a: a.get("CreateIndex", 0))
-    states = (newest.get("TaskStates") or {}).values()
-    return newest.get("ClientStatus") == "failed" or any(s.get("Failed") for s in states) or \
-        any(s.get("Restarts", 0) > 0 and s.get("State") != "running" for s in states)
-
-
-def model_status(nomad: NomadClient, consul: ConsulClient, name: str,
-                 record: dict[str, Any], state: ModelState | None) -> ModelStatus:
+def observed(nomad: NomadClient, consul: ConsulClient, name: str) -> Observed:
     job = nomad.job(name)
     allocations = nomad.allocations(name) if job is not None else []
-    return observe(name, record, job, allocations, consul.service_health(f"llmgw-{name}"), state)
+    return Observed(job, allocations, consul.service_health(service_name(name)))
+
+
+def model_status(nomad: NomadClient, consul: ConsulClient, name: str, record: ModelRecord,
+                 state: StateDocument | None = None) -> ModelStatus:
+    usage = usage_records(consul).get(name) if record.idle_after is not None else None
+    state = state if state is not None else StateStore(consul).load(name)
+    return observe(name, record, observed(nomad, consul, name), state, usage)
 
 
 def gather(nomad: NomadClient, consul: ConsulClient) -> list[ModelStatus]:
     """Status of every applied model (the KV records), sorted by name."""
     states = StateStore(consul).load_all()
-    return [model_status(nomad, consul, name, record, states.get(name))
+    usage = usage_records(consul)
+    return [observe(name, record, observed(nomad, consul, name),
+                    states.get(name), usage.get(name))
             for name, record in sorted(consul.model_records().items())]
+
+
+__all__ = ["ModelStatus", "Observed", "ReplicaStatus", "gather", "headline", "model_status",
+           "observe"]

@@ -1,47 +1,73 @@
-"""Follow Nomad and Consul and keep every model's failure/parking/placement state.
+"""Follow Nomad and Consul and keep every model's failure, parking and placement state.
 
-Run by `planner serve`. Two loops:
+Run by the leading `planner serve` (`planner.leader`), as three loops:
 
-  events  reconcile from the list APIs (jobs' allocations and evaluations),
-          then follow /v1/event/stream from that index + 1; on any error,
-          wait (1 s doubling to 30 s, reset after a good session) and do it
-          again. Nomad's event buffer is in memory and drops slow readers,
-          so the reconcile on every (re)connect is what makes it lossless.
-  health  a Consul blocking query on every passing check; an llmgw
-          allocation seen passing is healthy for good (it resets the count).
+  events     reconcile from the list APIs (jobs, their allocations and latest
+             evaluation), then follow /v1/event/stream from that index + 1; on
+             any error, reconcile and reconnect with a back-off (tenacity). Nomad's
+             event buffer is in memory and drops slow readers, so the reconcile on
+             every (re)connect is what makes it lossless.
+  health     a Consul blocking query on every passing check: which allocations
+             pass now, and since when (a healthy run starts when one enters).
+  tick       every second: runs that stayed healthy for the stability window
+             reset their counts; every 30 s, KV records and parking lost from
+             Consul (a wiped `llmgw/`) are restored from the jobs' meta.
 
-Both feed the pure functions in `failures` and `placement`; this module only
-loads state, calls them, acts (`actions.park`) and saves. State is re-read
-from Consul KV before every change, so `planner retry` from a shell and this
-daemon never overwrite each other's work with a stale copy.
+All three feed the pure functions of `failures` and `placement`, change state
+documents only through `StateStore.update` (check-and-set), and act through
+`actions` (park). The model's current definition is the one its KV record
+names; allocations of another definition never count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
+from llmgw_contract import (
+    JobMeta,
+    KVPrefix,
+    ModelRecord,
+    StateDocument,
+    alloc_from_service_id,
+    decode,
+    encode,
+    kv_key,
+    model_from_service,
+)
 from planner import actions
+from planner import unplaceable as unplaced
 from planner.consul_client import ConsulClient
 from planner.errors import PlannerError
 from planner.events import stream_events
-from planner.failures import PARK_AFTER, count_failure, decide_parking, mark_healthy, new_failures
-from planner.nomad_client import NomadClient
-from planner.placement import WarningLog, evaluation_reason, should_warn
-from planner.state import ModelState, StateStore, Unplaceable
-from planner.status import headline
+from planner.failures import (
+    AllocInfo,
+    Rules,
+    decide_parking,
+    due_stable,
+    for_definition,
+    headline,
+    judge,
+    new_failures,
+    passing,
+    stabilize,
+    track,
+)
+from planner.nomad_client import Job, NomadClient, group_count
+from planner.placement import WarningLog, should_warn
+from planner.state import StateStore
 
 log = logging.getLogger("planner.watcher")
 
-# Nomad's Consul service IDs: _nomad-task-<alloc id>-<task or group-name>-<service>-<port>
-_SERVICE_ID = re.compile(r"^_nomad-task-([0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})-")
+REPAIR_EVERY_S = 30.0
 
 
 def utcnow() -> datetime:
@@ -49,28 +75,40 @@ def utcnow() -> datetime:
 
 
 class Watcher:
-    """Keeps ModelState current from Nomad's events and Consul's health."""
+    """Keeps state documents current from Nomad's events and Consul's health."""
 
     def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
-                 park_after: int = PARK_AFTER, clock: Callable[[], datetime] = utcnow) -> None:
+                 rules: Rules | None = None, clock: Callable[[], datetime] = utcnow,
+                 datacenters: tuple[str, ...] = ("*",)) -> None:
         self.nomad, self.consul, self.store = nomad, consul, store
-        self.park_after = park_after
+        self.rules = rules or Rules()
+        self.datacenters = datacenters
         self.clock = clock
         self.index = 0
-        self._records: dict[str, dict[str, Any]] = {}
+        self.reconnects = 0
+        self._records: dict[str, ModelRecord] = {}
+        self._jobs: dict[str, Job] = {}
+        self._definitions: dict[tuple[str, int], str] = {}  # (job, version) -> definition hash
+        self._passing_since: dict[str, tuple[str, int]] = {}  # alloc -> (model, since ns)
+        self._stabilized: set[tuple[str, int]] = set()
         self._warned: dict[str, WarningLog] = {}
         self._lock = threading.Lock()  # one state change at a time, whichever loop
         self.ready = asyncio.Event()  # set after the first reconcile
 
-    # --- the two loops ---------------------------------------------------------
+    def now_ns(self) -> int:
+        return int(self.clock().timestamp() * 1e9)
+
+    # --- the loops -------------------------------------------------------------------
 
     async def run(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(self._follow_events(session), self._follow_health())
+        await asyncio.gather(self._follow_events(session), self._follow_health(), self._tick())
 
     async def _follow_events(self, session: aiohttp.ClientSession) -> None:
-        delay = 1.0
-        while True:
-            try:
+        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception),
+                                 wait=wait_exponential(multiplier=1, max=30),
+                                 before_sleep=self._log_reconnect)
+        async for attempt in retrying:
+            with attempt:
                 reconciled = await asyncio.to_thread(self.reconcile)
                 self.ready.set()
                 start = max(reconciled, self.index) + 1
@@ -78,14 +116,17 @@ class Watcher:
                                                  self.nomad.token):
                     await asyncio.to_thread(self.handle_event, event)
                     self.index = max(self.index, event.get("Index", 0))
-                    delay = 1.0
-            except PlannerError as exc:
-                log.warning("event stream: %s; reconcile and reconnect in %.0f s", exc, delay)
-            except Exception:
-                # A bug in handling one event must not end the watch for good.
-                log.exception("event handling failed; reconcile and reconnect in %.0f s", delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
+
+    def _log_reconnect(self, retry_state: Any) -> None:
+        self.reconnects += 1
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        delay = retry_state.next_action.sleep if retry_state.next_action else 0
+        if isinstance(exc, PlannerError):
+            log.warning("event stream: %s; reconcile and reconnect in %.0f s", exc, delay)
+        else:
+            # A bug in handling one event must not end the watch for good.
+            log.error("event handling failed (%r); reconcile and reconnect in %.0f s", exc,
+                      delay, exc_info=exc)
 
     async def _follow_health(self) -> None:
         index: int | None = None
@@ -96,24 +137,40 @@ class Watcher:
                 # state was reset, so start over instead of waiting on a future index.
                 index = new_index if index is None or new_index >= index else None
                 await asyncio.to_thread(self.handle_passing, checks)
-            except PlannerError as exc:
-                log.warning("consul health watch: %s; retry in 2 s", exc)
-                index = None
-                await asyncio.sleep(2)
-            except Exception:
-                log.exception("consul health watch failed; retry in 2 s")
+            except Exception as exc:
+                if not isinstance(exc, PlannerError):
+                    log.exception("consul health watch failed; retry in 2 s")
+                else:
+                    log.warning("consul health watch: %s; retry in 2 s", exc)
                 index = None
                 await asyncio.sleep(2)
 
-    # --- reconcile and events ----------------------------------------------------
+    async def _tick(self) -> None:
+        last_repair = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await asyncio.to_thread(self.check_stable)
+                if time.monotonic() - last_repair >= REPAIR_EVERY_S:
+                    await asyncio.to_thread(self.repair)
+                    last_repair = time.monotonic()
+            except PlannerError as exc:
+                log.warning("stability check: %s", exc)
+            except Exception:
+                log.exception("stability check failed")
+
+    # --- what Nomad says -----------------------------------------------------------------
 
     def reconcile(self) -> int:
         """Replay what the list APIs show now; returns the Nomad index it read at."""
         index = self.nomad.current_index()
+        self.repair()
         self._records = self.consul.model_records()
         for name in sorted(self._records):
-            if self.nomad.job(name) is None:
+            job = self.nomad.job(name)
+            if job is None:
                 continue
+            self.on_job(job)
             for alloc in self.nomad.allocations(name):
                 self.on_allocation(alloc)
             evaluations = [e for e in self.nomad.evaluations(name)
@@ -124,83 +181,208 @@ class Watcher:
 
     def handle_event(self, event: dict[str, Any]) -> None:
         payload = event.get("Payload") or {}
-        if event.get("Topic") == "Job":
+        if event.get("Topic") == "Job" and "Job" in payload:
             self._records = self.consul.model_records()
+            self.on_job(payload["Job"])
         elif event.get("Topic") == "Allocation" and "Allocation" in payload:
             self.on_allocation(payload["Allocation"])
         elif event.get("Topic") == "Evaluation" and "Evaluation" in payload:
             self.on_evaluation(payload["Evaluation"])
 
-    def _record(self, name: str) -> dict[str, Any] | None:
+    def _record(self, name: str) -> ModelRecord | None:
         if name not in self._records:
             self._records = self.consul.model_records()
         return self._records.get(name)
 
+    def on_job(self, job: Job) -> None:
+        """Remember the job (count, versions) and keep the KV copy of its parking current."""
+        name = job.get("ID", "")
+        if JobMeta.MODEL not in (job.get("Meta") or {}):
+            return
+        self._jobs[name] = job
+        self._definitions[(name, int(job.get("Version", 0)))] = \
+            job["Meta"].get(JobMeta.DEFINITION_HASH, "")
+        if self._record(name) is not None:
+            with self._lock:
+                actions.sync_parking(self.store, name, job)
+
+    def _definition(self, name: str, version: int) -> str:
+        """The definition hash of a job version (versions never change; cached)."""
+        key = (name, version)
+        if key not in self._definitions:
+            for job in self.nomad.versions(name):
+                self._definitions[(name, int(job.get("Version", 0)))] = \
+                    (job.get("Meta") or {}).get(JobMeta.DEFINITION_HASH, "")
+        return self._definitions.get(key, "")
+
+    def _info(self, alloc: dict[str, Any]) -> AllocInfo:
+        name = alloc.get("JobID", "")
+        return AllocInfo(alloc_id=alloc["ID"], name=alloc.get("Name", ""),
+                         node=alloc.get("NodeName") or alloc.get("NodeID", "")[:8],
+                         definition_hash=self._definition(name, int(alloc.get("JobVersion", 0))),
+                         client_status=alloc.get("ClientStatus", ""),
+                         desired_status=alloc.get("DesiredStatus", ""))
+
     def on_allocation(self, alloc: dict[str, Any]) -> None:
-        """Count new start failures, note a placement, park when it is time."""
+        """Track the replica, count its new failures, park when it is time."""
         name = alloc.get("JobID", "")
         record = self._record(name)
         if record is None:
             return
-        with self._lock:
-            before = self.store.load(name)
-            state = before
+        info = self._info(alloc)
+        current = record.definition_hash
+        seen = for_definition(self.store.load(name), current)
+        # I/O before the check-and-set: its change function may run more than once.
+        tails = {f.key: self.nomad.task_stderr_tail(f.alloc_id, f.task)
+                 for f in new_failures(seen, alloc)} if info.definition_hash == current else {}
+        placed = seen.unplaceable is not None and self._all_running(name, alloc)
+
+        def change(state: StateDocument) -> StateDocument:
+            state = track(for_definition(state, current), info)
             for failure in new_failures(state, alloc):
-                detail = self.nomad.task_stderr_tail(failure.alloc_id, failure.task)
-                state = count_failure(state, failure, detail)
-                log.warning("model %s: start failure %d in a row: %s", name,
-                            state.consecutive_failures, headline(state.last_error))
-            if state.unplaceable and alloc.get("ClientStatus") in ("pending", "running"):
-                log.info("model %s: placed (was unplaceable: %s)", name, state.unplaceable.reason)
+                if failure.key in tails:
+                    state = judge(state, failure, tails[failure.key], self.rules)
+            if placed:
                 state = state.model_copy(update={"unplaceable": None})
-            state = decide_parking(state, record["definition_hash"], self.clock(),
-                                   self.park_after)
-            # Saved before the job stops, so nobody reads "stopped" in between.
-            self.store.save(state)
-            if state.parked is not None and before.parked is None:
-                actions.park(self.nomad, name, state.parked)
-                log.error("model %s: parked after %d consecutive start failures; last error: %s",
-                          name, state.consecutive_failures, headline(state.last_error))
+            return state
+
+        with self._lock:
+            updated = self.store.update(name, change)
+            after = updated.after
+            if after.consecutive_failures > updated.before.consecutive_failures:
+                replica = after.replica(info.alloc_id)
+                log.warning("model %s: replica %s on %s: start failure %d in a row (model: %d): "
+                            "%s", name, replica.index if replica else info.name, info.node,
+                            replica.consecutive_failures if replica else 0,
+                            after.consecutive_failures, headline(after.last_error))
+                self._maybe_park(name, after)
+            if updated.before.unplaceable and after.unplaceable is None:
+                log.info("model %s: placed (was unplaceable: %s)", name,
+                         updated.before.unplaceable.reason)
+
+    def _all_running(self, name: str, alloc: dict[str, Any]) -> bool:
+        """Every replica the job wants runs (the allocation just seen included)."""
+        desired = group_count(self._jobs.get(name))
+        if desired == 0 or alloc.get("ClientStatus") != "running":
+            return False
+        running = {a["ID"] for a in self.nomad.allocations(name)
+                   if a.get("ClientStatus") == "running" and a.get("DesiredStatus") == "run"}
+        return len(running | {alloc["ID"]}) >= desired
+
+    def _maybe_park(self, name: str, state: StateDocument) -> None:
+        if state.parked is not None or state.consecutive_failures < self.rules.park_after:
+            return
+        allocs = {a["ID"]: self._info(a) for a in self.nomad.allocations(name)}
+        passing_now = frozenset(a for a, (m, _) in self._passing_since.items() if m == name)
+        decided = decide_parking(state, allocs, passing_now, self.clock(), self.rules)
+        if decided.parked is None:
+            log.warning("model %s: %d consecutive start failures, not parked: a healthy "
+                        "replica serves (degraded)", name, state.consecutive_failures)
+            return
+        actions.park(self.nomad, self.store, name, decided.parked)
+        log.error("model %s: parked after %d consecutive start failures; last error: %s",
+                  name, state.consecutive_failures, headline(state.last_error))
 
     def on_evaluation(self, evaluation: dict[str, Any]) -> None:
-        """A completed evaluation says whether the model could be placed, and if not, why."""
+        """A completed evaluation says whether every replica could be placed, and if not,
+        why. While allocations are stopping somewhere (room being made), a shortfall
+        is provisional: Nomad's blocked evaluation runs again when they end."""
         name = evaluation.get("JobID", "")
-        if evaluation.get("Status") != "complete" or self._record(name) is None:
+        record = self._record(name)
+        if evaluation.get("Status") != "complete" or record is None:
             return
-        reason = evaluation_reason(evaluation)
-        with self._lock:
-            state = self.store.load(name)
-            self.store.save(self._placement(name, state, reason, evaluation.get("ID")))
-
-    def _placement(self, name: str, state: ModelState, reason: str | None,
-                   eval_id: str | None) -> ModelState:
         now = self.clock()
-        if reason is None:
-            if state.unplaceable:
-                log.info("model %s: placed (was unplaceable: %s)", name, state.unplaceable.reason)
-            return state.model_copy(update={"unplaceable": None})
-        if should_warn(self._warned.get(name, WarningLog()), reason, now):
-            log.warning("model %s is unplaceable: %s", name, reason)
-            self._warned[name] = WarningLog(reason, now)
-        old = state.unplaceable
-        since = old.since if old and old.reason == reason else now.isoformat(timespec="seconds")
-        return state.model_copy(update={"unplaceable": Unplaceable(
-            reason=reason, since=since, eval_id=eval_id)})
+        job = self._jobs.get(name) or self.nomad.job(name)
+        unplaceable = unplaced.answer(self.nomad, record, job, evaluation, self.datacenters, now)
+        if unplaceable and not unplaceable.provisional and \
+                should_warn(self._warned.get(name, WarningLog()), unplaceable.reason, now):
+            log.warning("model %s is unplaceable: %s", name, unplaceable.reason)
+            self._warned[name] = WarningLog(unplaceable.reason, now)
+        with self._lock:
+            updated = self.store.update(name, lambda s: unplaced.with_unplaceable(s, unplaceable))
+        if updated.before.unplaceable and unplaceable is None:
+            log.info("model %s: placed (was unplaceable: %s)", name,
+                     updated.before.unplaceable.reason)
 
-    # --- health ----------------------------------------------------------------------
+    # --- what Consul says ------------------------------------------------------------------
 
     def handle_passing(self, checks: list[dict[str, Any]]) -> None:
-        """Mark every llmgw allocation with a passing check healthy (resets its model's count)."""
-        seen = set()
+        """Note which model allocations pass now; one that starts passing begins a healthy run."""
+        now = set()
         for check in checks:
-            service = check.get("ServiceName", "")
-            match = _SERVICE_ID.match(check.get("ServiceID", ""))
-            if service.startswith("llmgw-") and match:
-                seen.add((service.removeprefix("llmgw-"), match.group(1)))
-        now_ns = int(self.clock().timestamp() * 1e9)
-        for name, alloc_id in sorted(seen):
+            model = model_from_service(check.get("ServiceName", ""))
+            alloc_id = alloc_from_service_id(check.get("ServiceID", ""))
+            if model and alloc_id:
+                now.add((model, alloc_id))
+        for alloc_id in set(self._passing_since) - {a for _, a in now}:
+            del self._passing_since[alloc_id]
+        at = self.now_ns()
+        for model, alloc_id in sorted(now):
+            if alloc_id not in self._passing_since:
+                self._passing_since[alloc_id] = (model, at)
+                self._entered(model, alloc_id, at)
+
+    def _entered(self, name: str, alloc_id: str, at: int) -> None:
+        record = self._record(name)
+        if record is None:
+            return
+        alloc = self.nomad.allocation(alloc_id)
+        if alloc is None:
+            return
+        info = self._info(alloc)
+        current = record.definition_hash
+        log.info("model %s: replica %s on %s passes its health check", name,
+                 info.name.partition(".")[2] or alloc_id[:8], info.node)
+        with self._lock:
+            self.store.update(name, lambda s: passing(track(for_definition(s, current), info),
+                                                      alloc_id, at))
+
+    def check_stable(self) -> None:
+        """Reset the counts of replicas that passed for the whole stability window."""
+        now = self.now_ns()
+        by_model: dict[str, dict[str, int]] = {}
+        for alloc_id, (model, since) in self._passing_since.items():
+            if now - since >= self.rules.stable_after_ns and \
+                    (alloc_id, since) not in self._stabilized:
+                by_model.setdefault(model, {})[alloc_id] = since
+        for name, since in by_model.items():
             with self._lock:
                 state = self.store.load(name)
-                if alloc_id not in state.healthy_allocs:
-                    log.info("model %s: allocation %s healthy", name, alloc_id[:8])
-                    self.store.save(mark_healthy(state, alloc_id, now_ns))
+                due = due_stable(state, since, now, self.rules)
+                if due:
+                    def change(s: StateDocument, due: list[tuple[str, int]] = due) -> StateDocument:
+                        for alloc_id, entry in due:
+                            s = stabilize(s, alloc_id, entry)
+                        return s
+                    updated = self.store.update(name, change)
+                    if updated.before.consecutive_failures:
+                        log.info("model %s: healthy for %d s; consecutive failures reset",
+                                 name, self.rules.stable_after_ns // 10**9)
+            self._stabilized.update((a, s) for a, s in since.items())
+
+    # --- repair ------------------------------------------------------------------------
+
+    def repair(self) -> None:
+        """Restore what a wiped `llmgw/` lost, from the jobs' meta (the durable record):
+        the model records of jobs that run or are parked, and their parking."""
+        keys = set(self.consul.get_texts(KVPrefix.MODELS))
+        for stub in self.nomad.jobs():
+            meta = stub.get("Meta") or {}
+            name = stub.get("ID", "")
+            parked = JobMeta.PARKED_REASON in meta
+            if JobMeta.MODEL not in meta or (stub.get("Stop") and not parked):
+                continue
+            if kv_key(KVPrefix.MODELS, name) not in keys and JobMeta.RECORD in meta:
+                try:
+                    record = decode(ModelRecord, meta[JobMeta.RECORD])
+                except ValueError as exc:
+                    log.error("model %s: cannot restore its record from job meta: %s", name, exc)
+                    continue
+                self.consul.put_text(kv_key(KVPrefix.MODELS, name), encode(record))
+                log.warning("model %s: its KV record was gone; restored from the job's meta",
+                            name)
+            if parked:
+                job = self.nomad.job(name)
+                if job is not None:
+                    with self._lock:
+                        actions.sync_parking(self.store, name, job)

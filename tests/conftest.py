@@ -184,6 +184,10 @@ def passing_endpoints(cluster: Cluster, service: str) -> list[str]:
 
 
 ADMIN_TOKEN = "test-admin-token"
+# The planner's stability window in the tests: long enough for the crash-after-ready
+# cases (a server that crashes 10 s after passing), short enough that a test waiting
+# for a replica's failures to be forgiven waits 20 s, not the default 2 min.
+STABLE_AFTER_S = 20
 
 
 class PlannerDaemon:
@@ -199,10 +203,11 @@ class PlannerDaemon:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
+                [sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port),
+                 "--stable-after", str(STABLE_AFTER_S)],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: http_json(f"{self.url}/health", timeout=2)["reconciled"], 30,
-                 "planner serve to reconcile")
+        wait_for(lambda: http_json(f"{self.url}/health", timeout=2)["ready"], 30,
+                 "planner serve to lead and reconcile (or to know the leader)")
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -7,6 +7,7 @@ object, like Nomad's nomad/mock: a test names only what differs.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -283,3 +284,17 @@ def test_inventory_from_real_stubs_explains_a_too_small_gpu() -> None:
     assert reason(filtered(1, {"missing devices": 1}), GpuNeed(2, 15 * GiB + 512 * MiB),
                   gpus) == ("needs 2 nvidia/gpu with ≥ 15.5 GiB: no node matches "
                             '(1 of 1 node filtered, "missing devices")')
+
+
+WARN_T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def test_placement_warning_once_then_on_change_or_every_ten_minutes() -> None:
+    log, now, warned = WarningLog(), WARN_T0, 0
+    for minute in range(0, 25):
+        now = WARN_T0 + timedelta(minutes=minute)
+        if should_warn(log, "no gpu", now):
+            warned += 1
+            log = WarningLog("no gpu", now)
+    assert warned == 3  # at 0, 10 and 20 minutes, not once per evaluation
+    assert should_warn(log, "memory exhausted", now + timedelta(seconds=1))

@@ -1,0 +1,109 @@
+"""`planner serve`: one planner process, leading or standing by.
+
+Called by the CLI's `serve` command, which runs the admin app
+(`planner.admin`) under uvicorn; the app's lifespan starts `PlannerNode.run`.
+Every instance campaigns for leadership (`planner.leader`); the leader alone
+runs the work that acts on Nomad and writes state:
+
+  watcher      start failures, parking, placement answers (`planner.watcher`)
+  idle scaler  on-demand models back to 0 (`planner.idle`)
+  activator    fresh placement attempts for the router (`planner.activation`)
+  usage book   when each model was last asked for (`planner.usage`)
+
+Followers answer reads themselves and forward writes to the leader
+(`planner.admin`). When leadership changes hands, the new leader starts its
+watcher with a reconcile from Nomad's list APIs, so nothing that happened in
+between is lost, and state documents are only ever written with
+check-and-set, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import datetime
+
+import aiohttp
+
+from planner.activation import Activator
+from planner.consul_client import ConsulClient
+from planner.failures import Rules
+from planner.idle import IdleScaler
+from planner.leader import Leadership
+from planner.nomad_client import NomadClient
+from planner.state import StateStore
+from planner.usage import UsageBook
+from planner.watcher import Watcher, utcnow
+
+log = logging.getLogger("planner.serve")
+
+
+class PlannerNode:
+    """Leadership, and the work only the leader does, for one `planner serve`."""
+
+    def __init__(self, nomad: NomadClient, consul: ConsulClient, address: str,
+                 rules: Rules | None = None, datacenters: tuple[str, ...] = ("*",),
+                 clock: Callable[[], datetime] = utcnow, idle_interval: float = 5.0) -> None:
+        self.nomad, self.consul = nomad, consul
+        self.rules = rules or Rules()
+        self.datacenters = datacenters
+        self.clock = clock
+        self.store = StateStore(consul)
+        self.usage = UsageBook(consul, clock)
+        self.activator = Activator(nomad, consul, self.store, self.usage, clock=clock,
+                                   datacenters=datacenters)
+        self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval)
+        self.leadership = Leadership(consul, address, self._on_change)
+        self.watcher: Watcher | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leadership.is_leader
+
+    @property
+    def ready(self) -> bool:
+        """A leader that reconciled, or a follower that knows where the leader is."""
+        if self.is_leader:
+            return self.watcher is not None and self.watcher.ready.is_set()
+        return self.leadership.leader is not None
+
+    async def run(self) -> None:
+        """Campaign and, while leading, work; until cancelled."""
+        async with aiohttp.ClientSession() as session:
+            self._session = session
+            try:
+                await self.leadership.run()
+            finally:
+                await self._stop_work()
+
+    async def stop(self) -> None:
+        """Hand leadership over at once (clean shutdown)."""
+        await self.leadership.resign()
+
+    async def _on_change(self, leader: bool) -> None:
+        if leader:
+            await self._start_work()
+        else:
+            await self._stop_work()
+
+    async def _start_work(self) -> None:
+        assert self._session is not None
+        active = await asyncio.to_thread(self.idle.active)
+        await asyncio.to_thread(self.usage.start_over, [n for n, c in active.items() if c])
+        self.watcher = Watcher(self.nomad, self.consul, self.store, self.rules, self.clock,
+                               self.datacenters)
+        self._tasks = [asyncio.create_task(self.watcher.run(self._session), name="watcher"),
+                       asyncio.create_task(self.idle.run(), name="idle-scaler")]
+        log.info("leading: watcher and idle scaler started")
+
+    async def _stop_work(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            log.info("no longer leading: watcher and idle scaler stopped")
+        self.watcher = None

@@ -1,0 +1,70 @@
+"""A model's placement answer from one evaluation: placed, short (why), or waiting for room.
+
+Called by the watcher (every completed evaluation of a model's job) and by
+activation (the evaluation of its fresh placement attempt). It adds to the
+pure reasons of `planner.placement` what only Nomad knows now: the GPU
+inventory of the nodes (read only when the model asks for GPUs and a
+replica went unplaced), and whether allocations are stopping anywhere.
+
+Room being made is not "no room" (issue "Model state done right", item 9):
+while an allocation the scheduler told to stop still runs, the resources it
+holds are about to be freed, and Nomad's blocked evaluation for the model
+runs again when it ends. A shortfall seen meanwhile is `provisional`: the
+router keeps a request waiting instead of refusing it on an answer that is
+seconds from being stale.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from llmgw_contract import ModelRecord, StateDocument, Unplaceable
+from planner.nomad_client import Job, NomadClient, group_count
+from planner.placement import GpuNeed, Shortfall, evaluation_shortfall, gpu_inventory
+
+
+def gpu_need(record: ModelRecord) -> GpuNeed | None:
+    """What one replica asks for in GPUs, from the applied profile (None: no GPU)."""
+    gpus = int(record.profile.get("gpus") or 0)
+    if gpus == 0:
+        return None
+    memory = record.profile.get("gpu_memory")
+    return GpuNeed(count=gpus, memory_bytes=int(memory) if memory else None)
+
+
+def shortfall(nomad: NomadClient, record: ModelRecord, job: Job | None,
+              evaluation: dict[str, Any], datacenters: tuple[str, ...]) -> Shortfall | None:
+    """What the evaluation left unplaced and why; None when it placed everything."""
+    if not evaluation.get("FailedTGAllocs"):
+        return None
+    need = gpu_need(record)
+    gpus = gpu_inventory(nomad.nodes(), datacenters=datacenters) if need else []
+    return evaluation_shortfall(evaluation, max(group_count(job), 1), need, gpus)
+
+
+def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
+           evaluation: dict[str, Any], datacenters: tuple[str, ...],
+           now: datetime) -> Unplaceable | None:
+    """The Unplaceable record an evaluation calls for, provisional while allocations
+    stop somewhere; None when it placed every replica."""
+    short = shortfall(nomad, record, job, evaluation, datacenters)
+    if short is None:
+        return None
+    stopping = nomad.stopping_allocations()
+    reason = short.reason
+    if stopping:
+        nodes = sorted({a.get("NodeName") or a.get("NodeID", "")[:8] for a in stopping})
+        reason = (f"waiting for room: {len(stopping)} allocation(s) stopping on "
+                  f"{', '.join(nodes)}; Nomad places it again when they end ({reason})")
+    return Unplaceable(reason=reason, since=now.isoformat(timespec="seconds"),
+                       eval_id=evaluation.get("ID"), placed=short.placed,
+                       desired=short.desired, provisional=bool(stopping))
+
+
+def with_unplaceable(state: StateDocument, unplaceable: Unplaceable | None) -> StateDocument:
+    """Set the placement answer, keeping `since` while the reason stays the same."""
+    old = state.unplaceable
+    if unplaceable is not None and old is not None and old.reason == unplaceable.reason:
+        unplaceable = unplaceable.model_copy(update={"since": old.since})
+    return state.model_copy(update={"unplaceable": unplaceable})

@@ -16,9 +16,11 @@ from planner.placement import (
     GpuNeed,
     NodeGpus,
     Shortfall,
+    WarningLog,
     evaluation_reason,
     evaluation_shortfall,
     gpu_inventory,
+    should_warn,
 )
 
 GiB, MiB = 2**30, 2**20

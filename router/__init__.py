@@ -1,18 +1,28 @@
 """llmgw router: an OpenAI-compatible HTTP proxy in front of llama-server replicas.
 
-It keeps an in-memory table of defined models (Consul KV ``llmgw/models/``),
-the planner's parked / unplaceable state (``llmgw/state/``) and their passing
-endpoints (Consul health of service ``llmgw-<model>``), fed by blocking-query
-watches, and forwards ``/v1/chat/completions``, ``/v1/completions`` and
-``/v1/embeddings`` to the least-loaded replica. Parked and unplaceable models
-are refused at once with the reason (:mod:`router.refusals`); a model with no
-passing endpoint is activated through the planner's API and the request held,
-for a bounded time, until a replica passes (:mod:`router.activation`). Every
-interval the router tells the planner which models it used (:mod:`router.usage`).
+It keeps an in-memory table of defined models, the planner's parked /
+unplaceable state and their passing endpoints, fed by Consul blocking-query
+watches (:mod:`router.watch`): a model is defined while it has a record under
+Consul KV ``llmgw/models/`` or an ``llmgw-<model>`` service in Consul's
+catalog, so wiping KV never turns a serving model into a 404; its state comes
+from ``llmgw/state/``, its endpoints from the health of its service. The
+shapes of all of these (key and service names, documents, activation
+answers) are the shared contract, :mod:`llmgw_contract`.
+
+It forwards ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/embeddings`` to the least-loaded replica with a free slot: each replica
+takes at most its llama-server slot count (``/props``) at once, and the rest
+wait in order for a bounded time (:mod:`router.admission`). A request is
+retried on another replica only when it provably never reached one. Parked,
+unplaceable and stopped models are refused at once with the reason
+(:mod:`router.refusals`); a model with no passing endpoint is activated
+through the planner's API and the request held, for a bounded time, until a
+replica passes (:mod:`router.activation`). Every interval the router tells
+the planner which models it used (:mod:`router.usage`).
 
 Entry points: the ``router`` console script (:mod:`router.cli`) and
 :func:`create_app` for embedding the ASGI app. The router never imports the
-planner; the two talk over HTTP.
+planner; the two talk over HTTP and share only :mod:`llmgw_contract`.
 """
 
 from router.app import create_app

@@ -12,12 +12,16 @@ never reaches this module. It:
    model that fit nowhere an hour ago may fit now. Requests that arrive while
    a call for the same model is in flight share it (one call per model per
    router at a time);
-3. acts on the answer: ``parked`` and ``unplaceable`` are refused at once
-   with the planner's reason; ``serving`` and ``loading`` hold the request up
-   to the activation window, measured from when this request found no
-   endpoint (the activate call included), and forward it as soon as an
-   endpoint passes. The planner unreachable is 503 ``planner_unavailable``
-   within the call's timeout (a refused connection: at once).
+3. acts on the answer (an :class:`llmgw_contract.ActivationAnswer`; every
+   :class:`llmgw_contract.ActivationStatus` has an outcome here, and
+   tests/unit/test_contract_router.py proves it): ``parked``, ``unplaceable``
+   and ``stopped`` are refused at once with the planner's reason (503
+   ``model_parked``, ``model_unplaceable``, ``model_stopped``); ``serving`` and
+   ``loading`` hold the request up to the activation window, measured from
+   when this request found no endpoint (the activate call included), and
+   forward it as soon as an endpoint passes. The planner unreachable, or an
+   answer outside the contract, is 503 ``planner_unavailable`` within the
+   call's timeout (a refused connection: at once).
 
 While a request waits, a change wakes it (:meth:`ModelEntry.wait_changed`,
 set by the Consul watches), rather than a poll of the table: the table only
@@ -27,13 +31,17 @@ the model was removed (404); parked (503 ``model_parked`` at once, not at the
 end of the window); a passing endpoint (forward); an unplaceable record
 other than the one the router held when the planner answered (503: that is
 Nomad's answer to the fresh attempt; the one held before may be the stale
-record the planner has just cleared, not yet seen by the watch).
+record the planner has just cleared, not yet seen by the watch). A
+*provisional* unplaceable record (allocations on the cluster are stopping:
+room is being made, and Nomad's blocked evaluation places the model when they
+end) is never refused on: the request waits on, as for ``loading``.
 
 A window that runs out is 503 ``model_loading`` with ``Retry-After``; its
 message says for how long the model has been loading, measured from this
 router's first activate call of the current loading episode
 (``ModelEntry.loading_since``, ended by a passing endpoint), so a client
-retrying for minutes sees the whole wait, not its last 45 s.
+retrying for minutes sees the whole wait, not its last 45 s; or, while the
+record is provisional, that room is being made.
 
 A client that disconnects while waiting cancels its request task
 (:class:`router.streaming.DisconnectWatch`); the wait ends with it, and a
@@ -48,16 +56,38 @@ import functools
 import logging
 import time
 
+from llmgw_contract import ActivationAnswer, ActivationStatus, Parked, Unplaceable
 from router import errors, refusals
 from router.endpoints import EndpointTable, ModelEntry
-from router.plannerapi import STATUSES, Activation, PlannerAPI
-from router.state import Parked, Unplaceable
+from router.metrics import ACTIVATION_ERROR
+from router.plannerapi import PlannerAPI
 
 log = logging.getLogger(__name__)
 
 # Retry-After of a model_loading refusal: a load that outlived the window is
 # usually seconds from done, and each retry asks the planner again.
 LOADING_RETRY_AFTER_S = 5
+
+
+def refusal_for(model: str, answer: ActivationAnswer) -> errors.ModelUnavailable | None:
+    """The at-once refusal an activate answer means, or ``None`` for "wait for an
+    endpoint" (``serving``, ``loading``)."""
+    status = answer.status
+    if status is ActivationStatus.PARKED:
+        parked = Parked(
+            reason=answer.reason or "parked by the planner",
+            last_error=answer.last_error,
+            since=answer.since or "",
+        )
+        return refusals.parked(model, parked)
+    if status is ActivationStatus.UNPLACEABLE:
+        unplaceable = Unplaceable(
+            reason=answer.reason or "no node fits it", since=answer.since or ""
+        )
+        return refusals.unplaceable(model, unplaceable)
+    if status is ActivationStatus.STOPPED:
+        return refusals.stopped(model, answer.reason)
+    return None
 
 
 class Activator:
@@ -75,7 +105,7 @@ class Activator:
         self.api = api
         self.window_s = window_s
         self.retry_after_s = retry_after_s
-        self._inflight: dict[str, asyncio.Task[Activation]] = {}
+        self._inflight: dict[str, asyncio.Task[ActivationAnswer]] = {}
 
     async def __call__(self, entry: ModelEntry) -> None:
         """Return once ``entry`` has a passing endpoint, or raise the refusal."""
@@ -88,25 +118,10 @@ class Activator:
         entry.used = True
         held_unplaceable = entry.unplaceable
         answer = await self._ask(entry)
-        if answer.status == "parked":
+        refusal = refusal_for(entry.name, answer)
+        if refusal is not None:
             entry.loading_since = None
-            parked = Parked(
-                answer.reason or "parked by the planner", answer.last_error, answer.since
-            )
-            raise refusals.parked(entry.name, parked)
-        if answer.status == "unplaceable":
-            entry.loading_since = None
-            unplaceable = Unplaceable(answer.reason or "no node fits it", answer.since)
-            raise refusals.unplaceable(entry.name, unplaceable)
-        if answer.status not in ("serving", "loading"):
-            # Not in the contract: refuse in the planner's words rather than
-            # hold the request for something nobody started.
-            raise errors.ModelNotReady(
-                entry.name,
-                entry.definition.replicas,
-                None,
-                what=f"the planner did not start it ({answer.status}: {answer.reason or '-'})",
-            )
+            raise refusal
         if entry.loading_since is None:
             entry.loading_since = started
             log.info(
@@ -126,7 +141,7 @@ class Activator:
         entry: ModelEntry,
         started: float,
         held_unplaceable: Unplaceable | None,
-        answer: Activation,
+        answer: ActivationAnswer,
     ) -> None:
         deadline = started + self.window_s
         while True:
@@ -136,8 +151,9 @@ class Activator:
                 raise refusals.parked(entry.name, entry.parked)
             if entry.endpoints:
                 return
-            if entry.unplaceable is not None and entry.unplaceable != held_unplaceable:
-                raise refusals.unplaceable(entry.name, entry.unplaceable)
+            fresh = entry.unplaceable
+            if fresh is not None and not fresh.provisional and fresh != held_unplaceable:
+                raise refusals.unplaceable(entry.name, fresh)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._loading(entry, started, answer)
@@ -146,9 +162,17 @@ class Activator:
             await entry.wait_changed(remaining)
 
     def _loading(
-        self, entry: ModelEntry, started: float, answer: Activation
+        self, entry: ModelEntry, started: float, answer: ActivationAnswer
     ) -> errors.ModelLoading:
         now = time.monotonic()
+        if entry.unplaceable is not None and entry.unplaceable.provisional:
+            waited = (
+                f" This request waited {now - started:.0f} s (the router's activation "
+                f"window is {self.window_s:g} s)."
+            )
+            return refusals.room_being_made(
+                entry.name, entry.unplaceable, self.retry_after_s, waited
+            )
         loading_for = now - (entry.loading_since or started)
         planner = f" (planner: {answer.reason})" if answer.reason else ""
         message = (
@@ -159,7 +183,7 @@ class Activator:
         )
         return errors.ModelLoading(entry.name, message, self.retry_after_s)
 
-    async def _ask(self, entry: ModelEntry) -> Activation:
+    async def _ask(self, entry: ModelEntry) -> ActivationAnswer:
         """The answer of the model's in-flight activate call, starting one if none is."""
         task = self._inflight.get(entry.name)
         if task is None:
@@ -169,21 +193,18 @@ class Activator:
         # Shielded: a waiter whose client left must not cancel the others' answer.
         return await asyncio.shield(task)
 
-    async def _call(self, entry: ModelEntry) -> Activation:
+    async def _call(self, entry: ModelEntry) -> ActivationAnswer:
         try:
             answer = await self.api.activate(entry.name)
         except errors.RouterError as exc:
-            entry.metrics.activations["error"].inc()
+            entry.metrics.activations[ACTIVATION_ERROR].inc()
             log.warning("model %s: activation failed: %s", entry.name, exc.message)
             raise
-        known = answer.status in STATUSES
-        entry.metrics.activations[answer.status if known else "error"].inc()
-        if not known:
-            log.warning("model %s: the planner answered unknown status %r", entry.name, answer)
+        entry.metrics.activations[answer.status].inc()
         log.debug("model %s: planner answered %s (%s)", entry.name, answer.status, answer.reason)
         return answer
 
-    def _finished(self, model: str, task: asyncio.Task[Activation]) -> None:
+    def _finished(self, model: str, task: asyncio.Task[ActivationAnswer]) -> None:
         if self._inflight.get(model) is task:
             del self._inflight[model]
         if not task.cancelled():

@@ -3,14 +3,16 @@
 Called by :mod:`router.cli` (which runs it under uvicorn) and by tests. Nothing
 starts at import or at :func:`create_app`; the lifespan opens the upstream
 aiohttp pool, the Consul watches and the planner client (activation, usage
-reports) on startup and closes them, in named steps, on shutdown.
+reports) on startup and closes them, with the replicas' ``/props`` reads
+(:mod:`router.capacity`), in named steps, on shutdown.
 
 Routes:
 
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``:
   :class:`router.proxy.Proxy`, a plain ASGI handler that :class:`RouterApp`
   calls before any of Starlette's middleware, routing or dependency injection.
-- ``GET /v1/models``: defined models (Consul KV) in OpenAI's list shape.
+- ``GET /v1/models``: defined models (Consul KV records and ``llmgw-<model>``
+  services) in OpenAI's list shape.
 - ``GET /health``: 200 once the model list was read from Consul, else 503.
 - ``GET /metrics``: Prometheus exposition.
 
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import errors
 from router.activation import Activator
+from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
@@ -72,7 +75,10 @@ def upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections,
         limit_per_host=0,
-        keepalive_timeout=30,
+        # Under llama-server's own 5 s (cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND):
+        # a request is never sent on a connection the replica is closing, which
+        # would fail after the request went out and so could not be retried.
+        keepalive_timeout=4,
         ttl_dns_cache=60,
     )
     return aiohttp.ClientSession(
@@ -97,11 +103,19 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     ``settings.activation`` off, :func:`router.refusals.refuse_at_once`. A
     parked model is refused before it is asked. The returned app's ``state``
     carries ``table``, ``metrics``, ``proxy``, ``activator`` and ``usage``
-    (``None`` without activation) and, while running, ``watcher``. The
+    (``None`` without activation), ``capacity`` (``None`` with a fixed
+    ``settings.replica_concurrency``) and, while running, ``watcher``. The
     activator needs the lifespan (it opens the planner client there).
     """
     metrics = RouterMetrics()
-    table = EndpointTable(metrics)
+    capacity: CapacityReader | None = None
+    if not settings.replica_concurrency:
+        capacity = CapacityReader(lambda: proxy.session, settings.props_timeout_s)
+    table = EndpointTable(
+        metrics,
+        default_limit=settings.initial_replica_limit,
+        on_joined=None if capacity is None else capacity.joined,
+    )
     planner: PlannerAPI | None = None
     activator: Activator | None = None
     usage: UsageReporter | None = None
@@ -118,6 +132,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         metrics,
         max_body_bytes=settings.max_body_bytes,
         max_attempts=settings.max_attempts,
+        queue_timeout_s=settings.queue_timeout_s,
+        busy_retry_after_s=settings.busy_retry_after_s,
         no_endpoint=no_endpoint,
     )
 
@@ -135,12 +151,16 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             await planner.start()
             usage.start()
         log.info(
-            "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss; %s",
+            "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss; "
+            "per replica %s in flight, queue timeout %gs; %s",
             scheme,
             host,
             port,
             settings.upstream_connect_timeout_s,
             settings.upstream_read_timeout_s,
+            settings.replica_concurrency
+            or f"its /props slot count (else {settings.default_replica_concurrency})",
+            settings.queue_timeout_s,
             f"activation through the planner at {settings.planner_url} "
             f"(window {settings.activation_window_s:g} s, usage every "
             f"{settings.usage_interval_s:g} s)"
@@ -159,6 +179,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
                 await activator.close()
                 await planner.close()
             log.info("shutdown: closing upstream connection pool")
+            if capacity is not None:
+                await capacity.close()
             await proxy.session.close()
             await catalog.close()
             log.info("shutdown: done")
@@ -175,6 +197,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     app.state.proxy = proxy
     app.state.activator = activator
     app.state.usage = usage
+    app.state.capacity = capacity
     app.proxy = proxy
     _add_routes(app, table, metrics)
     _add_error_handlers(app)
@@ -185,8 +208,8 @@ def _add_routes(app: FastAPI, table: EndpointTable, metrics: RouterMetrics) -> N
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         data = [
-            {"id": d.name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for d in table.definitions()
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+            for name in table.names()
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -194,7 +217,7 @@ def _add_routes(app: FastAPI, table: EndpointTable, metrics: RouterMetrics) -> N
     async def health() -> JSONResponse:
         body = {
             "status": "ok" if table.synced else "starting",
-            "models": len(table.definitions()),
+            "models": len(table.names()),
             "models_with_endpoints": table.ready_count(),
         }
         return JSONResponse(body, status_code=200 if table.synced else 503)

@@ -1,37 +1,38 @@
-"""Least-outstanding-requests choice among a model's passing endpoints.
+"""Least-outstanding-requests choice among a model's passing endpoints, under their limits.
 
 :func:`pick` is pure: it reads each :class:`Endpoint`'s in-flight count and
-returns the least loaded one, rotating the starting point so replicas with
-equal load take turns. :class:`InFlight` is the only place that changes those
-counts, always in pairs. Called by :mod:`router.proxy` for every request;
-:class:`Endpoint` objects are created and retired by :mod:`router.endpoints`.
+limit and returns the least loaded endpoint that has a free slot, rotating the
+starting point so replicas with equal load take turns. The counts change only
+in :class:`router.admission.Slots`, which grants and releases slots in pairs.
+:class:`Endpoint` objects are created and retired by :mod:`router.endpoints`;
+their limit is set by :mod:`router.capacity`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from types import TracebackType
 
-from prometheus_client import Gauge
 from yarl import URL
 
 from router.catalog import ServiceAddress
 
 
 class Endpoint:
-    """One passing replica and the requests the router has in flight to it.
+    """One passing replica, the requests the router has in flight to it, and how
+    many it may have (``limit``: llama-server's slot count, or a setting).
 
     The object outlives its place in the table: a request that picked it keeps
-    it and decrements its own count even after the replica left.
+    it and releases its own slot even after the replica left.
     """
 
-    __slots__ = ("_urls", "address", "base_url", "inflight")
+    __slots__ = ("_urls", "address", "base_url", "inflight", "limit")
 
-    def __init__(self, address: ServiceAddress) -> None:
+    def __init__(self, address: ServiceAddress, limit: int) -> None:
         self.address = address
         host = f"[{address.host}]" if ":" in address.host else address.host
         self.base_url = f"http://{host}:{address.port}"
         self.inflight = 0
+        self.limit = limit
         self._urls: dict[str, URL] = {}
 
     def url(self, path: str) -> URL:
@@ -44,52 +45,27 @@ class Endpoint:
         return url
 
     def __repr__(self) -> str:
-        return f"Endpoint({self.base_url}, inflight={self.inflight})"
+        return f"Endpoint({self.base_url}, inflight={self.inflight}/{self.limit})"
 
 
 def pick(
     endpoints: Sequence[Endpoint], start: int, exclude: Collection[Endpoint] = ()
 ) -> Endpoint | None:
-    """Return the endpoint with the fewest requests in flight, or ``None``.
+    """Return the endpoint with the fewest requests in flight and a free slot, or ``None``.
 
     ``start`` rotates the scan (callers pass a per-model counter) so that
     ties go round-robin instead of always to the first replica; an idle
-    endpoint ends the scan early. Endpoints in ``exclude`` (already failed for
-    this request) are skipped.
+    endpoint ends the scan early. Endpoints at their limit, and those in
+    ``exclude`` (already failed for this request), are skipped.
     """
     n = len(endpoints)
     best: Endpoint | None = None
     for i in range(n):
         candidate = endpoints[(start + i) % n]
-        if exclude and candidate in exclude:
+        if candidate.inflight >= candidate.limit or (exclude and candidate in exclude):
             continue
         if best is None or candidate.inflight < best.inflight:
             best = candidate
             if best.inflight == 0:
                 break
     return best
-
-
-class InFlight:
-    """Counts one request against an endpoint and its model's gauge, for as long as
-    the ``with`` block runs, whatever way it exits."""
-
-    __slots__ = ("_endpoint", "_gauge")
-
-    def __init__(self, endpoint: Endpoint, gauge: Gauge) -> None:
-        self._endpoint = endpoint
-        self._gauge = gauge
-
-    def __enter__(self) -> Endpoint:
-        self._endpoint.inflight += 1
-        self._gauge.inc()
-        return self._endpoint
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._endpoint.inflight -= 1
-        self._gauge.dec()

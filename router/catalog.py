@@ -1,20 +1,30 @@
-"""Reads what the router needs from Consul: models, their state, passing endpoints.
+"""Reads what the router needs from Consul: models, their state, services, passing endpoints.
 
-Three blocking queries, nothing else: the KV prefixes ``llmgw/models/`` (one
-JSON definition per model, written by the planner) and ``llmgw/state/``
-(parked / unplaceable, parsed by :mod:`router.state`), and
-``/v1/health/service/llmgw-<model>?passing``. Called only by the watch loops in
-:mod:`router.watch`; the request path never talks to Consul.
+Four kinds of blocking query, nothing else:
+
+- the KV prefix ``llmgw/models/`` (one :class:`llmgw_contract.ModelRecord` per
+  model, written by ``planner apply``);
+- the KV prefix ``llmgw/state/`` (one :class:`llmgw_contract.StateDocument` per
+  model; the router keeps those that are parked or unplaceable);
+- ``/v1/catalog/services`` (every service and its tags): the models whose
+  ``llmgw-<model>`` service has an instance registered, so a model that serves
+  stays known when its KV record vanishes (an operator's
+  ``consul kv delete -recurse llmgw/``, a restored snapshot);
+- ``/v1/health/service/llmgw-<model>?passing`` per known model.
+
+Called only by the watch loops in :mod:`router.watch`; the request path never
+talks to Consul. Key and service names come from :mod:`llmgw_contract.keys`,
+documents are decoded with :func:`llmgw_contract.decode`.
 
 A small aiohttp client rather than py-consul's ``consul.aio``: that adapter
 builds its connector with arguments aiohttp deprecates, returns the index as a
-string and has no per-call timeout, and the router needs three GETs. Every
+string and has no per-call timeout, and the router needs four GETs. Every
 aiohttp, timeout and decoding failure leaves this module as
 :class:`router.errors.CatalogUnavailable`.
 
 Parsing is split into pure functions (:func:`parse_models`,
-:func:`parse_endpoints`, :func:`router.state.parse_states`) that unit tests
-drive with Consul's JSON shapes.
+:func:`parse_states`, :func:`parse_services`, :func:`parse_endpoints`) that
+unit tests drive with Consul's JSON shapes.
 """
 
 from __future__ import annotations
@@ -22,31 +32,27 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 
+from llmgw_contract import (
+    KVPrefix,
+    ModelRecord,
+    StateDocument,
+    decode,
+    model_from_key,
+    model_from_service,
+    service_name,
+)
+from llmgw_contract.documents import Document
 from router.errors import CatalogUnavailable
-from router.state import STATE_PREFIX, ModelState, parse_states
 
 log = logging.getLogger(__name__)
 
-MODELS_PREFIX = "llmgw/models/"
-SERVICE_PREFIX = "llmgw-"
-
-
-@dataclass(frozen=True, slots=True)
-class ModelDefinition:
-    """One defined model as the planner wrote it; unknown keys are ignored."""
-
-    name: str
-    definition_hash: str = ""
-    replicas: int = 0
-    source: str = ""
-    profile: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+D = TypeVar("D", bound=Document)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -57,48 +63,64 @@ class ServiceAddress:
     port: int
 
 
-def service_name(model: str) -> str:
-    """Consul service name the planner registers for ``model``."""
-    return SERVICE_PREFIX + model
-
-
-def parse_models(entries: list[dict[str, Any]] | None) -> dict[str, ModelDefinition]:
-    """Turn a recursive KV read of :data:`MODELS_PREFIX` into ``{name: definition}``.
+def parse_documents(
+    prefix: KVPrefix, kind: type[D], entries: list[dict[str, Any]] | None
+) -> dict[str, D]:
+    """Turn a recursive KV read of ``prefix`` into ``{model: document}``.
 
     ``entries`` is Consul's JSON list (``Key``, base64 ``Value``), or ``None``
     for a 404 (no key under the prefix). Keys nested deeper than
-    ``llmgw/models/<name>`` and values that do not decode are skipped with a
-    warning: one bad key must not hide every other model.
+    ``<prefix><model>`` are ignored; a value that does not decode as ``kind``
+    is skipped with a warning: one bad key must not hide every other model.
     """
-    models: dict[str, ModelDefinition] = {}
+    found: dict[str, D] = {}
     for entry in entries or ():
         key = entry.get("Key", "")
-        name = key[len(MODELS_PREFIX) :]
-        if not name or "/" in name:
+        name = model_from_key(prefix, key)
+        if name is None:
             continue
         try:
-            raw = base64.b64decode(entry.get("Value") or "")
-            doc = json.loads(raw)
-            models[name] = _definition(name, doc)
-        except (binascii.Error, ValueError, TypeError) as exc:
-            log.warning("skipping Consul KV key %s: not a model definition (%s)", key, exc)
+            found[name] = decode(kind, base64.b64decode(entry.get("Value") or ""))
+        except (binascii.Error, ValueError) as exc:
+            log.warning("skipping Consul KV key %s: %s", key, exc)
+    return found
+
+
+def parse_models(entries: list[dict[str, Any]] | None) -> dict[str, ModelRecord]:
+    """Every model record under ``llmgw/models/``; the key names the model."""
+    models = parse_documents(KVPrefix.MODELS, ModelRecord, entries)
+    for name, record in models.items():
+        if record.name != name:
+            # The key is what the planner addresses the model by; trust it.
+            log.warning("Consul KV llmgw/models/%s names %r; using the key", name, record.name)
+            models[name] = record.model_copy(update={"name": name})
     return models
 
 
-def _definition(name: str, doc: Any) -> ModelDefinition:
-    if not isinstance(doc, dict):
-        raise TypeError("value is not a JSON object")
-    if doc.get("name", name) != name:
-        # The key is what the planner addresses the model by; trust it.
-        log.warning("KV %s%s names model %r; using %r", MODELS_PREFIX, name, doc["name"], name)
-    profile = doc.get("profile")
-    return ModelDefinition(
-        name=name,
-        definition_hash=str(doc.get("definition_hash", "")),
-        replicas=int(doc.get("replicas", 0)),
-        source=str(doc.get("source", "")),
-        profile=profile if isinstance(profile, dict) else {},
-    )
+def parse_states(entries: list[dict[str, Any]] | None) -> dict[str, StateDocument]:
+    """The state documents under ``llmgw/state/`` that are parked or unplaceable.
+
+    Those are all the router acts on, so the table holds nothing for a model
+    that is fine. A parked record without its own ``last_error`` borrows the
+    document's (the planner's last start error is the best "why" there is).
+    """
+    states: dict[str, StateDocument] = {}
+    for name, doc in parse_documents(KVPrefix.STATE, StateDocument, entries).items():
+        if doc.parked is None and doc.unplaceable is None:
+            continue
+        if doc.parked is not None and doc.parked.last_error is None and doc.last_error:
+            parked = doc.parked.model_copy(update={"last_error": doc.last_error})
+            doc = doc.model_copy(update={"parked": parked})
+        states[name] = doc
+    return states
+
+
+def parse_services(services: dict[str, Any] | None) -> frozenset[str]:
+    """The models with an ``llmgw-<model>`` service in a ``/v1/catalog/services``
+    answer (``{service: [tags]}``); other services, the planner's own included,
+    are ignored."""
+    names = (model_from_service(service) for service in services or ())
+    return frozenset(name for name in names if name)
 
 
 def parse_endpoints(entries: list[dict[str, Any]] | None) -> list[ServiceAddress]:
@@ -122,6 +144,8 @@ class ConsulCatalog:
     """Blocking reads against one Consul agent over a private aiohttp session.
 
     Create and close inside the running event loop (the router's lifespan).
+    Every read returns ``(consul_index, parsed)``; with ``index == 0`` it
+    answers at once. Every read raises :class:`CatalogUnavailable`.
     """
 
     def __init__(self, base_url: str, token: str | None = None) -> None:
@@ -135,34 +159,32 @@ class ConsulCatalog:
     async def close(self) -> None:
         await self._session.close()
 
-    async def models(self, index: int, wait_s: float) -> tuple[int, dict[str, ModelDefinition]]:
-        """Blocking read of every model definition.
-
-        Returns ``(consul_index, {name: definition})``; with ``index == 0``
-        it answers at once. Raises :class:`CatalogUnavailable`.
-        """
-        index, body = await self._get("/v1/kv/" + MODELS_PREFIX, {"recurse": "true"}, index, wait_s)
+    async def models(self, index: int, wait_s: float) -> tuple[int, dict[str, ModelRecord]]:
+        """Blocking read of every model record (``{name: record}``)."""
+        index, body = await self._kv(KVPrefix.MODELS, index, wait_s)
         return index, parse_models(body)
 
-    async def states(self, index: int, wait_s: float) -> tuple[int, dict[str, ModelState]]:
-        """Blocking read of every parked or unplaceable model's state.
-
-        Returns ``(consul_index, {name: state})``. Raises :class:`CatalogUnavailable`.
-        """
-        index, body = await self._get("/v1/kv/" + STATE_PREFIX, {"recurse": "true"}, index, wait_s)
+    async def states(self, index: int, wait_s: float) -> tuple[int, dict[str, StateDocument]]:
+        """Blocking read of every parked or unplaceable model's state (``{name: document}``)."""
+        index, body = await self._kv(KVPrefix.STATE, index, wait_s)
         return index, parse_states(body)
+
+    async def services(self, index: int, wait_s: float) -> tuple[int, frozenset[str]]:
+        """Blocking read of the models with a registered ``llmgw-<model>`` service."""
+        index, body = await self._get("/v1/catalog/services", {}, index, wait_s)
+        return index, parse_services(body)
 
     async def passing(
         self, model: str, index: int, wait_s: float
     ) -> tuple[int, list[ServiceAddress]]:
-        """Blocking read of the passing endpoints of ``model``'s service.
-
-        Returns ``(consul_index, addresses)``. Raises :class:`CatalogUnavailable`.
-        """
+        """Blocking read of the passing endpoints of ``model``'s service."""
         index, body = await self._get(
             "/v1/health/service/" + service_name(model), {"passing": "true"}, index, wait_s
         )
         return index, parse_endpoints(body)
+
+    async def _kv(self, prefix: KVPrefix, index: int, wait_s: float) -> tuple[int, Any]:
+        return await self._get(f"/v1/kv/{prefix}", {"recurse": "true"}, index, wait_s)
 
     async def _get(
         self, path: str, params: dict[str, str], index: int, wait_s: float

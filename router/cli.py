@@ -16,7 +16,9 @@ activate calls, and closes the upstream pool.
 Activation (``--planner-url``, ``--planner-token``, ``--activation-window``,
 ``--usage-interval``, ``--no-activation``) is described in
 :mod:`router.activation`; prefer ``LLMGW_PLANNER_TOKEN`` to the flag, which
-shows in the process list.
+shows in the process list. The per-replica limit and the wait for a free slot
+(``--replica-concurrency``, ``--queue-timeout``) are described in
+:mod:`router.admission` and :mod:`router.capacity`.
 """
 
 from __future__ import annotations
@@ -116,6 +118,20 @@ def serve(
             "default on). Off: refuse at once, report no usage.",
         ),
     ] = None,
+    replica_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests in flight per replica (env LLMGW_REPLICA_CONCURRENCY); 0, the "
+            "default: each replica's slot count from llama-server's /props (4 until known)."
+        ),
+    ] = None,
+    queue_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds a request waits for a free slot when every replica is at its "
+            "limit, then 503 replicas_busy (env LLMGW_QUEUE_TIMEOUT, default 30)."
+        ),
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
@@ -137,6 +153,8 @@ def serve(
             activation_window_s=activation_window,
             usage_interval_s=usage_interval,
             activation=activation,
+            replica_concurrency=replica_concurrency,
+            queue_timeout_s=queue_timeout,
             access_log=access_log,
             log_level=log_level,
         )

@@ -1,44 +1,62 @@
-"""The router's in-memory view: defined models and their passing endpoints.
+"""The router's in-memory view: defined models, their planner state and passing endpoints.
 
 :class:`EndpointTable` is written only by the watch loops in
-:mod:`router.watch` (through :meth:`EndpointTable.set_models` and
-:meth:`EndpointTable.set_endpoints`) and read by :mod:`router.proxy` and
+:mod:`router.watch` (through :meth:`EndpointTable.set_models`,
+:meth:`~EndpointTable.set_services`, :meth:`~EndpointTable.set_states` and
+:meth:`~EndpointTable.set_endpoints`) and read by :mod:`router.proxy` and
 :mod:`router.app` on every request, with no I/O and no lock: everything runs
 on one event loop and each update swaps whole tuples.
 
+**Which models are defined.** The union of two sources: the records under
+Consul KV ``llmgw/models/`` and the Consul services named ``llmgw-<model>``
+(:func:`router.catalog.parse_services`). A model leaves the table only when
+both drop it, so a model that serves is never answered 404 because its KV
+record vanished (an operator's ``consul kv delete -recurse llmgw/``, case
+C16). A model known only from its service has ``record is None``: it is served
+normally, its replica count is unknown.
+
 The diffs are pure functions (:func:`diff_models`, :func:`diff_endpoints`)
 so unit tests can check them. An endpoint that stays keeps its
-:class:`~router.balancer.Endpoint` object, and so its in-flight count; who
-left is computed before the list is replaced.
+:class:`~router.balancer.Endpoint` object, and so its in-flight count and its
+limit; who left is computed before the list is replaced. A joining endpoint
+starts at the table's default limit and is handed to ``on_joined``
+(:class:`router.capacity.CapacityReader`), which may raise it.
 
 A request for a model with no passing endpoint may wait for one
 (:mod:`router.activation`): :meth:`ModelEntry.wait_changed` wakes it on the
 next change of endpoints or planner state, so nobody polls the table.
+Requests waiting for a free slot are in the model's
+:class:`~router.admission.Slots`, which the table tells when endpoints change.
 
-The planner's parked / unplaceable state (:mod:`router.state`) is hung on each
+The planner's parked / unplaceable state (:class:`llmgw_contract.StateDocument`,
+read by :func:`router.catalog.parse_states`) is hung on each
 :class:`ModelEntry` as two attributes, so the proxy's check for a model that
 is fine is one attribute read. States of models not (yet) defined are kept
-and attached when the model appears: the two watches race at startup.
+and attached when the model appears: the watches race at startup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable, service_name
+from router.admission import Slots
 from router.balancer import Endpoint
-from router.catalog import ModelDefinition, ServiceAddress
+from router.catalog import ServiceAddress
 from router.metrics import ModelMetrics, RouterMetrics
-from router.state import NO_STATE, ModelState, Parked, Unplaceable
 
 log = logging.getLogger(__name__)
+
+OnJoined = Callable[[Slots, Endpoint], None]
+"""Told about every endpoint that starts passing, with its model's slots."""
 
 
 @dataclass(frozen=True, slots=True)
 class ModelsDiff:
-    """Model names added, removed, and redefined (different definition)."""
+    """Model names added, removed, and redefined (a different record, or none)."""
 
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
@@ -63,9 +81,9 @@ class EndpointDiff:
 
 
 def diff_models(
-    old: Mapping[str, ModelDefinition], new: Mapping[str, ModelDefinition]
+    old: Mapping[str, ModelRecord | None], new: Mapping[str, ModelRecord | None]
 ) -> ModelsDiff:
-    """Compare two ``{name: definition}`` maps; names come back sorted."""
+    """Compare two ``{name: record or None}`` maps; names come back sorted."""
     return ModelsDiff(
         added=tuple(sorted(new.keys() - old.keys())),
         removed=tuple(sorted(old.keys() - new.keys())),
@@ -74,14 +92,15 @@ def diff_models(
 
 
 def diff_endpoints(
-    current: Sequence[Endpoint], addresses: Iterable[ServiceAddress]
+    current: Sequence[Endpoint], addresses: Iterable[ServiceAddress], limit: int
 ) -> EndpointDiff:
-    """Match ``addresses`` against ``current``, reusing the objects that stay."""
+    """Match ``addresses`` against ``current``, reusing the objects that stay; new
+    endpoints start with ``limit`` slots."""
     wanted = set(addresses)
     by_address = {e.address: e for e in current}
     kept = tuple(e for e in current if e.address in wanted)
     left = tuple(e for e in current if e.address not in wanted)
-    joined = tuple(Endpoint(a) for a in sorted(wanted - by_address.keys()))
+    joined = tuple(Endpoint(a, limit) for a in sorted(wanted - by_address.keys()))
     return EndpointDiff(kept=kept, joined=joined, left=left)
 
 
@@ -89,20 +108,23 @@ class ModelEntry:
     """A defined model as the request path sees it."""
 
     __slots__ = (
-        "_changed", "_ready", "_turn", "definition", "endpoints", "loading_since", "metrics",
-        "name", "parked", "unplaceable", "used",
+        "_changed", "_ready", "loading_since", "metrics", "name", "parked", "record", "slots",
+        "unplaceable", "used",
     )  # fmt: skip
 
     def __init__(
-        self, definition: ModelDefinition, metrics: ModelMetrics, state: ModelState = NO_STATE
+        self,
+        name: str,
+        record: ModelRecord | None,
+        metrics: ModelMetrics,
+        state: StateDocument | None = None,
     ) -> None:
-        self.name = definition.name
-        self.definition = definition
+        self.name = name
+        self.record = record
         self.metrics = metrics
-        self.endpoints: tuple[Endpoint, ...] = ()
+        self.slots = Slots(metrics)
         self.parked: Parked | None = None
         self.unplaceable: Unplaceable | None = None
-        self._turn = 0
         self._ready = asyncio.Event()
         # Replaced on every change, so a waiter that took the current one
         # before checking the entry cannot miss a change (one event loop).
@@ -116,13 +138,18 @@ class ModelEntry:
         self.loading_since: float | None = None
         self._set_state(state)
 
-    def next_turn(self) -> int:
-        """Rotating start index for :func:`router.balancer.pick`."""
-        self._turn += 1
-        return self._turn
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The passing endpoints, in address order."""
+        return self.slots.endpoints
+
+    @property
+    def replicas(self) -> int | None:
+        """Replicas its record asks for; ``None`` when only its Consul service is known."""
+        return None if self.record is None else self.record.replicas
 
     def _set_endpoints(self, endpoints: tuple[Endpoint, ...]) -> None:
-        self.endpoints = endpoints
+        self.slots.replace(endpoints)
         self.metrics.endpoints.set(len(endpoints))
         if endpoints:
             self._ready.set()
@@ -135,29 +162,28 @@ class ModelEntry:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _set_state(self, state: ModelState) -> None:
-        if state.parked != self.parked:
-            if state.parked is not None:
-                log.warning("model %s parked: %s", self.name, state.parked.reason)
+    def _set_state(self, state: StateDocument | None) -> None:
+        parked = None if state is None else state.parked
+        unplaceable = None if state is None else state.unplaceable
+        if parked != self.parked:
+            if parked is not None:
+                log.warning("model %s parked: %s", self.name, parked.reason)
             else:
                 log.info("model %s no longer parked", self.name)
-        if state.unplaceable != self.unplaceable:
-            if state.unplaceable is not None:
-                log.warning("model %s unplaceable: %s", self.name, state.unplaceable.reason)
+        if unplaceable != self.unplaceable:
+            if unplaceable is not None:
+                what = "room is being made" if unplaceable.provisional else "unplaceable"
+                log.warning("model %s %s: %s", self.name, what, unplaceable.reason)
             else:
                 log.info("model %s no longer unplaceable", self.name)
-        changed = state.parked != self.parked or state.unplaceable != self.unplaceable
-        self.parked = state.parked
-        self.unplaceable = state.unplaceable
+        changed = parked != self.parked or unplaceable != self.unplaceable
+        self.parked = parked
+        self.unplaceable = unplaceable
         if changed:
             self._notify()
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` seconds for a passing endpoint; ``True`` if one is.
-
-        The seam for on-demand activation: a caller that asked the planner to
-        start the model waits here instead of polling the table.
-        """
+        """Wait up to ``timeout_s`` seconds for a passing endpoint; ``True`` if one is."""
         if self.endpoints:
             return True
         try:
@@ -184,22 +210,32 @@ class ModelEntry:
 
 
 class EndpointTable:
-    """Defined models and passing endpoints, kept fresh by :mod:`router.watch`."""
+    """Defined models and passing endpoints, kept fresh by :mod:`router.watch`.
 
-    def __init__(self, metrics: RouterMetrics) -> None:
+    ``default_limit`` is the concurrency limit a joining endpoint starts with;
+    ``on_joined`` is told about each one (to read its real limit).
+    """
+
+    def __init__(
+        self, metrics: RouterMetrics, *, default_limit: int = 4, on_joined: OnJoined | None = None
+    ) -> None:
         self._metrics = metrics
+        self._default_limit = default_limit
+        self._on_joined = on_joined
         self._models: dict[str, ModelEntry] = {}
-        self._states: dict[str, ModelState] = {}
-        self._models_read = False
-        self._states_read = False
+        self._records: dict[str, ModelRecord] = {}
+        self._services: frozenset[str] = frozenset()
+        self._states: dict[str, StateDocument] = {}
+        self._models_read = self._services_read = self._states_read = False
 
     @property
     def synced(self) -> bool:
-        """Both the models and their states were read from Consul at least once.
+        """The models, services and states were all read from Consul at least once.
 
-        Until then a parked model could be proxied or told "retry shortly".
+        Until then a parked model could be proxied or told "retry shortly", or a
+        serving one (whose KV record is gone) answered 404.
         """
-        return self._models_read and self._states_read
+        return self._models_read and self._services_read and self._states_read
 
     def get(self, model: str) -> ModelEntry | None:
         """The entry of a defined ``model``, or ``None`` if it is not defined."""
@@ -209,39 +245,31 @@ class EndpointTable:
         """Every defined model's entry (a copy: safe to iterate across awaits)."""
         return list(self._models.values())
 
-    def definitions(self) -> list[ModelDefinition]:
-        """Every defined model, sorted by name."""
-        return [self._models[n].definition for n in sorted(self._models)]
+    def names(self) -> list[str]:
+        """Every defined model's name, sorted."""
+        return sorted(self._models)
 
     def ready_count(self) -> int:
         """How many defined models have at least one passing endpoint."""
         return sum(1 for entry in self._models.values() if entry.endpoints)
 
-    def set_models(self, definitions: Mapping[str, ModelDefinition]) -> ModelsDiff:
-        """Replace the defined models; returns what changed so watches can follow."""
-        current = {name: entry.definition for name, entry in self._models.items()}
-        diff = diff_models(current, definitions)
-        for name in diff.removed:
-            entry = self._models.pop(name)
-            entry._set_endpoints(())
-            self._metrics.model_removed(name)
-            log.info("model %s removed from Consul KV", name)
-        for name in diff.added:
-            state = self._states.get(name, NO_STATE)
-            entry = ModelEntry(definitions[name], self._metrics.model_defined(name), state)
-            self._models[name] = entry
-            log.info("model %s defined (%d replicas)", name, entry.definition.replicas)
-        for name in diff.changed:
-            self._models[name].definition = definitions[name]
-            log.info("model %s redefined (%s)", name, definitions[name].definition_hash)
+    def set_models(self, records: Mapping[str, ModelRecord]) -> ModelsDiff:
+        """Replace the KV records; returns what changed so watches can follow."""
+        self._records = dict(records)
         self._models_read = True
-        return diff
+        return self._define()
 
-    def set_states(self, states: Mapping[str, ModelState]) -> None:
+    def set_services(self, models: Iterable[str]) -> ModelsDiff:
+        """Replace the models that have an ``llmgw-<model>`` Consul service."""
+        self._services = frozenset(models)
+        self._services_read = True
+        return self._define()
+
+    def set_states(self, states: Mapping[str, StateDocument]) -> None:
         """Replace every model's planner state (models absent from ``states`` have none)."""
         self._states = dict(states)
         for name, entry in self._models.items():
-            entry._set_state(self._states.get(name, NO_STATE))
+            entry._set_state(self._states.get(name))
         self._states_read = True
 
     def set_endpoints(self, model: str, addresses: Iterable[ServiceAddress]) -> EndpointDiff | None:
@@ -249,7 +277,7 @@ class EndpointTable:
         entry = self._models.get(model)
         if entry is None:
             return None
-        diff = diff_endpoints(entry.endpoints, addresses)
+        diff = diff_endpoints(entry.endpoints, addresses, self._default_limit)
         if diff or not entry.endpoints:
             for gone in diff.left:
                 log.info(
@@ -261,4 +289,42 @@ class EndpointTable:
             for new in diff.joined:
                 log.info("model %s: endpoint %s passing", model, new.base_url)
             entry._set_endpoints(diff.endpoints)
+            if self._on_joined is not None:
+                for new in diff.joined:
+                    self._on_joined(entry.slots, new)
         return diff
+
+    def _define(self) -> ModelsDiff:
+        """Make the table's models the union of KV records and Consul services."""
+        wanted = {name: self._records.get(name) for name in self._records.keys() | self._services}
+        current = {name: entry.record for name, entry in self._models.items()}
+        diff = diff_models(current, wanted)
+        for name in diff.removed:
+            entry = self._models.pop(name)
+            entry._set_endpoints(())
+            self._metrics.model_removed(name)
+            log.info("model %s removed: no Consul KV record and no Consul service", name)
+        for name in diff.added:
+            record = wanted[name]
+            metrics = self._metrics.model_defined(name)
+            self._models[name] = ModelEntry(name, record, metrics, self._states.get(name))
+            log.info("model %s defined (%s)", name, _describe(name, record))
+        for name in diff.changed:
+            entry = self._models[name]
+            record = wanted[name]
+            if record is None:
+                log.warning(
+                    "model %s: its Consul KV record is gone; still serving it from its "
+                    "Consul service",
+                    name,
+                )
+            else:
+                log.info("model %s redefined (%s)", name, _describe(name, record))
+            entry.record = record
+        return diff
+
+
+def _describe(name: str, record: ModelRecord | None) -> str:
+    if record is None:
+        return f"only its Consul service {service_name(name)}: no KV record"
+    return f"{record.replicas} replicas, definition {record.definition_hash}"

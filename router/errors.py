@@ -6,17 +6,23 @@ The tree, split by what the caller can do::
     ├── RequestRefused             told no: fix the request, do not retry as-is
     │   ├── InvalidRequest         400 invalid_request_error (bad JSON, no model)
     │   ├── BodyTooLarge           413
-    │   └── ModelNotFound          404 model_not_found (not defined in Consul KV)
+    │   └── ModelNotFound          404 model_not_found (no KV record, no Consul service)
     ├── ModelUnavailable           503: defined, but nothing can serve it now
     │   ├── ModelNotReady          503 model_not_ready (no passing endpoint; Retry-After)
     │   ├── ModelParked            503 model_parked (the planner gave up starting it)
     │   ├── ModelUnplaceable       503 model_unplaceable (Nomad: fits on no node)
-    │   ├── ModelLoading           503 model_loading (activated, not ready within the
-    │   │                          activation window; Retry-After)
+    │   ├── ModelStopped           503 model_stopped (the planner wants no replica of it:
+    │   │                          `replicas: 0`, or its job is stopped)
+    │   ├── ModelLoading           503 model_loading (activated, or room being made for
+    │   │                          it, and not ready within the activation window;
+    │   │                          Retry-After)
+    │   ├── ReplicasBusy           503 replicas_busy (every replica at its concurrency
+    │   │                          limit for the whole queue timeout; Retry-After)
     │   └── PlannerUnavailable     503 planner_unavailable (the activator API did not
     │                              answer usefully; the model's state is unknown)
     └── UpstreamError              the chosen replica failed us
-        ├── UpstreamUnavailable    502 upstream_unavailable (connect refused, reset)
+        ├── UpstreamUnavailable    502 upstream_unavailable (connect refused, or the
+        │                          connection broke after the request went out)
         └── UpstreamTimeout        504 upstream_timeout
 
     CatalogError                   reading Consul failed; never reaches a client,
@@ -24,18 +30,18 @@ The tree, split by what the caller can do::
 
 Raised by :mod:`router.proxy`, :mod:`router.catalog`, :mod:`router.plannerapi`
 and :mod:`router.activation`; rendered by
-:func:`error_body` in the proxy and the app's exception handlers. aiohttp and
-py-consul errors are translated where they are caught, so nothing above the
+:func:`error_body` in the proxy and the app's exception handlers. aiohttp
+errors are translated where they are caught, so nothing above the
 proxy or the catalog sees a library's exception types.
 
 Errors the router answers instead of a model carry a :class:`Refusal`
 (``refusal``), the ``reason`` label of ``llmgw_router_refusals_total``.
-Parked and unplaceable refusals carry no ``Retry-After``: neither ends on a
-timer, and clients that honour the header would retry forever. They carry
+Parked, unplaceable and stopped refusals carry no ``Retry-After``: none ends
+on a timer, and clients that honour the header would retry forever. They carry
 ``x-should-retry: false`` instead, which the OpenAI SDKs honour (without it
 they retry a 503 twice, tripling the time to the answer and the planner's
-work). Loading and planner-unavailable refusals carry ``Retry-After``: both
-usually end within seconds.
+work). Loading, replicas-busy and planner-unavailable refusals carry
+``Retry-After``: each usually ends within seconds.
 """
 
 from __future__ import annotations
@@ -44,14 +50,18 @@ import json
 from enum import StrEnum
 from typing import ClassVar
 
+from llmgw_contract import KVPrefix, kv_key, service_name
+
 
 class Refusal(StrEnum):
     """Why the router answered for a model instead of proxying to it."""
 
     PARKED = "parked"
     UNPLACEABLE = "unplaceable"
+    STOPPED = "stopped"
     NOT_READY = "not_ready"
     LOADING = "loading"
+    REPLICAS_BUSY = "replicas_busy"
     PLANNER_UNAVAILABLE = "planner_unavailable"
     UNKNOWN_MODEL = "unknown_model"
 
@@ -95,7 +105,10 @@ class ModelNotFound(RequestRefused):
     refusal = Refusal.UNKNOWN_MODEL
 
     def __init__(self, model: str, why: str | None = None) -> None:
-        why = why or f"it is not defined in llmgw (no Consul KV key llmgw/models/{model})"
+        why = why or (
+            f"it is not defined in llmgw (no Consul KV key {kv_key(KVPrefix.MODELS, model)} "
+            f"and no Consul service {service_name(model)})"
+        )
         super().__init__(f"The model `{model}` does not exist: {why}.", param="model")
         self.model = model
 
@@ -119,7 +132,11 @@ class ModelUnavailable(RouterError):
 
 
 class ModelNotReady(ModelUnavailable):
-    """No passing endpoint; ``what`` (default: from the replica count) says why."""
+    """No passing endpoint; ``what`` (default: from the replica count) says why.
+
+    ``desired_replicas`` is ``None`` for a model known only from its Consul
+    service (its KV record is missing, so the count is unknown).
+    """
 
     code = "model_not_ready"
     refusal = Refusal.NOT_READY
@@ -127,14 +144,19 @@ class ModelNotReady(ModelUnavailable):
     def __init__(
         self,
         model: str,
-        desired_replicas: int,
+        desired_replicas: int | None,
         retry_after_s: int | None,
         what: str | None = None,
     ) -> None:
-        if what is None and desired_replicas > 0:
+        if what is None and desired_replicas is None:
+            what = (
+                f"none passing its Consul health check (service {service_name(model)}), and "
+                f"its Consul KV record {kv_key(KVPrefix.MODELS, model)} is missing"
+            )
+        elif what is None and desired_replicas > 0:
             what = (
                 f"{desired_replicas} replica(s) desired, none passing its Consul health "
-                f"check (service llmgw-{model}); it is starting or failing"
+                f"check (service {service_name(model)}); it is starting or failing"
             )
         elif what is None:
             what = "0 replicas desired, so nothing is scheduled to serve it"
@@ -175,15 +197,47 @@ class ModelUnplaceable(ModelUnavailable):
         self.model = model
 
 
-class ModelLoading(ModelUnavailable):
-    """The planner is starting the model, and no replica passed within the activation window.
+class ModelStopped(ModelUnavailable):
+    """The planner answered ``stopped``: the model is defined with ``replicas: 0``, or
+    its Nomad job is stopped. Nothing starts it but an operator, so no Retry-After.
 
-    ``message`` comes from :mod:`router.activation`, which says for how long it
-    has been loading and from when that is measured.
+    ``message`` comes from :func:`router.refusals.stopped_message`.
+    """
+
+    code = "model_stopped"
+    refusal = Refusal.STOPPED
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message, param="model")
+        self.model = model
+
+
+class ModelLoading(ModelUnavailable):
+    """The planner is starting the model (or room is being made for it), and no
+    replica passed within the activation window.
+
+    ``message`` comes from :mod:`router.activation` or :mod:`router.refusals`,
+    which say what is happening and since when.
     """
 
     code = "model_loading"
     refusal = Refusal.LOADING
+
+    def __init__(self, model: str, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, param="model")
+        self.model = model
+
+
+class ReplicasBusy(ModelUnavailable):
+    """Every passing replica of the model had its limit of requests in flight for
+    the whole queue timeout (:mod:`router.admission`).
+
+    ``message`` comes from :mod:`router.proxy`: the replicas, their limits, how
+    many requests wait and how long this one did.
+    """
+
+    code = "replicas_busy"
+    refusal = Refusal.REPLICAS_BUSY
 
     def __init__(self, model: str, message: str, retry_after_s: int) -> None:
         super().__init__(message, retry_after_s=retry_after_s, param="model")

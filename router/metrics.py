@@ -5,17 +5,23 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_requests_total{model,code}``: proxied and refused requests by HTTP status
 - ``llmgw_router_refusals_total{model,reason}``: requests the router answered
   itself instead of proxying, by :class:`router.errors.Refusal` (parked,
-  unplaceable, not_ready, loading, planner_unavailable; unknown_model under
-  ``model=""``); published at 0
+  unplaceable, stopped, not_ready, loading, replicas_busy, planner_unavailable;
+  unknown_model under ``model=""``); published at 0
 - ``llmgw_router_activations_total{model,outcome}``: activate calls this router
   made to the planner (one per call, however many requests shared it), by the
-  planner's answer (serving, loading, parked, unplaceable) or ``error``;
-  published at 0
+  planner's answer (every :class:`llmgw_contract.ActivationStatus`) or
+  ``error`` (no usable answer); published at 0
 - ``llmgw_router_activation_wait_seconds{model}``: how long a request that
   found no passing endpoint waited, from then (the activate call included)
   until it got an endpoint or was refused, left or timed out
 - ``llmgw_router_request_duration_seconds{model}``: time to the last byte sent
 - ``llmgw_router_inflight_requests{model}``: requests being served now
+- ``llmgw_router_queued_requests{model}``: requests waiting for a free slot on
+  one of the model's replicas (:mod:`router.admission`)
+- ``llmgw_router_queue_wait_seconds{model}``: how long a request that found
+  every replica at its limit waited, until it got a slot, timed out (503
+  ``replicas_busy``) or left; requests that found a free slot at once are
+  not observed, so the hot path never touches it
 - ``llmgw_router_endpoints{model}``: passing endpoints; published at 0 for every
   defined model so "desired > 0 and ready == 0" can alert
 
@@ -32,27 +38,26 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmgw_contract import ActivationStatus
 from router.errors import Refusal
 
 UNKNOWN_MODEL = ""
 
 # Refusals a defined model can get; published at 0 so rate() sees the first one.
-_MODEL_REFUSALS = (
-    Refusal.PARKED,
-    Refusal.UNPLACEABLE,
-    Refusal.NOT_READY,
-    Refusal.LOADING,
-    Refusal.PLANNER_UNAVAILABLE,
-)
+_MODEL_REFUSALS = tuple(r for r in Refusal if r is not Refusal.UNKNOWN_MODEL)
 
-# Outcomes of an activate call: the planner's four answers, or no usable answer.
-ACTIVATION_OUTCOMES = ("serving", "loading", "parked", "unplaceable", "error")
+# Outcomes of an activate call: each answer the contract allows, or no usable answer.
+ACTIVATION_ERROR = "error"
+ACTIVATION_OUTCOMES = (*(str(s) for s in ActivationStatus), ACTIVATION_ERROR)
 
 # LLM requests run from milliseconds (embeddings) to minutes (long generations).
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # An activation wait is a planner answer (~0.1-2 s), or a model load (seconds
 # to the 45 s default window).
 _WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 45, 60, 120)
+# A queue wait is one generation ending (milliseconds to seconds), up to the
+# 30 s default queue timeout.
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 
 
 class RequestMetrics:
@@ -89,11 +94,13 @@ class RequestMetrics:
 class ModelMetrics(RequestMetrics):
     """All label children of one defined model, bound once and reused."""
 
-    __slots__ = ("activation_wait", "activations", "endpoints", "inflight")
+    __slots__ = ("activation_wait", "activations", "endpoints", "inflight", "queue_wait", "queued")
 
     def __init__(self, owner: RouterMetrics, model: str) -> None:
         super().__init__(owner, model, _MODEL_REFUSALS)
         self.inflight = owner.inflight.labels(model=model)
+        self.queued = owner.queued.labels(model=model)
+        self.queue_wait = owner.queue_wait.labels(model=model)
         self.endpoints = owner.endpoints.labels(model=model)
         self.activations = {
             o: owner.activations.labels(model=model, outcome=o) for o in ACTIVATION_OUTCOMES
@@ -129,6 +136,20 @@ class RouterMetrics:
             "llmgw_router_inflight_requests",
             "Requests the router is serving now.",
             ("model",),
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "llmgw_router_queued_requests",
+            "Requests waiting for a free slot on one of the model's replicas.",
+            ("model",),
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "llmgw_router_queue_wait_seconds",
+            "Seconds a request waited for a free slot, when every replica of its model "
+            "was at its concurrency limit.",
+            ("model",),
+            buckets=_QUEUE_BUCKETS,
             registry=self.registry,
         )
         self.endpoints = Gauge(
@@ -172,6 +193,7 @@ class RouterMetrics:
         bound = self.for_model(model)
         bound.endpoints.set(0)
         bound.inflight.inc(0)
+        bound.queued.inc(0)
         return bound
 
     def model_removed(self, model: str) -> None:
@@ -179,7 +201,11 @@ class RouterMetrics:
         bound = self._models.pop(model, None)
         if bound is None:
             return
-        for family in (self.duration, self.inflight, self.endpoints, self.activation_wait):
+        families = (
+            self.duration, self.inflight, self.queued, self.queue_wait, self.endpoints,
+            self.activation_wait,
+        )  # fmt: skip
+        for family in families:
             family.remove(model)
         for outcome in bound.activations:
             self.activations.remove(model, outcome)

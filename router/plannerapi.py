@@ -1,13 +1,15 @@
 """The router's client of the planner's activator API: activate a model, report usage.
 
 Two calls, both ``POST`` with ``Authorization: Bearer <token>`` (the planner's
-``LLMGW_ADMIN_TOKEN``; the contract lives in ``planner/admin.py``):
+``LLMGW_ADMIN_TOKEN``):
 
-- ``/v1/models/{name}/activate`` -> 200 ``{"name", "status", "reason",
-  "last_error", "since"}``, status one of :data:`STATUSES` (another one is
-  passed on for :mod:`router.activation` to refuse in the planner's words). The planner makes a
-  fresh placement attempt if the model is not placed or starting, waits up to
-  ~2 s for Nomad's answer, and says what it saw;
+- ``/v1/models/{name}/activate`` -> 200 and an
+  :class:`llmgw_contract.ActivationAnswer` (its ``status`` one of
+  :class:`llmgw_contract.ActivationStatus`), decoded with
+  :func:`llmgw_contract.decode`; an answer that does not decode (a status the
+  contract does not have) is :class:`router.errors.PlannerUnavailable`. The
+  planner makes a fresh placement attempt if the model is not placed or
+  starting, waits up to ~2 s for Nomad's answer, and says what it saw;
 - ``/v1/usage`` with ``{"models": [...]}`` -> 204: those models were used now.
 
 Called by :mod:`router.activation` (one activate call per model at a time) and
@@ -27,52 +29,17 @@ import json
 import logging
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 
+from llmgw_contract import ActivationAnswer, decode
 from router import errors
 
 log = logging.getLogger(__name__)
 
-STATUSES = frozenset({"serving", "loading", "parked", "unplaceable"})
-
 # Connection refused answers at once; this bounds a host that drops SYNs.
 _CONNECT_TIMEOUT_S = 2.0
 _DETAIL_LIMIT = 300
-
-
-@dataclass(frozen=True, slots=True)
-class Activation:
-    """The planner's answer to one activate call."""
-
-    name: str
-    status: str
-    reason: str = ""
-    last_error: str = ""
-    since: str = ""
-
-
-def parse_activation(model: str, doc: Any) -> Activation:
-    """Read an activate answer. Raises ``ValueError`` when it is not one (no status)."""
-    if not isinstance(doc, dict):
-        raise ValueError("the answer is not a JSON object")
-    status = doc.get("status")
-    if not isinstance(status, str) or not status:
-        raise ValueError(f"no status in {doc!r:.200}")
-
-    def text(key: str) -> str:
-        value = doc.get(key)
-        return value if isinstance(value, str) else ""
-
-    return Activation(
-        name=model,
-        status=status,
-        reason=text("reason"),
-        last_error=text("last_error"),
-        since=text("since"),
-    )
 
 
 def _detail(body: bytes) -> str:
@@ -81,8 +48,11 @@ def _detail(body: bytes) -> str:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = body.decode("utf-8", "replace")
-    message = " ".join(str(message).split())
-    return message if len(message) <= _DETAIL_LIMIT else message[: _DETAIL_LIMIT - 1] + "…"
+    return _clip(" ".join(str(message).split()))
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _DETAIL_LIMIT else text[: _DETAIL_LIMIT - 1] + "…"
 
 
 class PlannerAPI:
@@ -112,7 +82,7 @@ class PlannerAPI:
             await self._session.close()
             self._session = None
 
-    async def activate(self, model: str) -> Activation:
+    async def activate(self, model: str) -> ActivationAnswer:
         """Ask the planner to bring ``model`` up (or say why it cannot).
 
         Raises :class:`router.errors.PlannerUnavailable` or
@@ -129,11 +99,12 @@ class PlannerAPI:
         if status != 200:
             raise self._refused(status, body, what)
         try:
-            return parse_activation(model, json.loads(body))
+            return decode(ActivationAnswer, body)
         except ValueError as exc:
+            log.error("the planner at %s answered outside the contract: %s", self.base_url, exc)
             raise errors.PlannerUnavailable(
                 f"The planner at {self.base_url} gave an answer this router does not "
-                f"understand when asked to {what}: {exc}."
+                f"understand when asked to {what}: {_clip(' '.join(str(exc).split()))}."
             ) from None
 
     async def report_usage(self, models: Sequence[str]) -> None:

@@ -9,21 +9,28 @@ go upstream unchanged over one shared aiohttp keep-alive pool.
 - Non-streaming answers are read whole and returned with a Content-Length.
 - ``text/event-stream`` answers are relayed chunk by chunk as they arrive
   (:mod:`router.streaming`).
-- A client that leaves, mid-stream or while a long non-streaming answer is
-  being generated, closes the upstream connection: that is how llama-server
-  learns to free the slot.
-- A replica that cannot be reached is retried on another one, but only
-  before any byte went to the client; after that an error can only end the
-  stream.
+- A client that leaves, mid-stream, while a long non-streaming answer is
+  being generated or while it waits for a slot, closes the upstream
+  connection (or leaves the queue): that is how llama-server learns to free
+  the slot.
+- Each replica takes at most its limit of requests at once; the rest wait,
+  in order, for a bounded time (:mod:`router.admission`), then 503
+  ``replicas_busy``.
+- No request runs twice. A request is retried on another replica only when
+  it provably never reached one: the connection could not be made
+  (:data:`_NEVER_SENT`). A connection that breaks after the request went out
+  (closed, reset) may have run it, so that is 502 ``upstream_unavailable``,
+  and the client decides.
 
 A parked model is refused at once (:func:`router.refusals.gate`), before its
 endpoints are looked at. When a defined model has no passing endpoint the
 :data:`NoEndpoint` policy decides: the router's is on-demand activation
 (:class:`router.activation.Activator`: ask the planner, then wait a bounded
 time for an endpoint); :func:`router.refusals.refuse_at_once` refuses at once
-with 503 ``model_unplaceable`` or ``model_not_ready``. Every refusal is
-counted by its :class:`router.errors.Refusal`. Each request marks its model
-used (``entry.used``) for :mod:`router.usage`.
+with 503 ``model_unplaceable``, ``model_loading`` (room being made) or
+``model_not_ready``. Every refusal is counted by its
+:class:`router.errors.Refusal`. Each request marks its model used
+(``entry.used``) for :mod:`router.usage`.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from router import errors, refusals
-from router.balancer import Endpoint, InFlight, pick
+from router.admission import Held
+from router.balancer import Endpoint
 from router.endpoints import EndpointTable, ModelEntry
 from router.metrics import RequestMetrics, RouterMetrics
 from router.streaming import (
@@ -75,9 +83,12 @@ _DROP_REQUEST = frozenset(
         "expect",
     }
 )
-# Failures before the replica answered (refused, reset, stale keep-alive socket,
-# connect timeout): safe to try another one.
-_RETRYABLE = (aiohttp.ClientConnectionError,)
+# The only failures after which the request provably never reached a replica:
+# no connection could be made (refused, unreachable, name or TLS failure:
+# ClientConnectorError and its subclasses) or making it timed out. aiohttp
+# itself never resends a POST on a reused connection (client.py retries only
+# idempotent methods, RFC 9112 9.3.1), so nothing below retries it either.
+_NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def extract_model(body: bytes) -> str:
@@ -114,12 +125,16 @@ class Proxy:
         *,
         max_body_bytes: int,
         max_attempts: int,
+        queue_timeout_s: float = 30.0,
+        busy_retry_after_s: int = 2,
         no_endpoint: NoEndpoint = refusals.refuse_at_once,
     ) -> None:
         self.table = table
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_attempts = max(1, max_attempts)
+        self.queue_timeout_s = queue_timeout_s
+        self.busy_retry_after_s = busy_retry_after_s
         self.no_endpoint = no_endpoint
         self.session: aiohttp.ClientSession | None = None
 
@@ -199,8 +214,6 @@ class Proxy:
             headers.append(("accept-encoding", "identity"))
         watch = DisconnectWatch(receive)
         try:
-            if not entry.endpoints:
-                await self.no_endpoint(entry)
             return await self._attempts(entry, path, headers, body, receive, send, watch)
         except asyncio.CancelledError:
             if not watch.client_gone:
@@ -222,18 +235,14 @@ class Proxy:
         send: Send,
         watch: DisconnectWatch,
     ) -> int:
-        assert self.session is not None, "Proxy used outside the app lifespan"
         tried: list[Endpoint] = []
         failure: BaseException | None = None
         for _ in range(self.max_attempts):
-            turn = entry.next_turn()
-            # Prefer a replica not tried yet; with none left, a fresh connection
-            # to the same one still beats failing on a stale keep-alive socket.
-            endpoint = pick(entry.endpoints, turn, tried) or pick(entry.endpoints, turn)
+            endpoint = await self._slot(entry, tried)
             if endpoint is None:
-                await self.no_endpoint(entry)
-                continue
-            with InFlight(endpoint, entry.metrics.inflight):
+                break
+            with Held(entry.slots, endpoint):
+                assert self.session is not None, "Proxy used outside the app lifespan"
                 try:
                     upstream = await self.session.request(
                         "POST", endpoint.url(path), data=body, headers=headers
@@ -245,11 +254,17 @@ class Proxy:
                         f"The model `{entry.name}` replica at {endpoint.base_url} sent "
                         f"nothing for {self.session.timeout.sock_read}s."
                     ) from None
-                except _RETRYABLE as exc:
+                except _NEVER_SENT as exc:
                     tried.append(endpoint)
                     failure = exc
-                    log.debug("model %s: %s failed before answering: %r", entry.name, endpoint, exc)
+                    log.debug("model %s: could not connect to %s: %r", entry.name, endpoint, exc)
                     continue
+                except aiohttp.ClientError as exc:
+                    raise errors.UpstreamUnavailable(
+                        f"The model `{entry.name}` replica at {endpoint.base_url} failed after "
+                        f"the request was sent ({exc!r}). It was not retried on another "
+                        f"replica: it may have run there."
+                    ) from None
                 try:
                     if upstream.content_type == "text/event-stream":
                         watch.disarm()
@@ -262,8 +277,62 @@ class Proxy:
                     raise
                 finally:
                     upstream.release()
-        raise errors.UpstreamUnavailable(
-            f"No replica of the model `{entry.name}` could be reached "
+        raise self._unreachable(entry, tried, failure)
+
+    async def _slot(self, entry: ModelEntry, tried: list[Endpoint]) -> Endpoint | None:
+        """A granted slot on one of ``entry``'s endpoints not in ``tried``; ``None``
+        when every endpoint already failed this request.
+
+        Waits for an endpoint (the :data:`NoEndpoint` policy) when there is
+        none, and for a free slot when every endpoint is at its limit, at most
+        the queue timeout. Raises the policy's refusal, or
+        :class:`errors.ReplicasBusy` when the queue timeout runs out.
+        """
+        slots = entry.slots
+        # A retry already waited its turn: it goes first.
+        first = bool(tried)
+        endpoint = slots.take(tried, first=first)
+        if endpoint is not None:
+            return endpoint
+        deadline: float | None = None
+        while True:
+            if not slots.endpoints:
+                await self.no_endpoint(entry)
+                endpoint = slots.take(tried, first=first)
+                if endpoint is not None:
+                    return endpoint
+                continue
+            if tried and all(e in tried for e in slots.endpoints):
+                return None
+            if deadline is None:
+                deadline = time.monotonic() + self.queue_timeout_s
+            try:
+                endpoint = await slots.wait(deadline - time.monotonic(), tried, first=first)
+            except TimeoutError:
+                raise self._busy(entry) from None
+            if endpoint is None:
+                continue  # the endpoints went away while it waited: check again
+            if entry.parked is not None:
+                # Parked while it waited: the replica it got is being stopped.
+                slots.release(endpoint)
+                raise refusals.parked(entry.name, entry.parked)
+            return endpoint
+
+    def _busy(self, entry: ModelEntry) -> errors.ReplicasBusy:
+        return errors.ReplicasBusy(
+            entry.name,
+            f"Every replica of the model `{entry.name}` is at its limit of requests in "
+            f"flight ({entry.slots.describe()}), and none freed a slot within the "
+            f"router's queue timeout of {self.queue_timeout_s:g} s. Retry in "
+            f"{self.busy_retry_after_s} s.",
+            self.busy_retry_after_s,
+        )
+
+    def _unreachable(
+        self, entry: ModelEntry, tried: list[Endpoint], failure: BaseException | None
+    ) -> errors.UpstreamUnavailable:
+        return errors.UpstreamUnavailable(
+            f"No replica of the model `{entry.name}` could be connected to "
             f"({len(set(tried))} tried): {failure!r}."
         )
 

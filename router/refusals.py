@@ -7,18 +7,26 @@ call per request):
   (503 ``model_parked``). The proxy inlines it (checks ``entry.parked``, then
   calls :func:`parked`) so a model that is fine pays one attribute read.
 - :func:`when_no_endpoint`: a defined model with no passing endpoint is
-  **unplaceable** (503 ``model_unplaceable``, with Nomad's reason) or **not
-  ready** (503 ``model_not_ready`` with ``Retry-After``).
+  **unplaceable** (503 ``model_unplaceable``, with Nomad's reason), **loading**
+  while room is being made for it (a provisional unplaceable record: 503
+  ``model_loading`` with ``Retry-After``), or **not ready** (503
+  ``model_not_ready`` with ``Retry-After``).
 
 :func:`refuse_at_once` wraps the second as a :data:`router.proxy.NoEndpoint`
 policy (the router's with ``--no-activation``). On-demand activation
 (:mod:`router.activation`, the default policy) asks the planner for a fresh
-placement attempt first, and refuses in this module's words
-(:func:`parked`, :func:`unplaceable`) when that is the answer.
+placement attempt first, and refuses in this module's words (:func:`parked`,
+:func:`unplaceable`, :func:`stopped`, :func:`room_being_made`) when that is
+the answer.
 
-Parked and unplaceable refusals carry no ``Retry-After``: clients retry that
-forever, and neither state ends by waiting (parked needs an operator; an
-unplaceable model places by itself only when capacity appears).
+Parked, unplaceable and stopped refusals carry no ``Retry-After``: clients
+retry that forever, and none of these states ends by waiting (parked and
+stopped need an operator; an unplaceable model places by itself only when
+capacity appears).
+
+The records are the contract's (:class:`llmgw_contract.Parked`,
+:class:`llmgw_contract.Unplaceable`): frozen and hashable, so the messages
+are cached per record.
 
 Messages stay under :data:`MESSAGE_LIMIT` characters: the planner's last error
 holds a stderr tail of up to 2 KB, of which :func:`summarize_error` keeps the
@@ -31,11 +39,13 @@ from __future__ import annotations
 import functools
 import re
 
+from llmgw_contract import Parked, Unplaceable
 from router import errors
 from router.endpoints import ModelEntry
-from router.state import Parked, Unplaceable
 
 MESSAGE_LIMIT = 1000
+# Retry-After of a model that is starting (or waiting for room): loads take seconds.
+NOT_READY_RETRY_AFTER_S = 5
 # Share of the message the last error may take; the rest is reason and remedy.
 ERROR_LIMIT = 600
 _LINE_LIMIT = 300
@@ -97,7 +107,7 @@ def parked_message(model: str, parked: Parked) -> str:
     """Why ``model`` is refused and what lifts it. Cached: a parked model's
     clients keep asking, and the record changes only when the planner writes."""
     since = f" since {parked.since}" if parked.since else ""
-    last = summarize_error(parked.last_error)
+    last = summarize_error(parked.last_error or "")
     last_part = f" Last error: {last}." if last else ""
     remedy = (
         f" Requests are refused until it is unparked: change its source or profile, "
@@ -119,6 +129,29 @@ def unplaceable_message(model: str, unplaceable: Unplaceable) -> str:
     return _clip(head, MESSAGE_LIMIT - len(remedy)) + remedy
 
 
+@functools.lru_cache(maxsize=256)
+def room_message(model: str, unplaceable: Unplaceable) -> str:
+    """Why ``model`` is not placed yet although the scheduler said it does not fit:
+    allocations on the cluster are stopping, and Nomad places it when they end."""
+    return _clip(
+        f"The model `{model}` is waiting for room being made on the cluster: allocations "
+        f"are stopping, and Nomad places it when they end (scheduler: "
+        f"{_clip(unplaceable.reason, _LINE_LIMIT)}).",
+        MESSAGE_LIMIT,
+    )
+
+
+def stopped_message(model: str, reason: str) -> str:
+    """Why ``model`` is refused although it is defined, in the planner's words."""
+    why = _clip(reason, _LINE_LIMIT) if reason else "the planner runs no replica of it"
+    return _clip(
+        f"The model `{model}` is stopped: {why}. Requests are refused until an operator "
+        f"gives it replicas (its definition's `replicas`, then `planner apply`) or starts "
+        f"its job again.",
+        MESSAGE_LIMIT,
+    )
+
+
 def parked(model: str, record: Parked) -> errors.ModelParked:
     """The 503 ``model_parked`` for ``model``, parked as ``record`` says."""
     return errors.ModelParked(model, parked_message(model, record))
@@ -127,6 +160,20 @@ def parked(model: str, record: Parked) -> errors.ModelParked:
 def unplaceable(model: str, record: Unplaceable) -> errors.ModelUnplaceable:
     """The 503 ``model_unplaceable`` for ``model``, with Nomad's reason from ``record``."""
     return errors.ModelUnplaceable(model, unplaceable_message(model, record))
+
+
+def stopped(model: str, reason: str) -> errors.ModelStopped:
+    """The 503 ``model_stopped`` for ``model``, with the planner's ``reason``."""
+    return errors.ModelStopped(model, stopped_message(model, reason))
+
+
+def room_being_made(
+    model: str, record: Unplaceable, retry_after_s: int, waited: str = ""
+) -> errors.ModelLoading:
+    """The 503 ``model_loading`` for a model waiting for room being made (a
+    provisional ``record``); ``waited`` adds how long the request waited."""
+    message = f"{room_message(model, record)}{waited} Retry in {retry_after_s} s."
+    return errors.ModelLoading(model, message, retry_after_s)
 
 
 def gate(entry: ModelEntry) -> errors.ModelParked | None:
@@ -139,10 +186,13 @@ def when_no_endpoint(entry: ModelEntry) -> errors.ModelUnavailable:
     refusal = gate(entry)
     if refusal is not None:
         return refusal
+    if entry.unplaceable is not None and entry.unplaceable.provisional:
+        return room_being_made(entry.name, entry.unplaceable, NOT_READY_RETRY_AFTER_S)
     if entry.unplaceable is not None:
         return unplaceable(entry.name, entry.unplaceable)
-    replicas = entry.definition.replicas
-    return errors.ModelNotReady(entry.name, replicas, retry_after_s=5 if replicas > 0 else None)
+    replicas = entry.replicas
+    retry_after = None if replicas == 0 else NOT_READY_RETRY_AFTER_S
+    return errors.ModelNotReady(entry.name, replicas, retry_after_s=retry_after)
 
 
 async def refuse_at_once(entry: ModelEntry) -> None:

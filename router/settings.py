@@ -21,6 +21,11 @@ Environment variables (all optional):
 - ``LLMGW_USAGE_INTERVAL``: seconds between usage reports to the planner (10)
 - ``LLMGW_ACTIVATION``: ``0`` / ``false`` turns activation off: a model with no
   passing endpoint is refused at once, and no usage is reported (default on)
+- ``LLMGW_REPLICA_CONCURRENCY``: requests in flight per replica; ``0`` (the
+  default) reads each replica's slot count from llama-server's ``/props``
+  (:mod:`router.capacity`)
+- ``LLMGW_QUEUE_TIMEOUT``: seconds a request waits for a free slot when every
+  replica of its model is at its limit, before 503 ``replicas_busy`` (30)
 """
 
 from __future__ import annotations
@@ -68,6 +73,18 @@ class RouterSettings:
     # rest (a planner that accepts connections but hangs).
     activate_timeout_s: float = 5.0
     usage_interval_s: float = 10.0
+    # Per-replica concurrency (router.admission, router.capacity). 0: each
+    # replica's llama-server slot count, from GET /props.
+    replica_concurrency: int = 0
+    # The limit until /props answered, or when it cannot: llama-server's own
+    # default slot count ("auto" = 4, tools/server/server.cpp).
+    default_replica_concurrency: int = 4
+    props_timeout_s: float = 5.0
+    # Long enough to ride out a burst (a slot frees whenever one generation
+    # ends), short enough that a client hears "busy" rather than hanging.
+    queue_timeout_s: float = 30.0
+    # Retry-After of a replicas_busy refusal.
+    busy_retry_after_s: int = 2
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -107,6 +124,18 @@ class RouterSettings:
             raise ValueError(f"planner URL {self.planner_url!r} is not an http(s):// URL")
         if self.activation_window_s < 0 or self.usage_interval_s <= 0:
             raise ValueError("the activation window must be >= 0 s and the usage interval > 0 s")
+        if self.replica_concurrency < 0 or self.default_replica_concurrency < 1:
+            raise ValueError(
+                "the replica concurrency must be >= 0 (0: from /props) and its default >= 1"
+            )
+        if self.queue_timeout_s < 0:
+            raise ValueError("the queue timeout must be >= 0 s")
+
+    @property
+    def initial_replica_limit(self) -> int:
+        """The limit a replica starts with: the operator's, else the default until
+        its ``/props`` answers."""
+        return self.replica_concurrency or self.default_replica_concurrency
 
     def consul_location(self) -> tuple[str, str, int]:
         """Split ``consul_addr`` into ``(scheme, host, port)``.
@@ -132,6 +161,8 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_PLANNER_URL", "planner_url", str),
     ("LLMGW_ACTIVATION_WINDOW", "activation_window_s", float),
     ("LLMGW_USAGE_INTERVAL", "usage_interval_s", float),
+    ("LLMGW_REPLICA_CONCURRENCY", "replica_concurrency", int),
+    ("LLMGW_QUEUE_TIMEOUT", "queue_timeout_s", float),
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

@@ -7,8 +7,9 @@ activator sets it too), and :class:`UsageReporter`, started and stopped by
 the app's lifespan (:mod:`router.app`), every ``interval_s``:
 
 - collects the models marked since the last report, plus those with a request
-  in flight on any endpoint, so a stream longer than the interval (or than
-  ``idle_after``) keeps counting without the proxy marking it again;
+  in flight on any endpoint or waiting for a slot, so a stream longer than the
+  interval (or than ``idle_after``) keeps counting without the proxy marking
+  it again;
 - clears the marks and sends one ``POST /v1/usage`` (:mod:`router.plannerapi`)
   if the list is not empty.
 
@@ -44,7 +45,7 @@ class UsageReporter:
         """Names used since the last call (sorted), and clear their marks."""
         used = []
         for entry in self.table.entries():
-            if entry.used or any(e.inflight for e in entry.endpoints):
+            if entry.used or entry.slots.waiting or any(e.inflight for e in entry.endpoints):
                 used.append(entry.name)
             entry.used = False
         return sorted(used)

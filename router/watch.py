@@ -1,12 +1,19 @@
 """Consul watches that keep the :class:`~router.endpoints.EndpointTable` fresh.
 
-One task follows the KV prefix ``llmgw/models/``; it starts one task per
-defined model that follows ``health/service/llmgw-<model>?passing`` and
-cancels it when the model leaves KV. One more task follows the KV prefix
-``llmgw/state/`` (the planner's parked / unplaceable records), one watch for
-every model, so a parked model is refused within one blocking-query round trip
-of the planner's write. Started and stopped by the app's
-lifespan (:mod:`router.app`).
+Three watches for every model at once, and one per model:
+
+- the KV prefix ``llmgw/models/`` (model records) and ``/v1/catalog/services``
+  (which models have an ``llmgw-<model>`` service registered): the table's
+  models are the union of the two (:meth:`EndpointTable.set_models`,
+  :meth:`EndpointTable.set_services`), so a model that serves stays defined
+  when its KV record vanishes. Whenever that union gains a model, a task that
+  follows ``health/service/llmgw-<model>?passing`` starts; when the model
+  leaves both, its task is cancelled;
+- the KV prefix ``llmgw/state/`` (the planner's parked / unplaceable records),
+  so a parked model is refused within one blocking-query round trip of the
+  planner's write.
+
+Started and stopped by the app's lifespan (:mod:`router.app`).
 
 Each watch has three layers (after kopf's watching.py):
 
@@ -32,8 +39,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from llmgw_contract import KVPrefix, service_name
 from router.catalog import ConsulCatalog
-from router.endpoints import EndpointTable
+from router.endpoints import EndpointTable, ModelsDiff
 from router.errors import CatalogError
 
 log = logging.getLogger(__name__)
@@ -84,7 +92,8 @@ async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]
 
 
 class ConsulWatcher:
-    """Owns the KV watch task and one health watch task per defined model."""
+    """Owns the models, services and states watch tasks, and one health watch task
+    per defined model."""
 
     def __init__(
         self,
@@ -98,22 +107,23 @@ class ConsulWatcher:
         self._table = table
         self._wait_s = wait_s
         self._backoff_max_s = backoff_max_s
-        self._kv_task: asyncio.Task[None] | None = None
-        self._state_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self) -> None:
-        """Start the KV watches; health watches follow from what the models one reads."""
-        if self._kv_task is None:
-            self._kv_task = self._spawn("kv", self._watch_models())
-        if self._state_task is None:
-            self._state_task = self._spawn("state", self._watch_states())
+        """Start the models, services and states watches; health watches follow
+        from the models those define."""
+        if not self._tasks:
+            self._tasks = [
+                self._spawn("kv", self._watch_models()),
+                self._spawn("services", self._watch_services()),
+                self._spawn("state", self._watch_states()),
+            ]
 
     async def stop(self) -> None:
         """Cancel every watch and wait for them to finish."""
-        tasks = list(self._health_tasks.values())
-        tasks += [t for t in (self._kv_task, self._state_task) if t is not None]
-        self._kv_task = self._state_task = None
+        tasks = [*self._health_tasks.values(), *self._tasks]
+        self._tasks = []
         self._health_tasks.clear()
         for task in tasks:
             task.cancel()
@@ -129,29 +139,39 @@ class ConsulWatcher:
         task.add_done_callback(_report_unexpected_end)
         return task
 
+    def _follow(self, diff: ModelsDiff) -> None:
+        """Start and stop health watches as models come and go."""
+        for name in diff.removed:
+            task = self._health_tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
+        for name in diff.added:
+            if name not in self._health_tasks:
+                self._health_tasks[name] = self._spawn(f"health-{name}", self._watch_health(name))
+
     async def _watch_models(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
             return self._catalog.models(index, self._wait_s)
 
         def apply(models: Any) -> None:
-            diff = self._table.set_models(models)
-            for name in diff.removed:
-                task = self._health_tasks.pop(name, None)
-                if task is not None:
-                    task.cancel()
-            for name in diff.added:
-                if name not in self._health_tasks:
-                    self._health_tasks[name] = self._spawn(
-                        f"health-{name}", self._watch_health(name)
-                    )
+            self._follow(self._table.set_models(models))
 
-        await self._forever("Consul KV llmgw/models/", read, apply)
+        await self._forever(f"Consul KV {KVPrefix.MODELS}", read, apply)
+
+    async def _watch_services(self) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.services(index, self._wait_s)
+
+        def apply(models: Any) -> None:
+            self._follow(self._table.set_services(models))
+
+        await self._forever("Consul catalog services", read, apply)
 
     async def _watch_states(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
             return self._catalog.states(index, self._wait_s)
 
-        await self._forever("Consul KV llmgw/state/", read, self._table.set_states)
+        await self._forever(f"Consul KV {KVPrefix.STATE}", read, self._table.set_states)
 
     async def _watch_health(self, model: str) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
@@ -160,7 +180,7 @@ class ConsulWatcher:
         def apply(addresses: Any) -> None:
             self._table.set_endpoints(model, addresses)
 
-        await self._forever(f"Consul health of llmgw-{model}", read, apply)
+        await self._forever(f"Consul health of {service_name(model)}", read, apply)
 
     async def _forever(self, what: str, read: Read, apply: Apply) -> None:
         failures = 0

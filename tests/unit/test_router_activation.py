@@ -22,11 +22,20 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw_contract import ActivationStatus, ModelRecord, Parked, StateDocument, Unplaceable
 from router.app import create_app, upstream_session
-from router.catalog import ModelDefinition, ServiceAddress
+from router.catalog import ServiceAddress
 from router.endpoints import EndpointTable
 from router.settings import RouterSettings
-from router.state import ModelState, Parked, Unplaceable
+
+
+def parked_state(name: str, reason: str) -> StateDocument:
+    return StateDocument(name=name, parked=Parked(reason=reason))
+
+
+def unplaceable_state(name: str, reason: str, since: str = "", **more: object) -> StateDocument:
+    return StateDocument(name=name, unplaceable=Unplaceable(reason=reason, since=since, **more))
+
 
 TOKEN = "s3cret"
 MISSING_GPU = 'no node has an nvidia/gpu device: 1 of 1 nodes filtered ("missing devices")'
@@ -176,7 +185,10 @@ async def harness(
         usage_interval_s=0.1,
     )
     app = create_app(settings)
-    app.state.table.set_models({n: ModelDefinition(n, replicas=1) for n in models})
+    app.state.table.set_models(
+        {n: ModelRecord(name=n, definition_hash="h", replicas=1) for n in models}
+    )
+    app.state.table.set_services(())
     app.state.table.set_states({})
     await app.state.activator.api.start()
     app.state.proxy.session = upstream_session(settings)
@@ -226,7 +238,7 @@ def test_parked_answer_and_parked_state() -> None:
             assert "5 consecutive start failures" in body["error"]["message"]
             assert "error loading model: kev" in body["error"]["message"]
             # Parked in Consul KV: refused without asking the planner.
-            h.table.set_states({"k": ModelState(parked=Parked("5 consecutive start failures"))})
+            h.table.set_states({"k": parked_state("k", "5 consecutive start failures")})
             status, _, body = await h.post("k")
             assert status == 503 and body["error"]["code"] == "model_parked"
             assert h.stub.activations == ["m"]
@@ -245,15 +257,34 @@ def test_planner_not_found_is_model_not_found() -> None:
     run(scenario())
 
 
-def test_status_outside_the_contract_is_refused_in_the_planners_words() -> None:
+def test_stopped_is_refused_at_once_in_the_planners_words() -> None:
     async def scenario() -> None:
-        async with harness({"m": [{"status": "stopped", "reason": "0 replicas wanted"}]}) as h:
+        answer = {"status": "stopped", "reason": "defined with replicas: 0"}
+        async with harness({"m": [answer]}) as h:
             started = time.monotonic()
             status, headers, body = await h.post()
             assert time.monotonic() - started < 0.5
             assert status == 503 and "retry-after" not in headers
-            assert body["error"]["code"] == "model_not_ready"
-            assert "(stopped: 0 replicas wanted)" in body["error"]["message"]
+            assert headers["x-should-retry"] == "false"
+            error = body["error"]
+            assert error["code"] == "model_stopped" and error["param"] == "model"
+            assert "`m` is stopped: defined with replicas: 0." in error["message"]
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="stopped") == 1
+            assert h.metric("llmgw_router_activations_total", model="m", outcome="error") == 0
+            assert h.metric("llmgw_router_refusals_total", model="m", reason="stopped") == 1
+            assert h.table.get("m").loading_since is None
+
+    run(scenario())
+
+
+def test_an_answer_outside_the_contract_is_planner_unavailable() -> None:
+    async def scenario() -> None:
+        async with harness({"m": [{"status": "sleeping", "reason": "?"}]}) as h:
+            status, headers, body = await h.post()
+            assert status == 503 and headers["retry-after"] == "5"
+            error = body["error"]
+            assert error["code"] == "planner_unavailable"
+            assert "an answer this router does not understand" in error["message"]
             assert h.metric("llmgw_router_activations_total", model="m", outcome="error") == 1
 
     run(scenario())
@@ -322,7 +353,7 @@ def test_parked_while_waiting_is_refused_at_once() -> None:
         async with harness({"m": [LOADING]}, window_s=30) as h:
             request = asyncio.ensure_future(h.post())
             await asyncio.sleep(0.3)
-            h.table.set_states({"m": ModelState(parked=Parked("5 consecutive start failures"))})
+            h.table.set_states({"m": parked_state("m", "5 consecutive start failures")})
             started = time.monotonic()
             status, _, body = await asyncio.wait_for(request, 2)
             assert time.monotonic() - started < 0.2
@@ -333,8 +364,8 @@ def test_parked_while_waiting_is_refused_at_once() -> None:
 
 def test_fresh_unplaceable_while_waiting_is_refused_but_not_a_stale_one() -> None:
     async def scenario() -> None:
-        stale = ModelState(unplaceable=Unplaceable("an hour-old answer", "2026-11-29T20:00Z"))
-        fresh = ModelState(unplaceable=Unplaceable(MISSING_GPU, "2026-11-29T21:00Z"))
+        stale = unplaceable_state("m", "an hour-old answer", "2026-11-29T20:00Z")
+        fresh = unplaceable_state("m", MISSING_GPU, "2026-11-29T21:00Z")
         async with harness({"m": [LOADING]}, window_s=30) as h:
             h.table.set_states({"m": stale})  # the planner cleared it; the watch lags
             request = asyncio.ensure_future(h.post())
@@ -346,6 +377,44 @@ def test_fresh_unplaceable_while_waiting_is_refused_but_not_a_stale_one() -> Non
             status, _, body = await asyncio.wait_for(request, 2)
             assert status == 503 and body["error"]["code"] == "model_unplaceable"
             assert MISSING_GPU in body["error"]["message"]
+
+    run(scenario())
+
+
+MEMORY = "memory exhausted on 1 of 1 nodes"
+
+
+def test_room_being_made_is_waited_for_never_refused() -> None:
+    async def scenario() -> None:
+        provisional = unplaceable_state("m", MEMORY, "2026-11-29T21:00Z", provisional=True)
+        room = {"status": "loading", "reason": "waiting for room being made"}
+        async with harness({"m": [room]}, window_s=30) as h:
+            request = asyncio.ensure_future(h.post())
+            await asyncio.sleep(0.2)
+            h.table.set_states({"m": provisional})  # Nomad: no room yet, allocations stopping
+            await asyncio.sleep(0.2)
+            assert not request.done()  # not refused on it
+            h.table.set_states({})  # the blocked evaluation placed it
+            h.pass_endpoint()
+            status, _, _ = await asyncio.wait_for(request, 2)
+            assert status == 200
+            assert h.metric("llmgw_router_refusals_total", model="m", reason="unplaceable") == 0
+
+    run(scenario())
+
+
+def test_room_being_made_past_the_window_is_loading_and_says_so() -> None:
+    async def scenario() -> None:
+        provisional = unplaceable_state("m", MEMORY, provisional=True)
+        async with harness({"m": [{"status": "loading"}]}, window_s=0.3) as h:
+            h.table.set_states({"m": provisional})
+            status, headers, body = await h.post()
+            assert status == 503 and headers["retry-after"] == "5"
+            error = body["error"]
+            assert error["code"] == "model_loading"
+            assert "waiting for room being made on the cluster" in error["message"]
+            assert MEMORY in error["message"] and "activation window is 0.3 s" in error["message"]
+            assert h.metric("llmgw_router_refusals_total", model="m", reason="loading") == 1
 
     run(scenario())
 
@@ -491,9 +560,9 @@ def test_failed_usage_report_is_logged_and_carried_over(caplog) -> None:
 def test_activation_series_exist_at_zero() -> None:
     async def scenario() -> None:
         async with harness() as h:
-            for outcome in ("serving", "loading", "parked", "unplaceable", "error"):
+            for outcome in (*ActivationStatus, "error"):
                 assert h.metric("llmgw_router_activations_total", model="m", outcome=outcome) == 0
-            for reason in ("loading", "planner_unavailable"):
+            for reason in ("loading", "stopped", "replicas_busy", "planner_unavailable"):
                 assert h.metric("llmgw_router_refusals_total", model="m", reason=reason) == 0
             h.table.set_models({})
             text = h.app.state.metrics.exposition()[0].decode()

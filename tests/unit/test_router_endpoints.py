@@ -6,8 +6,9 @@ import asyncio
 import base64
 import json
 
+from llmgw_contract import PLANNER_SERVICE, ModelRecord, encode
 from router.balancer import Endpoint
-from router.catalog import ModelDefinition, ServiceAddress, parse_endpoints, parse_models
+from router.catalog import ServiceAddress, parse_endpoints, parse_models, parse_services
 from router.endpoints import EndpointTable, diff_endpoints, diff_models
 from router.metrics import RouterMetrics
 
@@ -17,33 +18,52 @@ def kv(key: str, value: object) -> dict:
     return {"Key": key, "Value": base64.b64encode(raw).decode()}
 
 
+def record(name: str, definition_hash: str = "h", replicas: int = 1) -> ModelRecord:
+    return ModelRecord(name=name, definition_hash=definition_hash, replicas=replicas)
+
+
 def health(host: str | None, port: int, node: str = "10.9.9.9") -> dict:
     return {"Node": {"Address": node}, "Service": {"Address": host or "", "Port": port}}
 
 
-def test_parse_models_ignores_unknown_keys_and_bad_values() -> None:
+def test_parse_models_reads_the_contracts_record_and_skips_bad_values() -> None:
+    written = ModelRecord(
+        name="a",
+        definition_hash="h",
+        replicas=2,
+        source="s",
+        profile={"gpus": 1},
+        on_demand={"idle_after": 900},
+    )
+    later = {**json.loads(encode(written)), "added_later": True}
     models = parse_models(
         [
-            kv(
-                "llmgw/models/a",
-                {
-                    "name": "a",
-                    "definition_hash": "h",
-                    "replicas": 2,
-                    "source": "s",
-                    "profile": {"gpu": 1},
-                    "later": True,
-                },
-            ),
+            {"Key": "llmgw/models/a", "Value": base64.b64encode(encode(written).encode()).decode()},
+            kv("llmgw/models/later", {**later, "name": "later"}),
             kv("llmgw/models/broken", b"{not json"),
+            kv("llmgw/models/no-hash", {"name": "no-hash", "replicas": 1}),
             kv("llmgw/models/a/state", {"parked": True}),
             kv("llmgw/models/", {}),
+            kv("llmgw/models/renamed", {**later, "name": "other"}),
         ]
     )
-    assert list(models) == ["a"]
-    assert models["a"] == ModelDefinition("a", "h", 2, "s")
-    assert models["a"].profile == {"gpu": 1}
+    assert sorted(models) == ["a", "later", "renamed"]
+    assert models["a"] == written and models["a"].idle_after == 900
+    assert models["renamed"].name == "renamed"  # the key names the model
     assert parse_models(None) == {}
+
+
+def test_parse_services_keeps_model_services_only() -> None:
+    answer = {
+        "consul": [],
+        "llmgw-a": ["llmgw"],
+        "llmgw-b": [],
+        PLANNER_SERVICE: ["leader"],
+        "nomad-client": ["http"],
+        "llmgw-": [],
+    }
+    assert parse_services(answer) == frozenset({"a", "b"})
+    assert parse_services(None) == frozenset()
 
 
 def test_parse_endpoints_falls_back_to_node_address() -> None:
@@ -53,54 +73,86 @@ def test_parse_endpoints_falls_back_to_node_address() -> None:
 
 
 def test_diff_models() -> None:
-    old = {"a": ModelDefinition("a", "1"), "b": ModelDefinition("b", "1")}
-    new = {"b": ModelDefinition("b", "2"), "c": ModelDefinition("c", "1")}
+    old = {"a": record("a", "1"), "b": record("b", "1"), "c": record("c")}
+    new = {"b": record("b", "2"), "c": None, "d": record("d", "1")}
     diff = diff_models(old, new)
-    assert (diff.added, diff.removed, diff.changed) == (("c",), ("a",), ("b",))
+    assert (diff.added, diff.removed, diff.changed) == (("d",), ("a",), ("b", "c"))
 
 
-def test_diff_endpoints_keeps_objects_and_counts() -> None:
+def test_diff_endpoints_keeps_objects_counts_and_limits() -> None:
     a, b = ServiceAddress("h", 1), ServiceAddress("h", 2)
-    kept, gone = Endpoint(a), Endpoint(b)
+    kept, gone = Endpoint(a, 8), Endpoint(b, 4)
     kept.inflight, gone.inflight = 3, 1
-    diff = diff_endpoints([kept, gone], [a, ServiceAddress("h", 3)])
+    diff = diff_endpoints([kept, gone], [a, ServiceAddress("h", 3)], limit=4)
     assert diff.kept == (kept,) and diff.left == (gone,)
-    assert [e.address.port for e in diff.joined] == [3]
-    assert diff.endpoints[0] is kept and kept.inflight == 3
-    assert not diff_endpoints([kept], [a])
+    assert [(e.address.port, e.limit) for e in diff.joined] == [(3, 4)]
+    assert diff.endpoints[0] is kept and (kept.inflight, kept.limit) == (3, 8)
+    assert not diff_endpoints([kept], [a], limit=4)
 
 
 def test_table_follows_models_and_endpoints() -> None:
     metrics = RouterMetrics()
-    table = EndpointTable(metrics)
+    joined: list[tuple[str, int]] = []
+    table = EndpointTable(
+        metrics, default_limit=3, on_joined=lambda slots, e: joined.append((e.base_url, e.limit))
+    )
     assert not table.synced and table.get("a") is None
-    table.set_models({"a": ModelDefinition("a", replicas=1)})
+    table.set_models({"a": record("a")})
     entry = table.get("a")
-    assert entry is not None and entry.endpoints == ()
-    assert not table.synced  # states not read yet: a parked model could slip through
+    assert entry is not None and entry.endpoints == () and entry.replicas == 1
     table.set_states({})
+    assert not table.synced  # services not read: a model known only there would be 404
+    table.set_services(())
     assert table.synced
     assert metrics.endpoints.labels(model="a")._value.get() == 0
 
     table.set_endpoints("a", [ServiceAddress("h", 1), ServiceAddress("h", 2)])
+    assert joined == [("http://h:1", 3), ("http://h:2", 3)]
     first = entry.endpoints[0]
     first.inflight = 1
     table.set_endpoints("a", [ServiceAddress("h", 1)])
     assert entry.endpoints == (first,) and first.inflight == 1
+    assert len(joined) == 2  # staying is not joining
     assert metrics.endpoints.labels(model="a")._value.get() == 1
     assert table.ready_count() == 1
     assert table.set_endpoints("unknown", [ServiceAddress("h", 1)]) is None
 
     table.set_models({})
-    assert table.get("a") is None and table.definitions() == []
+    assert table.get("a") is None and table.names() == []
     exposed = metrics.exposition()[0].decode()
     assert 'model="a"' not in exposed
+
+
+def test_a_model_leaves_only_when_kv_and_its_service_both_drop_it() -> None:
+    table = EndpointTable(RouterMetrics())
+    table.set_models({"kv-only": record("kv-only"), "both": record("both", replicas=2)})
+    diff = table.set_services({"both", "svc-only"})
+    assert diff.added == ("svc-only",) and not diff.removed
+    assert table.names() == ["both", "kv-only", "svc-only"]
+    svc_only = table.get("svc-only")
+    assert svc_only.record is None and svc_only.replicas is None
+    both = table.get("both")
+    table.set_endpoints("both", [ServiceAddress("h", 1)])
+
+    # `consul kv delete -recurse llmgw/`: the KV records vanish.
+    diff = table.set_models({})
+    assert diff.removed == ("kv-only",) and diff.changed == ("both",)
+    assert table.get("both") is both and both.record is None and len(both.endpoints) == 1
+    # The planner restores the record: the same entry, its record back.
+    table.set_models({"both": record("both", replicas=2)})
+    assert table.get("both") is both and both.replicas == 2
+    # Both sources drop it: gone.
+    table.set_services({"svc-only"})
+    assert table.get("both") is both
+    diff = table.set_models({})
+    assert diff.removed == ("both",) and both.endpoints == ()
+    assert table.names() == ["svc-only"]
 
 
 def test_wait_ready_wakes_on_first_endpoint() -> None:
     async def scenario() -> tuple[bool, bool]:
         table = EndpointTable(RouterMetrics())
-        table.set_models({"a": ModelDefinition("a")})
+        table.set_models({"a": record("a")})
         entry = table.get("a")
         assert entry is not None
         timed_out = await entry.wait_ready(0.01)

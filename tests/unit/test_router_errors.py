@@ -50,6 +50,8 @@ def test_model_with_zero_replicas_gets_no_retry_after() -> None:
         (errors.BodyTooLarge("big"), 413, "request_too_large"),
         (errors.UpstreamUnavailable("down"), 502, "upstream_unavailable"),
         (errors.UpstreamTimeout("slow"), 504, "upstream_timeout"),
+        (errors.ModelStopped("m", "stopped"), 503, "model_stopped"),
+        (errors.ReplicasBusy("m", "busy", retry_after_s=2), 503, "replicas_busy"),
         (errors.RouterError("bug"), 500, None),
     ],
 )
@@ -58,6 +60,18 @@ def test_status_and_code(exc: errors.RouterError, status: int, code: str | None)
     assert got_status == status
     assert body["error"]["code"] == code
     assert body["error"]["message"] == exc.message
+
+
+def test_retry_headers_say_whether_waiting_helps() -> None:
+    _, stopped, _ = parsed(errors.ModelStopped("m", "stopped"))
+    assert stopped[b"x-should-retry"] == b"false" and b"retry-after" not in stopped
+    _, busy, _ = parsed(errors.ReplicasBusy("m", "busy", retry_after_s=2))
+    assert busy[b"retry-after"] == b"2" and b"x-should-retry" not in busy
+
+
+def test_unknown_model_names_both_sources() -> None:
+    message = errors.ModelNotFound("x").message
+    assert "llmgw/models/x" in message and "service llmgw-x" in message
 
 
 def test_tree_splits_by_what_the_caller_can_do() -> None:

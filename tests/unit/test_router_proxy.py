@@ -1,13 +1,26 @@
-"""Body parsing and the refusals the proxy answers itself (router.proxy, router.app)."""
+"""Body parsing, the refusals the proxy answers itself, and when it retries
+(router.proxy, router.app).
+
+The retry tests run the app over ASGI in the test's event loop in front of
+real aiohttp replicas on 127.0.0.1: one that reads the request and then drops
+the connection (closed, or reset), one that answers, and a port nobody
+listens on.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
+
 import pytest
+from aiohttp import web
 from starlette.testclient import TestClient
 
+from llmgw_contract import ModelRecord
 from router import errors
-from router.app import create_app
-from router.catalog import ModelDefinition
+from router.app import create_app, upstream_session
+from router.catalog import ServiceAddress
 from router.proxy import extract_model
 from router.settings import RouterSettings
 
@@ -25,7 +38,10 @@ def client() -> TestClient:
     # Activation off: it needs the planner client the lifespan opens
     # (test_router_activation covers it).
     app = create_app(RouterSettings(activation=False))
-    app.state.table.set_models({"ready-later": ModelDefinition("ready-later", replicas=1)})
+    app.state.table.set_models(
+        {"ready-later": ModelRecord(name="ready-later", definition_hash="h", replicas=1)}
+    )
+    app.state.table.set_services(())
     app.state.table.set_states({})
     return TestClient(app, raise_server_exceptions=False)
 
@@ -82,7 +98,134 @@ def test_no_endpoint_policy_is_pluggable() -> None:
         raise errors.ModelUnavailable(f"{entry.name} is parked", retry_after_s=None)
 
     app = create_app(RouterSettings(), no_endpoint=parked)
-    app.state.table.set_models({"p": ModelDefinition("p")})
+    app.state.table.set_models({"p": ModelRecord(name="p", definition_hash="h", replicas=0)})
     response = TestClient(app).post("/v1/completions", json={"model": "p"})
     assert response.status_code == 503
     assert error_of(response)["message"] == "p is parked"
+
+
+# --- no request runs twice ---------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replica:
+    """A real aiohttp replica that records every request it read. ``drop``:
+    after reading the whole request, close the connection (``"close"``) or
+    reset it (``"reset"``) instead of answering, as a server that crashes
+    mid-request does."""
+
+    def __init__(self, drop: str | None = None) -> None:
+        self.drop = drop
+        self.seen: list[dict] = []
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        self._runner = web.AppRunner(app)
+
+    async def start(self) -> ServiceAddress:
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        return ServiceAddress("127.0.0.1", port)
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append(await request.json())
+        if self.drop is None:
+            return web.json_response({"object": "text_completion"})
+        transport = request.transport
+        assert transport is not None
+        if self.drop == "reset":
+            transport.abort()
+        else:
+            transport.close()
+        return web.Response()  # goes nowhere: the connection is gone
+
+
+async def post(app, n: int) -> tuple[int, dict]:
+    sent: list[dict] = []
+    payload = json.dumps({"model": "m", "prompt": f"request {n}"}).encode()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+async def route_to(*addresses: ServiceAddress):
+    settings = RouterSettings(activation=False, replica_concurrency=4)
+    app = create_app(settings)
+    app.state.proxy.session = upstream_session(settings)
+    app.state.table.set_models({"m": ModelRecord(name="m", definition_hash="h", replicas=2)})
+    app.state.table.set_services(())
+    app.state.table.set_states({})
+    app.state.table.set_endpoints("m", addresses)
+    return app
+
+
+@pytest.mark.parametrize("drop", ["close", "reset"])
+def test_a_request_that_reached_a_replica_is_never_sent_to_another(drop: str) -> None:
+    async def scenario() -> None:
+        dropper, good = Replica(drop), Replica()
+        app = await route_to(await dropper.start(), await good.start())
+        try:
+            results = [await post(app, n) for n in range(6)]
+        finally:
+            await app.state.proxy.session.close()
+            await dropper.stop()
+            await good.stop()
+        statuses = [status for status, _ in results]
+        # Least-loaded with rotation sends every other request to the dropper.
+        assert statuses.count(502) == len(dropper.seen) == 3
+        assert statuses.count(200) == len(good.seen) == 3
+        seen = [r["prompt"] for r in dropper.seen + good.seen]
+        assert sorted(seen) == [f"request {n}" for n in range(6)]  # each exactly once
+        error = next(body["error"] for status, body in results if status == 502)
+        assert error["code"] == "upstream_unavailable"
+        assert "failed after the request was sent" in error["message"]
+        assert "not retried on another replica" in error["message"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_replica_that_cannot_be_connected_to_is_retried_on_another() -> None:
+    async def scenario() -> None:
+        good = Replica()
+        refused = ServiceAddress("127.0.0.1", free_port())  # nobody listens
+        app = await route_to(refused, await good.start())
+        try:
+            statuses = [(await post(app, n))[0] for n in range(4)]
+            assert statuses == [200] * 4 and len(good.seen) == 4
+            # Only the refusing replica left: nothing to retry on.
+            app.state.table.set_endpoints("m", [refused])
+            status, body = await post(app, 9)
+            assert status == 502 and body["error"]["code"] == "upstream_unavailable"
+            assert "could be connected to (1 tried)" in body["error"]["message"]
+        finally:
+            await app.state.proxy.session.close()
+            await good.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))

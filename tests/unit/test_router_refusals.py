@@ -1,4 +1,5 @@
-"""Parked / unplaceable state, refusal wording and the decisions (router.state, router.refusals)."""
+"""Parked / unplaceable state, refusal wording and the decisions (router.catalog's
+parse_states, router.refusals)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
+from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable
 from router import errors
 from router.app import create_app
-from router.catalog import ModelDefinition, ServiceAddress
+from router.catalog import ServiceAddress, parse_states
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
 from router.refusals import (
@@ -19,12 +21,21 @@ from router.refusals import (
     gate,
     parked_message,
     refuse_at_once,
+    stopped_message,
     summarize_error,
     unplaceable_message,
     when_no_endpoint,
 )
 from router.settings import RouterSettings
-from router.state import ModelState, Parked, Unplaceable, parse_states
+
+
+def record(name: str, replicas: int = 1) -> ModelRecord:
+    return ModelRecord(name=name, definition_hash="h", replicas=replicas)
+
+
+def state(name: str = "m", parked: Parked | None = None, unplaceable: Unplaceable | None = None):
+    return StateDocument(name=name, parked=parked, unplaceable=unplaceable)
+
 
 # A real llama-server's stderr for a GGUF with general.architecture = "kev",
 # after the Nomad task event the planner puts first.
@@ -68,7 +79,14 @@ def state_doc(name: str, parked: bool = False, unplaceable: bool = False) -> dic
         }
         if parked
         else None,
-        "unplaceable": {"reason": MISSING_GPU, "since": "2026-11-29T21:00:00+00:00", "eval_id": "e"}
+        "unplaceable": {
+            "reason": MISSING_GPU,
+            "since": "2026-11-29T21:00:00+00:00",
+            "eval_id": "e",
+            "placed": 0,
+            "desired": 1,
+            "provisional": False,
+        }
         if unplaceable
         else None,
         "added_later": {"x": 1},
@@ -90,10 +108,15 @@ def test_parse_states_keeps_parked_and_unplaceable_only() -> None:
         ]
     )
     assert sorted(states) == ["p", "u"]
-    assert states["p"] == ModelState(
-        parked=Parked("5 consecutive start failures", KEV_ERROR, "2026-11-29T21:00:05+00:00")
+    assert states["p"].parked == Parked(
+        reason="5 consecutive start failures",
+        last_error=KEV_ERROR,
+        since="2026-11-29T21:00:05+00:00",
+        definition_hash="abc",
     )
-    assert states["u"].unplaceable == Unplaceable(MISSING_GPU, "2026-11-29T21:00:00+00:00")
+    assert states["u"].unplaceable == Unplaceable(
+        reason=MISSING_GPU, since="2026-11-29T21:00:00+00:00", eval_id="e", desired=1
+    )
     assert states["u"].parked is None
     assert parse_states(None) == {}
 
@@ -136,7 +159,12 @@ def test_summary_is_bounded() -> None:
 
 def test_parked_message_says_why_and_what_lifts_it() -> None:
     message = parked_message(
-        "kevin", Parked("5 consecutive start failures", KEV_ERROR, "2026-11-29T21:00:05+00:00")
+        "kevin",
+        Parked(
+            reason="5 consecutive start failures",
+            last_error=KEV_ERROR,
+            since="2026-11-29T21:00:05+00:00",
+        ),
     )
     assert "`kevin` is parked" in message
     assert "5 consecutive start failures" in message
@@ -148,16 +176,19 @@ def test_parked_message_says_why_and_what_lifts_it() -> None:
 
 
 def test_messages_stay_under_the_limit_whatever_the_planner_wrote() -> None:
-    huge = Parked("r" * 5000, "E" * 5000 + "\n" + "error " * 2000, "s")
+    huge = Parked(reason="r" * 5000, last_error="E" * 5000 + "\n" + "error " * 2000, since="s")
     message = parked_message("m", huge)
     assert len(message) <= MESSAGE_LIMIT
     assert message.endswith("`planner retry m`.")
-    message = unplaceable_message("m", Unplaceable("x" * 5000))
+    message = unplaceable_message("m", Unplaceable(reason="x" * 5000))
     assert len(message) <= MESSAGE_LIMIT and "fits on no node" in message
+    assert len(stopped_message("m", "y" * 5000)) <= MESSAGE_LIMIT
 
 
 def test_unplaceable_message_carries_nomads_reason() -> None:
-    message = unplaceable_message("big", Unplaceable(MISSING_GPU, "2026-11-29T21:00:00+00:00"))
+    message = unplaceable_message(
+        "big", Unplaceable(reason=MISSING_GPU, since="2026-11-29T21:00:00+00:00")
+    )
     assert f"The model `big` fits on no node (since 2026-11-29T21:00:00+00:00): {MISSING_GPU}." in (
         message
     )
@@ -166,31 +197,59 @@ def test_unplaceable_message_carries_nomads_reason() -> None:
 # --- decisions ----------------------------------------------------------------
 
 
-def table_with(**states: ModelState) -> EndpointTable:
+def table_with(**states: StateDocument) -> EndpointTable:
     table = EndpointTable(RouterMetrics())
-    table.set_models({n: ModelDefinition(n, replicas=1) for n in ("fine", *states)})
+    table.set_models({n: record(n) for n in ("fine", *states)})
+    table.set_services(())
     table.set_states(states)
     return table
 
 
-PARKED = ModelState(parked=Parked("5 consecutive start failures", KEV_ERROR))
-UNPLACEABLE = ModelState(unplaceable=Unplaceable(MISSING_GPU))
+PARKED_RECORD = Parked(reason="5 consecutive start failures", last_error=KEV_ERROR)
+UNPLACEABLE_RECORD = Unplaceable(reason=MISSING_GPU)
+PARKED = state("p", parked=PARKED_RECORD)
+UNPLACEABLE = state("u", unplaceable=UNPLACEABLE_RECORD)
+MEMORY = "memory exhausted on 1 of 1 nodes"
+ROOM_BEING_MADE = state("r", unplaceable=Unplaceable(reason=MEMORY, provisional=True))
 
 
 def test_decisions() -> None:
-    table = table_with(
-        p=PARKED, u=UNPLACEABLE, both=ModelState(PARKED.parked, UNPLACEABLE.unplaceable)
-    )
-    fine, p, u, both = (table.get(n) for n in ("fine", "p", "u", "both"))
-    assert gate(fine) is None and gate(u) is None
+    both = state("both", parked=PARKED_RECORD, unplaceable=UNPLACEABLE_RECORD)
+    table = table_with(p=PARKED, u=UNPLACEABLE, both=both, r=ROOM_BEING_MADE)
+    fine, p, u, both_, r = (table.get(n) for n in ("fine", "p", "u", "both", "r"))
+    assert gate(fine) is None and gate(u) is None and gate(r) is None
     assert isinstance(gate(p), errors.ModelParked)
     assert isinstance(when_no_endpoint(p), errors.ModelParked)
-    assert isinstance(when_no_endpoint(both), errors.ModelParked)  # parked wins
+    assert isinstance(when_no_endpoint(both_), errors.ModelParked)  # parked wins
     refusal = when_no_endpoint(u)
     assert isinstance(refusal, errors.ModelUnplaceable) and MISSING_GPU in refusal.message
+    # Room being made is never refused as no room: "loading", come back soon.
+    refusal = when_no_endpoint(r)
+    assert isinstance(refusal, errors.ModelLoading) and refusal.retry_after_s == 5
+    assert "room being made" in refusal.message and MEMORY in refusal.message
     assert isinstance(when_no_endpoint(fine), errors.ModelNotReady)
     with pytest.raises(errors.ModelUnplaceable):
         asyncio.run(refuse_at_once(u))
+
+
+def test_a_model_known_only_from_its_service_is_not_ready_with_retry() -> None:
+    table = EndpointTable(RouterMetrics())
+    table.set_models({})
+    table.set_services({"orphan"})
+    refusal = when_no_endpoint(table.get("orphan"))
+    assert isinstance(refusal, errors.ModelNotReady) and refusal.retry_after_s == 5
+    assert "llmgw/models/orphan is missing" in refusal.message
+
+
+def test_stopped_renders_without_retry_after() -> None:
+    status, headers, body = errors.render(
+        errors.ModelStopped("m", stopped_message("m", "defined with replicas: 0"))
+    )
+    assert status == 503 and dict(headers)[b"x-should-retry"] == b"false"
+    assert b"retry-after" not in dict(headers)
+    error = json.loads(body)["error"]
+    assert error["code"] == "model_stopped" and error["param"] == "model"
+    assert "`m` is stopped: defined with replicas: 0." in error["message"]
 
 
 def test_parked_and_unplaceable_render_without_retry_after() -> None:
@@ -207,7 +266,7 @@ def test_parked_and_unplaceable_render_without_retry_after() -> None:
 def test_state_follows_models_in_either_order() -> None:
     table = EndpointTable(RouterMetrics())
     table.set_states({"late": PARKED})  # state read before the model is
-    table.set_models({"late": ModelDefinition("late")})
+    table.set_models({"late": record("late")})
     entry = table.get("late")
     assert entry.parked == PARKED.parked
     table.set_states({})
@@ -223,7 +282,8 @@ def test_state_follows_models_in_either_order() -> None:
 def app():
     app = create_app(RouterSettings(activation=False))  # refuse at once, as without a planner
     table = app.state.table
-    table.set_models({n: ModelDefinition(n, replicas=1) for n in ("p", "u", "idle")})
+    table.set_models({n: record(n) for n in ("p", "u", "idle")})
+    table.set_services(())
     table.set_states({"p": PARKED, "u": UNPLACEABLE})
     return app
 
@@ -249,6 +309,8 @@ def test_refusals_are_counted_by_reason(app) -> None:
         'llmgw_router_refusals_total{model="idle",reason="not_ready"} 1.0',
         'llmgw_router_refusals_total{model="",reason="unknown_model"} 1.0',
         'llmgw_router_refusals_total{model="idle",reason="parked"} 0.0',  # exists at zero
+        'llmgw_router_refusals_total{model="idle",reason="stopped"} 0.0',
+        'llmgw_router_refusals_total{model="idle",reason="replicas_busy"} 0.0',
         'llmgw_router_requests_total{code="503",model="p"} 2.0',
         'llmgw_router_requests_total{code="404",model=""} 1.0',
     ):

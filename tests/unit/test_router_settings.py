@@ -52,3 +52,23 @@ def test_activation_settings_from_environment_and_flags() -> None:
         RouterSettings.from_env({"LLMGW_ACTIVATION": "maybe"})
     with pytest.raises(ValueError, match="planner URL"):
         RouterSettings(planner_url="planner:4650").validate()
+
+
+def test_concurrency_and_queue_settings() -> None:
+    defaults = RouterSettings.from_env({})
+    assert (defaults.replica_concurrency, defaults.default_replica_concurrency) == (0, 4)
+    assert defaults.initial_replica_limit == 4 and defaults.queue_timeout_s == 30.0
+    settings = RouterSettings.from_env(
+        {"LLMGW_REPLICA_CONCURRENCY": "2", "LLMGW_QUEUE_TIMEOUT": "0.5"}
+    )
+    assert settings.replica_concurrency == 2 and settings.initial_replica_limit == 2
+    assert settings.queue_timeout_s == 0.5
+    settings.validate()
+    flagged = settings.with_overrides(replica_concurrency=0, queue_timeout_s=None)
+    assert flagged.replica_concurrency == 0 and flagged.queue_timeout_s == 0.5
+    with pytest.raises(ValueError, match="replica concurrency"):
+        RouterSettings(replica_concurrency=-1).validate()
+    with pytest.raises(ValueError, match="queue timeout"):
+        RouterSettings(queue_timeout_s=-1).validate()
+    with pytest.raises(ValueError, match="LLMGW_REPLICA_CONCURRENCY"):
+        RouterSettings.from_env({"LLMGW_REPLICA_CONCURRENCY": "many"})

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from router.catalog import ModelDefinition, ServiceAddress
+from llmgw_contract import ModelRecord, Parked, StateDocument
+from router.catalog import ServiceAddress
 from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
 from router.metrics import RouterMetrics
-from router.state import ModelState, Parked
 from router.watch import ConsulWatcher, backoff_delay, next_index
+
+
+def record(name: str, replicas: int = 1) -> ModelRecord:
+    return ModelRecord(name=name, definition_hash="h", replicas=replicas)
 
 
 def test_next_index_rules() -> None:
@@ -33,9 +37,10 @@ class FakeCatalog:
 
     def __init__(self) -> None:
         self.index = 1
-        self.defined: dict[str, ModelDefinition] = {}
+        self.defined: dict[str, ModelRecord] = {}
+        self.registered: set[str] = set()  # models with an llmgw-<model> service
         self.healthy: dict[str, list[ServiceAddress]] = {}
-        self.model_states: dict[str, ModelState] = {}
+        self.model_states: dict[str, StateDocument] = {}
         self.fail_next = 0
         self.changed = asyncio.Event()
         self.health_reads: dict[str, int] = {}
@@ -57,6 +62,10 @@ class FakeCatalog:
         await self._block(index, wait_s)
         return self.index, dict(self.defined)
 
+    async def services(self, index: int, wait_s: float):
+        await self._block(index, wait_s)
+        return self.index, frozenset(self.registered)
+
     async def states(self, index: int, wait_s: float):
         await self._block(index, wait_s)
         return self.index, dict(self.model_states)
@@ -76,7 +85,7 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
         catalog = FakeCatalog()
         table = EndpointTable(RouterMetrics())
         watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
-        catalog.defined = {"a": ModelDefinition("a", replicas=1)}
+        catalog.defined = {"a": record("a")}
         catalog.healthy = {"a": [ServiceAddress("h", 1)]}
         watcher.start()
         await settle()
@@ -94,16 +103,17 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
         await settle()
         assert table.get("a").endpoints == ()
 
-        catalog.defined = {"b": ModelDefinition("b")}
+        catalog.defined = {"b": record("b")}
         catalog.bump()
         await settle()
         assert watcher.watched_models() == ["b"]
         assert table.get("a") is None
 
-        catalog.model_states = {"b": ModelState(parked=Parked("5 consecutive start failures"))}
+        parked = Parked(reason="5 consecutive start failures")
+        catalog.model_states = {"b": StateDocument(name="b", parked=parked)}
         catalog.bump()
         await settle()
-        assert table.get("b").parked == Parked("5 consecutive start failures")
+        assert table.get("b").parked == parked
         catalog.model_states = {}
         catalog.bump()
         await settle()
@@ -111,6 +121,35 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
 
         await watcher.stop()
         assert watcher.watched_models() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_serving_model_outlives_its_kv_record() -> None:
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        catalog.defined = {"gemma": record("gemma"), "kev": record("kev")}
+        catalog.registered = {"gemma", "planned-by-hand"}
+        catalog.healthy = {"gemma": [ServiceAddress("h", 1)], "planned-by-hand": []}
+        watcher.start()
+        await settle()
+        assert table.synced
+        assert watcher.watched_models() == ["gemma", "kev", "planned-by-hand"]
+
+        catalog.defined = {}  # consul kv delete -recurse llmgw/
+        catalog.bump()
+        await settle()
+        assert watcher.watched_models() == ["gemma", "planned-by-hand"]
+        gemma = table.get("gemma")
+        assert gemma.record is None and [e.address.port for e in gemma.endpoints] == [1]
+
+        catalog.registered = set()  # its job is stopped too: now it is gone
+        catalog.bump()
+        await settle()
+        assert watcher.watched_models() == [] and table.get("gemma") is None
+        await watcher.stop()
 
     asyncio.run(scenario())
 

@@ -1,0 +1,321 @@
+"""The router's half of the planner-router contract (llmgw_contract).
+
+The planner writes what the router reads; this proves the router accepts
+every value the contract lets the planner write, and acts on each:
+
+- every :class:`ActivationStatus`, as an :class:`ActivationAnswer` encoded with
+  :func:`llmgw_contract.encode` and served over HTTP by a stand-in for the
+  planner's activator API, is parsed by the router's planner client and leads
+  to a defined outcome: a refusal code at once, or a wait for an endpoint;
+- :class:`StateDocument` values (parked; unplaceable, provisional or not),
+  encoded and stored as Consul returns KV entries, are parsed by the router's
+  catalog and change what its table and refusals answer;
+- a :class:`ModelRecord` round-trips through the router's parsing.
+
+The planner's half (it only writes what the contract allows) is tested on the
+planner side. The stand-in planner is an aiohttp server on 127.0.0.1 that
+answers with the encoded document and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from llmgw_contract import (
+    ActivationAnswer,
+    ActivationStatus,
+    KVPrefix,
+    ModelRecord,
+    Parked,
+    ReplicaRecord,
+    StateDocument,
+    Unplaceable,
+    encode,
+    kv_key,
+)
+from router import errors
+from router.app import create_app, upstream_session
+from router.catalog import ServiceAddress, parse_models, parse_states
+from router.endpoints import EndpointTable
+from router.metrics import RouterMetrics
+from router.refusals import gate, when_no_endpoint
+from router.settings import RouterSettings
+
+# What each answer leads to: a refusal code at once, or None for "wait for a
+# passing endpoint, then serve".
+ACTIVATION_OUTCOMES: dict[ActivationStatus, str | None] = {
+    ActivationStatus.SERVING: None,
+    ActivationStatus.LOADING: None,
+    ActivationStatus.PARKED: "model_parked",
+    ActivationStatus.UNPLACEABLE: "model_unplaceable",
+    ActivationStatus.STOPPED: "model_stopped",
+}
+REASON = "the planner's reason, word for word"
+LAST_ERROR = "Terminated: Exit Code: 1\nllama_model_load: error loading model: unknown model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers(status: ActivationStatus) -> list[ActivationAnswer]:
+    """The smallest answer the contract allows, and one with every field set."""
+    return [
+        ActivationAnswer(name="m", status=status),
+        ActivationAnswer(
+            name="m",
+            status=status,
+            reason=REASON,
+            last_error=LAST_ERROR,
+            since="2026-11-29T21:00:00+00:00",
+            eval_id="0b7c5ef2",
+        ),
+    ]
+
+
+class Planner:
+    """Answers every activate call with ``answer`` encoded by the contract, and
+    doubles as the model's replica once a test makes it pass."""
+
+    def __init__(self, answer: ActivationAnswer) -> None:
+        self.body = encode(answer)
+        app = web.Application()
+        app.router.add_post("/v1/models/{name}/activate", self._activate)
+        app.router.add_post("/v1/completions", self._complete)
+        self._runner = web.AppRunner(app)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _activate(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.body, content_type="application/json")
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "text_completion"})
+
+
+@contextlib.asynccontextmanager
+async def activating_router(answer: ActivationAnswer, window_s: float = 5) -> AsyncIterator:
+    planner = Planner(answer)
+    await planner.start()
+    settings = RouterSettings(
+        planner_url=f"http://127.0.0.1:{planner.port}",
+        activation_window_s=window_s,
+        replica_concurrency=4,
+    )
+    app = create_app(settings)
+    app.state.table.set_models({"m": ModelRecord(name="m", definition_hash="h", replicas=1)})
+    app.state.table.set_services(())
+    app.state.table.set_states({})
+    await app.state.activator.api.start()
+    app.state.proxy.session = upstream_session(settings)
+    try:
+        yield app, planner
+    finally:
+        await app.state.activator.close()
+        await app.state.activator.api.close()
+        await app.state.proxy.session.close()
+        await planner._runner.cleanup()
+
+
+async def post(app) -> tuple[int, dict[str, str], dict]:
+    sent: list[dict] = []
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b'{"model": "m"}', "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await app(scope, receive, send)
+    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], headers, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_every_activation_status_has_an_outcome() -> None:
+    assert set(ACTIVATION_OUTCOMES) == set(ActivationStatus)
+
+
+@pytest.mark.parametrize("status", list(ActivationStatus))
+def test_every_activation_answer_is_understood_and_acted_on(status: ActivationStatus) -> None:
+    expected = ACTIVATION_OUTCOMES[status]
+
+    async def scenario() -> None:
+        for answer in answers(status):
+            async with activating_router(answer) as (app, planner):
+                # The router's client parses the planner's bytes into the same document.
+                assert await app.state.activator.api.activate("m") == answer
+                request = asyncio.ensure_future(post(app))
+                if expected is None:  # held for an endpoint, then served
+                    await asyncio.sleep(0.2)
+                    assert not request.done()
+                    app.state.table.set_endpoints("m", [ServiceAddress("127.0.0.1", planner.port)])
+                    assert (await asyncio.wait_for(request, 2))[0] == 200
+                else:  # refused at once, in the planner's words when it gave any
+                    started = time.monotonic()
+                    code, headers, body = await asyncio.wait_for(request, 2)
+                    assert time.monotonic() - started < 0.5
+                    assert code == 503 and body["error"]["code"] == expected
+                    assert "retry-after" not in headers  # none of these ends by waiting
+                    if answer.reason:
+                        assert REASON in body["error"]["message"]
+                metrics = app.state.metrics.registry
+                outcome = {"model": "m", "outcome": str(status)}
+                assert metrics.get_sample_value("llmgw_router_activations_total", outcome) == 1
+                error = {"model": "m", "outcome": "error"}
+                assert metrics.get_sample_value("llmgw_router_activations_total", error) == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+# --- the documents in Consul KV -----------------------------------------------------
+
+
+def kv_entry(prefix: KVPrefix, name: str, document: StateDocument | ModelRecord) -> dict:
+    """One key as Consul's recursive KV read returns it."""
+    value = base64.b64encode(encode(document).encode()).decode()
+    return {"Key": kv_key(prefix, name), "Value": value, "ModifyIndex": 7}
+
+
+def full_state(name: str, **members: object) -> StateDocument:
+    """A state document with every field the planner may fill."""
+    replica = ReplicaRecord(
+        alloc_id="5a0f2c4e-0000-4000-8000-000000000001",
+        name=f"{name}.server[0]",
+        node="node-1",
+        definition_hash="h",
+        consecutive_failures=2,
+        last_error=LAST_ERROR,
+        last_error_at="2026-11-29T21:00:00+00:00",
+        healthy_entries=(1, 2),
+        stable_entry=1,
+    )
+    return StateDocument(
+        name=name,
+        definition_hash="h",
+        consecutive_failures=5,
+        start_failures_total=9,
+        last_error=LAST_ERROR,
+        last_error_at="2026-11-29T21:00:00+00:00",
+        counted=("a/server/1",),
+        replicas=(replica,),
+        **members,
+    )
+
+
+PARKED = Parked(
+    reason="5 consecutive start failures",
+    last_error=LAST_ERROR,
+    since="2026-11-29T21:00:05+00:00",
+    definition_hash="h",
+)
+NO_ROOM = Unplaceable(
+    reason="memory exhausted on 1 of 1 nodes", since="s", eval_id="e", placed=0, desired=1
+)
+ROOM_BEING_MADE = NO_ROOM.model_copy(update={"provisional": True})
+
+
+def table_from_kv(*documents: StateDocument) -> EndpointTable:
+    table = EndpointTable(RouterMetrics())
+    table.set_models(
+        {d.name: ModelRecord(name=d.name, definition_hash="h", replicas=1) for d in documents}
+    )
+    table.set_services(())
+    table.set_states(parse_states([kv_entry(KVPrefix.STATE, d.name, d) for d in documents]))
+    return table
+
+
+def test_state_documents_reach_the_table_as_written() -> None:
+    docs = (
+        full_state("p", parked=PARKED),
+        full_state("u", unplaceable=NO_ROOM),
+        full_state("r", unplaceable=ROOM_BEING_MADE),
+        full_state("fine"),
+    )
+    table = table_from_kv(*docs)
+    assert table.get("p").parked == PARKED
+    assert table.get("u").unplaceable == NO_ROOM
+    assert table.get("r").unplaceable == ROOM_BEING_MADE
+    fine = table.get("fine")
+    assert fine.parked is None and fine.unplaceable is None
+
+
+def test_parked_is_refused_even_while_an_endpoint_passes() -> None:
+    table = table_from_kv(full_state("p", parked=PARKED))
+    table.set_endpoints("p", [ServiceAddress("127.0.0.1", 9)])
+    refusal = gate(table.get("p"))
+    assert isinstance(refusal, errors.ModelParked)
+    assert PARKED.reason in refusal.message and "unknown model" in refusal.message
+
+
+def test_unplaceable_is_refused_but_room_being_made_is_not() -> None:
+    table = table_from_kv(
+        full_state("u", unplaceable=NO_ROOM), full_state("r", unplaceable=ROOM_BEING_MADE)
+    )
+    assert isinstance(when_no_endpoint(table.get("u")), errors.ModelUnplaceable)
+    loading = when_no_endpoint(table.get("r"))
+    assert isinstance(loading, errors.ModelLoading) and loading.retry_after_s is not None
+
+
+@pytest.mark.parametrize(
+    ("unplaceable", "outcome"), [(NO_ROOM, "model_unplaceable"), (ROOM_BEING_MADE, None)]
+)
+def test_an_activation_wait_acts_on_the_state_written_meanwhile(
+    unplaceable: Unplaceable, outcome: str | None
+) -> None:
+    async def scenario() -> None:
+        loading = ActivationAnswer(name="m", status=ActivationStatus.LOADING)
+        async with activating_router(loading, window_s=30) as (app, planner):
+            request = asyncio.ensure_future(post(app))
+            await asyncio.sleep(0.2)
+            document = full_state("m", unplaceable=unplaceable)
+            app.state.table.set_states(parse_states([kv_entry(KVPrefix.STATE, "m", document)]))
+            await asyncio.sleep(0.2)
+            if outcome is not None:
+                assert request.done()
+                assert (await request)[2]["error"]["code"] == outcome
+                return
+            assert not request.done()  # room being made: it waits on
+            app.state.table.set_endpoints("m", [ServiceAddress("127.0.0.1", planner.port)])
+            assert (await asyncio.wait_for(request, 2))[0] == 200
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_model_record_round_trips() -> None:
+    record = ModelRecord(
+        name="gemma",
+        definition_hash="h",
+        replicas=2,
+        source="file:///m.gguf",
+        sha256="0" * 64,
+        profile={"gpus": 1, "memory": "2GiB"},
+        on_demand={"idle_after": 900},
+    )
+    assert parse_models([kv_entry(KVPrefix.MODELS, "gemma", record)]) == {"gemma": record}

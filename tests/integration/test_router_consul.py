@@ -494,14 +494,60 @@ def test_critical_or_deregistered_endpoint_leaves_table_quickly(cluster) -> None
     assert took < 2.0
 
 
-def test_model_removed_from_kv_is_forgotten(cluster) -> None:
+def test_model_removed_from_kv_and_catalog_is_forgotten(cluster) -> None:
     consul, router, stub_a, _ = cluster
-    define_serving(consul, router, "delta", stub_a)
+    (service_id,) = define_serving(consul, router, "delta", stub_a)
     consul.undefine("delta")
+    # Its replica still passes: the model is still served (see C16 below).
+    assert request("POST", f"{router.url}/v1/completions", {"model": "delta"})[0] == 200
+    consul.deregister(service_id)
     eventually(lambda: endpoints_of(router, "delta") is None, timeout=3)
     status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "delta"})
     assert status == 404
     assert_openai_error(body, "model_not_found")
+
+
+def test_c16_kv_wiped_while_a_model_serves_it_keeps_serving(cluster) -> None:
+    """C16: `consul kv delete -recurse llmgw/` while a model serves: never 404."""
+    consul, router, stub_a, _ = cluster
+    (service_id,) = define_serving(consul, router, "wiped", stub_a)
+    consul.set_state("wiped-neighbour", planner_state("wiped-neighbour", parked=True))
+    assert request("DELETE", f"{consul.url}/v1/kv/llmgw/?recurse=true")[0] == 200
+    assert request("GET", f"{consul.url}/v1/kv/llmgw/?recurse=true")[0] == 404
+    served = len(stub_a.requests)
+    for _ in range(20):  # across the watch's update: every answer is the replica's
+        status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "wiped"})
+        assert status == 200, body
+        time.sleep(0.05)
+    assert len(stub_a.requests) == served + 20
+    listed = json.loads(request("GET", f"{router.url}/v1/models")[2])["data"]
+    assert "wiped" in [m["id"] for m in listed]
+    assert endpoints_of(router, "wiped") == 1
+    assert "KV record is gone; still serving it" in router.log_path.read_text()
+    # The planner restores the record; then the replica goes: still defined, not ready.
+    consul.define("wiped")
+    consul.deregister(service_id)
+    eventually(lambda: endpoints_of(router, "wiped") == 0, timeout=3)
+    assert refusal_code(router, "wiped") == "model_not_ready"
+    consul.undefine("wiped")
+
+
+def test_a_model_known_only_from_its_service_is_served(cluster) -> None:
+    consul, router, stub_a, _ = cluster
+    service_id = consul.register("hand-made", "a", stub_a.port)  # never applied: no KV record
+    try:
+        eventually(lambda: endpoints_of(router, "hand-made") == 1, timeout=3)
+        status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "hand-made"})
+        assert status == 200 and json.loads(body)["system_fingerprint"] == "a"
+    finally:
+        consul.deregister(service_id)
+    eventually(lambda: endpoints_of(router, "hand-made") is None, timeout=3)
+    status, _, body = request("POST", f"{router.url}/v1/completions", {"model": "hand-made"})
+    assert status == 404
+    assert (
+        "no Consul service llmgw-hand-made"
+        in assert_openai_error(body, "model_not_found")["message"]
+    )
 
 
 def test_requests_spread_over_replicas_and_skip_dead_ones(cluster) -> None:
@@ -966,6 +1012,22 @@ def test_unplaceable_answer_is_refused_at_once(on_demand) -> None:
     assert time.monotonic() - started < 1.0
     assert status == 503 and "Retry-After" not in headers
     assert MISSING_GPU in assert_openai_error(body, "model_unplaceable")["message"]
+
+
+def test_stopped_answer_is_refused_at_once_without_retry(on_demand) -> None:
+    consul, router, planner, _ = on_demand
+    planner.answers["halted"] = {"status": "stopped", "reason": "defined with replicas: 0"}
+    consul.define("halted", replicas=0)
+    eventually(lambda: endpoints_of(router, "halted") == 0)
+    started = time.monotonic()
+    status, headers, body = request("POST", f"{router.url}/v1/completions", {"model": "halted"})
+    assert time.monotonic() - started < 1.0
+    assert status == 503 and "Retry-After" not in headers
+    assert headers["x-should-retry"] == "false"
+    error = assert_openai_error(body, "model_stopped")
+    assert "defined with replicas: 0" in error["message"]
+    assert router.metric("llmgw_router_refusals_total", model="halted", reason="stopped") == 1
+    assert router.metric("llmgw_router_activations_total", model="halted", outcome="stopped") == 1
 
 
 def test_usage_reports_reach_the_planner(on_demand) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument
 from planner.errors import Rejected
-from planner.failures import retried
+from planner.failures import forgiven, retried
 from planner.nomad_client import Job, NomadClient
 from planner.state import StateStore
 
@@ -102,7 +102,7 @@ def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[StateDocume
     failed = [a for a in nomad.allocations(name)
               if a.get("ClientStatus") == "failed" and a.get("DesiredStatus") == "run"
               and not a.get("NextAllocation")]
-    state = store.update(name, retried).after
+    state = store.update(name, forgiven).after
     if failed:
         nomad.evaluate(name, force_reschedule=True)
         return state, f"{len(failed)} stopped replica(s) placed again"

@@ -303,8 +303,13 @@ def for_definition(state: StateDocument, definition_hash: str) -> StateDocument:
                                     "last_error": None, "last_error_at": None})
 
 
+def forgiven(state: StateDocument) -> StateDocument:
+    """Every count starts over (`planner retry`); parking is not touched here: it is
+    lifted only together with the job's modify index (`actions.set_parked`)."""
+    replicas = tuple(r.model_copy(update={"consecutive_failures": 0}) for r in state.replicas)
+    return state.model_copy(update={"consecutive_failures": 0, "replicas": replicas})
+
+
 def retried(state: StateDocument) -> StateDocument:
     """Lift parking (a changed definition or `planner retry`): a fresh count."""
-    replicas = tuple(r.model_copy(update={"consecutive_failures": 0}) for r in state.replicas)
-    return state.model_copy(update={"parked": None, "consecutive_failures": 0,
-                                    "replicas": replicas})
+    return forgiven(state).model_copy(update={"parked": None})

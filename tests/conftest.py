@@ -26,6 +26,7 @@ import pytest
 
 from devcluster.bootstrap import BIN
 from devcluster.cluster import Cluster, down, free_offset, up
+from tests.support.engines import write_engines
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.tls import TlsCA, make_ca
 
@@ -89,23 +90,15 @@ def cluster(binaries: Path, test_ca: TlsCA,
         down(cluster)
 
 
-SLOW_START_SECONDS = 90
 
 
 @pytest.fixture(scope="session")
 def planner_env(cluster: Cluster, binaries: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Engines: the real llama-server, and `slow-llama.cpp`, the same binary behind a
-    script that sleeps first. That one is a fake (C09): a model that really takes 90 s
-    to load needs gigabytes of weights; what matters to Nomad and Consul is the same,
-    a server that does not answer its health check for 90 s."""
-    engines = {"llama.cpp": str(binaries / "llama-server")}
-    folder = tmp_path_factory.mktemp("engines")
-    for name, seconds in (("slow-llama.cpp", SLOW_START_SECONDS), ("wait8-llama.cpp", 8)):
-        script = folder / name
-        script.write_text(f"#!/bin/sh\nsleep {seconds}\nexec {binaries / 'llama-server'} \"$@\"\n")
-        script.chmod(0o755)
-        engines[name] = str(script)
+    """The planner's environment for the test cluster; its engines are the real
+    llama-server and the test-only wrappers of tests/support/engines.py (fakes, each of
+    one behaviour)."""
+    engines = write_engines(tmp_path_factory.mktemp("engines"), binaries / "llama-server")
     return {**os.environ, **cluster.env,
             "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
 

@@ -20,13 +20,13 @@ import pytest
 from devcluster.cluster import Cluster
 from tests.conftest import (
     ADMIN_TOKEN,
-    SLOW_START_SECONDS,
     STABLE_AFTER_S,
     PlannerDaemon,
     http_json,
     nomad_get,
     wait_for,
 )
+from tests.support.engines import SLOW_START_SECONDS
 from tests.support.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,206 @@
+"""The state model on real parts: crash loops after ready (C15), retry racing a park and
+usage reports (C17), a reload not killed by its health check (C19), room being made
+(C20), and a leader killed mid-count (issue "Model state done right")."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from devcluster.cluster import Cluster
+from llmgw_contract import Parked, StateDocument, decode
+from planner import actions
+from planner.consul_client import ConsulClient
+from planner.nomad_client import NomadClient
+from planner.state import StateStore
+from tests.conftest import (
+    ADMIN_TOKEN,
+    PlannerDaemon,
+    http_json,
+    nomad_get,
+    wait_for,
+)
+from tests.integration.test_on_demand import complete, free_memory_mb, on_demand_model
+from tests.integration.test_parking import llama_pid, starts, write_model
+from tests.support.engines import CRASH_AFTER_S
+from tests.support.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.integration
+
+SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
+
+
+def kv_state(cluster: Cluster, name: str) -> StateDocument:
+    raw = ConsulClient(cluster.consul_addr).get_indexed(f"llmgw/state/{name}")[1]
+    return decode(StateDocument, raw) if raw else StateDocument(name=name)
+
+
+def task_events(cluster: Cluster, job_id: str) -> list[dict]:
+    return [e for a in nomad_get(cluster, f"/v1/job/{job_id}/allocations")
+            for s in (a.get("TaskStates") or {}).values() for e in s.get("Events") or []]
+
+
+def test_c15_crash_after_ready_counts_and_parks_never_shown_serving_between_crashes(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    folder = write_model(tmp_path / "m", "c15-crash", tiny_model,
+                         profile=SMALL + "\n  engine: crash-llama.cpp")
+    assert planner("apply", str(folder)).returncode == 0
+    seen: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            model = planner_daemon.model("c15-crash")
+            seen.append((model["state"], model["consecutive_failures"]))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        failing = wait_for(lambda: (m := planner_daemon.model("c15-crash"))["state"] == "failing"
+                           and m["ready"] == 1 and m, 120, "failing while it passes")
+        parked = wait_for(lambda: (m := planner_daemon.model("c15-crash"))["state"] == "parked"
+                          and m, 5 * (CRASH_AFTER_S + 10) + 30, "c15-crash parked")
+    finally:
+        done.set()
+        watcher.join()
+    assert failing["consecutive_failures"] >= 1
+    assert "after it passed its health check" in failing["last_error"]
+    assert parked["consecutive_failures"] == 5
+    # After the first crash it is never plain "serving", though it passes between crashes.
+    after_first = [state for state, count in seen if count >= 1]
+    assert after_first and "serving" not in after_first, seen
+    time.sleep(6)
+    assert starts(cluster, "c15-crash") == 5
+
+
+def test_c17_retry_racing_a_park_and_usage_reports_leaves_kv_and_nomad_agreeing(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    """200 rounds of a `planner retry` (through the admin API, as the CLI and the router
+    reach it), a park (the watcher's action, run here from a thread), and 50 usage
+    reports, all at once. A model with `replicas: 0` so no process starts 200 times."""
+    folder = write_model(tmp_path / "m", "c17-race", tiny_model, replicas=0)
+    assert planner("apply", str(folder)).returncode == 0
+    nomad, consul = NomadClient(cluster.nomad_addr), ConsulClient(cluster.consul_addr)
+    store = StateStore(consul)
+    parked = Parked(reason="5 consecutive start failures", last_error="race",
+                    since="2026-11-30T00:00:00+00:00")
+
+    def post(path: str, body: dict | None = None) -> None:
+        request = urllib.request.Request(
+            f"{planner_daemon.url}{path}", data=json.dumps(body or {}).encode(),
+            method="POST", headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
+                                    "Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).close()
+
+    disagreements = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        for round_ in range(200):
+            work = [pool.submit(actions.park, nomad, store, "c17-race", parked),
+                    pool.submit(post, "/v1/models/c17-race/retry")]
+            work += [pool.submit(post, "/v1/usage", {"models": ["c17-race"]})
+                     for _ in range(50)]
+            for future in work:
+                future.result()
+            # The watcher syncs parking from Job events too: wait until it has caught up
+            # with the last register (a bounded wait for a condition, never a sleep).
+            job = nomad_get(cluster, "/v1/job/c17-race")
+            wait_for(lambda job=job: kv_state(cluster, "c17-race").job_index >=
+                     job["JobModifyIndex"], 10, "the KV copy to reach the job's index")
+            in_nomad = actions.parked_from_job(job) is not None
+            in_kv = kv_state(cluster, "c17-race").parked is not None
+            if in_nomad != in_kv:
+                disagreements.append((round_, in_nomad, in_kv))
+    assert disagreements == []
+
+
+def test_c19_a_reload_after_sigkill_gets_its_load_grace_again(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    folder = write_model(tmp_path / "m", "c19-reload", tiny_model,
+                         profile=SMALL + "\n  engine: wait8-llama.cpp\n  load_timeout: 60s")
+    assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
+    first = llama_pid("c19-reload")
+    killed_at = time.monotonic()
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: (m := planner_daemon.model("c19-reload"))["ready"] == 0 and m, 15,
+             "the killed replica out of Consul")
+    wait_for(lambda: planner_daemon.model("c19-reload")["ready"] == 1, 60, "serving again")
+    back_after = time.monotonic() - killed_at
+    print(f"C19: serving again {back_after:.1f} s after SIGKILL (load 8 s + restart delay 5 s)")
+    kinds = [e["Type"] for e in task_events(cluster, "c19-reload")]
+    assert "Restart Signaled" not in kinds, kinds  # the health check never killed the reload
+    [alloc] = nomad_get(cluster, "/v1/job/c19-reload/allocations")
+    assert alloc["TaskStates"]["llama-server"]["Restarts"] == 1
+    assert back_after < 40
+
+
+def test_c20_room_being_made_waits_for_it_and_serves(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
+        tiny_model: Path, tmp_path: Path) -> None:
+    hog = tmp_path / "hog"
+    hog_memory = free_memory_mb(cluster) - 1024  # leaves less than B's 2 GiB
+    profile = f'cpu: 100\n  memory: {hog_memory}MiB\n  args: ["--threads", "1"]\n' \
+              '  engine: slowstop-llama.cpp'
+    write_model(hog, "c20-a", tiny_model, profile=profile)
+    assert planner("apply", str(hog), "--wait", "--timeout", "60").returncode == 0
+    folder = on_demand_model(tmp_path / "m", "c20-b", f"file://{tiny_model}",
+                             profile="cpu: 100\n  memory: 2GiB")
+    assert planner("apply", str(folder)).returncode == 0
+
+    write_model(hog, "c20-a", tiny_model, profile=profile, replicas=0)
+    assert planner("apply", str(hog)).returncode == 0
+    # At once: A's allocation is still stopping (its engine takes 4 s to exit).
+    stopping = [a for a in nomad_get(cluster, "/v1/job/c20-a/allocations")
+                if a["DesiredStatus"] == "stop" and a["ClientStatus"] == "running"]
+    assert stopping, "A stopped before the request: the case did not happen"
+    answer = complete(router, "c20-b")
+    assert answer["usage"]["completion_tokens"] > 0
+
+
+def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        planner_env: dict[str, str], tmp_path: Path) -> None:
+    standby = PlannerDaemon(planner_env, cluster.root / "planner-standby.log")
+    standby.start()
+    try:
+        assert http_json(f"{standby.url}/health")["role"] == "follower"
+        kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+        folder = write_model(tmp_path / "m", "failover-kev", kev)
+        assert planner("apply", str(folder)).returncode == 0
+        wait_for(lambda: planner_daemon.model("failover-kev")["consecutive_failures"] >= 2, 60,
+                 "two counted failures")
+        assert planner_daemon.proc is not None
+        killed_at = time.monotonic()
+        planner_daemon.proc.send_signal(signal.SIGKILL)
+        planner_daemon.proc.wait()
+        planner_daemon.proc = None
+        wait_for(lambda: http_json(f"{standby.url}/health", timeout=2)["role"] == "leader", 20,
+                 "the standby to take the lead")
+        leading = time.monotonic() - killed_at
+        wait_for(lambda: http_json(f"{standby.url}/health", timeout=2)["ready"], 20,
+                 "the new leader to reconcile")
+        acting = time.monotonic() - killed_at
+        print(f"failover: SIGKILL -> new leader {leading:.1f} s, reconciled {acting:.1f} s")
+        assert leading < 15
+        parked = wait_for(lambda: (m := standby.model("failover-kev"))["state"] == "parked"
+                          and m, 90, "failover-kev parked by the new leader")
+        assert parked["consecutive_failures"] == 5
+        time.sleep(6)
+        assert starts(cluster, "failover-kev") == 5
+    finally:
+        planner_daemon.start()  # a follower now
+        standby.stop()  # hands the lead back at once
+        wait_for(lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] ==
+                 "leader", 20, "the session's planner to lead again")

@@ -1,0 +1,59 @@
+"""Test-only engines: the real llama-server behind small shell wrappers that produce,
+for real processes under real Nomad and Consul, behaviours no tiny model produces by
+itself. Each one is a fake of one thing, and says which.
+
+    llama.cpp             the real llama-server, nothing wrapped
+    slow-llama.cpp        sleeps 90 s first: a model that takes 90 s to load (C09). A real
+                          one needs gigabytes of weights; to Nomad and Consul it is the
+                          same, a server that does not answer its health check for 90 s
+    wait8-llama.cpp       sleeps 8 s first: a model that loads in about 8 s (C19)
+    crash-llama.cpp       serves, passes its health check, then exits 1 after
+                          CRASH_AFTER_S, every time: a server that aborts on its first real
+                          request (C15, reported against llama-swap)
+    slowstop-llama.cpp    takes STOP_DELAY_S to exit when told to stop: a large model
+                          freeing its memory, so "room being made" lasts long enough to
+                          be seen (C20)
+    nodefault-llama.cpp   on a node whose agent has LLMGW_FAKE_FAULT=missing-model in its
+                          environment (raw_exec tasks inherit it), exits 1 the way
+                          llama-server does when the model file is missing on that node;
+                          elsewhere the real server (C14)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SLOW_START_SECONDS = 90
+CRASH_AFTER_S = 8
+STOP_DELAY_S = 4
+
+# What llama-server prints (stderr) for a missing file, trimmed (a real run's lines).
+_MISSING = ("gguf_init_from_file: failed to open GGUF file '$model' (No such file or "
+            "directory)\nllama_model_load: error loading model: llama_model_loader: failed "
+            "to load model from $model\nsrv  llama_server: exiting due to model loading error")
+
+
+def write_engines(folder: Path, llama_server: Path) -> dict[str, str]:
+    """Write the wrappers into `folder`; returns LLMGW_ENGINES' map {name: path}."""
+    real = str(llama_server)
+    scripts = {
+        "slow-llama.cpp": f'sleep {SLOW_START_SECONDS}\nexec {real} "$@"\n',
+        "wait8-llama.cpp": f'sleep 8\nexec {real} "$@"\n',
+        "crash-llama.cpp": (f'{real} "$@" &\nsleep {CRASH_AFTER_S}\nkill -9 $!\n'
+                            'echo "crash-llama.cpp: aborting after serving" >&2\nexit 1\n'),
+        "slowstop-llama.cpp": (f'{real} "$@" &\npid=$!\n'
+                               f'trap "sleep {STOP_DELAY_S}; kill $pid; exit 0" INT TERM\n'
+                               'wait $pid\n'),
+        "nodefault-llama.cpp": ('if [ "$LLMGW_FAKE_FAULT" = missing-model ]; then\n'
+                                '  model=$2\n'
+                                f'  printf "%s\\n" "{_MISSING}" >&2\n'
+                                '  exit 1\nfi\n'
+                                f'exec {real} "$@"\n'),
+    }
+    engines = {"llama.cpp": real}
+    for name, body in scripts.items():
+        path = folder / name
+        path.write_text("#!/bin/sh\n" + body)
+        path.chmod(0o755)
+        engines[name] = str(path)
+    return engines

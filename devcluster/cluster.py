@@ -1,13 +1,47 @@
-"""A real single-node Consul + Nomad cluster on 127.0.0.1, for the demo and the tests.
+"""A real Consul + Nomad cluster on 127.0.0.1, for the demo and the tests: one dev
+node, plus up to three extra Nomad client nodes on the same machine.
 
-Called by `python -m devcluster up|down|status` (the demo, `make down`) and by
-the integration tests' session fixture. Both agents run in dev mode with
-their state, logs and pid files under one folder (`root`); Nomad registers
-services in this Consul. Two clusters can run side by side when given
-different `port_offset`s: the demo uses the standard ports (so `nomad` and
-`consul` CLIs work with no settings), the tests add 11000. Every port stays
-below Linux's ephemeral range (32768+), where an outgoing connection could
-already hold it.
+Called by `python -m devcluster up|down|status` (the demo, `make down`), by the
+integration tests' session fixture, and by tests that need several nodes
+(`Cluster(..., clients=(ClientNode("node-b", env=...),))`). The dev node is a
+`consul agent -dev` and a `nomad agent -dev` (server + client). Each extra node
+is a `nomad agent -config` in client mode, joined to the dev node's Nomad server,
+with its own `consul agent` in client mode joined to the dev Consul server. All
+state, logs and pid files live under one folder (`root`). Two clusters can run
+side by side when given different `port_offset`s: the demo uses the standard
+ports (so `nomad` and `consul` CLIs work with no settings), the tests add 11000
+(and step by 10). Every port stays below Linux's ephemeral range (32768+), where
+an outgoing connection could already hold it.
+
+What several Nomad clients on one host fight over, found by running two
+(Nomad 1.6.3, Consul 1.8.7, a cgroups v1 host), and how each node is kept apart:
+
+- Consul: a Nomad client deregisters from its Consul agent every `_nomad-task-`
+  service it does not know, once its first minute is over, on each 30 s sync
+  (`ServiceClient.sync` in command/agent/consul/service_client.go). Two clients
+  on one Consul agent removed each other's task services every 30 s. Hence one
+  Consul agent per node, which is also how Nomad is meant to be run; an
+  instance's Consul node is its Nomad node's name.
+- cgroups: the cpuset manager (client/lib/cgutil) owns its `cgroup_parent`
+  (default `/nomad` on v1, `nomad.slice` on v2). On v1 each client rewrites
+  `<parent>/shared` and removes the `<parent>/reserved/*` groups it does not
+  know every 30 s: a job with `resources { cores = 1 }` on one node had its
+  reservation undone by the other every 30 s. On v2 each client removes the
+  task scopes it does not know, which can race another node's task start.
+  Hence `cgroup_parent = /llmgw-<offset>-<node>.slice` per node (removed by
+  `down`). raw_exec tasks on v1 join only a freezer group,
+  `/nomad/<random uuid>` whatever the parent, so those never collide.
+- Node identity: `no_host_uuid = true` (the default, stated) gives each node a
+  random ID kept in its own data_dir (`client/client-id`); with the host's
+  UUID two nodes would register as one.
+- Ports: a client-only Nomad agent binds just its HTTP port. Each node hands
+  out dynamic ports from its own bookkeeping, so each gets a disjoint quarter
+  of the cluster's dynamic range; static ports would collide across nodes.
+- Resources: every node fingerprints the whole machine (CPU MHz, memory), so
+  the scheduler sees the host's capacity once per node; `memory_total_mb` and
+  `cpu_total_compute` set what a client node advertises.
+- The environment: raw_exec tasks inherit their client agent's environment,
+  so `ClientNode.env` is how one node differs from another for a task.
 
 `down` leaves no process behind: it stops every job (so Nomad's executors end
 their tasks), stops the agents, then kills anything still running out of the
@@ -20,24 +54,71 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from devcluster.bootstrap import BIN
 
+# Each cluster owns ten ports from each base below (offsets step by 10):
+#   dev node   consul 8300-8302, 8500, 8502, 8600; nomad 4646-4648
+#   client k   nomad http 4650+k; consul http 8503+k, serf LAN 8303+k  (k = 1..3)
+# 4649 and 4650 stay free: 4650 is the demo planner's admin port.
+MAX_CLIENTS = 3
+_DEV_PORTS = (8300, 8301, 8302, 8500, 8502, 8600, 4646, 4647, 4648)
+_NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?")
+_CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset"), Path("/sys/fs/cgroup"))  # v1 cpuset, v2
+
+
+@dataclass(frozen=True)
+class ClientNode:
+    """An extra Nomad client node: its name (the Nomad and Consul node name), the
+    environment its agent (and so every raw_exec task on it) gets on top of the
+    cluster's, its node meta, and, when set, the memory (MiB) and CPU (MHz) it
+    advertises instead of the whole machine's."""
+
+    name: str
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    meta: Mapping[str, str] = field(default_factory=dict, hash=False)
+    memory_total_mb: int | None = None
+    cpu_total_compute: int | None = None
+
 
 @dataclass(frozen=True)
 class Cluster:
-    """Where one dev cluster lives and which ports it uses."""
+    """Where one dev cluster lives, which ports it uses, and its extra client nodes.
+
+    Raises ValueError for more than MAX_CLIENTS clients, a name used twice, or a
+    name that is not a lower-case DNS label."""
 
     root: Path
     port_offset: int = 0
+    clients: tuple[ClientNode, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [node.name for node in self.clients]
+        if len(names) > MAX_CLIENTS:
+            raise ValueError(f"at most {MAX_CLIENTS} client nodes, got {len(names)}")
+        if len(set(names)) != len(names) or self.node_name in names:
+            raise ValueError(f"node names must differ from each other and {self.node_name}")
+        if bad := [name for name in names if not _NODE_NAME.fullmatch(name)]:
+            raise ValueError(f"node names must be lower-case DNS labels: {bad}")
+
+    @property
+    def node_name(self) -> str:
+        """The dev node's name, in Nomad and in Consul."""
+        return f"llmgw-dev-{self.port_offset}"
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return (self.node_name, *(node.name for node in self.clients))
 
     @property
     def consul_http_port(self) -> int:
@@ -63,6 +144,10 @@ class Cluster:
             "CONSUL_HTTP_ADDR": f"127.0.0.1:{self.consul_http_port}",
         }
 
+    def slot(self, node: ClientNode) -> int:
+        """1 for the first client node, 2 for the second... (0 is the dev node)."""
+        return self.clients.index(node) + 1
+
     def pidfile(self, agent: str) -> Path:
         return self.root / f"{agent}.pid"
 
@@ -70,17 +155,37 @@ class Cluster:
         return self.root / f"{agent}.log"
 
 
+def _client_ports(cluster: Cluster, node: ClientNode) -> dict[str, int]:
+    k, o = cluster.slot(node), cluster.port_offset
+    return {"nomad_http": 4650 + k + o, "consul_http": 8503 + k + o,
+            "consul_serf_lan": 8303 + k + o}
+
+
+def _dynamic_ports(cluster: Cluster, slot: int) -> tuple[int, int]:
+    """The dynamic port range of node `slot`, inclusive. The demo's cluster has
+    20000-24999, others 1000 each from 25000 by offset, all below 32768; each
+    node gets its own quarter, as a client only avoids ports its own tasks hold."""
+    o = cluster.port_offset
+    low, size = (20000, 5000) if o == 0 else (25000 + (o // 10 % 5) * 1000, 1000)
+    part = size // (MAX_CLIENTS + 1)
+    return low + slot * part, low + (slot + 1) * part - 1
+
+
+def _cgroup_parent(cluster: Cluster, name: str) -> str:
+    return f"/llmgw-{cluster.port_offset}-{name}.slice"
+
+
 def _get_json(url: str, timeout: float = 2.0) -> object:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.load(response)
 
 
-def _wait(what: str, check: object, timeout: float, log: Path) -> None:
+def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
         try:
-            if check():  # type: ignore[operator]
+            if check():
                 return
         except (OSError, urllib.error.URLError, ValueError) as exc:
             last = str(exc)
@@ -90,11 +195,12 @@ def _wait(what: str, check: object, timeout: float, log: Path) -> None:
 
 
 def free_offset(candidates: range) -> int:
-    """The first port offset whose consul and nomad ports are all free (so two test
-    runs, e.g. two checkouts, each get a cluster of their own)."""
+    """The first port offset whose ports (the dev node's and every client slot's) are
+    all free, so two test runs, e.g. two checkouts, each get a cluster of their own."""
+    slots = range(1, MAX_CLIENTS + 1)
+    base = [*_DEV_PORTS, *(p + k for k in slots for p in (4650, 8503, 8303))]
     for offset in candidates:
-        ports = [p + offset for p in (8300, 8301, 8302, 8500, 8502, 8600, 4646, 4647, 4648)]
-        if not any(_port_taken(port) for port in ports):
+        if not any(_port_taken(port + offset) for port in base):
             return offset
     raise OSError(f"no free port offset in {candidates}")
 
@@ -104,9 +210,8 @@ def _port_taken(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _spawn(cluster: Cluster, agent: str, argv: list[str],
-           extra_env: dict[str, str] | None = None) -> None:
-    port = cluster.consul_http_port if agent == "consul" else cluster.nomad_http_port
+def _spawn(cluster: Cluster, agent: str, argv: list[str], port: int,
+           env: Mapping[str, str]) -> None:
     if _port_taken(port):
         raise OSError(f"{agent}: 127.0.0.1:{port} is already in use, by an agent this "
                       f"cluster ({cluster.root}) did not start; stop it first")
@@ -114,7 +219,7 @@ def _spawn(cluster: Cluster, agent: str, argv: list[str],
     with cluster.log(agent).open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **(extra_env or {})})
+                                env={**os.environ, **env})
     cluster.pidfile(agent).write_text(str(proc.pid))
 
 
@@ -140,7 +245,7 @@ def _running_pid(cluster: Cluster, agent: str) -> int | None:
 def _consul_argv(cluster: Cluster) -> list[str]:
     o = cluster.port_offset
     return [
-        str(BIN / "consul"), "agent", "-dev", "-node", f"llmgw-dev-{o}",
+        str(BIN / "consul"), "agent", "-dev", "-node", cluster.node_name,
         "-bind", "127.0.0.1", "-client", "127.0.0.1",
         "-http-port", str(8500 + o), "-dns-port", str(8600 + o),
         "-serf-lan-port", str(8301 + o), "-serf-wan-port", str(8302 + o),
@@ -148,24 +253,28 @@ def _consul_argv(cluster: Cluster) -> list[str]:
     ]
 
 
-def _nomad_config(cluster: Cluster) -> str:
-    o = cluster.port_offset
-    # Dynamic ports (where llama-server listens): the demo's cluster gets
-    # 20000-24999, others 1000 each from 25000 by offset, all below Linux's
-    # ephemeral range (32768+).
-    low, size = (20000, 5000) if o == 0 else (25000 + (o // 10 % 5) * 1000, 1000)
-    return f"""
-data_dir  = "{cluster.root / 'nomad'}"
-bind_addr = "127.0.0.1"
-name      = "llmgw-dev-{o}"
-ports {{
-  http = {4646 + o}
-  rpc  = {4647 + o}
-  serf = {4648 + o}
-}}
-client {{
+def _consul_client_argv(cluster: Cluster, node: ClientNode) -> list[str]:
+    ports = _client_ports(cluster, node)
+    # A client agent binds only HTTP and serf LAN (DNS and gRPC off); it joins the
+    # dev server's serf LAN, retrying every second rather than Consul's 30 s.
+    return [
+        str(BIN / "consul"), "agent", "-node", node.name, "-disable-host-node-id",
+        "-data-dir", str(cluster.root / "nodes" / node.name / "consul"),
+        "-bind", "127.0.0.1", "-client", "127.0.0.1",
+        "-http-port", str(ports["consul_http"]), "-dns-port", "-1", "-grpc-port", "-1",
+        "-serf-lan-port", str(ports["consul_serf_lan"]),
+        "-retry-join", f"127.0.0.1:{8301 + cluster.port_offset}", "-retry-interval", "1s",
+    ]
+
+
+def _client_block(cluster: Cluster, name: str, slot: int, extra: str = "") -> str:
+    """The `client` settings every node shares, with its own ports and cgroup parent."""
+    low, high = _dynamic_ports(cluster, slot)
+    return f"""client {{
+  cgroup_parent    = "{_cgroup_parent(cluster, name)}"
+  no_host_uuid     = true
   min_dynamic_port = {low}
-  max_dynamic_port = {low + size - 1}
+  max_dynamic_port = {high}
   options = {{
     "driver.denylist" = "docker,qemu,java,exec"
   }}
@@ -176,10 +285,7 @@ client {{
     set_environment_variables    = "SSL_CERT_FILE"
     disable_filesystem_isolation = true
   }}
-}}
-consul {{
-  address = "127.0.0.1:{8500 + o}"
-}}
+{extra}}}
 plugin "raw_exec" {{
   config {{
     enabled = true
@@ -188,42 +294,134 @@ plugin "raw_exec" {{
 """
 
 
-def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None = None) -> None:
-    """Start both agents (if not already running) and wait until Nomad has a ready node.
+def _nomad_config(cluster: Cluster) -> str:
+    o = cluster.port_offset
+    return f"""
+data_dir  = "{cluster.root / 'nomad'}"
+bind_addr = "127.0.0.1"
+name      = "{cluster.node_name}"
+ports {{
+  http = {4646 + o}
+  rpc  = {4647 + o}
+  serf = {4648 + o}
+}}
+consul {{
+  address = "127.0.0.1:{8500 + o}"
+}}
+{_client_block(cluster, "dev", 0)}"""
 
-    `extra_env` goes to the Nomad agent (the tests pass SSL_CERT_FILE so its
-    downloader trusts their CA). Raises TimeoutError, with the agent's log
-    tail, when an agent is not ready in time.
+
+def _nomad_client_config(cluster: Cluster, node: ClientNode) -> str:
+    ports, data = _client_ports(cluster, node), cluster.root / "nodes" / node.name / "nomad"
+    meta = "".join(f"    {json.dumps(k)} = {json.dumps(v)}\n" for k, v in node.meta.items())
+    totals = "".join(f"  {key} = {value}\n" for key, value in (
+        ("memory_total_mb", node.memory_total_mb),
+        ("cpu_total_compute", node.cpu_total_compute)) if value is not None)
+    extra = (f'  enabled   = true\n  servers   = ["127.0.0.1:{4647 + cluster.port_offset}"]\n'
+             f'  state_dir = "{data / "client"}"\n  alloc_dir = "{data / "alloc"}"\n'
+             f"{totals}  meta {{\n{meta}  }}\n")
+    # Outside -dev mode an agent bound to loopback will not guess its advertise
+    # addresses; a client binds only HTTP, so rpc and serf stay at their defaults.
+    return f"""
+data_dir             = "{data}"
+bind_addr            = "127.0.0.1"
+name                 = "{node.name}"
+disable_update_check = true
+advertise {{
+  http = "127.0.0.1"
+  rpc  = "127.0.0.1"
+  serf = "127.0.0.1"
+}}
+ports {{
+  http = {ports["nomad_http"]}
+}}
+consul {{
+  address = "127.0.0.1:{ports["consul_http"]}"
+}}
+{_client_block(cluster, node.name, cluster.slot(node), extra)}"""
+
+
+def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None = None) -> None:
+    """Start every agent not already running, and wait until each Nomad node is ready
+    with raw_exec healthy.
+
+    `extra_env` goes to every Nomad agent (the tests pass SSL_CERT_FILE so the
+    downloader trusts their CA); a client node's own `env` goes on top. Raises
+    TimeoutError, with the agent's log tail, when an agent is not ready in time,
+    and OSError when one of the cluster's ports is held by another agent.
     """
+    env = extra_env or {}
     cluster.root.mkdir(parents=True, exist_ok=True)
     if _running_pid(cluster, "consul") is None:
-        _spawn(cluster, "consul", _consul_argv(cluster))
+        _spawn(cluster, "consul", _consul_argv(cluster), cluster.consul_http_port, {})
     _wait("consul", lambda: _consul_ready(cluster), timeout, cluster.log("consul"))
+    # Client nodes start once the servers answer: a Nomad client that finds no
+    # server waits 15 s before registering again.
     if _running_pid(cluster, "nomad") is None:
         config = cluster.root / "nomad.hcl"
         config.write_text(_nomad_config(cluster))
         _spawn(cluster, "nomad", [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
-               extra_env)
-    _wait("nomad node", lambda: _nomad_ready(cluster), timeout, cluster.log("nomad"))
+               cluster.nomad_http_port, env)
+    for node in cluster.clients:
+        if _running_pid(cluster, f"consul-{node.name}") is None:
+            _spawn(cluster, f"consul-{node.name}", _consul_client_argv(cluster, node),
+                   _client_ports(cluster, node)["consul_http"], {})
+    _wait("nomad server", lambda: _nomad_leader(cluster), timeout, cluster.log("nomad"))
+    for node in cluster.clients:
+        _wait(f"consul agent {node.name}", lambda node=node: _consul_client_ready(cluster, node),
+              timeout, cluster.log(f"consul-{node.name}"))
+        if _running_pid(cluster, f"nomad-{node.name}") is None:
+            config = cluster.root / "nodes" / node.name / "nomad.hcl"
+            config.write_text(_nomad_client_config(cluster, node))
+            _spawn(cluster, f"nomad-{node.name}",
+                   [str(BIN / "nomad"), "agent", "-config", str(config)],
+                   _client_ports(cluster, node)["nomad_http"], {**env, **node.env})
+    _wait("nomad node", lambda: _node_ready(cluster, cluster.node_name), timeout,
+          cluster.log("nomad"))
+    for node in cluster.clients:
+        _wait(f"nomad node {node.name}", lambda node=node: _client_node_ready(cluster, node),
+              timeout, cluster.log(f"nomad-{node.name}"))
+
+
+def _agent_name(addr: str, key: str) -> str:
+    me = _get_json(f"{addr}/v1/agent/self")
+    return me[key]["NodeName"]  # type: ignore[index]
 
 
 def _consul_ready(cluster: Cluster) -> bool:
     """A leader, and the agent answering is ours (not another one holding the port)."""
-    me = _get_json(f"{cluster.consul_addr}/v1/agent/self")
-    if me["Config"]["NodeName"] != f"llmgw-dev-{cluster.port_offset}":  # type: ignore[index]
+    if _agent_name(cluster.consul_addr, "Config") != cluster.node_name:
         raise OSError(f"port {cluster.consul_http_port} is held by another consul agent")
     return bool(_get_json(f"{cluster.consul_addr}/v1/status/leader"))
 
 
-def _nomad_ready(cluster: Cluster) -> bool:
-    me = _get_json(f"{cluster.nomad_addr}/v1/agent/self")
-    if me["config"]["NodeName"] != f"llmgw-dev-{cluster.port_offset}":  # type: ignore[index]
+def _consul_client_ready(cluster: Cluster, node: ClientNode) -> bool:
+    """Ours, and joined: a client agent knows the leader only through a server."""
+    addr = f"http://127.0.0.1:{_client_ports(cluster, node)['consul_http']}"
+    if _agent_name(addr, "Config") != node.name:
+        raise OSError(f"{addr} is held by another consul agent")
+    return bool(_get_json(f"{addr}/v1/status/leader"))
+
+
+def _nomad_leader(cluster: Cluster) -> bool:
+    if _agent_name(cluster.nomad_addr, "config") != cluster.node_name:
         raise OSError(f"port {cluster.nomad_http_port} is held by another nomad agent")
+    return bool(_get_json(f"{cluster.nomad_addr}/v1/status/leader"))
+
+
+def _client_node_ready(cluster: Cluster, node: ClientNode) -> bool:
+    addr = f"http://127.0.0.1:{_client_ports(cluster, node)['nomad_http']}"
+    if _agent_name(addr, "config") != node.name:
+        raise OSError(f"{addr} is held by another nomad agent")
+    return _node_ready(cluster, node.name)
+
+
+def _node_ready(cluster: Cluster, name: str) -> bool:
+    """The server lists a node of that name as ready, with raw_exec healthy."""
     nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes")
-    if not isinstance(nodes, list) or not nodes or nodes[0].get("Status") != "ready":
-        return False
-    drivers = nodes[0].get("Drivers") or {}
-    return bool(drivers.get("raw_exec", {}).get("Healthy"))
+    return any(n.get("Name") == name and n.get("Status") == "ready"
+               and (n.get("Drivers") or {}).get("raw_exec", {}).get("Healthy")
+               for n in nodes if isinstance(n, dict)) if isinstance(nodes, list) else False
 
 
 def _stop_jobs(cluster: Cluster, timeout: float) -> None:
@@ -248,21 +446,27 @@ def _stop_jobs(cluster: Cluster, timeout: float) -> None:
         time.sleep(0.25)
 
 
-def _stop_pid(pid: int, timeout: float) -> None:
-    try:
-        os.killpg(pid, signal.SIGINT)
-    except ProcessLookupError:
-        return
+def _stop_agents(cluster: Cluster, agents: list[str], timeout: float) -> None:
+    """SIGINT to each agent's process group at once, SIGKILL to those left after `timeout`."""
+    pids = [pid for agent in agents if (pid := _running_pid(cluster, agent)) is not None]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGINT)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
-    if _alive(pid):
-        os.killpg(pid, signal.SIGKILL)
-    _alive(pid)  # reap it if it is our child
+    for pid in pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        _alive(pid)  # reap it if it is our child
+    for agent in agents:
+        cluster.pidfile(agent).unlink(missing_ok=True)
 
 
-def _leftovers(root: Path) -> list[int]:
-    """Processes whose command line or working folder is inside the cluster's folder."""
+def leftovers(root: Path) -> list[int]:
+    """Processes whose command line or working folder is inside `root` (agents, Nomad
+    executors, tasks): what `down` kills, and what must be none after it."""
     found = []
     needle = str(root.resolve())
     for proc in Path("/proc").iterdir():
@@ -278,20 +482,53 @@ def _leftovers(root: Path) -> list[int]:
     return found
 
 
+def _client_names(cluster: Cluster) -> list[str]:
+    """Declared client nodes, and any whose agent a pid file shows (started from a
+    `Cluster` value that declared more clients than this one)."""
+    started = [p.name[len("nomad-"):-len(".pid")] for p in cluster.root.glob("nomad-*.pid")]
+    return sorted({*(node.name for node in cluster.clients), *started})
+
+
+def _remove_cgroups(cluster: Cluster, names: list[str]) -> None:
+    """Remove the nodes' (empty) cgroup parents, deepest first; Nomad leaves them."""
+    for name in names:
+        for root in _CGROUP_ROOTS:
+            top = root / _cgroup_parent(cluster, name).lstrip("/")
+            for folder, _, _ in os.walk(top, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+
+
+def _unmount(root: Path) -> None:
+    """Unmount what Nomad mounted inside `root`, deepest first: the tmpfs `secrets` and
+    `private` folders of each task. A -dev agent destroys its allocations when it
+    stops; a client agent keeps them, to reattach to its tasks when it restarts."""
+    needle = str(root.resolve()) + "/"
+    with open("/proc/self/mountinfo") as mounts:
+        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
+                  for line in mounts]
+    for point in sorted((p for p in points if p.startswith(needle)), key=len, reverse=True):
+        subprocess.run(["umount", point], check=False, capture_output=True)
+
+
 def down(cluster: Cluster, timeout: float = 30.0) -> None:
-    """Stop every job, both agents, and anything left running from the cluster's folder."""
+    """Stop every job, every agent, and anything left running from the cluster's folder."""
     if _running_pid(cluster, "nomad") is not None:
         _stop_jobs(cluster, timeout)
-    for agent in ("nomad", "consul"):
-        pid = _running_pid(cluster, agent)
-        if pid is not None:
-            _stop_pid(pid, timeout)
-        cluster.pidfile(agent).unlink(missing_ok=True)
-    for pid in _leftovers(cluster.root):
+    clients = _client_names(cluster)
+    # Nomad agents first: on the way out they deregister from their Consul agent.
+    _stop_agents(cluster, [*(f"nomad-{name}" for name in clients), "nomad"], timeout)
+    _stop_agents(cluster, [*(f"consul-{name}" for name in clients), "consul"], timeout)
+    for pid in leftovers(cluster.root):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    _unmount(cluster.root)
+    _remove_cgroups(cluster, ["dev", *clients])
 
 
 def status(cluster: Cluster) -> dict[str, bool]:
-    """Which agents of this cluster are running."""
-    return {agent: _running_pid(cluster, agent) is not None for agent in ("consul", "nomad")}
+    """Which agents of this cluster are running: `consul`, `nomad`, and
+    `consul-<node>`, `nomad-<node>` for each client node."""
+    agents = ["consul", "nomad", *(f"{kind}-{node.name}" for node in cluster.clients
+                                   for kind in ("consul", "nomad"))]
+    return {agent: _running_pid(cluster, agent) is not None for agent in agents}

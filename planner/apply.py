@@ -83,8 +83,9 @@ def _update_reason(new: Job, old: Job) -> str:
 
 
 def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Change:
-    """A parked model stays parked under the same definition (docs/architecture.md, "Parking": lifted
-    only by a new source or profile, or `planner retry`); a new one lifts it."""
+    """A parked model stays parked under the same definition (docs/architecture.md,
+    "Parking": lifted only by a new source or profile, or `planner retry`); a new one
+    lifts it."""
     if job["Meta"][JobMeta.DEFINITION_HASH] != parked.definition_hash:
         return Change(name, Action.UPDATE, "source or profile changed; lifts parking", job,
                       unpark=True)

@@ -1,6 +1,6 @@
 """Consul watches that keep the :class:`~router.endpoints.EndpointTable` fresh.
 
-Three watches for every model at once, and one per model:
+Three watches cover every model at once, and one more follows each model:
 
 - the KV prefix ``llmgw/models/`` (model records) and ``/v1/catalog/services``
   (which models have an ``llmgw-<model>`` service registered): the table's

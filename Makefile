@@ -3,7 +3,7 @@
 PY ?= python3
 VENV := .venv/bin
 
-.PHONY: bootstrap demo test down lint bench
+.PHONY: bootstrap demo test unit down lint bench
 
 bootstrap:
 	$(PY) -m devcluster.bootstrap
@@ -14,6 +14,11 @@ demo:
 
 test: bootstrap lint
 	$(VENV)/python -m pytest
+
+# Unit tests only: seconds, no agents, no binaries (only the .venv is built).
+unit:
+	$(PY) -m devcluster.bootstrap --venv-only
+	$(VENV)/python -m pytest tests/unit -q
 
 lint:
 	$(VENV)/ruff check .

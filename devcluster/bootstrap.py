@@ -365,10 +365,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--with-demo-model", action="store_true",
                         help="also fetch the Gemma 3 270M GGUF the demo serves")
+    parser.add_argument("--venv-only", action="store_true",
+                        help="only the .venv (enough for `make unit` and `make lint`)")
     args = parser.parse_args()
     started = time.monotonic()
     say(f"cache: {CACHE}")
     step("python venv (.venv)", venv_done, venv_build)
+    if args.venv_only:
+        return
     step(f"consul {CONSUL_VERSION}", consul_done, consul_build)
     step(f"nomad {NOMAD_VERSION}", nomad_done, nomad_build)
     step("llama-server", llama_done, llama_build)

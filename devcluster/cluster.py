@@ -79,9 +79,9 @@ _CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset"), Path("/sys/fs/cgroup"))  # v1 cp
 
 @dataclass(frozen=True)
 class ClientNode:
-    """An extra Nomad client node: its name (the Nomad and Consul node name), the
-    environment its agent (and so every raw_exec task on it) gets on top of the
-    cluster's, its node meta, and, when set, the memory (MiB) and CPU (MHz) it
+    """An extra Nomad client node: its name (its Nomad and Consul node name), the
+    environment its agent gets on top of the cluster's (so every raw_exec task on
+    it does), its node meta, and, when set, the memory (MiB) and CPU (MHz) it
     advertises instead of the whole machine's."""
 
     name: str
@@ -95,8 +95,8 @@ class ClientNode:
 class Cluster:
     """Where one dev cluster lives, which ports it uses, and its extra client nodes.
 
-    Raises ValueError for more than MAX_CLIENTS clients, a name used twice, or a
-    name that is not a lower-case DNS label."""
+    Raises ValueError for more than MAX_CLIENTS clients, a name used twice (or the
+    dev node's), or a name that is not a lower-case DNS label."""
 
     root: Path
     port_offset: int = 0
@@ -106,7 +106,7 @@ class Cluster:
         names = [node.name for node in self.clients]
         if len(names) > MAX_CLIENTS:
             raise ValueError(f"at most {MAX_CLIENTS} client nodes, got {len(names)}")
-        if len(set(names)) != len(names) or self.node_name in names:
+        if len({*names, self.node_name}) != len(names) + 1:
             raise ValueError(f"node names must differ from each other and {self.node_name}")
         if bad := [name for name in names if not _NODE_NAME.fullmatch(name)]:
             raise ValueError(f"node names must be lower-case DNS labels: {bad}")
@@ -118,6 +118,7 @@ class Cluster:
 
     @property
     def node_names(self) -> tuple[str, ...]:
+        """Every node's name, the dev node's first."""
         return (self.node_name, *(node.name for node in self.clients))
 
     @property
@@ -144,10 +145,6 @@ class Cluster:
             "CONSUL_HTTP_ADDR": f"127.0.0.1:{self.consul_http_port}",
         }
 
-    def slot(self, node: ClientNode) -> int:
-        """1 for the first client node, 2 for the second... (0 is the dev node)."""
-        return self.clients.index(node) + 1
-
     def pidfile(self, agent: str) -> Path:
         return self.root / f"{agent}.pid"
 
@@ -155,10 +152,14 @@ class Cluster:
         return self.root / f"{agent}.log"
 
 
+def _slot(cluster: Cluster, node: ClientNode) -> int:
+    """1 for the first client node, 2 for the second... (0 is the dev node)."""
+    return cluster.clients.index(node) + 1
+
+
 def _client_ports(cluster: Cluster, node: ClientNode) -> dict[str, int]:
-    k, o = cluster.slot(node), cluster.port_offset
-    return {"nomad_http": 4650 + k + o, "consul_http": 8503 + k + o,
-            "consul_serf_lan": 8303 + k + o}
+    k = _slot(cluster, node) + cluster.port_offset
+    return {"nomad_http": 4650 + k, "consul_http": 8503 + k, "consul_serf_lan": 8303 + k}
 
 
 def _dynamic_ports(cluster: Cluster, slot: int) -> tuple[int, int]:
@@ -172,6 +173,9 @@ def _dynamic_ports(cluster: Cluster, slot: int) -> tuple[int, int]:
 
 
 def _cgroup_parent(cluster: Cluster, name: str) -> str:
+    """Absolute, as cgroups v1 needs (v2 takes it too); unique across clusters."""
+    if name == cluster.node_name:
+        return f"/{name}.slice"
     return f"/llmgw-{cluster.port_offset}-{name}.slice"
 
 
@@ -198,9 +202,9 @@ def free_offset(candidates: range) -> int:
     """The first port offset whose ports (the dev node's and every client slot's) are
     all free, so two test runs, e.g. two checkouts, each get a cluster of their own."""
     slots = range(1, MAX_CLIENTS + 1)
-    base = [*_DEV_PORTS, *(p + k for k in slots for p in (4650, 8503, 8303))]
+    ports = [*_DEV_PORTS, *(base + k for k in slots for base in (4650, 8503, 8303))]
     for offset in candidates:
-        if not any(_port_taken(port + offset) for port in base):
+        if not any(_port_taken(port + offset) for port in ports):
             return offset
     raise OSError(f"no free port offset in {candidates}")
 
@@ -208,19 +212,6 @@ def free_offset(candidates: range) -> int:
 def _port_taken(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _spawn(cluster: Cluster, agent: str, argv: list[str], port: int,
-           env: Mapping[str, str]) -> None:
-    if _port_taken(port):
-        raise OSError(f"{agent}: 127.0.0.1:{port} is already in use, by an agent this "
-                      f"cluster ({cluster.root}) did not start; stop it first")
-    cluster.root.mkdir(parents=True, exist_ok=True)
-    with cluster.log(agent).open("ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **env})
-    cluster.pidfile(agent).write_text(str(proc.pid))
 
 
 def _alive(pid: int) -> bool:
@@ -242,6 +233,24 @@ def _running_pid(cluster: Cluster, agent: str) -> int | None:
     return pid if _alive(pid) else None
 
 
+def _start(cluster: Cluster, agent: str, argv: list[str], port: int,
+           env: Mapping[str, str] | None = None, config: tuple[Path, str] | None = None) -> None:
+    """Start `agent` (after writing its config file) unless it is already running."""
+    if _running_pid(cluster, agent) is not None:
+        return
+    if _port_taken(port):
+        raise OSError(f"{agent}: 127.0.0.1:{port} is already in use, by an agent this "
+                      f"cluster ({cluster.root}) did not start; stop it first")
+    if config is not None:
+        config[0].parent.mkdir(parents=True, exist_ok=True)
+        config[0].write_text(config[1])
+    with cluster.log(agent).open("ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    cluster.pidfile(agent).write_text(str(proc.pid))
+
+
 def _consul_argv(cluster: Cluster) -> list[str]:
     o = cluster.port_offset
     return [
@@ -256,25 +265,30 @@ def _consul_argv(cluster: Cluster) -> list[str]:
 def _consul_client_argv(cluster: Cluster, node: ClientNode) -> list[str]:
     ports = _client_ports(cluster, node)
     # A client agent binds only HTTP and serf LAN (DNS and gRPC off); it joins the
-    # dev server's serf LAN, retrying every second rather than Consul's 30 s.
+    # dev server's serf LAN, retrying every second rather than Consul's 30 s. It
+    # skips the graceful leave on SIGINT (4 s): `down` stops its server too.
     return [
         str(BIN / "consul"), "agent", "-node", node.name, "-disable-host-node-id",
-        "-data-dir", str(cluster.root / "nodes" / node.name / "consul"),
+        "-data-dir", str(cluster.root / f"consul-{node.name}"),
         "-bind", "127.0.0.1", "-client", "127.0.0.1",
         "-http-port", str(ports["consul_http"]), "-dns-port", "-1", "-grpc-port", "-1",
         "-serf-lan-port", str(ports["consul_serf_lan"]),
         "-retry-join", f"127.0.0.1:{8301 + cluster.port_offset}", "-retry-interval", "1s",
+        "-hcl", "skip_leave_on_interrupt = true",
     ]
 
 
-def _client_block(cluster: Cluster, name: str, slot: int, extra: str = "") -> str:
-    """The `client` settings every node shares, with its own ports and cgroup parent."""
+def _client_block(cluster: Cluster, name: str, slot: int, own: list[str]) -> str:
+    """The `client` block and raw_exec plugin every node has; `own` are a node's
+    other client settings, one HCL line each."""
     low, high = _dynamic_ports(cluster, slot)
+    lines = "".join(f"  {line}\n" for line in own)
     return f"""client {{
-  cgroup_parent    = "{_cgroup_parent(cluster, name)}"
-  no_host_uuid     = true
-  min_dynamic_port = {low}
-  max_dynamic_port = {high}
+{lines}  cgroup_parent     = "{_cgroup_parent(cluster, name)}"
+  no_host_uuid      = true
+  network_interface = "lo"  # task addresses, so Consul check targets, on loopback
+  min_dynamic_port  = {low}
+  max_dynamic_port  = {high}
   options = {{
     "driver.denylist" = "docker,qemu,java,exec"
   }}
@@ -285,7 +299,7 @@ def _client_block(cluster: Cluster, name: str, slot: int, extra: str = "") -> st
     set_environment_variables    = "SSL_CERT_FILE"
     disable_filesystem_isolation = true
   }}
-{extra}}}
+}}
 plugin "raw_exec" {{
   config {{
     enabled = true
@@ -295,6 +309,7 @@ plugin "raw_exec" {{
 
 
 def _nomad_config(cluster: Cluster) -> str:
+    """The dev node's agent config (run with -dev, which makes it server and client)."""
     o = cluster.port_offset
     return f"""
 data_dir  = "{cluster.root / 'nomad'}"
@@ -308,18 +323,22 @@ ports {{
 consul {{
   address = "127.0.0.1:{8500 + o}"
 }}
-{_client_block(cluster, "dev", 0)}"""
+{_client_block(cluster, cluster.node_name, 0, [])}"""
 
 
 def _nomad_client_config(cluster: Cluster, node: ClientNode) -> str:
-    ports, data = _client_ports(cluster, node), cluster.root / "nodes" / node.name / "nomad"
-    meta = "".join(f"    {json.dumps(k)} = {json.dumps(v)}\n" for k, v in node.meta.items())
-    totals = "".join(f"  {key} = {value}\n" for key, value in (
-        ("memory_total_mb", node.memory_total_mb),
-        ("cpu_total_compute", node.cpu_total_compute)) if value is not None)
-    extra = (f'  enabled   = true\n  servers   = ["127.0.0.1:{4647 + cluster.port_offset}"]\n'
-             f'  state_dir = "{data / "client"}"\n  alloc_dir = "{data / "alloc"}"\n'
-             f"{totals}  meta {{\n{meta}  }}\n")
+    """A client node's agent config: client only, registered with the dev node's server."""
+    ports, data = _client_ports(cluster, node), cluster.root / node.name
+    own = [
+        "enabled   = true",
+        f'servers   = ["127.0.0.1:{4647 + cluster.port_offset}"]',
+        f'state_dir = "{data / "client"}"',
+        f'alloc_dir = "{data / "alloc"}"',
+        *(f"{key} = {value}" for key, value in (("memory_total_mb", node.memory_total_mb),
+                                                 ("cpu_total_compute", node.cpu_total_compute))
+          if value is not None),
+        "meta {", *(f"  {json.dumps(k)} = {json.dumps(v)}" for k, v in node.meta.items()), "}",
+    ]
     # Outside -dev mode an agent bound to loopback will not guess its advertise
     # addresses; a client binds only HTTP, so rpc and serf stay at their defaults.
     return f"""
@@ -338,7 +357,7 @@ ports {{
 consul {{
   address = "127.0.0.1:{ports["consul_http"]}"
 }}
-{_client_block(cluster, node.name, cluster.slot(node), extra)}"""
+{_client_block(cluster, node.name, _slot(cluster, node), own)}"""
 
 
 def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None = None) -> None:
@@ -352,30 +371,21 @@ def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None
     """
     env = extra_env or {}
     cluster.root.mkdir(parents=True, exist_ok=True)
-    if _running_pid(cluster, "consul") is None:
-        _spawn(cluster, "consul", _consul_argv(cluster), cluster.consul_http_port, {})
-    _wait("consul", lambda: _consul_ready(cluster), timeout, cluster.log("consul"))
-    # Client nodes start once the servers answer: a Nomad client that finds no
-    # server waits 15 s before registering again.
-    if _running_pid(cluster, "nomad") is None:
-        config = cluster.root / "nomad.hcl"
-        config.write_text(_nomad_config(cluster))
-        _spawn(cluster, "nomad", [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
-               cluster.nomad_http_port, env)
+    _start(cluster, "consul", _consul_argv(cluster), cluster.consul_http_port)
+    _wait("consul", lambda: _has_leader(cluster.consul_addr, cluster.node_name), timeout,
+          cluster.log("consul"))
+    config = cluster.root / "nomad.hcl"
+    _start(cluster, "nomad", [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
+           cluster.nomad_http_port, env, (config, _nomad_config(cluster)))
     for node in cluster.clients:
-        if _running_pid(cluster, f"consul-{node.name}") is None:
-            _spawn(cluster, f"consul-{node.name}", _consul_client_argv(cluster, node),
-                   _client_ports(cluster, node)["consul_http"], {})
-    _wait("nomad server", lambda: _nomad_leader(cluster), timeout, cluster.log("nomad"))
+        _start(cluster, f"consul-{node.name}", _consul_client_argv(cluster, node),
+               _client_ports(cluster, node)["consul_http"])
+    # Client nodes start once the server has a leader: a Nomad client that finds
+    # no server waits 15 s before it tries to register again.
+    _wait("nomad server", lambda: _has_leader(cluster.nomad_addr, cluster.node_name), timeout,
+          cluster.log("nomad"))
     for node in cluster.clients:
-        _wait(f"consul agent {node.name}", lambda node=node: _consul_client_ready(cluster, node),
-              timeout, cluster.log(f"consul-{node.name}"))
-        if _running_pid(cluster, f"nomad-{node.name}") is None:
-            config = cluster.root / "nodes" / node.name / "nomad.hcl"
-            config.write_text(_nomad_client_config(cluster, node))
-            _spawn(cluster, f"nomad-{node.name}",
-                   [str(BIN / "nomad"), "agent", "-config", str(config)],
-                   _client_ports(cluster, node)["nomad_http"], {**env, **node.env})
+        _start_nomad_client(cluster, node, env, timeout)
     _wait("nomad node", lambda: _node_ready(cluster, cluster.node_name), timeout,
           cluster.log("nomad"))
     for node in cluster.clients:
@@ -383,45 +393,47 @@ def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None
               timeout, cluster.log(f"nomad-{node.name}"))
 
 
-def _agent_name(addr: str, key: str) -> str:
+def _start_nomad_client(cluster: Cluster, node: ClientNode, env: Mapping[str, str],
+                        timeout: float) -> None:
+    """Start a client node's Nomad agent once its Consul agent has joined."""
+    ports = _client_ports(cluster, node)
+    _wait(f"consul agent {node.name}",
+          lambda: _has_leader(f"http://127.0.0.1:{ports['consul_http']}", node.name), timeout,
+          cluster.log(f"consul-{node.name}"))
+    config = cluster.root / f"nomad-{node.name}.hcl"
+    _start(cluster, f"nomad-{node.name}", [str(BIN / "nomad"), "agent", "-config", str(config)],
+           ports["nomad_http"], {**env, **node.env}, (config, _nomad_client_config(cluster, node)))
+
+
+def _check_ours(addr: str, name: str) -> None:
+    """Raise OSError unless the agent answering at `addr` (Consul or Nomad) is node
+    `name`, i.e. ours and not another one holding the port."""
     me = _get_json(f"{addr}/v1/agent/self")
-    return me[key]["NodeName"]  # type: ignore[index]
+    config = me.get("Config") or me.get("config")  # type: ignore[union-attr]
+    if config["NodeName"] != name:
+        raise OSError(f"{addr} is held by another agent, {config['NodeName']}")
 
 
-def _consul_ready(cluster: Cluster) -> bool:
-    """A leader, and the agent answering is ours (not another one holding the port)."""
-    if _agent_name(cluster.consul_addr, "Config") != cluster.node_name:
-        raise OSError(f"port {cluster.consul_http_port} is held by another consul agent")
-    return bool(_get_json(f"{cluster.consul_addr}/v1/status/leader"))
-
-
-def _consul_client_ready(cluster: Cluster, node: ClientNode) -> bool:
-    """Ours, and joined: a client agent knows the leader only through a server."""
-    addr = f"http://127.0.0.1:{_client_ports(cluster, node)['consul_http']}"
-    if _agent_name(addr, "Config") != node.name:
-        raise OSError(f"{addr} is held by another consul agent")
+def _has_leader(addr: str, name: str) -> bool:
+    """Ours, and it knows a leader (a Consul client agent only once it has joined)."""
+    _check_ours(addr, name)
     return bool(_get_json(f"{addr}/v1/status/leader"))
 
 
-def _nomad_leader(cluster: Cluster) -> bool:
-    if _agent_name(cluster.nomad_addr, "config") != cluster.node_name:
-        raise OSError(f"port {cluster.nomad_http_port} is held by another nomad agent")
-    return bool(_get_json(f"{cluster.nomad_addr}/v1/status/leader"))
-
-
 def _client_node_ready(cluster: Cluster, node: ClientNode) -> bool:
-    addr = f"http://127.0.0.1:{_client_ports(cluster, node)['nomad_http']}"
-    if _agent_name(addr, "config") != node.name:
-        raise OSError(f"{addr} is held by another nomad agent")
+    _check_ours(f"http://127.0.0.1:{_client_ports(cluster, node)['nomad_http']}", node.name)
     return _node_ready(cluster, node.name)
 
 
 def _node_ready(cluster: Cluster, name: str) -> bool:
     """The server lists a node of that name as ready, with raw_exec healthy."""
     nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes")
-    return any(n.get("Name") == name and n.get("Status") == "ready"
-               and (n.get("Drivers") or {}).get("raw_exec", {}).get("Healthy")
-               for n in nodes if isinstance(n, dict)) if isinstance(nodes, list) else False
+    for node in nodes if isinstance(nodes, list) else []:
+        drivers = node.get("Drivers") or {}
+        if (node.get("Name") == name and node.get("Status") == "ready"
+                and drivers.get("raw_exec", {}).get("Healthy")):
+            return True
+    return False
 
 
 def _stop_jobs(cluster: Cluster, timeout: float) -> None:
@@ -523,7 +535,7 @@ def down(cluster: Cluster, timeout: float = 30.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     _unmount(cluster.root)
-    _remove_cgroups(cluster, ["dev", *clients])
+    _remove_cgroups(cluster, [cluster.node_name, *clients])
 
 
 def status(cluster: Cluster) -> dict[str, bool]:

@@ -10,8 +10,9 @@ import-linter contracts in pyproject.toml check both). It holds:
 - `documents`: the pydantic documents stored in Consul KV and sent over the
   activation API, with the functions that encode and decode them.
 
-A contract test (tests/unit/contract) proves the router accepts every value
-the planner can produce. docs/architecture.md explains the states.
+Two contract tests: tests/unit/test_contract_router.py proves the router acts
+on every value these types allow, tests/unit/test_contract.py that it reads
+every document and answer the planner's own code produces. docs/architecture.md explains the states.
 """
 
 from llmgw_contract.documents import (

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -204,3 +205,54 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
         standby.stop()  # hands the lead back at once
         wait_for(lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] ==
                  "leader", 20, "the session's planner to lead again")
+
+
+def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
+        tiny_model: Path, tmp_path: Path) -> None:
+    kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+    folder = write_model(tmp_path / "m", "c16-serve", tiny_model)
+    write_model(folder, "c16-parked", kev)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model("c16-parked")["state"] == "parked", 90, "parked")
+    wait_for(lambda: planner_daemon.model("c16-serve")["state"] == "serving", 60, "serving")
+    codes: list[int] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        while not done.is_set():
+            try:
+                complete(router, "c16-serve", timeout=30)
+                codes.append(200)
+            except urllib.error.HTTPError as exc:
+                codes.append(exc.code)
+            time.sleep(0.05)
+
+    client = threading.Thread(target=ask, daemon=True)
+    client.start()
+    try:
+        wait_for(lambda: len(codes) >= 5, 30, "requests flowing")
+        wiped = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true",
+                                       method="DELETE")
+        urllib.request.urlopen(wiped, timeout=10).close()
+        seen = len(codes)
+        wait_for(lambda: len(codes) >= seen + 20, 60, "20 more requests after the wipe")
+        again = json.loads(planner("apply", str(folder), "--output", "json").stdout)
+        actions_by_model = {c["model"]: c["action"] for c in again["changes"]
+                            if c["model"].startswith("c16-")}
+        assert actions_by_model == {"c16-parked": "parked", "c16-serve": "unchanged"}
+        seen = len(codes)
+        wait_for(lambda: len(codes) >= seen + 20, 60, "20 more requests after the re-apply")
+    finally:
+        done.set()
+        client.join()
+    assert set(codes) == {200}, codes
+    assert nomad_get(cluster, "/v1/job/c16-parked")["Stop"] is True
+    assert planner_daemon.model("c16-parked")["state"] == "parked"
+    time.sleep(6)
+    assert starts(cluster, "c16-parked") == 5
+    # The leader restores the KV copy of parking from the job's meta.
+    wait_for(lambda: kv_state(cluster, "c16-parked").parked is not None, 40,
+             "parking restored in KV")
+    wait_for(lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader", 20,
+             "the planner leading again (the wipe took its lock key too)")

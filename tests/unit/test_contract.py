@@ -1,0 +1,64 @@
+"""The planner's half of the planner-router contract: everything the planner's own code
+produces, the router reads and acts on (tests/unit/test_contract_router.py proves the
+router handles every value the contract allows)."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+
+from llmgw_contract import (
+    ActivationAnswer,
+    ActivationStatus,
+    KVPrefix,
+    StateDocument,
+    Unplaceable,
+    decode,
+    encode,
+    kv_key,
+)
+from planner.actions import set_parked
+from planner.activation import answers_for_every_status
+from planner.failures import AllocInfo, Rules, decide_parking, for_definition, judge, track
+from planner.failures import start_failures as failures_of
+from planner.unplaceable import with_unplaceable
+from router.catalog import parse_states
+from tests.support.nomad_mock import alloc, run
+from tests.unit.test_contract_router import ACTIVATION_OUTCOMES
+
+T0 = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def test_the_planner_gives_every_activation_status_and_only_those() -> None:
+    produced = answers_for_every_status()
+    assert {a.status for a in produced} == set(ActivationStatus)
+    for answer in produced:
+        read = decode(ActivationAnswer, encode(answer))
+        assert read == answer and read.status in ACTIVATION_OUTCOMES
+
+
+def kv_entry(state: StateDocument) -> dict:
+    return {"Key": kv_key(KVPrefix.STATE, state.name),
+            "Value": base64.b64encode(encode(state).encode()).decode()}
+
+
+def planner_states() -> list[StateDocument]:
+    """State documents as the planner's functions write them."""
+    info = AllocInfo("a1", "m.server[0]", "node-a", "d1", "failed", "run")
+    state = track(for_definition(StateDocument(name="m"), "d1"), info)
+    for failure in failures_of(alloc("a1", *[e for i in range(5) for e in run(i, i + 0.5)])):
+        state = judge(state, failure, "0.00.000.001 E unknown model architecture: 'kev'",
+                      Rules())
+    parked = decide_parking(state, {"a1": info}, frozenset(), T0, Rules())
+    room = Unplaceable(reason="waiting for room", since=T0.isoformat(), provisional=True)
+    short = Unplaceable(reason="memory exhausted on 1 of 1 node", since=T0.isoformat())
+    return [parked, set_parked(parked, parked.parked, 42), with_unplaceable(state, room),
+            with_unplaceable(state, short)]
+
+
+def test_the_router_reads_every_state_document_the_planner_writes() -> None:
+    for state in planner_states():
+        [(name, read)] = parse_states([kv_entry(state)]).items()
+        assert name == "m"
+        assert read.parked == state.parked
+        assert read.unplaceable == state.unplaceable

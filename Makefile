@@ -5,8 +5,9 @@ VENV := .venv/bin
 
 .PHONY: bootstrap demo test unit down lint bench
 
+# The tests use the demo model too (C18: a burst on Gemma 3 270M).
 bootstrap:
-	$(PY) -m devcluster.bootstrap
+	$(PY) -m devcluster.bootstrap --with-demo-model
 
 demo:
 	$(PY) -m devcluster.bootstrap --with-demo-model

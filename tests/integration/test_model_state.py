@@ -4,6 +4,7 @@ usage reports (C17), a reload not killed by its health check (C19), room being m
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -15,8 +16,10 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
 from devcluster.cluster import Cluster
 from llmgw_contract import Parked, StateDocument, decode
 from planner import actions
@@ -28,6 +31,7 @@ from tests.conftest import (
     PlannerDaemon,
     http_json,
     nomad_get,
+    passing_endpoints,
     wait_for,
 )
 from tests.integration.test_on_demand import complete, free_memory_mb, on_demand_model
@@ -256,3 +260,74 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
              "parking restored in KV")
     wait_for(lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader", 20,
              "the planner leading again (the wipe took its lock key too)")
+
+
+BURST = 1000
+
+
+async def burst(router: str, model: str, count: int) -> list[tuple[int, int]]:
+    """`count` concurrent short completions: (HTTP status, completion tokens) each."""
+    timeout = aiohttp.ClientTimeout(total=300)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async def one(i: int) -> tuple[int, int]:
+            body = {"model": model, "prompt": f"Request {i}: the capital of France is",
+                    "max_tokens": 4, "ignore_eos": True}
+            async with session.post(f"{router}/v1/completions", json=body) as response:
+                data = await response.json(content_type=None)
+                return response.status, (data.get("usage") or {}).get("completion_tokens", 0)
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def predicted_tokens(replica: str) -> float:
+    with urllib.request.urlopen(f"http://{replica}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("llamacpp:tokens_predicted_total "):
+                return float(line.split()[1])
+    raise AssertionError("no llamacpp:tokens_predicted_total in /metrics")
+
+
+def test_c18_a_thousand_concurrent_requests_never_get_the_busy_server_restarted(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
+        tmp_path: Path) -> None:
+    gemma = NODE_MODELS / GEMMA_FILE
+    folder = write_model(tmp_path / "m", "c18-gemma", gemma,
+                         profile='context: 4096\n  cpu: 2000\n  memory: 2GiB\n'
+                                 '  args: ["--threads", "2"]')
+    assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+    [replica] = passing_endpoints(cluster, "llmgw-c18-gemma")
+    before = predicted_tokens(replica)
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:  # what Consul's check sees, measured beside it
+        while not done.is_set():
+            started = time.monotonic()
+            try:
+                urllib.request.urlopen(f"http://{replica}/health", timeout=30).close()
+                latencies.append(time.monotonic() - started)
+            except OSError:
+                latencies.append(float("inf"))
+            time.sleep(0.25)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    started = time.monotonic()
+    try:
+        results = asyncio.run(burst(router, "c18-gemma", BURST))
+    finally:
+        done.set()
+        prober.join()
+    took = time.monotonic() - started
+    codes = {code: sum(1 for c, _ in results if c == code) for code, _ in results}
+    served = sum(tokens for code, tokens in results if code == 200)
+    print(f"C18: {BURST} requests in {took:.1f} s: {codes}; /health max "
+          f"{max(latencies):.3f} s, p50 {sorted(latencies)[len(latencies) // 2]:.3f} s "
+          f"over {len(latencies)} probes")
+    kinds = [e["Type"] for e in task_events(cluster, "c18-gemma")]
+    assert "Restart Signaled" not in kinds and "Terminated" not in kinds, kinds
+    assert codes.get(200, 0) > 0 and set(codes) <= {200, 503}, codes
+    # Every token the server generated went to a client that got its answer: no request
+    # ran twice, and none ran for a client that was told it failed.
+    assert predicted_tokens(replica) - before == served
+    assert max(latencies) < 5  # the check's timeout

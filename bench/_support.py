@@ -154,8 +154,12 @@ class Children:
         return url
 
     def router_process(self, port: int, consul_port: int) -> subprocess.Popen:
-        """Start ``python -m router serve`` on ``port`` against the Consul on ``consul_port``."""
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        """Start ``python -m router serve`` on ``port`` against the Consul on ``consul_port``.
+
+        The benches' upstreams are stubs with no slots to count (no ``/props``), so the
+        router's per-replica limit is set above any load a bench sends: what is
+        measured is the proxy path, not the router's queue."""
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LLMGW_REPLICA_CONCURRENCY": "1024"}
         return self.spawn(
             [
                 sys.executable,

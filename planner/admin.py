@@ -165,7 +165,8 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True) -> F
             return refusal
         if not node.is_leader:
             return await _forward(node, request, forwarder["session"])
-        await asyncio.to_thread(node.usage.used, body.models)
+        known = await asyncio.to_thread(consul.model_records)
+        await asyncio.to_thread(node.usage.used, [m for m in body.models if m in known])
         return None
 
     app.state.node = node

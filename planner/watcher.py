@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_fixed
 
 from llmgw_contract import (
     JobMeta,
@@ -104,18 +104,34 @@ class Watcher:
         await asyncio.gather(self._follow_events(session), self._follow_health(), self._tick())
 
     async def _follow_events(self, session: aiohttp.ClientSession) -> None:
-        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception),
-                                 wait=wait_exponential(multiplier=1, max=30),
-                                 before_sleep=self._log_reconnect)
-        async for attempt in retrying:
-            with attempt:
-                reconciled = await asyncio.to_thread(self.reconcile)
-                self.ready.set()
-                start = max(reconciled, self.index) + 1
-                async for event in stream_events(session, self.nomad.address, start,
-                                                 self.nomad.token):
-                    await asyncio.to_thread(self.handle_event, event)
-                    self.index = max(self.index, event.get("Index", 0))
+        """Reconcile, then follow the stream; reconnect at once after a session that
+        delivered events, with a back-off (1 s doubling to 30 s) while none does."""
+        while True:
+            retrying = AsyncRetrying(retry=retry_if_exception_type(Exception),
+                                     wait=wait_exponential(multiplier=1, max=30),
+                                     before_sleep=self._log_reconnect)
+            async for attempt in retrying:
+                with attempt:
+                    await self._session(session)
+
+    async def _session(self, session: aiohttp.ClientSession) -> None:
+        """One reconcile and stream; returns (a good session, the back-off starts over)
+        when the stream fails after delivering events, raises when it delivered none."""
+        reconciled = await asyncio.to_thread(self.reconcile)
+        self.ready.set()
+        start = max(reconciled, self.index) + 1
+        delivered = False
+        try:
+            async for event in stream_events(session, self.nomad.address, start,
+                                             self.nomad.token):
+                await asyncio.to_thread(self.handle_event, event)
+                self.index = max(self.index, event.get("Index", 0))
+                delivered = True
+        except PlannerError as exc:
+            if not delivered:
+                raise
+            self.reconnects += 1
+            log.warning("event stream: %s; reconcile and reconnect", exc)
 
     def _log_reconnect(self, retry_state: Any) -> None:
         self.reconnects += 1
@@ -129,21 +145,27 @@ class Watcher:
                       delay, exc_info=exc)
 
     async def _follow_health(self) -> None:
-        index: int | None = None
-        while True:
-            try:
-                new_index, checks = await asyncio.to_thread(self.consul.passing_checks, index)
-                # Any change of index is news; one that goes backwards means Consul's
-                # state was reset, so start over instead of waiting on a future index.
-                index = new_index if index is None or new_index >= index else None
-                await asyncio.to_thread(self.handle_passing, checks)
-            except Exception as exc:
-                if not isinstance(exc, PlannerError):
-                    log.exception("consul health watch failed; retry in 2 s")
-                else:
-                    log.warning("consul health watch: %s; retry in 2 s", exc)
-                index = None
-                await asyncio.sleep(2)
+        """Follow the passing checks; on any failure, start over from a full read 2 s later."""
+        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception), wait=wait_fixed(2),
+                                 before_sleep=self._log_health_retry)
+        async for attempt in retrying:
+            with attempt:
+                index: int | None = None
+                while True:
+                    new_index, checks = await asyncio.to_thread(self.consul.passing_checks,
+                                                                index)
+                    # Any change of index is news; one that goes backwards means Consul's
+                    # state was reset, so start over instead of waiting on a future index.
+                    index = new_index if index is None or new_index >= index else None
+                    await asyncio.to_thread(self.handle_passing, checks)
+
+    @staticmethod
+    def _log_health_retry(retry_state: Any) -> None:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        if isinstance(exc, PlannerError):
+            log.warning("consul health watch: %s; again in 2 s", exc)
+        else:
+            log.error("consul health watch failed (%r); again in 2 s", exc, exc_info=exc)
 
     async def _tick(self) -> None:
         last_repair = 0.0
@@ -182,7 +204,6 @@ class Watcher:
     def handle_event(self, event: dict[str, Any]) -> None:
         payload = event.get("Payload") or {}
         if event.get("Topic") == "Job" and "Job" in payload:
-            self._records = self.consul.model_records()
             self.on_job(payload["Job"])
         elif event.get("Topic") == "Allocation" and "Allocation" in payload:
             self.on_allocation(payload["Allocation"])
@@ -190,7 +211,9 @@ class Watcher:
             self.on_evaluation(payload["Evaluation"])
 
     def _record(self, name: str) -> ModelRecord | None:
-        if name not in self._records:
+        """The model's record; read again only for a job llmgw manages whose record is not
+        known yet (allocations of other jobs cost nothing)."""
+        if name not in self._records and name in self._jobs:
             self._records = self.consul.model_records()
         return self._records.get(name)
 
@@ -200,6 +223,9 @@ class Watcher:
         if JobMeta.MODEL not in (job.get("Meta") or {}):
             return
         self._jobs[name] = job
+        known = self._records.get(name)
+        if known is None or known.definition_hash != job["Meta"].get(JobMeta.DEFINITION_HASH):
+            self._records = self.consul.model_records()  # `apply` writes records before jobs
         self._definitions[(name, int(job.get("Version", 0)))] = \
             job["Meta"].get(JobMeta.DEFINITION_HASH, "")
         if self._record(name) is not None:
@@ -316,6 +342,7 @@ class Watcher:
                 now.add((model, alloc_id))
         for alloc_id in set(self._passing_since) - {a for _, a in now}:
             del self._passing_since[alloc_id]
+            self._stabilized = {(a, t) for a, t in self._stabilized if a != alloc_id}
         at = self.now_ns()
         for model, alloc_id in sorted(now):
             if alloc_id not in self._passing_since:

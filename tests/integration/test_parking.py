@@ -81,16 +81,18 @@ def test_c05_c06_kev_model_is_parked_after_exactly_five_starts(
     parked_at = time.monotonic()
     assert parked["consecutive_failures"] == 5
     assert KEV_ERROR in parked["last_error"]
-    time.sleep(12)  # longer than a restart (5 s) plus a reschedule (5 s): no 6th start
+    time.sleep(12)  # longer than a restart delay (5 s) twice: no 6th start
     assert starts(cluster, "c05-kev") == 5
     job = nomad_get(cluster, "/v1/job/c05-kev")
     assert job["Stop"] is True
-    fifth = sorted(e["Time"] for a in nomad_get(cluster, "/v1/job/c05-kev/allocations")
-                   for st in a["TaskStates"].values() for e in st["Events"]
-                   if e["Type"] == "Terminated")[4]
+    # The last Terminated is the 5th (Nomad keeps a task's last 10 events, so the
+    # first ones may be gone); Nomad itself never starts a 6th (no reschedule).
+    fifth = max(e["Time"] for a in nomad_get(cluster, "/v1/job/c05-kev/allocations")
+                for st in a["TaskStates"].values() for e in st["Events"]
+                if e["Type"] == "Terminated")
     park_seconds = (job["SubmitTime"] - fifth) / 1e9
     print(f"C05: 5th failure event -> parked job registered: {park_seconds:.3f} s")
-    assert 0 < park_seconds < 5  # inside the 5 s restart delay: what rules out a 6th start
+    assert 0 < park_seconds < 5
     assert job["Meta"]["llmgw_parked_reason"] == "5 consecutive start failures"
     assert KEV_ERROR in job["Meta"]["llmgw_parked_last_error"]
     print(f"parked {time.monotonic() - parked_at:.1f} s ago")

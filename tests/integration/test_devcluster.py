@@ -56,7 +56,7 @@ def test_both_nodes_ready_each_with_its_own_identity(two_nodes: Cluster) -> None
     nodes = {n["Name"]: nomad_get(two_nodes, f"/v1/node/{n['ID']}")
              for n in nomad_get(two_nodes, "/v1/nodes")}
 
-    assert set(nodes) == {two_nodes.node_name, "node-b"}
+    assert set(nodes) == set(two_nodes.node_names) == {two_nodes.node_name, "node-b"}
     for node in nodes.values():
         assert node["Status"] == "ready" and node["Drivers"]["raw_exec"]["Healthy"]
     assert nodes["node-b"]["Meta"]["llmgw_test_node"] == "b"
@@ -135,8 +135,12 @@ job "web" {{
 }}""")
     health = f"{two_nodes.consul_addr}/v1/health/service/{service}?passing=true"
 
-    passing = wait_for(lambda: len(found := http_json(health)) == 2 and found, 60,
-                       "two passing instances in Consul")
+    # Consul can pass a check before Nomad's server hears the allocation is running
+    # (clients batch their allocation updates): wait for both. 60 s covers a Consul
+    # client agent that syncs a check 15-30 s late (see devcluster/cluster.py).
+    passing = wait_for(lambda: len(found := http_json(health)) == 2
+                       and len(allocations(two_nodes, job_id, "running")) == 2 and found,
+                       60, "two running allocations, passing in Consul")
 
     assert set(allocations(two_nodes, job_id, "running")) == {two_nodes.node_name, "node-b"}
     # Each instance is registered by its own node's Consul agent: one Consul agent

@@ -166,6 +166,19 @@ def router(cluster: Cluster, planner_daemon: PlannerDaemon) -> Iterator[str]:
         yield base
 
 
+def forget_models(cluster: Cluster, *names: str) -> None:
+    """Purge models a test leaves parked or failing, so later tests' `planner status`
+    (which covers every model) and the operator's view start clean: the job, purged,
+    and the model's KV record, state and usage."""
+    for name in names:
+        for url in (f"{cluster.nomad_addr}/v1/job/{name}?purge=true",
+                    *(f"{cluster.consul_addr}/v1/kv/llmgw/{kind}/{name}"
+                      for kind in ("models", "state", "usage"))):
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(urllib.request.Request(url, method="DELETE"),
+                                       timeout=10).close()
+
+
 def nomad_get(cluster: Cluster, path: str) -> Any:
     return http_json(f"{cluster.nomad_addr}{path}")
 

@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -29,6 +29,7 @@ from planner.state import StateStore
 from tests.conftest import (
     ADMIN_TOKEN,
     PlannerDaemon,
+    forget_models,
     http_json,
     nomad_get,
     passing_endpoints,
@@ -42,6 +43,14 @@ from tests.support.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.integration
 
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
+MODELS = ("c15-crash", "c16-serve", "c16-parked", "c17-race", "c18-gemma", "c19-reload",
+          "c20-a", "c20-b", "failover-kev")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
+    yield
+    forget_models(cluster, *MODELS)
 
 
 def kv_state(cluster: Cluster, name: str) -> StateDocument:

@@ -12,7 +12,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from tests.conftest import (
     ADMIN_TOKEN,
     STABLE_AFTER_S,
     PlannerDaemon,
+    forget_models,
     http_json,
     nomad_get,
     wait_for,
@@ -32,6 +33,13 @@ from tests.support.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.integration
 
 KEV_ERROR = "unknown model architecture: 'kev'"
+MODELS = ("c05-kev", "restart-kev", "c07-heal", "c08-gpu", "c09-slow", "admin-zero")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
+    yield
+    forget_models(cluster, *MODELS)
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 
 

@@ -23,8 +23,9 @@ Each watch has three layers (after kopf's watching.py):
    index that went backwards restarts from 0, and an index of 0 is never
    blocked on (Consul answers index 0 at once, so it would spin);
 3. :meth:`ConsulWatcher._forever`: reconnects forever with capped, jittered
-   exponential backoff and logs every failure, including our own bugs, so a
-   watch never dies silently.
+   exponential backoff (tenacity: 0.2 s doubling up to the cap, full jitter),
+   starting over after any read that worked, and logs every failure, including
+   our own bugs, so a watch never dies silently.
 
 When Consul is unreachable the table keeps its last contents: routing to the
 endpoints we last saw passing beats refusing every request.
@@ -34,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from llmgw_contract import KVPrefix, service_name
 from router.catalog import ConsulCatalog
@@ -66,13 +68,6 @@ def next_index(previous: int, returned: int) -> int:
     if returned < previous:
         return 0
     return max(returned, 1)
-
-
-def backoff_delay(failures: int, cap_s: float, rand: Callable[[], float] = random.random) -> float:
-    """Seconds to sleep after ``failures`` consecutive failures (>= 1): doubling
-    from 0.2 s up to ``cap_s``, with up to half of it taken off as jitter."""
-    base = min(cap_s, _BACKOFF_INITIAL_S * 2 ** (failures - 1))
-    return base * (1 - 0.5 * rand())
 
 
 async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]) -> None:
@@ -183,28 +178,41 @@ class ConsulWatcher:
         await self._forever(f"Consul health of {service_name(model)}", read, apply)
 
     async def _forever(self, what: str, read: Read, apply: Apply) -> None:
-        failures = 0
-
-        def succeeded() -> None:
-            nonlocal failures
-            if failures:
-                log.info("%s: reading again after %d failure(s)", what, failures)
-            failures = 0
-
+        """Run the watch forever. A watch that fails before any read worked backs off;
+        one that read and then failed starts a fresh back-off (first retry at once)."""
         while True:
-            try:
-                await _list_then_watch(read, apply, succeeded)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                delay = backoff_delay(failures, self._backoff_max_s)
-                # Catalog errors are expected weather; anything else is our bug.
-                if isinstance(exc, CatalogError):
-                    log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
-                else:
-                    log.exception("%s: watch failed; retrying in %.1fs", what, delay)
-                await asyncio.sleep(delay)
+            worked = False
+
+            def succeeded() -> None:
+                nonlocal worked
+                worked = True
+
+            retrying = AsyncRetrying(
+                retry=retry_if_exception_type(Exception),
+                wait=wait_random_exponential(
+                    multiplier=_BACKOFF_INITIAL_S, max=self._backoff_max_s
+                ),
+                before_sleep=lambda state: _log_failure(what, state),
+            )
+            async for attempt in retrying:
+                with attempt:
+                    try:
+                        await _list_then_watch(read, apply, succeeded)
+                    except Exception as exc:
+                        if not worked:
+                            raise
+                        _log_failure(what, None, exc)
+
+
+def _log_failure(what: str, state: RetryCallState | None, exc: BaseException | None = None) -> None:
+    """Catalog errors are expected weather; anything else is our bug."""
+    if state is not None and state.outcome is not None:
+        exc = state.outcome.exception()
+    delay = state.next_action.sleep if state is not None and state.next_action else 0.0
+    if isinstance(exc, CatalogError):
+        log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
+    else:
+        log.error("%s: watch failed (%r); retrying in %.1fs", what, exc, delay, exc_info=exc)
 
 
 def _report_unexpected_end(task: asyncio.Task[None]) -> None:

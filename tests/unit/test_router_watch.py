@@ -10,7 +10,7 @@ from router.catalog import ServiceAddress
 from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
 from router.metrics import RouterMetrics
-from router.watch import ConsulWatcher, backoff_delay, next_index
+from router.watch import ConsulWatcher, next_index
 
 
 def record(name: str, replicas: int = 1) -> ModelRecord:
@@ -23,13 +23,6 @@ def test_next_index_rules() -> None:
     assert next_index(12, 5) == 0  # went backwards: start over
     assert next_index(0, 0) == 1  # never block on 0
     assert next_index(10, 10) == 10
-
-
-def test_backoff_doubles_and_caps() -> None:
-    assert backoff_delay(1, 10, rand=lambda: 0) == 0.2
-    assert backoff_delay(3, 10, rand=lambda: 0) == 0.8
-    assert backoff_delay(30, 10, rand=lambda: 0) == 10
-    assert backoff_delay(30, 10, rand=lambda: 1) == 5
 
 
 class FakeCatalog:

@@ -89,6 +89,7 @@ class Watcher:
         self._records: dict[str, ModelRecord] = {}
         self._jobs: dict[str, Job] = {}
         self._definitions: dict[tuple[str, int], str] = {}  # (job, version) -> definition hash
+        self._alloc_versions: dict[tuple[str, int], int] = {}  # (alloc, AllocModifyIndex) -> ver
         self._passing_since: dict[str, tuple[str, int]] = {}  # alloc -> (model, since ns)
         self._stabilized: set[tuple[str, int]] = set()
         self._warned: dict[str, WarningLog] = {}
@@ -241,11 +242,24 @@ class Watcher:
                     (job.get("Meta") or {}).get(JobMeta.DEFINITION_HASH, "")
         return self._definitions.get(key, "")
 
+    def _version(self, alloc: dict[str, Any]) -> int:
+        """The job version an allocation runs. List stubs carry `JobVersion`; the event
+        stream's allocations do not (Nomad strips their Job to keep events small,
+        nomad/state/events.go), so the allocation is read once per scheduler change of
+        it (`AllocModifyIndex`: an in-place update moves it to a new version)."""
+        if "JobVersion" in alloc:
+            return int(alloc["JobVersion"])
+        key = (alloc["ID"], int(alloc.get("AllocModifyIndex", 0)))
+        if key not in self._alloc_versions:
+            full = self.nomad.allocation(alloc["ID"]) or {}
+            self._alloc_versions[key] = int((full.get("Job") or {}).get("Version", -1))
+        return self._alloc_versions[key]
+
     def _info(self, alloc: dict[str, Any]) -> AllocInfo:
         name = alloc.get("JobID", "")
         return AllocInfo(alloc_id=alloc["ID"], name=alloc.get("Name", ""),
                          node=alloc.get("NodeName") or alloc.get("NodeID", "")[:8],
-                         definition_hash=self._definition(name, int(alloc.get("JobVersion", 0))),
+                         definition_hash=self._definition(name, self._version(alloc)),
                          client_status=alloc.get("ClientStatus", ""),
                          desired_status=alloc.get("DesiredStatus", ""))
 
@@ -262,6 +276,8 @@ class Watcher:
         tails = {f.key: self.nomad.task_stderr_tail(f.alloc_id, f.task)
                  for f in new_failures(seen, alloc)} if info.definition_hash == current else {}
         placed = seen.unplaceable is not None and self._all_running(name, alloc)
+        log.debug("model %s: allocation %s (%s, definition %s; current %s)", name,
+                  info.alloc_id[:8], info.client_status, info.definition_hash, current)
 
         def change(state: StateDocument) -> StateDocument:
             state = track(for_definition(state, current), info)
@@ -285,6 +301,9 @@ class Watcher:
             if updated.before.unplaceable and after.unplaceable is None:
                 log.info("model %s: placed (was unplaceable: %s)", name,
                          updated.before.unplaceable.reason)
+        if info.desired_status != "run" and info.client_status in ("complete", "failed", "lost"):
+            self._alloc_versions = {k: v for k, v in self._alloc_versions.items()
+                                    if k[0] != info.alloc_id}
 
     def _all_running(self, name: str, alloc: dict[str, Any]) -> bool:
         """Every replica the job wants runs (the allocation just seen included)."""

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.integration
 
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 MODELS = ("c15-crash", "c16-serve", "c16-parked", "c17-race", "c18-gemma", "c19-reload",
-          "c20-a", "c20-b", "failover-kev")
+          "c20-a", "c20-b", "failover-kev", "fixed-source", "partly")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -340,3 +340,42 @@ def test_c18_a_thousand_concurrent_requests_never_get_the_busy_server_restarted(
     # ran twice, and none ran for a client that was told it failed.
     assert predicted_tokens(replica) - before == served
     assert max(latencies) < 5  # the check's timeout
+
+
+def test_a_fixed_definition_starts_a_fresh_count(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+    folder = write_model(tmp_path / "m", "fixed-source", kev)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model("fixed-source")["consecutive_failures"] >= 3, 60,
+             "three counted failures")
+    write_model(folder, "fixed-source", tiny_model)  # the operator fixes `source`
+    assert planner("apply", str(folder)).returncode == 0
+    serving = wait_for(lambda: (m := planner_daemon.model("fixed-source"))["state"] ==
+                       "serving" and m, 60, "the fixed model serving")
+    assert serving["consecutive_failures"] == 0
+    # Its first hiccup is one failure, not the fifth.
+    os.kill(llama_pid("fixed-source"), signal.SIGKILL)
+    hiccup = wait_for(lambda: (m := planner_daemon.model("fixed-source"))[
+        "consecutive_failures"] == 1 and m, 30, "the hiccup counted")
+    assert hiccup["state"] != "parked"
+    wait_for(lambda: planner_daemon.model("fixed-source")["ready"] == 1, 30, "serving again")
+    assert planner_daemon.model("fixed-source")["state"] != "parked"
+
+
+def test_a_partly_placed_model_keeps_its_reason_while_one_replica_serves(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    memory = free_memory_mb(cluster) // 2 + 512  # one fits, a second does not
+    folder = write_model(tmp_path / "m", "partly", tiny_model, replicas=3,
+                         profile=f'context: 512\n  cpu: 100\n  memory: {memory}MiB\n'
+                                 '  args: ["--threads", "1"]')
+    assert planner("apply", str(folder)).returncode == 0
+    first = wait_for(lambda: (m := planner_daemon.model("partly"))["ready"] == 1 and m, 60,
+                     "one replica serving")
+    for model in (first, *(planner_daemon.model("partly") for _ in range(3))):
+        assert model["state"] == "degraded", model
+        assert "1 of 3 replicas placed" in model["reason"]
+        assert "memory exhausted" in model["reason"]
+        time.sleep(1)

@@ -125,3 +125,18 @@ def test_c14_one_replica_failing_on_its_node_beside_a_serving_one_is_degraded(
     [row] = [r for r in listed if r["name"] == "c14-two"]
     assert row["state"] == "degraded" and "node-b" in row["reason"]
     assert "model c14-two: parked" not in planner2.log.read_text()
+
+
+def test_a_gpu_profile_on_two_gpu_less_nodes_counts_both_in_one_reason(
+        two_nodes: Cluster, planner_cli: Callable, planner2: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Nomad files a node of a class it already rejected under "computed class
+    ineligible"; the reason folds it into the real one and counts every node."""
+    folder = write_model(tmp_path / "m", "gpu-two", tiny_model,
+                         profile="gpus: 1\n  gpu_memory: 24GiB\n  memory: 256MiB")
+    assert planner_cli("apply", str(folder)).returncode == 0
+    model = wait_for(lambda: (m := planner2.model("gpu-two"))["state"] == "unplaceable" and m,
+                     10, "gpu-two unplaceable")
+    assert model["reason"] == ("needs 1 nvidia/gpu with ≥ 24 GiB: no node has an nvidia/gpu "
+                               "device (2 of 2 nodes filtered)")
+    assert "computed class" not in model["reason"]

@@ -148,13 +148,16 @@ class NomadClient:
                 return None
             raise
 
-    def stopping_allocations(self) -> list[dict[str, Any]]:
-        """Allocation stubs the scheduler told to stop whose tasks still run: room that
-        is being made. (A filter expression, Nomad >= 1.3, keeps the answer small.)"""
-        expression = ('(DesiredStatus == "stop" or DesiredStatus == "evict") and '
-                      '(ClientStatus == "running" or ClientStatus == "pending")')
-        return self._call("list stopping allocations", lambda: self._api.allocations.request(
+    def stopping_allocations(self, since_index: int = 0) -> list[dict[str, Any]]:
+        """Allocation stubs the scheduler told to stop whose tasks still run, or that ended
+        after Raft index `since_index`: room that is being made, or was made after a
+        scheduler looked at the cluster. A filter expression (Nomad >= 1.3) asks only for
+        allocations told to stop; its grammar has no `>`, so the index is compared here."""
+        expression = 'DesiredStatus == "stop" or DesiredStatus == "evict"'
+        stubs = self._call("list stopping allocations", lambda: self._api.allocations.request(
             method="get", params={"filter": expression}).json())
+        return [a for a in stubs if a.get("ClientStatus") in ("running", "pending")
+                or (since_index and int(a.get("ModifyIndex", 0)) > since_index)]
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node's stub with its resources (NodeResources.Devices: the GPUs)."""

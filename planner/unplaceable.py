@@ -9,9 +9,12 @@ replica went unplaced), and whether allocations are stopping anywhere.
 Room being made is not "no room" (issue "Model state done right", item 9):
 while an allocation the scheduler told to stop still runs, the resources it
 holds are about to be freed, and Nomad's blocked evaluation for the model
-runs again when it ends. A shortfall seen meanwhile is `provisional`: the
-router keeps a request waiting instead of refusing it on an answer that is
-seconds from being stale.
+runs again when it ends. The same holds for one that ended after the
+scheduler took the snapshot it decided on (the evaluation's SnapshotIndex):
+Nomad notices that missed unblock and runs the blocked evaluation again at
+once (nomad/blocked_evals.go, missedUnblock). A shortfall seen in either case
+is `provisional`: the router keeps a request waiting instead of refusing it on
+an answer that is already stale or seconds from being so.
 """
 
 from __future__ import annotations
@@ -51,11 +54,11 @@ def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
     short = shortfall(nomad, record, job, evaluation, datacenters)
     if short is None:
         return None
-    stopping = nomad.stopping_allocations()
+    stopping = nomad.stopping_allocations(int(evaluation.get("SnapshotIndex") or 0))
     reason = short.reason
     if stopping:
         nodes = sorted({a.get("NodeName") or a.get("NodeID", "")[:8] for a in stopping})
-        reason = (f"waiting for room: {len(stopping)} allocation(s) stopping on "
+        reason = (f"waiting for room: {len(stopping)} allocation(s) stopping or stopped on "
                   f"{', '.join(nodes)}; Nomad places it again when they end ({reason})")
     return Unplaceable(reason=reason, since=now.isoformat(timespec="seconds"),
                        eval_id=evaluation.get("ID"), placed=short.placed,

@@ -157,7 +157,10 @@ def test_c12_room_made_then_next_request_is_placed_not_refused(
                                     f"profile:\n  {hog_profile}\nreplicas: 0\n")
     assert planner("apply", str(hog)).returncode == 0
     wait_for(lambda: not passing_endpoints(cluster, "llmgw-c12-a"), 20, "A stopped")
-    answer = complete(router, "c12-b")
+    try:
+        answer = complete(router, "c12-b")
+    except urllib.error.HTTPError as exc:
+        pytest.fail(f"c12-b refused: {exc.code} {exc.read().decode()}")
     assert answer["usage"]["completion_tokens"] > 0
 
 

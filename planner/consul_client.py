@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import consul
@@ -26,13 +26,17 @@ import requests
 from llmgw_contract import (
     KVPrefix,
     ModelRecord,
+    UsageRecord,
     alloc_from_service_id,
     decode,
     encode,
     kv_key,
     model_from_key,
 )
+from llmgw_contract.documents import Document
 from planner.errors import ConsulUnavailable, Rejected
+
+D = TypeVar("D", bound=Document)
 
 log = logging.getLogger("planner.consul")
 
@@ -98,19 +102,28 @@ class ConsulClient:
 
     # --- model records ---------------------------------------------------------------
 
-    def model_records(self) -> dict[str, ModelRecord]:
-        """Every applied model record: {name: record}. A record that does not decode is
-        skipped with an error in the log (one bad key must not hide the others)."""
-        records = {}
-        for key, text in self.get_texts(KVPrefix.MODELS).items():
-            name = model_from_key(KVPrefix.MODELS, key)
+    def documents(self, prefix: KVPrefix, kind: type[D]) -> dict[str, D]:
+        """Every document of type `kind` under `prefix`: {model name: document}. One that
+        does not decode is skipped with an error in the log (one bad key must not hide
+        the others); keys nested deeper than `<prefix><name>` are ignored."""
+        found = {}
+        for key, text in self.get_texts(prefix).items():
+            name = model_from_key(prefix, key)
             if name is None:
                 continue
             try:
-                records[name] = decode(ModelRecord, text)
+                found[name] = decode(kind, text)
             except ValueError as exc:
                 log.error("skipping %s: %s", key, exc)
-        return records
+        return found
+
+    def model_records(self) -> dict[str, ModelRecord]:
+        """Every applied model record: {name: record}."""
+        return self.documents(KVPrefix.MODELS, ModelRecord)
+
+    def usage_records(self) -> dict[str, UsageRecord]:
+        """The leader's coarse copies of when each model was last asked for."""
+        return self.documents(KVPrefix.USAGE, UsageRecord)
 
     def put_model_record(self, record: ModelRecord) -> None:
         self.put_text(kv_key(KVPrefix.MODELS, record.name), encode(record))

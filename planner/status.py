@@ -32,7 +32,6 @@ from planner.consul_client import ConsulClient, ServiceHealth
 from planner.failures import STABLE_AFTER_S, headline, iso
 from planner.nomad_client import Job, NomadClient, group_count
 from planner.state import StateStore
-from planner.usage import usage_records
 
 
 class ReplicaState:
@@ -243,7 +242,7 @@ def observed(nomad: NomadClient, consul: ConsulClient, name: str) -> Observed:
 
 def model_status(nomad: NomadClient, consul: ConsulClient, name: str, record: ModelRecord,
                  state: StateDocument | None = None) -> ModelStatus:
-    usage = usage_records(consul).get(name) if record.idle_after is not None else None
+    usage = consul.usage_records().get(name) if record.idle_after is not None else None
     state = state if state is not None else StateStore(consul).load(name)
     return observe(name, record, observed(nomad, consul, name), state, usage)
 
@@ -251,7 +250,7 @@ def model_status(nomad: NomadClient, consul: ConsulClient, name: str, record: Mo
 def gather(nomad: NomadClient, consul: ConsulClient) -> list[ModelStatus]:
     """Status of every applied model (the KV records), sorted by name."""
     states = StateStore(consul).load_all()
-    usage = usage_records(consul)
+    usage = consul.usage_records()
     return [observe(name, record, observed(nomad, consul, name),
                     states.get(name), usage.get(name))
             for name, record in sorted(consul.model_records().items())]

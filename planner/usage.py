@@ -22,26 +22,12 @@ import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
-from llmgw_contract import KVPrefix, UsageRecord, decode, encode, kv_key, model_from_key
+from llmgw_contract import KVPrefix, UsageRecord, encode, kv_key
 from planner.consul_client import ConsulClient
 
 log = logging.getLogger("planner.usage")
 
 PERSIST_EVERY = timedelta(seconds=30)
-
-
-def usage_records(consul: ConsulClient) -> dict[str, UsageRecord]:
-    """The leader's coarse copies of when each model was last asked for: {name: record}."""
-    found = {}
-    for key, text in consul.get_texts(KVPrefix.USAGE).items():
-        name = model_from_key(KVPrefix.USAGE, key)
-        if name is None:
-            continue
-        try:
-            found[name] = decode(UsageRecord, text)
-        except ValueError as exc:
-            log.error("skipping %s: %s", key, exc)
-    return found
 
 
 class UsageBook:
@@ -59,7 +45,7 @@ class UsageBook:
         now = self._clock()
         with self._lock:
             self._last = {n: datetime.fromisoformat(r.last_used_at)
-                          for n, r in usage_records(self._consul).items()}
+                          for n, r in self._consul.usage_records().items()}
             self._persisted = dict(self._last)
             for name in active:
                 self._last[name] = now

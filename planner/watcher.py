@@ -34,16 +34,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, w
 
 from llmgw_contract import (
     JobMeta,
-    KVPrefix,
     ModelRecord,
     StateDocument,
     alloc_from_service_id,
-    decode,
-    encode,
-    kv_key,
     model_from_service,
 )
-from planner import actions
+from planner import actions, repair
 from planner import unplaceable as unplaced
 from planner.consul_client import ConsulClient
 from planner.errors import PlannerError
@@ -406,29 +402,7 @@ class Watcher:
                                  name, self.rules.stable_after_ns // 10**9)
             self._stabilized.update((a, s) for a, s in since.items())
 
-    # --- repair ------------------------------------------------------------------------
-
     def repair(self) -> None:
-        """Restore what a wiped `llmgw/` lost, from the jobs' meta (the durable record):
-        the model records of jobs that run or are parked, and their parking."""
-        keys = set(self.consul.get_texts(KVPrefix.MODELS))
-        for stub in self.nomad.jobs():
-            meta = stub.get("Meta") or {}
-            name = stub.get("ID", "")
-            parked = JobMeta.PARKED_REASON in meta
-            if JobMeta.MODEL not in meta or (stub.get("Stop") and not parked):
-                continue
-            if kv_key(KVPrefix.MODELS, name) not in keys and JobMeta.RECORD in meta:
-                try:
-                    record = decode(ModelRecord, meta[JobMeta.RECORD])
-                except ValueError as exc:
-                    log.error("model %s: cannot restore its record from job meta: %s", name, exc)
-                    continue
-                self.consul.put_text(kv_key(KVPrefix.MODELS, name), encode(record))
-                log.warning("model %s: its KV record was gone; restored from the job's meta",
-                            name)
-            if parked:
-                job = self.nomad.job(name)
-                if job is not None:
-                    with self._lock:
-                        actions.sync_parking(self.store, name, job)
+        """Restore what a wiped `llmgw/` lost (`planner.repair`; check-and-set writes, so
+        no lock is held for its reads of every job)."""
+        repair.restore(self.nomad, self.consul, self.store)

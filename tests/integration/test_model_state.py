@@ -39,6 +39,7 @@ from tests.integration.test_on_demand import complete, free_memory_mb, on_demand
 from tests.integration.test_parking import llama_pid, starts, write_model
 from tests.support.engines import CRASH_AFTER_S
 from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
@@ -229,21 +230,7 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
     assert planner("apply", str(folder)).returncode == 0
     wait_for(lambda: planner_daemon.model("c16-parked")["state"] == "parked", 90, "parked")
     wait_for(lambda: planner_daemon.model("c16-serve")["state"] == "serving", 60, "serving")
-    codes: list[int] = []
-    done = threading.Event()
-
-    def ask() -> None:
-        while not done.is_set():
-            try:
-                complete(router, "c16-serve", timeout=30)
-                codes.append(200)
-            except urllib.error.HTTPError as exc:
-                codes.append(exc.code)
-            time.sleep(0.05)
-
-    client = threading.Thread(target=ask, daemon=True)
-    client.start()
-    try:
+    with steady(lambda: complete(router, "c16-serve", timeout=30)) as codes:
         wait_for(lambda: len(codes) >= 5, 30, "requests flowing")
         wiped = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true",
                                        method="DELETE")
@@ -256,9 +243,6 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
         assert actions_by_model == {"c16-parked": "parked", "c16-serve": "unchanged"}
         seen = len(codes)
         wait_for(lambda: len(codes) >= seen + 20, 60, "20 more requests after the re-apply")
-    finally:
-        done.set()
-        client.join()
     assert set(codes) == {200}, codes
     assert nomad_get(cluster, "/v1/job/c16-parked")["Stop"] is True
     assert planner_daemon.model("c16-parked")["state"] == "parked"

@@ -18,9 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
-import urllib.error
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +28,7 @@ from tests.conftest import TEST_PORT_OFFSETS, PlannerDaemon, run_router, wait_fo
 from tests.integration.test_on_demand import complete
 from tests.integration.test_parking import write_model
 from tests.support.engines import write_engines
+from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
@@ -89,29 +87,13 @@ def test_c14_one_replica_failing_on_its_node_beside_a_serving_one_is_degraded(
     with run_router(two_nodes, planner2.url) as router:
         assert planner("apply", str(folder)).returncode == 0
         wait_for(lambda: planner2.model("c14-two")["ready"] == 1, 60, "replica A serving")
-        codes: list[int] = []
-        done = threading.Event()
-
-        def ask() -> None:
-            while not done.is_set():
-                try:
-                    complete(router, "c14-two", timeout=30)
-                    codes.append(200)
-                except urllib.error.HTTPError as exc:
-                    codes.append(exc.code)
-                time.sleep(0.1)
-
-        client = threading.Thread(target=ask, daemon=True)
-        client.start()
-        try:
+        with steady(lambda: complete(router, "c14-two", timeout=30), interval=0.1) as codes:
             degraded = wait_for(
                 lambda: (m := planner2.model("c14-two"))["state"] == "degraded" and
                 any(r["state"] == "stopped" for r in m["replicas"]) and m,
                 90, "degraded, with node-b's replica stopped after its restart attempts")
-            time.sleep(10)  # A keeps serving after B was given up
-        finally:
-            done.set()
-            client.join()
+            seen = len(codes)
+            wait_for(lambda: len(codes) >= seen + 20, 60, "A serving after B was given up")
     [bad] = [r for r in degraded["replicas"] if r["state"] == "stopped"]
     [good] = [r for r in degraded["replicas"] if r["state"] == "serving"]
     assert (bad["node"], bad["consecutive_failures"]) == ("node-b", 5)

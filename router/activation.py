@@ -14,7 +14,7 @@ never reaches this module. It:
    router at a time);
 3. acts on the answer (an :class:`llmgw_contract.ActivationAnswer`; every
    :class:`llmgw_contract.ActivationStatus` has an outcome here, and
-   tests/unit/test_contract_router.py proves it): ``parked``, ``unplaceable``
+   tests/unit/contract/test_router_reads.py proves it): ``parked``, ``unplaceable``
    and ``stopped`` are refused at once with the planner's reason (503
    ``model_parked``, ``model_unplaceable``, ``model_stopped``); ``serving`` and
    ``loading`` hold the request up to the activation window, measured from

@@ -1,5 +1,5 @@
 """The planner's half of the planner-router contract: everything the planner's own code
-produces, the router reads and acts on (tests/unit/test_contract_router.py proves the
+produces, the router reads and acts on (tests/unit/contract/test_router_reads.py proves the
 router handles every value the contract allows)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from planner.failures import start_failures as failures_of
 from planner.unplaceable import with_unplaceable
 from router.catalog import parse_states
 from tests.support.nomad_mock import alloc, run
-from tests.unit.test_contract_router import ACTIVATION_OUTCOMES
+from tests.unit.contract.test_router_reads import ACTIVATION_OUTCOMES
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
 

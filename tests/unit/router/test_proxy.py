@@ -36,7 +36,7 @@ def test_extract_model() -> None:
 def client() -> TestClient:
     # No lifespan: no Consul and no upstream pool, the table is filled by hand.
     # Activation off: it needs the planner client the lifespan opens
-    # (test_router_activation covers it).
+    # (tests/unit/router/test_activation.py covers it).
     app = create_app(RouterSettings(activation=False))
     app.state.table.set_models(
         {"ready-later": ModelRecord(name="ready-later", definition_hash="h", replicas=1)}

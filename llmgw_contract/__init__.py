@@ -10,9 +10,12 @@ import-linter contracts in pyproject.toml check both). It holds:
 - `documents`: the pydantic documents stored in Consul KV and sent over the
   activation API, with the functions that encode and decode them.
 
-Two contract tests: tests/unit/test_contract_router.py proves the router acts
-on every value these types allow, tests/unit/test_contract.py that it reads
-every document and answer the planner's own code produces. docs/architecture.md explains the states.
+- `certificates`: the certificate series both publish, and their collector.
+
+Two contract tests: tests/unit/contract/test_router_reads.py proves the router
+acts on every value these types allow, tests/unit/contract/test_planner_writes.py
+that it reads every document and answer the planner's own code produces.
+docs/architecture.md explains the states.
 """
 
 from llmgw_contract.documents import (

@@ -74,8 +74,10 @@ class Activator:
 
     def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
                  usage: UsageBook, clock: Callable[[], datetime] = _now,
-                 eval_wait: float = EVAL_WAIT, datacenters: tuple[str, ...] = ("*",)) -> None:
+                 eval_wait: float = EVAL_WAIT, datacenters: tuple[str, ...] = ("*",),
+                 changed: Callable[[str], None] = lambda name: None) -> None:
         self.nomad, self.consul, self.store, self.usage = nomad, consul, store, usage
+        self.changed = changed  # told each model asked for (it may want replicas now)
         self.clock = clock
         self.eval_wait = eval_wait
         self.datacenters = datacenters
@@ -97,6 +99,7 @@ class Activator:
         if record is None:
             raise ModelNotFound(f"model {name!r} was never applied")
         self.usage.used([name], persist_now=True)
+        self.changed(name)
         job = self.nomad.job(name)
         state = self.store.load(name)
         parked = parked_from_job(job) or (state.parked if job is None or job.get("Stop")

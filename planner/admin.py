@@ -3,6 +3,7 @@
 Routes:
   GET  /health                      {"status", "role": leader|follower|candidate,
                                      "ready", "leader": {"id", "address"} | null}
+  GET  /metrics                     Prometheus exposition (`planner.metrics`)
   GET  /v1/models                   [ModelStatus] (planner.status: name, state, desired,
                                     running, ready, failures, reason, last error,
                                     since, replicas with their node and failures)
@@ -117,6 +118,11 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True) -> F
         return {"status": "ok", "role": role, "ready": node.ready, "id": node.leadership.id,
                 "leader": None if leader is None else {"id": leader.id,
                                                        "address": leader.address}}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        body, content_type = node.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     def list_models() -> list[dict[str, Any]]:

@@ -249,7 +249,7 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
     node = PlannerNode(nomad, consul, advertise or f"http://{host}:{port}", rules,
-                       settings.datacenters)
+                       settings.datacenters, certificate_paths=settings.certificate_files)
     admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None)
     uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False)
 

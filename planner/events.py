@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -29,9 +29,12 @@ TOPICS = ("Allocation", "Evaluation", "Job")
 
 async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: int,
                         token: str | None = None, topics: tuple[str, ...] = TOPICS,
-                        read_timeout: float = 65.0) -> AsyncIterator[dict[str, Any]]:
+                        read_timeout: float = 65.0,
+                        on_message: Callable[[], None] | None = None,
+                        ) -> AsyncIterator[dict[str, Any]]:
     """Yield each event with Index >= `index`, forever; raise NomadUnavailable when the
-    stream fails or goes silent for `read_timeout` seconds."""
+    stream fails or goes silent for `read_timeout` seconds. `on_message` is called for
+    every frame, heartbeats included (the stream's own sign of life, for metrics)."""
     params = [("topic", f"{topic}:*") for topic in topics] + [("index", str(index))]
     headers = {"X-Nomad-Token": token} if token else {}
     url = f"{nomad_addr.rstrip('/')}/v1/event/stream"
@@ -45,6 +48,8 @@ async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: 
                 if not line:
                     raise NomadUnavailable("event stream: Nomad closed the connection")
                 frame = json.loads(line) if line.strip() else {}
+                if on_message is not None:
+                    on_message()
                 for event in frame.get("Events") or []:
                     if event.get("Index", 0) >= index:
                         yield event

@@ -9,6 +9,7 @@ runs the work that acts on Nomad and writes state:
   idle scaler  on-demand models back to 0 (`planner.idle`)
   activator    fresh placement attempts for the router (`planner.activation`)
   usage book   when each model was last asked for (`planner.usage`)
+  status book  every model's status, for /metrics (`planner.statusbook`)
 
 Followers answer reads themselves and forward writes to the leader
 (`planner.admin`). When leadership changes hands, the new leader starts its
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 
 import aiohttp
@@ -31,8 +32,10 @@ from planner.consul_client import ConsulClient
 from planner.failures import Rules
 from planner.idle import IdleScaler
 from planner.leader import Leadership
+from planner.metrics import PlannerMetrics
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
+from planner.statusbook import StatusBook
 from planner.usage import UsageBook
 from planner.watcher import Watcher, utcnow
 
@@ -44,15 +47,18 @@ class PlannerNode:
 
     def __init__(self, nomad: NomadClient, consul: ConsulClient, address: str,
                  rules: Rules | None = None, datacenters: tuple[str, ...] = ("*",),
-                 clock: Callable[[], datetime] = utcnow, idle_interval: float = 5.0) -> None:
+                 clock: Callable[[], datetime] = utcnow, idle_interval: float = 5.0,
+                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: ()) -> None:
         self.nomad, self.consul = nomad, consul
         self.rules = rules or Rules()
         self.datacenters = datacenters
         self.clock = clock
         self.store = StateStore(consul)
         self.usage = UsageBook(consul, clock)
+        self.book = StatusBook(nomad, consul, self.usage, clock)
+        self.metrics = PlannerMetrics(self.book.rows, certificate_paths)
         self.activator = Activator(nomad, consul, self.store, self.usage, clock=clock,
-                                   datacenters=datacenters)
+                                   datacenters=datacenters, changed=self.book.mark)
         self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval)
         self.leadership = Leadership(consul, address, self._on_change)
         self.watcher: Watcher | None = None
@@ -84,6 +90,8 @@ class PlannerNode:
         await self.leadership.resign()
 
     async def _on_change(self, leader: bool) -> None:
+        self.metrics.leader.set(float(leader))
+        self.metrics.leader_changes.inc()
         if leader:
             await self._start_work()
         else:
@@ -94,10 +102,11 @@ class PlannerNode:
         active = await asyncio.to_thread(self.idle.active)
         await asyncio.to_thread(self.usage.start_over, [n for n, c in active.items() if c])
         self.watcher = Watcher(self.nomad, self.consul, self.store, self.rules, self.clock,
-                               self.datacenters)
+                               self.datacenters, self.metrics, self.book.mark)
         self._tasks = [asyncio.create_task(self.watcher.run(self._session), name="watcher"),
-                       asyncio.create_task(self.idle.run(), name="idle-scaler")]
-        log.info("leading: watcher and idle scaler started")
+                       asyncio.create_task(self.idle.run(), name="idle-scaler"),
+                       asyncio.create_task(self.book.run(), name="status-book")]
+        log.info("leading: watcher, idle scaler and status book started")
 
     async def _stop_work(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -105,5 +114,6 @@ class PlannerNode:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if tasks:
-            log.info("no longer leading: watcher and idle scaler stopped")
+            log.info("no longer leading: watcher, idle scaler and status book stopped")
         self.watcher = None
+        self.metrics.last_message.set(0)

@@ -14,6 +14,10 @@ with `nomad` and `consul` works with `planner`):
   LLMGW_TASK_DRIVER   default raw_exec (what `nomad agent -dev` enables)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)
   LLMGW_JOBSPEC       default jobspecs/model.nomad.hcl of this checkout
+  NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY, CONSUL_CACERT,
+  CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY
+                      TLS files, as the `nomad` and `consul` CLIs read them; the
+                      certificates among them are published as expiry metrics
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ class Settings:
     task_driver: str = "raw_exec"
     datacenters: tuple[str, ...] = ("*",)
     jobspec: Path = DEFAULT_JOBSPEC
+    # TLS to the agents, under the names the `nomad` and `consul` CLIs read.
+    nomad_cacert: str | None = None
+    nomad_client_cert: str | None = None
+    nomad_client_key: str | None = None
+    consul_cacert: str | None = None
+    consul_client_cert: str | None = None
+    consul_client_key: str | None = None
+
+    def certificate_files(self) -> list[str]:
+        """The certificate files configured (CA and client certificates), for the
+        certificate expiry metrics; keys are not certificates."""
+        return [p for p in (self.nomad_cacert, self.nomad_client_cert, self.consul_cacert,
+                            self.consul_client_cert) if p]
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -62,4 +79,10 @@ class Settings:
             task_driver=env.get("LLMGW_TASK_DRIVER", defaults.task_driver),
             datacenters=tuple(d.strip() for d in env.get("LLMGW_DATACENTERS", "*").split(",")),
             jobspec=Path(env.get("LLMGW_JOBSPEC", str(DEFAULT_JOBSPEC))),
+            nomad_cacert=env.get("NOMAD_CACERT") or None,
+            nomad_client_cert=env.get("NOMAD_CLIENT_CERT") or None,
+            nomad_client_key=env.get("NOMAD_CLIENT_KEY") or None,
+            consul_cacert=env.get("CONSUL_CACERT") or None,
+            consul_client_cert=env.get("CONSUL_CLIENT_CERT") or None,
+            consul_client_key=env.get("CONSUL_CLIENT_KEY") or None,
         )

@@ -57,6 +57,7 @@ from planner.failures import (
     stabilize,
     track,
 )
+from planner.metrics import PlannerMetrics
 from planner.nomad_client import Job, NomadClient, group_count
 from planner.placement import WarningLog, should_warn
 from planner.state import StateStore
@@ -75,10 +76,14 @@ class Watcher:
 
     def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
                  rules: Rules | None = None, clock: Callable[[], datetime] = utcnow,
-                 datacenters: tuple[str, ...] = ("*",)) -> None:
+                 datacenters: tuple[str, ...] = ("*",),
+                 metrics: PlannerMetrics | None = None,
+                 changed: Callable[[str], None] = lambda name: None) -> None:
         self.nomad, self.consul, self.store = nomad, consul, store
         self.rules = rules or Rules()
         self.datacenters = datacenters
+        self.metrics = metrics
+        self.changed = changed  # told the name of every model whose state may have changed
         self.clock = clock
         self.index = 0
         self.reconnects = 0
@@ -118,20 +123,26 @@ class Watcher:
         self.ready.set()
         start = max(reconciled, self.index) + 1
         delivered = False
+        seen = self.metrics.message_seen if self.metrics else None
         try:
             async for event in stream_events(session, self.nomad.address, start,
-                                             self.nomad.token):
+                                             self.nomad.token, on_message=seen):
                 await asyncio.to_thread(self.handle_event, event)
                 self.index = max(self.index, event.get("Index", 0))
                 delivered = True
         except PlannerError as exc:
             if not delivered:
                 raise
-            self.reconnects += 1
+            self._count_reconnect()
             log.warning("event stream: %s; reconcile and reconnect", exc)
 
-    def _log_reconnect(self, retry_state: Any) -> None:
+    def _count_reconnect(self) -> None:
         self.reconnects += 1
+        if self.metrics is not None:
+            self.metrics.reconnects.inc()
+
+    def _log_reconnect(self, retry_state: Any) -> None:
+        self._count_reconnect()
         exc = retry_state.outcome.exception() if retry_state.outcome else None
         delay = retry_state.next_action.sleep if retry_state.next_action else 0
         if isinstance(exc, PlannerError):
@@ -182,6 +193,13 @@ class Watcher:
 
     def reconcile(self) -> int:
         """Replay what the list APIs show now; returns the Nomad index it read at."""
+        started = time.monotonic()
+        index = self._reconcile()
+        if self.metrics is not None:
+            self.metrics.reconcile.observe(time.monotonic() - started)
+        return index
+
+    def _reconcile(self) -> int:
         index = self.nomad.current_index()
         self.repair()
         self._records = self.consul.model_records()
@@ -228,6 +246,7 @@ class Watcher:
         if self._record(name) is not None:
             with self._lock:
                 actions.sync_parking(self.store, name, job)
+            self.changed(name)
 
     def _definition(self, name: str, version: int) -> str:
         """The definition hash of a job version (versions never change; cached)."""
@@ -286,6 +305,7 @@ class Watcher:
 
         with self._lock:
             updated = self.store.update(name, change)
+            self.changed(name)
             after = updated.after
             if after.consecutive_failures > updated.before.consecutive_failures:
                 replica = after.replica(info.alloc_id)
@@ -341,6 +361,7 @@ class Watcher:
             self._warned[name] = WarningLog(unplaceable.reason, now)
         with self._lock:
             updated = self.store.update(name, lambda s: unplaced.with_unplaceable(s, unplaceable))
+        self.changed(name)
         if updated.before.unplaceable and unplaceable is None:
             log.info("model %s: placed (was unplaceable: %s)", name,
                      updated.before.unplaceable.reason)
@@ -356,7 +377,7 @@ class Watcher:
             if model and alloc_id:
                 now.add((model, alloc_id))
         for alloc_id in set(self._passing_since) - {a for _, a in now}:
-            del self._passing_since[alloc_id]
+            self.changed(self._passing_since.pop(alloc_id)[0])
             self._stabilized = {(a, t) for a, t in self._stabilized if a != alloc_id}
         at = self.now_ns()
         for model, alloc_id in sorted(now):
@@ -378,6 +399,7 @@ class Watcher:
         with self._lock:
             self.store.update(name, lambda s: passing(track(for_definition(s, current), info),
                                                       alloc_id, at))
+        self.changed(name)
 
     def check_stable(self) -> None:
         """Reset the counts of replicas that passed for the whole stability window."""
@@ -397,6 +419,7 @@ class Watcher:
                             s = stabilize(s, alloc_id, entry)
                         return s
                     updated = self.store.update(name, change)
+                    self.changed(name)
                     if updated.before.consecutive_failures:
                         log.info("model %s: healthy for %d s; consecutive failures reset",
                                  name, self.rules.stable_after_ns // 10**9)

@@ -1,0 +1,61 @@
+"""The planner's /metrics rendering: every model at zero, one-hot states, what it wants."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from llmgw_contract import ModelRecord, ModelState, StateDocument, Unplaceable
+from planner.metrics import PlannerMetrics
+from planner.status import ModelStatus
+from planner.statusbook import Row, row, wanted_replicas
+
+T0 = datetime(2026, 11, 30, tzinfo=UTC)
+ALWAYS = ModelRecord(name="a", definition_hash="h", replicas=2)
+ON_DEMAND = ModelRecord(name="od", definition_hash="h", replicas=1, on_demand={"idle_after": 60})
+
+
+def status(name: str, state: ModelState, ready: int = 0, failures: int = 0) -> ModelStatus:
+    return ModelStatus(name=name, state=state, desired=0, running=0, ready=ready,
+                       consecutive_failures=failures, start_failures_total=failures,
+                       reason="", last_error=None, since=None)
+
+
+def test_what_a_model_wants_now() -> None:
+    assert wanted_replicas(ALWAYS, None, T0) == 2  # parked or stopped, it still wants them
+    assert wanted_replicas(ON_DEMAND, None, T0) == 0  # idle
+    assert wanted_replicas(ON_DEMAND, T0 - timedelta(seconds=30), T0) == 1  # asked for
+    assert wanted_replicas(ON_DEMAND, T0 - timedelta(seconds=61), T0) == 0
+
+
+def test_unplaceable_series_ignores_room_being_made() -> None:
+    room = StateDocument(name="a", unplaceable=Unplaceable(reason="r", provisional=True))
+    short = StateDocument(name="a", unplaceable=Unplaceable(reason="r"))
+    loading = status("a", ModelState.LOADING)
+    assert not row(ALWAYS, loading, room, None, T0).unplaceable
+    assert row(ALWAYS, status("a", ModelState.UNPLACEABLE), short, None, T0).unplaceable
+
+
+def test_every_model_is_published_zeros_included_with_one_hot_states() -> None:
+    rows = [Row(status("a", ModelState.PARKED, failures=5), 2, False),
+            Row(status("od", ModelState.IDLE), 0, False)]
+    text = PlannerMetrics(lambda: rows).exposition()[0].decode()
+    assert 'llmgw_model_desired_replicas{model="a"} 2.0' in text
+    assert 'llmgw_model_ready_replicas{model="a"} 0.0' in text
+    assert 'llmgw_model_parked{model="a"} 1.0' in text
+    assert 'llmgw_model_parked{model="od"} 0.0' in text
+    assert 'llmgw_model_start_failures_total{model="a"} 5.0' in text
+    assert 'llmgw_model_consecutive_start_failures{model="od"} 0.0' in text
+    states = [line for line in text.splitlines() if line.startswith('llmgw_model_state{model="a"')]
+    assert len(states) == len(ModelState)
+    assert sum(float(line.split()[-1]) for line in states) == 1
+    assert 'llmgw_model_state{model="a",state="parked"} 1.0' in text
+    assert "llmgw_planner_leader 0.0" in text
+    assert "llmgw_planner_leader_changes_total 0.0" in text
+
+
+def test_a_pruned_model_leaves_no_series() -> None:
+    rows: list[Row] = [Row(status("a", ModelState.SERVING, ready=2), 2, False)]
+    metrics = PlannerMetrics(lambda: rows)
+    assert 'model="a"' in metrics.exposition()[0].decode()
+    rows.clear()
+    assert 'model="a"' not in metrics.exposition()[0].decode()

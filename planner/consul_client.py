@@ -188,6 +188,14 @@ class ConsulClient:
     def release(self, key: str, session_id: str) -> None:
         self._call(f"release {key}", lambda: self._api.kv.put(key, None, release=session_id))
 
+    def watch_names(self, prefix: KVPrefix, index: int | None,
+                    wait: str = "5s") -> tuple[int, set[str]]:
+        """Blocking read of the model names with a key under `prefix`: returns once the
+        keys changed after `index` (or after `wait`)."""
+        new_index, keys = self._call(f"watch {prefix}", lambda: self._api.kv.get(
+            prefix, keys=True, index=index, wait=wait))
+        return int(new_index), {n for k in keys or [] if (n := model_from_key(prefix, k))}
+
     def watch_key(self, key: str, index: int | None, wait: str = "5s") -> tuple[int, Any]:
         """Blocking read of one key: (index, item with Session, Value, ModifyIndex or None)."""
         new_index, item = self._call(f"watch {key}", lambda: self._api.kv.get(

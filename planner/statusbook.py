@@ -5,8 +5,11 @@ Nomad and Consul for every model (500 models would be 1,500 API calls), and a
 parked model must show in Prometheus within a scrape of being parked, so the
 book keeps one `Row` per defined model and refreshes a model as soon as the
 watcher changes it (`mark`), plus every model every `FULL_REFRESH_S` as a
-safety net (a change nothing announced: a job stopped by hand, say). Models
-whose record is gone (pruned) leave the book, so their series go too.
+safety net (a change nothing announced: a job stopped by hand, say). It also
+follows the model records' keys (a blocking query): a model applied or pruned
+is marked at once, and one whose record is gone leaves the book, so its series
+go too (a pruned job's last Nomad event can come before `apply` deletes its
+record).
 
 `wanted_replicas` is what the model should have now, the figure an alert
 compares with what is ready (issue 8): an always-on model wants its
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from llmgw_contract import ModelRecord, ModelState, StateDocument, UsageRecord
+from llmgw_contract import KVPrefix, ModelRecord, ModelState, StateDocument, UsageRecord
 from planner.consul_client import ConsulClient
 from planner.errors import PlannerError
 from planner.nomad_client import NomadClient
@@ -92,6 +95,7 @@ class StatusBook:
         """Refresh every row now, then marked rows as they come and all of them every
         `full_every` seconds; until cancelled (the book is emptied then)."""
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        records = asyncio.create_task(self._follow_records(), name="status-book-records")
         try:
             await self._refresh(None)
             while True:
@@ -105,9 +109,29 @@ class StatusBook:
                 except TimeoutError:
                     await self._refresh(None)
         finally:
+            records.cancel()
+            await asyncio.gather(records, return_exceptions=True)
             with self._lock:
                 self._rows.clear()
             self._loop = self._wake = None
+
+    async def _follow_records(self) -> None:
+        """Mark every model whose record appears or goes (blocking query on the keys)."""
+        index: int | None = None
+        names: set[str] | None = None
+        while True:
+            try:
+                new_index, now = await asyncio.to_thread(self.consul.watch_names,
+                                                         KVPrefix.MODELS, index)
+            except PlannerError as exc:
+                log.warning("record watch: %s; again in 2 s", exc)
+                index = None
+                await asyncio.sleep(2)
+                continue
+            index = new_index if index is None or new_index >= index else None
+            for name in now ^ names if names is not None else ():
+                self.mark(name)
+            names = now
 
     async def _refresh(self, names: set[str] | None) -> None:
         try:

@@ -191,7 +191,7 @@ class Bench:
             cwd=REPO,
         )
         wait_for(
-            lambda: get_json(f"{self.planner_url}/health")["reconciled"],
+            lambda: get_json(f"{self.planner_url}/health")["ready"],
             60,
             "planner serve to reconcile",
         )

@@ -4,6 +4,10 @@ Lets the tests serve an `https://` model source for real: the Nomad agent is
 started with SSL_CERT_FILE pointing at a bundle that includes this CA, so
 its artifact downloader (go-getter) verifies the server like any other.
 The server records every request, so a test can assert what was downloaded.
+
+The CA's own certificate and key are kept (`ca_cert`, `ca_key`), so `issue`
+can sign more: client certificates for agents that ask for one
+(tests/integration/test_tls.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
@@ -27,12 +31,40 @@ SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 @dataclass(frozen=True)
 class TlsCA:
     bundle: Path  # system CAs + this CA, for SSL_CERT_FILE
-    cert: Path  # server certificate for 127.0.0.1
+    cert: Path  # server certificate for 127.0.0.1 (and localhost), no key usage limits
     key: Path
+    ca_cert: Path  # this CA alone, for a ca_file / NOMAD_CACERT
+    ca_key: Path
 
 
 def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+
+
+def _leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common: str,
+          days: float, client: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A certificate for 127.0.0.1 and localhost, valid `days` from an hour ago; a
+    `client` one is limited to client authentication."""
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (x509.CertificateBuilder().subject_name(_name(common))
+               .issuer_name(ca.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(hours=1))
+               .not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.SubjectAlternativeName(
+                   [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.DNSName("localhost")]), critical=False))
+    if client:
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    return builder.sign(ca_key, hashes.SHA256()), key
 
 
 def make_ca(folder: Path) -> TlsCA:
@@ -45,23 +77,30 @@ def make_ca(folder: Path) -> TlsCA:
           .not_valid_after(now + datetime.timedelta(days=2))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(_name("127.0.0.1"))
-            .issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert, key = _leaf(ca, ca_key, "127.0.0.1", days=2, client=False)
     pem = serialization.Encoding.PEM
     system = SYSTEM_BUNDLE.read_bytes() if SYSTEM_BUNDLE.exists() else b""
     (folder / "bundle.pem").write_bytes(system + ca.public_bytes(pem))
+    (folder / "ca.pem").write_bytes(ca.public_bytes(pem))
+    _write_key(folder / "ca.key", ca_key)
     (folder / "server.pem").write_bytes(cert.public_bytes(pem))
-    (folder / "server.key").write_bytes(key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return TlsCA(folder / "bundle.pem", folder / "server.pem", folder / "server.key")
+    _write_key(folder / "server.key", key)
+    return TlsCA(folder / "bundle.pem", folder / "server.pem", folder / "server.key",
+                 folder / "ca.pem", folder / "ca.key")
+
+
+def issue(ca: TlsCA, folder: Path, name: str, days: float = 2,
+          client: bool = False) -> tuple[Path, Path]:
+    """Sign another certificate for 127.0.0.1 with `ca`, valid `days`; a `client` one for
+    client authentication only. Writes `<name>.pem` and `<name>.key` into `folder`;
+    returns their paths."""
+    ca_cert = x509.load_pem_x509_certificate(ca.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    cert, key = _leaf(ca_cert, ca_key, name, days, client)
+    (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(folder / f"{name}.key", key)
+    return folder / f"{name}.pem", folder / f"{name}.key"
 
 
 @dataclass

@@ -19,6 +19,10 @@ leader acts: a follower forwards a POST to the leader's address (from
 Retry-After while an election is under way. GET routes are answered by any
 instance from Nomad and Consul directly. Errors use {"error": {"message",
 "type", "code"}}, the shape the router uses.
+
+A leader that serves HTTPS (`planner serve --tls-cert`) advertises an https://
+address; followers verify it with `forward_ssl` (LLMGW_PLANNER_CACERT, else the
+system's CAs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -79,20 +84,27 @@ async def _forward(node: PlannerNode, request: Request, session: aiohttp.ClientS
             body = await answer.read()
             return Response(body, status_code=answer.status,
                             media_type=answer.headers.get("Content-Type"))
+    except aiohttp.ClientSSLError as exc:
+        return _error(503, "leader_unverified", f"the leader at {leader.address} could not be "
+                      f"verified ({type(exc).__name__}: {exc}); check LLMGW_PLANNER_CACERT "
+                      "(the CA that signed the planners' --tls-cert)")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return _error(503, "leader_unreachable", f"the leader at {leader.address} did not "
                       f"answer ({type(exc).__name__}: {exc}); retry shortly",
                       {"Retry-After": "2"})
 
 
-def create_app(node: PlannerNode, token: str | None, run_node: bool = True) -> FastAPI:
-    """The admin app; with `run_node`, the node campaigns for its lifetime."""
+def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
+               forward_ssl: ssl.SSLContext | None = None) -> FastAPI:
+    """The admin app; with `run_node`, the node campaigns for its lifetime. `forward_ssl`
+    verifies an https:// leader that writes are forwarded to (None: the system's CAs)."""
     nomad, consul = node.nomad, node.consul
     forwarder: dict[str, aiohttp.ClientSession] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=forward_ssl or True),
                 timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S)) as session:
             forwarder["session"] = session
             task = asyncio.create_task(node.run(), name="planner-node") if run_node else None

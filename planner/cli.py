@@ -4,7 +4,7 @@ Data goes to stdout (a table, or JSON with `--output json`), messages to
 stderr. Exit codes (also in `planner --help`):
   0  done / every model has what it should
   1  an agent refused, or a model is short of what it should have
-  2  invalid model files or usage
+  2  invalid model files, settings (e.g. a TLS file that does not exist) or usage
   3  Nomad or Consul unreachable: retry later
 """
 
@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,7 +41,8 @@ from planner.state import StateStore
 from planner.status import ModelStatus, ReplicaState, gather, model_status
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
-have; 2 invalid model files or usage; 3 Nomad or Consul unreachable (retry later)."""
+have; 2 invalid model files, settings or usage; 3 Nomad or Consul unreachable, or their
+TLS certificate not verified (retry later)."""
 
 app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -58,14 +60,20 @@ class Output(StrEnum):
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
 
 
-def _clients() -> tuple[Settings, NomadClient, ConsulClient]:
+def _clients(**overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
+    """Settings from the environment (with the options in `overrides` that were given),
+    checked, and the two agents' clients; exit 2 naming the setting that is wrong."""
     try:
-        settings = Settings.from_env()
+        settings = replace(Settings.from_env(),
+                           **{k: v for k, v in overrides.items() if v is not None})
+        settings.validate()
+        return (settings,
+                NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls),
+                ConsulClient(settings.consul_url, settings.consul_token,
+                             tls=settings.consul_tls))
     except ValueError as exc:
-        err.print(f"error: {exc}")
-        raise typer.Exit(2) from exc
-    return (settings, NomadClient(settings.nomad_addr, settings.nomad_token),
-            ConsulClient(settings.consul_addr, settings.consul_token))
+        err.print(f"error: {exc}", markup=False)
+        raise typer.Exit(2) from None
 
 
 def _fail(exc: PlannerError) -> typer.Exit:
@@ -88,9 +96,9 @@ def apply(
     output: OutputOption = Output.table,
 ) -> None:
     """Validate every file, then register only the models that changed."""
-    _, nomad, consul = _clients()
+    settings, nomad, consul = _clients()
     try:
-        definitions, changes = prepare(paths, Settings.from_env(), nomad, consul, prune)
+        definitions, changes = prepare(paths, settings, nomad, consul, prune)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc) from exc
@@ -240,18 +248,28 @@ def serve(
     stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
                                                    "before its failures are forgiven")]
     = STABLE_AFTER_S,
+    tls_cert: Annotated[str | None, typer.Option(help="serve the admin API over HTTPS with "
+                                                      "this PEM certificate (env "
+                                                      "LLMGW_TLS_CERT)")] = None,
+    tls_key: Annotated[str | None, typer.Option(help="its PEM private key (env "
+                                                     "LLMGW_TLS_KEY)")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
 ) -> None:
     """Campaign for leadership; while leading, run the watcher (start failures, parking,
-    placement), the idle scaler and activation; always serve the admin API."""
-    settings, nomad, consul = _clients()
+    placement), the idle scaler and activation; always serve the admin API (over HTTPS
+    with --tls-cert/--tls-key; followers verify the leader with LLMGW_PLANNER_CACERT)."""
+    settings, nomad, consul = _clients(tls_cert=tls_cert, tls_key=tls_key)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
-    node = PlannerNode(nomad, consul, advertise or f"http://{host}:{port}", rules,
+    scheme = "https" if settings.serves_tls else "http"
+    node = PlannerNode(nomad, consul, advertise or f"{scheme}://{host}:{port}", rules,
                        settings.datacenters, certificate_paths=settings.certificate_files)
-    admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None)
-    uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False)
+    forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
+    admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,
+                       forward_ssl=forward_ssl)
+    uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False,
+                ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
 
 
 def main() -> None:

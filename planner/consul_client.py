@@ -4,7 +4,12 @@ Called by `apply` (model records), `state` (state documents, check-and-set),
 `status` (health), the watcher (passing checks), `leader` (the planner's
 service, its TTL check and the leadership session) and `usage`. Raises only
 `planner.errors` types: ConsulUnavailable when Consul cannot be reached or
-fails, Rejected when it refuses a request.
+fails (or the TLS handshake fails: the message names the CONSUL_* files to
+check), Rejected when it refuses a request.
+
+TLS: an https:// address (`Settings.consul_url`: CONSUL_HTTP_ADDR with https://,
+or CONSUL_HTTP_SSL=true) is verified with CONSUL_CACERT (else the system's CAs)
+and presents CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY (`planner.settings.ClientTLS`).
 
 The KV layout and documents are the contract's (`llmgw_contract.keys`,
 `llmgw_contract.documents`).
@@ -35,6 +40,7 @@ from llmgw_contract import (
 )
 from llmgw_contract.documents import Document
 from planner.errors import ConsulUnavailable, Rejected
+from planner.settings import CONSUL_TLS_VARS, ClientTLS
 
 D = TypeVar("D", bound=Document)
 
@@ -52,25 +58,36 @@ class ServiceHealth:
 
 
 @contextmanager
-def _translated(action: str) -> Iterator[None]:
+def _translated(action: str, tls_failure: Callable[[BaseException], str | None]) \
+        -> Iterator[None]:
     try:
         yield
     except (consul.exceptions.ACLPermissionDenied, consul.exceptions.BadRequest) as exc:
         raise Rejected(f"{action}: Consul refused ({exc})") from exc
     except (consul.exceptions.ConsulException, requests.RequestException, OSError) as exc:
+        if failure := tls_failure(exc):
+            raise ConsulUnavailable(f"{action}: {failure}") from exc
         raise ConsulUnavailable(f"{action}: Consul did not answer ({exc})") from exc
 
 
 class ConsulClient:
     """Thin wrapper over py-consul for the calls the planner makes."""
 
-    def __init__(self, address: str, token: str | None = None) -> None:
+    def __init__(self, address: str, token: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
+        """`address`: host:port or http(s)://host:port. Raises ValueError (naming the
+        setting) when a configured TLS file is unusable."""
         url = urlparse(address if "://" in address else f"http://{address}")
+        self.address = f"{url.scheme}://{url.netloc}"
+        self.tls = tls or ClientTLS("Consul", CONSUL_TLS_VARS)
+        if url.scheme == "https":
+            self.tls.context()  # loads the files once: a bad one fails here, not per call
         self._api = consul.Consul(host=url.hostname or "127.0.0.1", port=url.port or 8500,
-                                  scheme=url.scheme, token=token)
+                                  scheme=url.scheme, token=token, verify=self.tls.verify,
+                                  cert=self.tls.cert)
 
     def _call(self, action: str, fn: Callable[[], Any]) -> Any:
-        with _translated(action):
+        with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
             return fn()
 
     # --- KV ----------------------------------------------------------------------

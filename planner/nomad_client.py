@@ -5,7 +5,13 @@ Called by `jobspec` (parse), `apply` (register, plan, deregister) and
 JSON shape and raises only `planner.errors` types: NomadUnavailable for a
 connection failure or a 5xx (retry later), NomadRejected for a 4xx (the
 message is Nomad's own), and returns None for a 404 where "absent" is an
-answer (a job that does not exist yet).
+answer (a job that does not exist yet). A failed TLS handshake is
+NomadUnavailable too, saying so and naming the NOMAD_* files to check.
+
+TLS: an https:// address is verified with NOMAD_CACERT (else the system's CAs;
+python-nomad's own default is not to verify) and presents NOMAD_CLIENT_CERT and
+NOMAD_CLIENT_KEY (`planner.settings.ClientTLS`); `ssl_context` carries the same
+for the event stream (`planner.events`).
 
 API shapes: https://developer.hashicorp.com/nomad/api-docs/jobs (Nomad 1.6).
 """
@@ -22,6 +28,7 @@ import nomad.api.exceptions as nomad_exc
 import requests
 
 from planner.errors import NomadRejected, NomadUnavailable
+from planner.settings import NOMAD_TLS_VARS, ClientTLS
 
 Job = dict[str, Any]
 
@@ -41,7 +48,8 @@ def _response_text(exc: nomad_exc.BaseNomadException) -> str:
 
 
 @contextmanager
-def _translated(action: str) -> Iterator[None]:
+def _translated(action: str, tls_failure: Callable[[BaseException], str | None]) \
+        -> Iterator[None]:
     try:
         yield
     except nomad_exc.URLNotFoundNomadException as exc:
@@ -50,6 +58,8 @@ def _translated(action: str) -> Iterator[None]:
             nomad_exc.VariableConflict) as exc:
         raise NomadRejected(f"{action}: {_response_text(exc)}") from exc
     except (nomad_exc.BaseNomadException, requests.RequestException) as exc:
+        if failure := tls_failure(exc):
+            raise NomadUnavailable(f"{action}: {failure}") from exc
         detail = _response_text(exc) if isinstance(exc, nomad_exc.BaseNomadException) else exc
         raise NomadUnavailable(f"{action}: Nomad did not answer ({detail})") from exc
 
@@ -57,15 +67,23 @@ def _translated(action: str) -> Iterator[None]:
 class NomadClient:
     """Thin, typed wrapper over python-nomad for the calls the planner makes."""
 
-    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0,
+                 tls: ClientTLS | None = None) -> None:
+        """Raises ValueError (naming the setting) when a configured TLS file is unusable."""
         url = urlparse(address if "://" in address else f"http://{address}")
         self.address = f"{url.scheme}://{url.netloc}"
         self.token = token
-        self._api = nomad.Nomad(host=url.hostname or "127.0.0.1", port=url.port or 4646,
-                                secure=url.scheme == "https", token=token, timeout=timeout)
+        self.tls = tls or ClientTLS("Nomad", NOMAD_TLS_VARS)
+        # Built (so checked) once; aiohttp's default (the system's CAs) for plain HTTP.
+        self.ssl_context = self.tls.context() if url.scheme == "https" else None
+        # `address` given, so python-nomad does not read NOMAD_ADDR itself; `cert`
+        # always given (or its own NOMAD_CLIENT_* lookup would apply).
+        self._api = nomad.Nomad(address=self.address, secure=url.scheme == "https",
+                                token=token, timeout=timeout, verify=self.tls.verify,
+                                cert=self.tls.cert or ("", ""))
 
     def _call(self, action: str, fn: Callable[[], Any]) -> Any:
-        with _translated(action):
+        with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
             return fn()
 
     def parse(self, hcl: str, variables: str) -> Job:

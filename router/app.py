@@ -14,7 +14,8 @@ Routes:
 - ``GET /v1/models``: defined models (Consul KV records and ``llmgw-<model>``
   services) in OpenAI's list shape.
 - ``GET /health``: 200 once the model list was read from Consul, else 503.
-- ``GET /metrics``: Prometheus exposition.
+- ``GET /metrics``: Prometheus exposition, the certificate expiry series of every
+  configured certificate file included (:mod:`llmgw_contract.certificates`).
 
 Every error, including FastAPI's own 404/405/500, leaves in OpenAI's
 error-object shape.
@@ -31,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmgw_contract.certificates import CertificateCollector
 from router import errors
 from router.activation import Activator
 from router.capacity import CapacityReader
@@ -108,6 +110,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     activator needs the lifespan (it opens the planner client there).
     """
     metrics = RouterMetrics()
+    metrics.registry.register(CertificateCollector(settings.certificate_files))
     capacity: CapacityReader | None = None
     if not settings.replica_concurrency:
         capacity = CapacityReader(lambda: proxy.session, settings.props_timeout_s)
@@ -121,7 +124,10 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     usage: UsageReporter | None = None
     if settings.activation:
         planner = PlannerAPI(
-            settings.planner_url, settings.planner_token, settings.activate_timeout_s
+            settings.planner_url,
+            settings.planner_token,
+            settings.activate_timeout_s,
+            settings.planner_ssl_context(),
         )
         activator = Activator(table, planner, window_s=settings.activation_window_s)
         usage = UsageReporter(table, planner, settings.usage_interval_s)
@@ -140,7 +146,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheme, host, port = settings.consul_location()
-        catalog = ConsulCatalog(f"{scheme}://{host}:{port}", settings.consul_token)
+        catalog = ConsulCatalog(
+            f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
+        )
         proxy.session = upstream_session(settings)
         watcher = ConsulWatcher(
             catalog, table, wait_s=settings.watch_wait_s, backoff_max_s=settings.watch_backoff_max_s

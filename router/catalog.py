@@ -22,6 +22,11 @@ string and has no per-call timeout, and the router needs four GETs. Every
 aiohttp, timeout and decoding failure leaves this module as
 :class:`router.errors.CatalogUnavailable`.
 
+TLS: for an ``https`` Consul the session verifies it and presents the client
+certificate through the ``ssl.SSLContext`` that
+:meth:`router.settings.RouterSettings.consul_ssl_context` builds; a failed
+handshake is a :class:`CatalogUnavailable` naming the ``CONSUL_*`` files to check.
+
 Parsing is split into pure functions (:func:`parse_models`,
 :func:`parse_states`, :func:`parse_services`, :func:`parse_endpoints`) that
 unit tests drive with Consul's JSON shapes.
@@ -33,6 +38,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -148,12 +154,18 @@ class ConsulCatalog:
     answers at once. Every read raises :class:`CatalogUnavailable`.
     """
 
-    def __init__(self, base_url: str, token: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, token: str | None = None, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         headers = {"X-Consul-Token": token} if token else {}
+        self.base_url = base_url
         # Separate from the upstream pool: different timeouts, and it must
         # survive until the watches are cancelled during shutdown.
         self._session = aiohttp.ClientSession(
-            base_url=base_url, headers=headers, timeout=aiohttp.ClientTimeout(total=None)
+            base_url=base_url,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(ssl=ssl_context or True),
         )
 
     async def close(self) -> None:
@@ -204,5 +216,10 @@ class ConsulCatalog:
                 return new_index, await resp.json(content_type=None)
         except CatalogUnavailable:
             raise
+        except aiohttp.ClientSSLError as exc:
+            raise CatalogUnavailable(
+                f"GET {path}: TLS with Consul at {self.base_url} failed ({exc}); check "
+                "CONSUL_CACERT, CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY"
+            ) from exc
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise CatalogUnavailable(f"GET {path}: {type(exc).__name__}: {exc}") from exc

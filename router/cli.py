@@ -6,7 +6,13 @@ and flags override them. Logs go to stderr; the command prints nothing to
 stdout.
 
 Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 1 if the router could
-not start (bad settings, port in use), 2 for a usage error.
+not start (port in use, a failed startup), 2 for invalid settings (named on
+stderr: a bad number, a TLS file that does not exist, a key without its
+certificate) or a usage error.
+
+TLS: ``--tls-cert``/``--tls-key`` (``LLMGW_TLS_CERT``/``LLMGW_TLS_KEY``) serve
+HTTPS (uvicorn's ``ssl_certfile``/``ssl_keyfile``); the Consul and planner
+clients' TLS comes from the environment (:mod:`router.settings`).
 
 Shutdown runs in named steps: stop accepting connections, drain the open
 ones (up to ``--drain-timeout`` seconds; a second signal forces exit), then
@@ -132,12 +138,19 @@ def serve(
             "limit, then 503 replicas_busy (env LLMGW_QUEUE_TIMEOUT, default 30)."
         ),
     ] = None,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(help="Serve HTTPS with this PEM certificate (env LLMGW_TLS_CERT)."),
+    ] = None,
+    tls_key: Annotated[
+        str | None, typer.Option(help="Its PEM private key (env LLMGW_TLS_KEY).")
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the OpenAI-compatible API until SIGINT/SIGTERM.
 
-    Exit codes: 0 clean shutdown, 1 could not start, 2 usage error.
+    Exit codes: 0 clean shutdown, 1 could not start, 2 invalid settings or usage.
     """
     configure_logging(log_level)
     try:
@@ -155,13 +168,15 @@ def serve(
             activation=activation,
             replica_concurrency=replica_concurrency,
             queue_timeout_s=queue_timeout,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
             access_log=access_log,
             log_level=log_level,
         )
         settings.validate()
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -178,6 +193,8 @@ def serve(
         proxy_headers=False,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
         backlog=2048,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
     )
     server = _Server(config)
     # uvicorn restores these after its graceful shutdown and re-raises the

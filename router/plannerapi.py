@@ -18,6 +18,11 @@ status and decoding failure leaves this module as
 :class:`router.errors.PlannerUnavailable` (a 404 on activate as
 :class:`router.errors.ModelNotFound`), so nothing above sees aiohttp's types.
 
+An ``https://`` planner (``planner serve --tls-cert``) is verified with the
+context :meth:`router.settings.RouterSettings.planner_ssl_context` builds
+(``LLMGW_PLANNER_CACERT``, else the system's CAs); a certificate that does not
+verify is :class:`router.errors.PlannerUnavailable` saying so.
+
 Its own aiohttp session, not the upstream pool: short timeouts (a planner that
 accepts connections and then hangs must cost a request seconds, not minutes),
 and nothing here competes with proxied requests for connections.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import urllib.parse
 from collections.abc import Sequence
 
@@ -62,16 +68,24 @@ class PlannerAPI:
     lifespan, or a test's).
     """
 
-    def __init__(self, base_url: str, token: str | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._token = token
+        self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
+            connector=aiohttp.TCPConnector(ssl=self._ssl or True),
             timeout=aiohttp.ClientTimeout(
                 total=self.timeout_s, sock_connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)
             ),
@@ -124,6 +138,13 @@ class PlannerAPI:
             raise errors.PlannerUnavailable(
                 f"The planner at {self.base_url} did not answer within {self.timeout_s:g} s "
                 f"when asked to {what}."
+            ) from None
+        except aiohttp.ClientSSLError as exc:
+            log.error("TLS with the planner at %s failed: %s", self.base_url, exc)
+            raise errors.PlannerUnavailable(
+                f"The planner at {self.base_url} could not be verified when asked to {what} "
+                f"({type(exc).__name__}: {exc}); check LLMGW_PLANNER_CACERT.",
+                retry_after_s=None,  # configuration, as for a refused token
             ) from None
         except aiohttp.ClientError as exc:
             raise errors.PlannerUnavailable(

@@ -7,7 +7,18 @@ environment.
 Environment variables (all optional):
 
 - ``CONSUL_HTTP_ADDR``: ``host:port`` or ``http(s)://host:port`` (default ``127.0.0.1:8500``)
+- ``CONSUL_HTTP_SSL``: ``true`` talks HTTPS to Consul even when the address has no
+  scheme (TLS is never turned off once the address or this asks for it)
 - ``CONSUL_HTTP_TOKEN``: Consul ACL token (default none)
+- ``CONSUL_CACERT``: CA file (PEM) that verifies Consul's certificate (default: the
+  system's CAs)
+- ``CONSUL_CLIENT_CERT`` / ``CONSUL_CLIENT_KEY``: client certificate and key (PEM) for
+  a Consul with ``verify_incoming_https``; the two go together
+- ``LLMGW_TLS_CERT`` / ``LLMGW_TLS_KEY``: serve HTTPS with this certificate and key
+  (``--tls-cert`` / ``--tls-key``)
+- ``LLMGW_PLANNER_CACERT``: CA file that verifies an ``https://`` planner's
+  certificate (the planner's followers read the same variable); default: the
+  system's CAs
 - ``LLMGW_ROUTER_HOST`` / ``LLMGW_ROUTER_PORT``: listen address (default ``127.0.0.1:8080``)
 - ``LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT``: seconds to open a connection to a replica (5)
 - ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``: seconds without a byte from a replica (600)
@@ -26,11 +37,20 @@ Environment variables (all optional):
   (:mod:`router.capacity`)
 - ``LLMGW_QUEUE_TIMEOUT``: seconds a request waits for a free slot when every
   replica of its model is at its limit, before 503 ``replicas_busy`` (30)
+
+The Consul and TLS variables keep the names the ``consul`` CLI reads. Every
+configured certificate file (CAs, the client and the serving certificate; keys
+are not certificates) is published as expiry metrics
+(:mod:`llmgw_contract.certificates`). :meth:`RouterSettings.validate` loads each
+configured file once, so a missing file, one that is not PEM, or a key without
+its certificate is a ``ValueError`` naming the variable at start;
+:func:`tls_context` is the one place the router builds an ``ssl.SSLContext``.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -38,6 +58,52 @@ from typing import Any
 
 DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
 DEFAULT_PLANNER_URL = "http://127.0.0.1:4650"
+
+CONSUL_TLS_VARS = ("CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY")
+PLANNER_TLS_VARS = ("LLMGW_PLANNER_CACERT", "", "")
+SERVING_TLS_VARS = ("", "--tls-cert (LLMGW_TLS_CERT)", "--tls-key (LLMGW_TLS_KEY)")
+
+
+def tls_context(
+    names: tuple[str, str, str],
+    cafile: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    *,
+    server: bool = False,
+) -> ssl.SSLContext:
+    """An SSLContext from PEM files: as a client it verifies the peer with ``cafile``
+    (else the system's CAs) and presents ``certfile``/``keyfile`` when given; as a
+    server it presents them. ``names`` name the three settings in errors.
+
+    Raises ``ValueError`` naming the setting for a file that cannot be read or parsed,
+    a certificate or key without the other, or a key that does not match.
+    """
+    ca_name, cert_name, key_name = names
+    if bool(certfile) != bool(keyfile):
+        given, missing = (cert_name, key_name) if certfile else (key_name, cert_name)
+        raise ValueError(
+            f"{given} is set but {missing} is not: a certificate and its key go together"
+        )
+    for name, path in ((ca_name, cafile), (cert_name, certfile), (key_name, keyfile)):
+        if path and not os.access(path, os.R_OK):
+            why = "no such file" if not os.path.exists(path) else "not readable"
+            raise ValueError(f"{name}={path}: {why}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if server else ssl.create_default_context()
+    try:
+        if cafile:
+            context.load_verify_locations(cafile=cafile)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{ca_name}={cafile}: not a PEM CA certificate ({exc.reason})") from None
+    try:
+        if certfile and keyfile:
+            context.load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"{cert_name}={certfile} and {key_name}={keyfile} do not load as a PEM "
+            f"certificate and its key ({exc.reason})"
+        ) from None
+    return context
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +114,15 @@ class RouterSettings:
     port: int = 8080
     consul_addr: str = DEFAULT_CONSUL_ADDR
     consul_token: str | None = field(default=None, repr=False)
+    # TLS to Consul, under the names the `consul` CLI reads.
+    consul_ssl: bool = False
+    consul_cacert: str | None = None
+    consul_client_cert: str | None = None
+    consul_client_key: str | None = None
+    # The router's own HTTPS, and the CA that verifies an https:// planner.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    planner_cacert: str | None = None
     # Consul caps a blocking query at 10 minutes; a shorter wait bounds how long
     # a silently dropped connection can hide a change from us.
     watch_wait_s: float = 60.0
@@ -99,6 +174,8 @@ class RouterSettings:
             overrides["consul_addr"] = env["CONSUL_HTTP_ADDR"]
         if env.get("CONSUL_HTTP_TOKEN"):
             overrides["consul_token"] = env["CONSUL_HTTP_TOKEN"]
+        if env.get("CONSUL_HTTP_SSL"):
+            overrides["consul_ssl"] = _flag("CONSUL_HTTP_SSL", env["CONSUL_HTTP_SSL"])
         if env.get("LLMGW_PLANNER_TOKEN"):
             overrides["planner_token"] = env["LLMGW_PLANNER_TOKEN"]
         if env.get("LLMGW_ACTIVATION"):
@@ -117,8 +194,15 @@ class RouterSettings:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for settings the router cannot start with."""
+        """Raise ``ValueError`` for settings the router cannot start with; loads every
+        configured TLS file once."""
         self.consul_location()
+        if self.consul_cacert or self.consul_client_cert or self.consul_client_key:
+            self._consul_tls()
+        if self.planner_cacert:
+            self._planner_tls()
+        if self.tls_cert or self.tls_key:
+            tls_context(SERVING_TLS_VARS, None, self.tls_cert, self.tls_key, server=True)
         planner = urllib.parse.urlsplit(self.planner_url)
         if self.activation and (planner.scheme not in ("http", "https") or not planner.hostname):
             raise ValueError(f"planner URL {self.planner_url!r} is not an http(s):// URL")
@@ -138,7 +222,8 @@ class RouterSettings:
         return self.replica_concurrency or self.default_replica_concurrency
 
     def consul_location(self) -> tuple[str, str, int]:
-        """Split ``consul_addr`` into ``(scheme, host, port)``.
+        """Split ``consul_addr`` into ``(scheme, host, port)``; the scheme is ``https``
+        when the address says so or ``consul_ssl`` is set.
 
         Raises ``ValueError`` for an address without a host.
         """
@@ -146,12 +231,40 @@ class RouterSettings:
         parsed = urllib.parse.urlsplit(raw)
         if not parsed.hostname:
             raise ValueError(f"consul address {self.consul_addr!r} has no host")
-        scheme = parsed.scheme or "http"
+        scheme = "https" if self.consul_ssl else parsed.scheme or "http"
         port = parsed.port or (443 if scheme == "https" else 8500)
         return scheme, parsed.hostname, port
 
+    def consul_ssl_context(self) -> ssl.SSLContext | None:
+        """The context for an https Consul (``None`` for plain HTTP)."""
+        return self._consul_tls() if self.consul_location()[0] == "https" else None
+
+    def planner_ssl_context(self) -> ssl.SSLContext | None:
+        """The context for an ``https://`` planner URL (``None`` for plain HTTP)."""
+        https = urllib.parse.urlsplit(self.planner_url).scheme == "https"
+        return self._planner_tls() if https else None
+
+    def certificate_files(self) -> list[str]:
+        """The certificate files configured, for the certificate expiry metrics."""
+        files = (self.consul_cacert, self.consul_client_cert, self.planner_cacert, self.tls_cert)
+        return [path for path in files if path]
+
+    def _consul_tls(self) -> ssl.SSLContext:
+        return tls_context(
+            CONSUL_TLS_VARS, self.consul_cacert, self.consul_client_cert, self.consul_client_key
+        )
+
+    def _planner_tls(self) -> ssl.SSLContext:
+        return tls_context(PLANNER_TLS_VARS, self.planner_cacert)
+
 
 _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
+    ("CONSUL_CACERT", "consul_cacert", str),
+    ("CONSUL_CLIENT_CERT", "consul_client_cert", str),
+    ("CONSUL_CLIENT_KEY", "consul_client_key", str),
+    ("LLMGW_TLS_CERT", "tls_cert", str),
+    ("LLMGW_TLS_KEY", "tls_key", str),
+    ("LLMGW_PLANNER_CACERT", "planner_cacert", str),
     ("LLMGW_ROUTER_HOST", "host", str),
     ("LLMGW_ROUTER_PORT", "port", int),
     ("LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT", "upstream_connect_timeout_s", float),
@@ -165,8 +278,9 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_QUEUE_TIMEOUT", "queue_timeout_s", float),
 )
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+# Ours, and Go's strconv.ParseBool spellings (t/f), which the `consul` CLI applies.
+_TRUE = frozenset({"1", "true", "yes", "on", "t"})
+_FALSE = frozenset({"0", "false", "no", "off", "f"})
 
 
 def _flag(var: str, raw: str) -> bool:

@@ -1,10 +1,17 @@
-"""Settings from environment and flags (router.settings)."""
+"""Settings from environment and flags (router.settings), TLS files checked at start, and
+the certificate series on the router's metrics."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from router.app import create_app
 from router.settings import RouterSettings
+from tests.support.tls import issue, make_ca
 
 
 def test_defaults() -> None:
@@ -72,3 +79,76 @@ def test_concurrency_and_queue_settings() -> None:
         RouterSettings(queue_timeout_s=-1).validate()
     with pytest.raises(ValueError, match="LLMGW_REPLICA_CONCURRENCY"):
         RouterSettings.from_env({"LLMGW_REPLICA_CONCURRENCY": "many"})
+
+
+def test_tls_settings_from_environment_and_flags(tmp_path: Path) -> None:
+    ca = make_ca(tmp_path)
+    client_cert, client_key = issue(ca, tmp_path, "client", client=True)
+    settings = RouterSettings.from_env(
+        {
+            "CONSUL_HTTP_ADDR": "127.0.0.1:8501",
+            "CONSUL_HTTP_SSL": "true",
+            "CONSUL_CACERT": str(ca.ca_cert),
+            "CONSUL_CLIENT_CERT": str(client_cert),
+            "CONSUL_CLIENT_KEY": str(client_key),
+            "LLMGW_PLANNER_URL": "https://127.0.0.1:4650",
+            "LLMGW_PLANNER_CACERT": str(ca.ca_cert),
+        }
+    ).with_overrides(tls_cert=str(ca.cert), tls_key=str(ca.key))
+    settings.validate()
+    assert settings.consul_location() == ("https", "127.0.0.1", 8501)
+    assert settings.consul_ssl_context() is not None
+    assert settings.planner_ssl_context() is not None
+    # Keys are not certificates.
+    assert settings.certificate_files() == [
+        str(ca.ca_cert), str(client_cert), str(ca.ca_cert), str(ca.cert)
+    ]
+    plain = RouterSettings.from_env({})
+    assert plain.consul_ssl_context() is None and plain.planner_ssl_context() is None
+    with pytest.raises(ValueError, match="CONSUL_HTTP_SSL"):
+        RouterSettings.from_env({"CONSUL_HTTP_SSL": "maybe"})
+
+
+def test_bad_tls_files_name_their_variable(tmp_path: Path) -> None:
+    ca = make_ca(tmp_path)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not PEM")
+    cases = {
+        "CONSUL_CACERT=/nowhere.pem: no such file": {"consul_cacert": "/nowhere.pem"},
+        "CONSUL_CLIENT_KEY is set but CONSUL_CLIENT_CERT is not": {
+            "consul_client_key": str(ca.key)
+        },
+        "LLMGW_PLANNER_CACERT=.*not a PEM CA": {"planner_cacert": str(garbage)},
+        r"--tls-key \(LLMGW_TLS_KEY\) is set but --tls-cert": {"tls_key": str(ca.key)},
+        r"--tls-cert \(LLMGW_TLS_CERT\)=.* do not load": {
+            "tls_cert": str(ca.ca_cert),
+            "tls_key": str(ca.key),
+        },
+    }
+    for message, change in cases.items():
+        with pytest.raises(ValueError, match=message):
+            RouterSettings(**change).validate()
+
+
+def test_cli_exits_2_naming_the_bad_setting(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--tls-key", str(tmp_path / "k.pem")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin"},
+    )
+    assert run.returncode == 2
+    assert "--tls-key (LLMGW_TLS_KEY) is set but --tls-cert (LLMGW_TLS_CERT) is not" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_the_certificate_series_are_on_the_router_metrics(tmp_path: Path) -> None:
+    ca = make_ca(tmp_path)
+    missing = str(tmp_path / "gone.pem")
+    app = create_app(RouterSettings(activation=False, consul_cacert=str(ca.ca_cert),
+                                    planner_cacert=missing))
+    text = app.state.metrics.exposition()[0].decode()
+    assert f'llmgw_certificate_read_success{{path="{ca.ca_cert}"}} 1.0' in text
+    assert f'llmgw_certificate_read_success{{path="{missing}"}} 0.0' in text
+    assert f'llmgw_certificate_expiry_timestamp_seconds{{path="{ca.ca_cert}"}}' in text

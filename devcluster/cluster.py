@@ -10,8 +10,10 @@ is a `nomad agent -config` in client mode, joined to the dev node's Nomad server
 with its own `consul agent` in client mode joined to the dev Consul server. All
 state, logs and pid files live under one folder (`root`). The port layout, and
 how each node is configured and kept apart from the others, is
-devcluster/nodes.py; `Cluster` and `ClientNode` live there and are re-exported
-here.
+devcluster/nodes.py; `Cluster`, `ClientNode` and `TlsFiles` live there and are
+re-exported here. With `tls`, every call this module makes to the agents (the
+readiness checks, `down`'s job stops) is HTTPS with the cluster's client
+certificate (`client_context`).
 
 What a client agent does that `-dev` did for the dev node: it keeps its
 allocations when it stops, tmpfs `secrets`/`private` mounts included, to
@@ -42,6 +44,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -55,6 +58,7 @@ from devcluster.nodes import (
     MAX_CLIENTS,
     ClientNode,
     Cluster,
+    TlsFiles,
     cgroup_parent,
     client_ports,
     consul_argv,
@@ -64,14 +68,24 @@ from devcluster.nodes import (
     nomad_data,
 )
 
-__all__ = ["MAX_CLIENTS", "ClientNode", "Cluster", "down", "free_offset", "leftovers", "status",
-           "up"]
+__all__ = ["MAX_CLIENTS", "ClientNode", "Cluster", "TlsFiles", "client_context", "down",
+           "free_offset", "leftovers", "status", "up"]
 
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset"), Path("/sys/fs/cgroup"))  # v1 cpuset, v2
 
 
-def _get_json(url: str, timeout: float = 2.0) -> object:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def client_context(cluster: Cluster) -> ssl.SSLContext | None:
+    """What a client of a TLS cluster needs: its CA, and the client certificate the
+    agents ask for; None for a plain HTTP cluster."""
+    if cluster.tls is None:
+        return None
+    context = ssl.create_default_context(cafile=cluster.tls.ca)
+    context.load_cert_chain(cluster.tls.client_cert, cluster.tls.client_key)
+    return context
+
+
+def _get_json(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> object:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
         return json.load(response)
 
 
@@ -153,11 +167,12 @@ def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None
     and OSError when one of the cluster's ports is held by another agent.
     """
     env = extra_env or {}
+    context = client_context(cluster)
     cluster.root.mkdir(parents=True, exist_ok=True)
     fresh = _running_pid(cluster, "nomad") is None
     _start(cluster, "consul", consul_argv(cluster), cluster.consul_http_port)
-    _wait("consul", lambda: _has_leader(cluster.consul_addr, cluster.node_name), timeout,
-          cluster.log("consul"))
+    _wait("consul", lambda: _has_leader(cluster.consul_addr, cluster.node_name, context),
+          timeout, cluster.log("consul"))
     config = cluster.root / "nomad.hcl"
     _start(cluster, "nomad", [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
            cluster.nomad_http_port, env, (config, nomad_config(cluster)))
@@ -166,8 +181,8 @@ def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None
                client_ports(cluster, node)["consul_http"])
     # Client nodes start once the server has a leader: a Nomad client that finds
     # no server waits 15 s before it tries to register again.
-    _wait("nomad server", lambda: _has_leader(cluster.nomad_addr, cluster.node_name), timeout,
-          cluster.log("nomad"))
+    _wait("nomad server", lambda: _has_leader(cluster.nomad_addr, cluster.node_name, context),
+          timeout, cluster.log("nomad"))
     for node in cluster.clients:
         _start_nomad_client(cluster, node, env, timeout, fresh)
     _wait("nomad node", lambda: _node_ready(cluster, cluster.node_name), timeout,
@@ -194,19 +209,19 @@ def _start_nomad_client(cluster: Cluster, node: ClientNode, env: Mapping[str, st
            ports["nomad_http"], {**env, **node.env}, (config, nomad_client_config(cluster, node)))
 
 
-def _check_ours(addr: str, name: str) -> None:
+def _check_ours(addr: str, name: str, context: ssl.SSLContext | None = None) -> None:
     """Raise OSError unless the agent answering at `addr` (Consul or Nomad) is node
     `name`, i.e. ours and not another one holding the port."""
-    me = _get_json(f"{addr}/v1/agent/self")
+    me = _get_json(f"{addr}/v1/agent/self", context=context)
     config = me.get("Config") or me.get("config")  # type: ignore[union-attr]
     if config["NodeName"] != name:
         raise OSError(f"{addr} is held by another agent, {config['NodeName']}")
 
 
-def _has_leader(addr: str, name: str) -> bool:
+def _has_leader(addr: str, name: str, context: ssl.SSLContext | None = None) -> bool:
     """Ours, and it knows a leader (a Consul client agent only once it has joined)."""
-    _check_ours(addr, name)
-    return bool(_get_json(f"{addr}/v1/status/leader"))
+    _check_ours(addr, name, context)
+    return bool(_get_json(f"{addr}/v1/status/leader", context=context))
 
 
 def _client_node_ready(cluster: Cluster, node: ClientNode) -> bool:
@@ -216,7 +231,7 @@ def _client_node_ready(cluster: Cluster, node: ClientNode) -> bool:
 
 def _node_ready(cluster: Cluster, name: str) -> bool:
     """The server lists a node of that name as ready, with raw_exec healthy."""
-    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes")
+    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes", context=client_context(cluster))
     for node in nodes if isinstance(nodes, list) else []:
         drivers = node.get("Drivers") or {}
         if (node.get("Name") == name and node.get("Status") == "ready"
@@ -228,18 +243,19 @@ def _node_ready(cluster: Cluster, name: str) -> bool:
 def _stop_jobs(cluster: Cluster, timeout: float) -> None:
     """Stop every job and wait for its allocations to stop, so tasks end cleanly."""
     try:
-        jobs = _get_json(f"{cluster.nomad_addr}/v1/jobs")
+        context = client_context(cluster)
+        jobs = _get_json(f"{cluster.nomad_addr}/v1/jobs", context=context)
     except (OSError, urllib.error.URLError, ValueError):
         return
     for job in jobs if isinstance(jobs, list) else []:
         request = urllib.request.Request(
             f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE")
         with contextlib.suppress(OSError, urllib.error.URLError):
-            urllib.request.urlopen(request, timeout=5).close()
+            urllib.request.urlopen(request, timeout=5, context=context).close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            allocs = _get_json(f"{cluster.nomad_addr}/v1/allocations")
+            allocs = _get_json(f"{cluster.nomad_addr}/v1/allocations", context=context)
         except (OSError, urllib.error.URLError, ValueError):
             return
         if not any(a.get("ClientStatus") in ("running", "pending") for a in allocs):  # type: ignore[union-attr]

@@ -45,6 +45,16 @@ What several Nomad clients on one host fight over, found by running two
 What a client agent's config must say that `-dev` did for the dev node: its
 advertise addresses, and `network_interface = "lo"` (else its tasks' service
 addresses, so Consul's check targets, are the host's external IP).
+
+A TLS cluster (`Cluster(..., tls=TlsFiles(...))`, dev node only) serves both HTTP
+APIs over HTTPS only, on the same ports, and both require a client certificate
+signed by the CA: Consul with `ports { http = -1, https = ... }`, `ca_file`,
+`cert_file`, `key_file` and `verify_incoming_https` (Consul 1.8's top-level TLS
+keys); Nomad with `tls { http = true ... verify_https_client = true }`, and its
+`consul {}` block talking to that Consul over TLS with the agents' certificate
+as its client certificate. Nomad's own services are not advertised in Consul
+there: their HTTPS checks carry no client certificate, so they would only ever
+be critical.
 """
 
 from __future__ import annotations
@@ -81,17 +91,37 @@ class ClientNode:
 
 
 @dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS cluster: the CA that signed every certificate; the agents'
+    certificate and key (for 127.0.0.1: they serve HTTPS with it, and Nomad presents it
+    to Consul); the client certificate and key the cluster's clients present (the
+    readiness checks, and the CLIs through `Cluster.env`)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+
+@dataclass(frozen=True)
 class Cluster:
-    """Where one dev cluster lives, which ports it uses, and its extra client nodes.
+    """Where one dev cluster lives, which ports it uses, its extra client nodes, and,
+    with `tls`, the files that make both agents serve HTTPS only.
 
     Raises ValueError for more than MAX_CLIENTS clients, a name used twice (or the
-    dev node's), or a name that is not a lower-case DNS label."""
+    dev node's), a name that is not a lower-case DNS label, or client nodes in a TLS
+    cluster (not rendered yet)."""
 
     root: Path
     port_offset: int = 0
     clients: tuple[ClientNode, ...] = ()
+    tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
+        if self.tls is not None and self.clients:
+            raise ValueError("a TLS cluster has only its dev node (client nodes would need "
+                             "TLS in their own agents' configs)")
         names = [node.name for node in self.clients]
         if len(names) > MAX_CLIENTS:
             raise ValueError(f"at most {MAX_CLIENTS} client nodes, got {len(names)}")
@@ -119,20 +149,33 @@ class Cluster:
         return 4646 + self.port_offset
 
     @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    @property
     def consul_addr(self) -> str:
-        return f"http://127.0.0.1:{self.consul_http_port}"
+        return f"{self.scheme}://127.0.0.1:{self.consul_http_port}"
 
     @property
     def nomad_addr(self) -> str:
-        return f"http://127.0.0.1:{self.nomad_http_port}"
+        return f"{self.scheme}://127.0.0.1:{self.nomad_http_port}"
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment for CLIs (ours and HashiCorp's) that should talk to this cluster."""
-        return {
+        """Environment for CLIs (ours and HashiCorp's) that should talk to this cluster:
+        with TLS, the CA and client certificate under both CLIs' names (Consul's scheme
+        from CONSUL_HTTP_SSL, as its CLI reads it)."""
+        env = {
             "NOMAD_ADDR": self.nomad_addr,
             "CONSUL_HTTP_ADDR": f"127.0.0.1:{self.consul_http_port}",
         }
+        if self.tls is not None:
+            for agent in ("NOMAD", "CONSUL"):
+                env[f"{agent}_CACERT"] = str(self.tls.ca)
+                env[f"{agent}_CLIENT_CERT"] = str(self.tls.client_cert)
+                env[f"{agent}_CLIENT_KEY"] = str(self.tls.client_key)
+            env["CONSUL_HTTP_SSL"] = "true"
+        return env
 
     def pidfile(self, agent: str) -> Path:
         return self.root / f"{agent}.pid"
@@ -180,10 +223,38 @@ def consul_argv(cluster: Cluster) -> list[str]:
     return [
         str(BIN / "consul"), "agent", "-dev", "-node", cluster.node_name,
         "-bind", "127.0.0.1", "-client", "127.0.0.1",
-        "-http-port", str(8500 + o), "-dns-port", str(8600 + o),
+        "-http-port", str(8500 + o if cluster.tls is None else -1),
+        "-dns-port", str(8600 + o),
         "-serf-lan-port", str(8301 + o), "-serf-wan-port", str(8302 + o),
         "-server-port", str(8300 + o), "-grpc-port", str(8502 + o),
+        *_consul_tls_argv(cluster),
     ]
+
+
+def _consul_tls_argv(cluster: Cluster) -> list[str]:
+    """HTTPS only, on the HTTP port's number, asking every client for a certificate."""
+    if (tls := cluster.tls) is None:
+        return []
+    lines = [f"ports {{ https = {cluster.consul_http_port} }}", f"ca_file = {_hcl(tls.ca)}",
+             f"cert_file = {_hcl(tls.cert)}", f"key_file = {_hcl(tls.key)}",
+             "verify_incoming_https = true"]
+    return [arg for line in lines for arg in ("-hcl", line)]
+
+
+def _hcl(path: Path) -> str:
+    """A path as an HCL string (JSON's quoting is HCL's for these)."""
+    return json.dumps(str(path))
+
+
+def _nomad_tls_blocks(cluster: Cluster) -> tuple[str, str]:
+    """(the `tls` block, the lines the `consul` block adds) of a TLS dev node."""
+    if (tls := cluster.tls) is None:
+        return "", ""
+    files = (f"ca_file   = {_hcl(tls.ca)}\n  cert_file = {_hcl(tls.cert)}\n"
+             f"  key_file  = {_hcl(tls.key)}")
+    return (f"tls {{\n  http = true\n  {files}\n  verify_https_client = true\n}}\n",
+            f"  ssl            = true\n  verify_ssl     = true\n  auto_advertise = false\n"
+            f"  {files}\n")
 
 
 def consul_client_argv(cluster: Cluster, node: ClientNode) -> list[str]:
@@ -235,6 +306,7 @@ plugin "raw_exec" {{
 def nomad_config(cluster: Cluster) -> str:
     """The dev node's agent config (run with -dev, which makes it server and client)."""
     o = cluster.port_offset
+    tls, consul_tls = _nomad_tls_blocks(cluster)
     return f"""
 data_dir  = "{cluster.root / 'nomad'}"
 bind_addr = "127.0.0.1"
@@ -244,9 +316,9 @@ ports {{
   rpc  = {4647 + o}
   serf = {4648 + o}
 }}
-consul {{
+{tls}consul {{
   address = "127.0.0.1:{8500 + o}"
-}}
+{consul_tls}}}
 {_client_block(cluster, cluster.node_name, 0, [])}"""
 
 

@@ -1,6 +1,7 @@
 """Measure the planner's /metrics with many defined models (issue "Operations view").
 
-Starts a dev cluster of its own (port offset 11200), applies N on-demand model
+Starts a dev cluster of its own (the first free port offset from 11050, beside
+the tests' 11000-11040), applies N on-demand model
 definitions (registered with 0 instances, so nothing runs), starts `planner
 serve`, and reports:
 
@@ -29,9 +30,11 @@ from _support import REPO, Children, exit_on_sigterm, free_port, percentile, wai
 
 sys.path.insert(0, str(REPO))
 from devcluster.bootstrap import BIN
-from devcluster.cluster import Cluster, down, up
+from devcluster.cluster import Cluster, down, free_offset, up
 
-PORT_OFFSET = 11200
+# Offsets step by 10 and must stay under 100 apart from any other cluster's: the
+# dev agents' port bases are 100 to 300 apart (8300, 8500, 8600).
+PORT_OFFSETS = range(11050, 11100, 10)
 
 
 def write_models(folder: Path, count: int, gguf: Path) -> None:
@@ -55,7 +58,7 @@ def models_listed(text: str) -> int:
 
 
 def measure(args: argparse.Namespace, workdir: Path, children: Children) -> dict:
-    cluster = Cluster(workdir / "cluster", PORT_OFFSET)
+    cluster = Cluster(workdir / "cluster", free_offset(PORT_OFFSETS))
     up(cluster)
     try:
         gguf = workdir / "tiny.gguf"

@@ -71,7 +71,7 @@ class NomadClient:
                  tls: ClientTLS | None = None) -> None:
         """Raises ValueError (naming the setting) when a configured TLS file is unusable."""
         url = urlparse(address if "://" in address else f"http://{address}")
-        self.address = f"{url.scheme}://{url.netloc}"
+        self.address = f"{url.scheme}://{url.netloc if url.port else url.netloc + ':4646'}"
         self.token = token
         self.tls = tls or ClientTLS("Nomad", NOMAD_TLS_VARS)
         # Built (so checked) once; aiohttp's default (the system's CAs) for plain HTTP.

@@ -98,6 +98,15 @@ def https_json(url: str, context: ssl.SSLContext | None, body: dict | None = Non
     return json.loads(text) if text else None
 
 
+def refusal(url: str, context: ssl.SSLContext, body: dict) -> tuple[int, dict]:
+    """(status, OpenAI error object) of a request that must be refused; the response is
+    closed here, so the server's shutdown does not wait for its connection."""
+    with pytest.raises(urllib.error.HTTPError) as info:
+        https_json(url, context, body)
+    with info.value as response:
+        return response.code, json.load(response)["error"]
+
+
 def scrape(url: str, context: ssl.SSLContext) -> dict[tuple[str, str], float]:
     """{(series, path label): value} of the certificate series of one scrape."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10, context=context) as response:
@@ -270,12 +279,10 @@ def test_a_wrong_ca_or_no_client_certificate_is_a_clear_error(
     folder = write_model(tmp_path / "m", "tls-od-wrong", tiny_model,
                          extra="on_demand:\n  idle_after: 15m\n")
     assert planner_cli(env, "apply", str(folder)).returncode == 0
-    with (tls_router(env, pki, leader, tls_cluster.root / "router-wrong.log",
-                     pki.other_ca.ca_cert) as router,
-          pytest.raises(urllib.error.HTTPError) as refused):
-        https_json(f"{router}/v1/completions", pki.trust(),
-                   {"model": "tls-od-wrong", "prompt": "hi", "max_tokens": 4})
-    error = json.load(refused.value)["error"]
-    assert refused.value.code == 503 and error["code"] == "planner_unavailable"
+    with tls_router(env, pki, leader, tls_cluster.root / "router-wrong.log",
+                    pki.other_ca.ca_cert) as router:
+        status, error = refusal(f"{router}/v1/completions", pki.trust(),
+                                {"model": "tls-od-wrong", "prompt": "hi", "max_tokens": 4})
+    assert status == 503 and error["code"] == "planner_unavailable"
     assert f"The planner at {leader} could not be verified" in error["message"]
     assert "LLMGW_PLANNER_CACERT" in error["message"]

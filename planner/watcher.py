@@ -126,7 +126,8 @@ class Watcher:
         seen = self.metrics.message_seen if self.metrics else None
         try:
             async for event in stream_events(session, self.nomad.address, start,
-                                             self.nomad.token, on_message=seen):
+                                             self.nomad.token, on_message=seen,
+                                             ssl=self.nomad.ssl_context):
                 await asyncio.to_thread(self.handle_event, event)
                 self.index = max(self.index, event.get("Index", 0))
                 delivered = True

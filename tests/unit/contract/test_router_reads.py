@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -43,12 +41,12 @@ from llmgw_contract import (
     kv_key,
 )
 from router import errors
-from router.app import create_app, upstream_session
 from router.catalog import ServiceAddress, parse_models, parse_states
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
 from router.refusals import gate, when_no_endpoint
 from router.settings import RouterSettings
+from tests.support.router_harness import LocalServer, asgi_post, in_process_router, run
 
 # What each answer leads to: a refusal code at once, or None for "wait for a
 # passing endpoint, then serve".
@@ -61,12 +59,6 @@ ACTIVATION_OUTCOMES: dict[ActivationStatus, str | None] = {
 }
 REASON = "the planner's reason, word for word"
 LAST_ERROR = "Terminated: Exit Code: 1\nllama_model_load: error loading model: unknown model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def answers(status: ActivationStatus) -> list[ActivationAnswer]:
@@ -84,21 +76,16 @@ def answers(status: ActivationStatus) -> list[ActivationAnswer]:
     ]
 
 
-class Planner:
+class Planner(LocalServer):
     """Answers every activate call with ``answer`` encoded by the contract, and
     doubles as the model's replica once a test makes it pass."""
 
     def __init__(self, answer: ActivationAnswer) -> None:
         self.body = encode(answer)
-        app = web.Application()
-        app.router.add_post("/v1/models/{name}/activate", self._activate)
-        app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app)
-
-    async def start(self) -> None:
-        await self._runner.setup()
-        self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        super().__init__(
+            web.post("/v1/models/{name}/activate", self._activate),
+            web.post("/v1/completions", self._complete),
+        )
 
     async def _activate(self, request: web.Request) -> web.Response:
         return web.Response(text=self.body, content_type="application/json")
@@ -116,46 +103,15 @@ async def activating_router(answer: ActivationAnswer, window_s: float = 5) -> As
         activation_window_s=window_s,
         replica_concurrency=4,
     )
-    app = create_app(settings)
-    app.state.table.set_models({"m": ModelRecord(name="m", definition_hash="h", replicas=1)})
-    app.state.table.set_services(())
-    app.state.table.set_states({})
-    await app.state.activator.api.start()
-    app.state.proxy.session = upstream_session(settings)
     try:
-        yield app, planner
+        async with in_process_router(settings) as app:
+            yield app, planner
     finally:
-        await app.state.activator.close()
-        await app.state.activator.api.close()
-        await app.state.proxy.session.close()
-        await planner._runner.cleanup()
+        await planner.stop()
 
 
-async def post(app) -> tuple[int, dict[str, str], dict]:
-    sent: list[dict] = []
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": b'{"model": "m"}', "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
-    await app(scope, receive, send)
-    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-    return sent[0]["status"], headers, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+async def post(app) -> tuple[int | None, dict[str, str], dict]:
+    return await asgi_post(app, {"model": "m"})
 
 
 def test_every_activation_status_has_an_outcome() -> None:
@@ -191,7 +147,7 @@ def test_every_activation_answer_is_understood_and_acted_on(status: ActivationSt
                 error = {"model": "m", "outcome": "error"}
                 assert metrics.get_sample_value("llmgw_router_activations_total", error) == 0
 
-    asyncio.run(asyncio.wait_for(scenario(), 20))
+    run(scenario())
 
 
 # --- the documents in Consul KV -----------------------------------------------------
@@ -305,7 +261,7 @@ def test_an_activation_wait_acts_on_the_state_written_meanwhile(
             app.state.table.set_endpoints("m", [ServiceAddress("127.0.0.1", planner.port)])
             assert (await asyncio.wait_for(request, 2))[0] == 200
 
-    asyncio.run(asyncio.wait_for(scenario(), 20))
+    run(scenario())
 
 
 def test_a_model_record_round_trips() -> None:

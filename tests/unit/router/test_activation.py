@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import socket
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from llmgw_contract import ActivationStatus, ModelRecord, Parked, StateDocument, Unplaceable
-from router.app import create_app, upstream_session
-from router.catalog import ServiceAddress
-from router.endpoints import EndpointTable
+from llmgw_contract import ActivationStatus, Parked, StateDocument, Unplaceable
 from router.settings import RouterSettings
+from tests.support.router_harness import (
+    LocalServer,
+    RouterUnderTest,
+    asgi_post,
+    free_port,
+    in_process_router,
+    run,
+)
 
 
 def parked_state(name: str, reason: str) -> StateDocument:
@@ -41,17 +44,7 @@ TOKEN = "s3cret"
 MISSING_GPU = 'no node has an nvidia/gpu device: 1 of 1 nodes filtered ("missing devices")'
 
 
-def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
-    asyncio.run(asyncio.wait_for(scenario, timeout))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class StubPlanner:
+class StubPlanner(LocalServer):
     """Scripted activator API plus a trivial upstream, on one aiohttp server.
 
     ``answers[model]`` is a list of activate answers, used in order (the last
@@ -67,20 +60,11 @@ class StubPlanner:
         self.usage: list[list[str]] = []
         self.upstream_hits = 0
         self.usage_status = 204
-        app = web.Application()
-        app.router.add_post("/v1/models/{name}/activate", self._activate)
-        app.router.add_post("/v1/usage", self._usage)
-        app.router.add_post("/v1/completions", self._upstream)
-        self._runner = web.AppRunner(app)
-
-    async def start(self) -> None:
-        await self._runner.setup()
-        self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    async def stop(self) -> None:
-        await self._runner.cleanup()
+        super().__init__(
+            web.post("/v1/models/{name}/activate", self._activate),
+            web.post("/v1/usage", self._usage),
+            web.post("/v1/completions", self._upstream),
+        )
 
     async def _activate(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -117,53 +101,16 @@ def router_tasks() -> set[asyncio.Task]:
     }
 
 
-class Harness:
+class Harness(RouterUnderTest):
     def __init__(self, app: Any, stub: StubPlanner) -> None:
-        self.app = app
+        super().__init__(app, stub)
         self.stub = stub
-        self.table: EndpointTable = app.state.table
-
-    def pass_endpoint(self, model: str = "m") -> None:
-        """What the Consul watch does when a replica passes its check."""
-        self.table.set_endpoints(model, [ServiceAddress("127.0.0.1", self.stub.port)])
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        return self.app.state.metrics.registry.get_sample_value(name, labels)
 
     async def post(
         self, model: str = "m", leave_after_s: float | None = None
     ) -> tuple[int | None, dict[str, str], dict]:
         """One request over ASGI: (status, headers, JSON body); status None if the client left."""
-        sent: list[dict] = []
-        payload = json.dumps({"model": model, "prompt": "hi"}).encode()
-        delivered = False
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": payload, "more_body": False}
-            if leave_after_s is None:
-                await asyncio.Event().wait()  # connected until cancelled
-            await asyncio.sleep(leave_after_s)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-        }
-        await self.app(scope, receive, send)
-        if not sent:
-            return None, {}, {}
-        headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-        body = b"".join(m.get("body", b"") for m in sent[1:])
-        return sent[0]["status"], headers, json.loads(body)
+        return await asgi_post(self.app, {"model": model, "prompt": "hi"}, leave_after_s)
 
 
 @contextlib.asynccontextmanager
@@ -184,21 +131,10 @@ async def harness(
         activation_window_s=window_s,
         usage_interval_s=0.1,
     )
-    app = create_app(settings)
-    app.state.table.set_models(
-        {n: ModelRecord(name=n, definition_hash="h", replicas=1) for n in models}
-    )
-    app.state.table.set_services(())
-    app.state.table.set_states({})
-    await app.state.activator.api.start()
-    app.state.proxy.session = upstream_session(settings)
     try:
-        yield Harness(app, stub)
+        async with in_process_router(settings, models) as app:
+            yield Harness(app, stub)
     finally:
-        await app.state.usage.stop()
-        await app.state.activator.close()
-        await app.state.activator.api.close()
-        await app.state.proxy.session.close()
         await stub.stop()
 
 

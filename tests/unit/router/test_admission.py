@@ -11,33 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import socket
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from llmgw_contract import ModelRecord
 from router.admission import Held, Slots
-from router.app import create_app, upstream_session
 from router.balancer import Endpoint
 from router.capacity import total_slots
 from router.catalog import ServiceAddress
 from router.metrics import RouterMetrics
 from router.settings import RouterSettings
-
-
-def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
-    asyncio.run(asyncio.wait_for(scenario, timeout))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.router_harness import (
+    LocalServer,
+    RouterUnderTest,
+    asgi_post,
+    in_process_router,
+    run,
+)
 
 
 def slots_with(*limits: int) -> tuple[Slots, list[Endpoint], RouterMetrics]:
@@ -186,7 +179,7 @@ def test_total_slots_from_props() -> None:
 # --- through the app, against a real upstream ----------------------------------
 
 
-class HoldingUpstream:
+class HoldingUpstream(LocalServer):
     """llama-server's shape for what matters here: ``GET /props`` with
     ``total_slots`` (or 404 when ``slots`` is None), and completions that
     each wait until :meth:`finish` lets one through, in arrival order."""
@@ -196,18 +189,9 @@ class HoldingUpstream:
         self.seen: list[str] = []
         self.props_reads = 0
         self._gate = asyncio.Semaphore(0)
-        app = web.Application()
-        app.router.add_get("/props", self._props)
-        app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app)
-
-    async def start(self) -> None:
-        await self._runner.setup()
-        self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        await self._runner.cleanup()
+        super().__init__(
+            web.get("/props", self._props), web.post("/v1/completions", self._complete)
+        )
 
     def finish(self, count: int = 1) -> None:
         for _ in range(count):
@@ -226,57 +210,14 @@ class HoldingUpstream:
         return web.json_response({"object": "text_completion", "prompt": prompt})
 
 
-class Router:
+class Router(RouterUnderTest):
     def __init__(self, app: Any, upstream: HoldingUpstream) -> None:
-        self.app = app
+        super().__init__(app, upstream)
         self.upstream = upstream
-        self.table = app.state.table
-
-    def pass_endpoint(self, model: str) -> None:
-        self.table.set_endpoints(model, [ServiceAddress("127.0.0.1", self.upstream.port)])
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        return self.app.state.metrics.registry.get_sample_value(name, labels)
 
     def post(self, model: str, prompt: str, leave_after_s: float | None = None) -> asyncio.Future:
-        return asyncio.ensure_future(self._post(model, prompt, leave_after_s))
-
-    async def _post(
-        self, model: str, prompt: str, leave_after_s: float | None
-    ) -> tuple[int | None, dict[str, str], dict]:
-        sent: list[dict] = []
-        payload = json.dumps({"model": model, "prompt": prompt}).encode()
-        delivered = False
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": payload, "more_body": False}
-            if leave_after_s is None:
-                await asyncio.Event().wait()
-            await asyncio.sleep(leave_after_s)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-        }
-        await self.app(scope, receive, send)
-        if not sent:
-            return None, {}, {}
-        headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-        return (
-            sent[0]["status"],
-            headers,
-            json.loads(b"".join(m.get("body", b"") for m in sent[1:])),
-        )
+        body = {"model": model, "prompt": prompt}
+        return asyncio.ensure_future(asgi_post(self.app, body, leave_after_s))
 
 
 @contextlib.asynccontextmanager
@@ -285,21 +226,13 @@ async def router(
 ) -> AsyncIterator[Router]:
     upstream = HoldingUpstream(slots)
     await upstream.start()
-    config = RouterSettings(activation=False, **settings)
-    app = create_app(config)
-    app.state.proxy.session = upstream_session(config)
-    app.state.table.set_models(
-        {n: ModelRecord(name=n, definition_hash="h", replicas=1) for n in models}
-    )
-    app.state.table.set_services(())
-    app.state.table.set_states({})
     try:
-        yield Router(app, upstream)
+        async with in_process_router(RouterSettings(activation=False, **settings), models) as app:
+            try:
+                yield Router(app, upstream)
+            finally:
+                upstream.finish(1000)
     finally:
-        upstream.finish(1000)
-        if app.state.capacity is not None:
-            await app.state.capacity.close()
-        await app.state.proxy.session.close()
         await upstream.stop()
 
 

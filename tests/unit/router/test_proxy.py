@@ -9,20 +9,28 @@ listens on.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import socket
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from llmgw_contract import ModelRecord
 from router import errors
-from router.app import create_app, upstream_session
+from router.app import create_app
 from router.catalog import ServiceAddress
 from router.proxy import extract_model
 from router.settings import RouterSettings
+from tests.support.router_harness import (
+    LocalServer,
+    asgi_post,
+    free_port,
+    in_process_router,
+    router_app,
+    run,
+)
 
 
 def test_extract_model() -> None:
@@ -37,12 +45,7 @@ def client() -> TestClient:
     # No lifespan: no Consul and no upstream pool, the table is filled by hand.
     # Activation off: it needs the planner client the lifespan opens
     # (tests/unit/router/test_activation.py covers it).
-    app = create_app(RouterSettings(activation=False))
-    app.state.table.set_models(
-        {"ready-later": ModelRecord(name="ready-later", definition_hash="h", replicas=1)}
-    )
-    app.state.table.set_services(())
-    app.state.table.set_states({})
+    app = router_app(RouterSettings(activation=False), models=("ready-later",))
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -107,13 +110,7 @@ def test_no_endpoint_policy_is_pluggable() -> None:
 # --- no request runs twice ---------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Replica:
+class Replica(LocalServer):
     """A real aiohttp replica that records every request it read. ``drop``:
     after reading the whole request, close the connection (``"close"``) or
     reset it (``"reset"``) instead of answering, as a server that crashes
@@ -122,18 +119,7 @@ class Replica:
     def __init__(self, drop: str | None = None) -> None:
         self.drop = drop
         self.seen: list[dict] = []
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._handle)
-        self._runner = web.AppRunner(app)
-
-    async def start(self) -> ServiceAddress:
-        await self._runner.setup()
-        port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", port).start()
-        return ServiceAddress("127.0.0.1", port)
-
-    async def stop(self) -> None:
-        await self._runner.cleanup()
+        super().__init__(web.post("/v1/completions", self._handle))
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(await request.json())
@@ -148,53 +134,28 @@ class Replica:
         return web.Response()  # goes nowhere: the connection is gone
 
 
-async def post(app, n: int) -> tuple[int, dict]:
-    sent: list[dict] = []
-    payload = json.dumps({"model": "m", "prompt": f"request {n}"}).encode()
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
-    await app(scope, receive, send)
-    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+async def post(app: FastAPI, n: int) -> tuple[int | None, dict]:
+    status, _, body = await asgi_post(app, {"model": "m", "prompt": f"request {n}"})
+    return status, body
 
 
-async def route_to(*addresses: ServiceAddress):
+@contextlib.asynccontextmanager
+async def route_to(*addresses: ServiceAddress) -> AsyncIterator[FastAPI]:
     settings = RouterSettings(activation=False, replica_concurrency=4)
-    app = create_app(settings)
-    app.state.proxy.session = upstream_session(settings)
-    app.state.table.set_models({"m": ModelRecord(name="m", definition_hash="h", replicas=2)})
-    app.state.table.set_services(())
-    app.state.table.set_states({})
-    app.state.table.set_endpoints("m", addresses)
-    return app
+    async with in_process_router(settings, replicas=2) as app:
+        app.state.table.set_endpoints("m", addresses)
+        yield app
 
 
 @pytest.mark.parametrize("drop", ["close", "reset"])
 def test_a_request_that_reached_a_replica_is_never_sent_to_another(drop: str) -> None:
     async def scenario() -> None:
         dropper, good = Replica(drop), Replica()
-        app = await route_to(await dropper.start(), await good.start())
+        addresses = await dropper.start(), await good.start()
         try:
-            results = [await post(app, n) for n in range(6)]
+            async with route_to(*addresses) as app:
+                results = [await post(app, n) for n in range(6)]
         finally:
-            await app.state.proxy.session.close()
             await dropper.stop()
             await good.stop()
         statuses = [status for status, _ in results]
@@ -208,24 +169,24 @@ def test_a_request_that_reached_a_replica_is_never_sent_to_another(drop: str) ->
         assert "failed after the request was sent" in error["message"]
         assert "not retried on another replica" in error["message"]
 
-    asyncio.run(asyncio.wait_for(scenario(), 20))
+    run(scenario())
 
 
 def test_a_replica_that_cannot_be_connected_to_is_retried_on_another() -> None:
     async def scenario() -> None:
         good = Replica()
         refused = ServiceAddress("127.0.0.1", free_port())  # nobody listens
-        app = await route_to(refused, await good.start())
+        address = await good.start()
         try:
-            statuses = [(await post(app, n))[0] for n in range(4)]
-            assert statuses == [200] * 4 and len(good.seen) == 4
-            # Only the refusing replica left: nothing to retry on.
-            app.state.table.set_endpoints("m", [refused])
-            status, body = await post(app, 9)
-            assert status == 502 and body["error"]["code"] == "upstream_unavailable"
-            assert "could be connected to (1 tried)" in body["error"]["message"]
+            async with route_to(refused, address) as app:
+                statuses = [(await post(app, n))[0] for n in range(4)]
+                assert statuses == [200] * 4 and len(good.seen) == 4
+                # Only the refusing replica left: nothing to retry on.
+                app.state.table.set_endpoints("m", [refused])
+                status, body = await post(app, 9)
+                assert status == 502 and body["error"]["code"] == "upstream_unavailable"
+                assert "could be connected to (1 tried)" in body["error"]["message"]
         finally:
-            await app.state.proxy.session.close()
             await good.stop()
 
-    asyncio.run(asyncio.wait_for(scenario(), 20))
+    run(scenario())

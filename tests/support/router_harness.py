@@ -1,0 +1,164 @@
+"""The router app run in a test's event loop, without its lifespan, and the
+real aiohttp servers on 127.0.0.1 it talks to (a stand-in planner, upstream
+replicas).
+
+Used by the router's unit tests (tests/unit/router/test_activation.py,
+test_admission.py, test_proxy.py) and the router's contract test
+(tests/unit/contract/test_router_reads.py). No Consul: a test writes the
+models, services, states and endpoints into the app's table by hand, as the
+Consul watch would. The lifespan with real Consul is tested in
+tests/integration/test_router_consul.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from aiohttp import web
+from fastapi import FastAPI
+
+from llmgw_contract import ModelRecord
+from router.app import create_app, upstream_session
+from router.catalog import ServiceAddress
+from router.endpoints import EndpointTable
+from router.settings import RouterSettings
+
+
+def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
+    """Run `scenario` in a fresh event loop; TimeoutError after `timeout` s."""
+    asyncio.run(asyncio.wait_for(scenario, timeout))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A real aiohttp server on 127.0.0.1, at a free port, serving `routes`.
+
+    Subclasses pass their handlers' routes; after :meth:`start`, ``port`` and
+    ``url`` (``http://127.0.0.1:<port>``) say where it listens.
+    """
+
+    def __init__(self, *routes: web.RouteDef) -> None:
+        app = web.Application()
+        app.add_routes(routes)
+        self._runner = web.AppRunner(app)
+
+    async def start(self) -> ServiceAddress:
+        """Listen; returns the address, as the router's catalog would list it."""
+        await self._runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        return ServiceAddress("127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+def router_app(
+    settings: RouterSettings, models: tuple[str, ...] = ("m",), replicas: int = 1
+) -> FastAPI:
+    """:func:`router.app.create_app` for `settings`, its table filled as after the
+    watch's first read: `models` defined (each with `replicas`), no services, no
+    states. Nothing is opened: see :func:`in_process_router`."""
+    app = create_app(settings)
+    app.state.table.set_models(
+        {n: ModelRecord(name=n, definition_hash="h", replicas=replicas) for n in models}
+    )
+    app.state.table.set_services(())
+    app.state.table.set_states({})
+    return app
+
+
+@contextlib.asynccontextmanager
+async def in_process_router(
+    settings: RouterSettings, models: tuple[str, ...] = ("m",), replicas: int = 1
+) -> AsyncIterator[FastAPI]:
+    """:func:`router_app` with the clients its lifespan would open: the planner
+    client (when ``settings.activation`` is on) and the upstream session. They
+    are closed on the way out in the lifespan's order (usage reports, activate
+    calls, planner client, ``/props`` reads, upstream pool). The usage loop is
+    not started: a test starts it when it wants reports."""
+    app = router_app(settings, models, replicas)
+    state = app.state
+    if state.activator is not None:
+        await state.activator.api.start()
+    state.proxy.session = upstream_session(settings)
+    try:
+        yield app
+    finally:
+        if state.usage is not None:
+            await state.usage.stop()
+        if state.activator is not None:
+            await state.activator.close()
+            await state.activator.api.close()
+        if state.capacity is not None:
+            await state.capacity.close()
+        await state.proxy.session.close()
+
+
+class RouterUnderTest:
+    """An in-process router app and the server that plays its model's replica."""
+
+    def __init__(self, app: FastAPI, replica: LocalServer) -> None:
+        self.app = app
+        self.replica = replica
+        self.table: EndpointTable = app.state.table
+
+    def pass_endpoint(self, model: str = "m") -> None:
+        """What the Consul watch does when the replica passes its check."""
+        self.table.set_endpoints(model, [ServiceAddress("127.0.0.1", self.replica.port)])
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The sample `name` with `labels` from the router's registry, None if absent."""
+        return self.app.state.metrics.registry.get_sample_value(name, labels)
+
+
+async def asgi_post(
+    app: Any, body: dict, leave_after_s: float | None = None
+) -> tuple[int | None, dict[str, str], dict]:
+    """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection.
+
+    Returns (status, headers, JSON body); (None, {}, {}) when the app sent
+    nothing. The client stays connected until the app answers, or leaves
+    (``http.disconnect``) `leave_after_s` s after sending the body.
+    """
+    sent: list[dict] = []
+    payload = json.dumps(body).encode()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        if leave_after_s is None:
+            await asyncio.Event().wait()  # connected until cancelled
+        await asyncio.sleep(leave_after_s)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await app(scope, receive, send)
+    if not sent:
+        return None, {}, {}
+    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], headers, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 from devcluster.bootstrap import BIN
 from devcluster.cluster import Cluster, down, free_offset, up
 from tests.support.engines import write_engines
+from tests.support.ports import free_port
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.tls import TlsCA, make_ca
 
@@ -51,10 +51,6 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
     pytest.fail(f"timed out after {timeout} s waiting for {what} (last error: {last_error})")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 30) -> Any:

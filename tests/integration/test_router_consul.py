@@ -36,6 +36,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.support.ports import free_port
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,10 +55,6 @@ def consul_binary() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(

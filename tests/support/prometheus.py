@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster.bootstrap import BIN
+from tests.support.ports import free_port
 
 RULES = Path(__file__).resolve().parents[2] / "monitoring" / "llmgw.rules.yml"
 
@@ -37,10 +37,6 @@ class Prometheus:
         return {r["metric"]["job"]: float(r["value"][1]) for r in self.query("up")}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _target(url: str) -> str:
@@ -52,7 +48,7 @@ def prometheus(folder: Path, planners: list[str], routers: list[str]) -> Iterato
     """Run Prometheus scraping `planners` (job llmgw-planner) and `routers` (job
     llmgw-router), base URLs, every second; stopped at the end of the block."""
     folder.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],

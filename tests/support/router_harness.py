@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -27,6 +26,7 @@ from router.app import create_app, upstream_session
 from router.catalog import ServiceAddress
 from router.endpoints import EndpointTable
 from router.settings import RouterSettings
+from tests.support.ports import free_port
 
 
 def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
@@ -34,11 +34,6 @@ def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
     asyncio.run(asyncio.wait_for(scenario, timeout))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listened on a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:

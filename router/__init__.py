@@ -18,7 +18,11 @@ unplaceable and stopped models are refused at once with the reason
 (:mod:`router.refusals`); a model with no passing endpoint is activated
 through the planner's API and the request held, for a bounded time, until a
 replica passes (:mod:`router.activation`). Every interval the router tells
-the planner which models it used (:mod:`router.usage`).
+the planner which models it used (:mod:`router.usage`). Both calls follow the
+planner leader through Consul (``llmgw/leader`` and the ``llmgw-planner``
+service; :mod:`router.planners`), with the configured ``--planner-url`` the
+first address tried while Consul names no leader, and move to another planner
+only when one could not be reached at all (:mod:`router.plannerapi`).
 
 Entry points: the ``router`` console script (:mod:`router.cli`) and
 :func:`create_app` for embedding the ASGI app. The router never imports the

@@ -40,6 +40,7 @@ from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
 from router.plannerapi import PlannerAPI
+from router.planners import PlannerCandidates
 from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
 from router.settings import RouterSettings
@@ -100,12 +101,14 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
 
     ``no_endpoint`` decides what a request for a defined model with no passing
     endpoint gets. By default that is on-demand activation through the
-    planner at ``settings.planner_url`` (:class:`router.activation.Activator`),
-    with usage reports (:class:`router.usage.UsageReporter`); with
-    ``settings.activation`` off, :func:`router.refusals.refuse_at_once`. A
-    parked model is refused before it is asked. The returned app's ``state``
-    carries ``table``, ``metrics``, ``proxy``, ``activator`` and ``usage``
-    (``None`` without activation), ``capacity`` (``None`` with a fixed
+    planners (:class:`router.activation.Activator`): the leader the Consul
+    watches find, ``settings.planner_url`` and the other ``llmgw-planner``
+    instances (:class:`router.planners.PlannerCandidates`), with usage reports
+    (:class:`router.usage.UsageReporter`); with ``settings.activation`` off,
+    :func:`router.refusals.refuse_at_once`. A parked model is refused before it
+    is asked. The returned app's ``state`` carries ``table``, ``metrics``,
+    ``proxy``, ``activator``, ``planners`` and ``usage`` (``None`` without
+    activation), ``capacity`` (``None`` with a fixed
     ``settings.replica_concurrency``) and, while running, ``watcher``. The
     activator needs the lifespan (it opens the planner client there).
     """
@@ -119,12 +122,14 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         default_limit=settings.initial_replica_limit,
         on_joined=None if capacity is None else capacity.joined,
     )
+    planners: PlannerCandidates | None = None
     planner: PlannerAPI | None = None
     activator: Activator | None = None
     usage: UsageReporter | None = None
     if settings.activation:
+        planners = PlannerCandidates(settings.planner_url, metrics)
         planner = PlannerAPI(
-            settings.planner_url,
+            planners,
             settings.planner_token,
             settings.activate_timeout_s,
             settings.planner_ssl_context(),
@@ -151,7 +156,11 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         )
         proxy.session = upstream_session(settings)
         watcher = ConsulWatcher(
-            catalog, table, wait_s=settings.watch_wait_s, backoff_max_s=settings.watch_backoff_max_s
+            catalog,
+            table,
+            wait_s=settings.watch_wait_s,
+            backoff_max_s=settings.watch_backoff_max_s,
+            planners=planners,
         )
         app.state.watcher = watcher
         watcher.start()
@@ -169,9 +178,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             settings.replica_concurrency
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
-            f"activation through the planner at {settings.planner_url} "
-            f"(window {settings.activation_window_s:g} s, usage every "
-            f"{settings.usage_interval_s:g} s)"
+            f"activation through the planner leader (Consul), then {settings.planner_url}, "
+            f"then the other passing planners (window {settings.activation_window_s:g} s, "
+            f"usage every {settings.usage_interval_s:g} s)"
             if planner is not None
             else "activation off",
         )
@@ -204,6 +213,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     app.state.metrics = metrics
     app.state.proxy = proxy
     app.state.activator = activator
+    app.state.planners = planners
     app.state.usage = usage
     app.state.capacity = capacity
     app.proxy = proxy

@@ -1,6 +1,7 @@
-"""Reads what the router needs from Consul: models, their state, services, passing endpoints.
+"""Reads what the router needs from Consul: models, their state, services, passing
+endpoints, and where the planners are.
 
-Four kinds of blocking query, nothing else:
+Six kinds of blocking query, nothing else:
 
 - the KV prefix ``llmgw/models/`` (one :class:`llmgw_contract.ModelRecord` per
   model, written by ``planner apply``);
@@ -10,7 +11,12 @@ Four kinds of blocking query, nothing else:
   ``llmgw-<model>`` service has an instance registered, so a model that serves
   stays known when its KV record vanishes (an operator's
   ``consul kv delete -recurse llmgw/``, a restored snapshot);
-- ``/v1/health/service/llmgw-<model>?passing`` per known model.
+- ``/v1/health/service/llmgw-<model>?passing`` per known model;
+- the KV key ``llmgw/leader`` (the leading planner's
+  :class:`llmgw_contract.LeaderRecord`, while a session holds it) and
+  ``/v1/health/service/llmgw-planner?passing`` (every ``planner serve``
+  instance whose TTL check passes): where to send activate calls and usage
+  reports (:mod:`router.planners`).
 
 Called only by the watch loops in :mod:`router.watch`; the request path never
 talks to Consul. Key and service names come from :mod:`llmgw_contract.keys`,
@@ -18,7 +24,7 @@ documents are decoded with :func:`llmgw_contract.decode`.
 
 A small aiohttp client rather than py-consul's ``consul.aio``: that adapter
 builds its connector with arguments aiohttp deprecates, returns the index as a
-string and has no per-call timeout, and the router needs four GETs. Every
+string and has no per-call timeout, and the router needs a few GETs. Every
 aiohttp, timeout and decoding failure leaves this module as
 :class:`router.errors.CatalogUnavailable`.
 
@@ -28,8 +34,8 @@ certificate through the ``ssl.SSLContext`` that
 handshake is a :class:`CatalogUnavailable` naming the ``CONSUL_*`` files to check.
 
 Parsing is split into pure functions (:func:`parse_models`,
-:func:`parse_states`, :func:`parse_services`, :func:`parse_endpoints`) that
-unit tests drive with Consul's JSON shapes.
+:func:`parse_states`, :func:`parse_services`, :func:`parse_endpoints`,
+:func:`parse_leader`) that unit tests drive with Consul's JSON shapes.
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ from typing import Any, TypeVar
 import aiohttp
 
 from llmgw_contract import (
+    LEADER_KEY,
+    PLANNER_SERVICE,
     KVPrefix,
+    LeaderRecord,
     ModelRecord,
     StateDocument,
     decode,
@@ -146,6 +155,24 @@ def parse_endpoints(entries: list[dict[str, Any]] | None) -> list[ServiceAddress
     return sorted(found)
 
 
+def parse_leader(entries: list[dict[str, Any]] | None) -> LeaderRecord | None:
+    """The leading planner from a read of the KV key ``llmgw/leader``, or ``None``.
+
+    ``None`` for a 404 (no planner ever led), a key no session holds (the lock
+    was released: the leader stopped, or its check lapsed, and its record stays
+    behind naming a planner that may be dead), and a value that does not decode
+    (logged).
+    """
+    entry = (entries or [{}])[0]
+    if not entry.get("Session"):
+        return None
+    try:
+        return decode(LeaderRecord, base64.b64decode(entry.get("Value") or ""))
+    except (binascii.Error, ValueError) as exc:
+        log.warning("ignoring Consul KV %s: %s", LEADER_KEY, exc)
+        return None
+
+
 class ConsulCatalog:
     """Blocking reads against one Consul agent over a private aiohttp session.
 
@@ -190,13 +217,30 @@ class ConsulCatalog:
         self, model: str, index: int, wait_s: float
     ) -> tuple[int, list[ServiceAddress]]:
         """Blocking read of the passing endpoints of ``model``'s service."""
+        return await self._passing(service_name(model), index, wait_s)
+
+    async def leader(self, index: int, wait_s: float) -> tuple[int, LeaderRecord | None]:
+        """Blocking read of the planner that holds ``llmgw/leader`` (``None``: none does)."""
+        index, body = await self._kv(LEADER_KEY, index, wait_s, recurse=False)
+        return index, parse_leader(body)
+
+    async def planners(self, index: int, wait_s: float) -> tuple[int, list[ServiceAddress]]:
+        """Blocking read of the admin addresses of the passing ``llmgw-planner`` instances."""
+        return await self._passing(PLANNER_SERVICE, index, wait_s)
+
+    async def _passing(
+        self, service: str, index: int, wait_s: float
+    ) -> tuple[int, list[ServiceAddress]]:
         index, body = await self._get(
-            "/v1/health/service/" + service_name(model), {"passing": "true"}, index, wait_s
+            "/v1/health/service/" + service, {"passing": "true"}, index, wait_s
         )
         return index, parse_endpoints(body)
 
-    async def _kv(self, prefix: KVPrefix, index: int, wait_s: float) -> tuple[int, Any]:
-        return await self._get(f"/v1/kv/{prefix}", {"recurse": "true"}, index, wait_s)
+    async def _kv(
+        self, key: str, index: int, wait_s: float, *, recurse: bool = True
+    ) -> tuple[int, Any]:
+        params = {"recurse": "true"} if recurse else {}
+        return await self._get(f"/v1/kv/{key}", params, index, wait_s)
 
     async def _get(
         self, path: str, params: dict[str, str], index: int, wait_s: float

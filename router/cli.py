@@ -96,7 +96,10 @@ def serve(
     ] = None,
     planner_url: Annotated[
         str | None,
-        typer.Option(help="Planner admin API for activation (env LLMGW_PLANNER_URL)."),
+        typer.Option(
+            help="Planner admin API for activation, tried after the leader Consul names "
+            "and before the other planners (env LLMGW_PLANNER_URL)."
+        ),
     ] = None,
     planner_token: Annotated[
         str | None,

@@ -24,6 +24,9 @@ Series (names and labels are part of the alerting contract):
   not observed, so the hot path never touches it
 - ``llmgw_router_endpoints{model}``: passing endpoints; published at 0 for every
   defined model so "desired > 0 and ready == 0" can alert
+- ``llmgw_router_planner_switches_total``: times the planner that answers this
+  router's calls changed (a failover, or the lead handed over;
+  :mod:`router.planners`); published at 0
 
 The proxy calls :meth:`RouterMetrics.for_model` once per request and then only
 touches pre-bound label children, so the hot path does no label lookups.
@@ -170,6 +173,11 @@ class RouterMetrics:
             "(the activate call included).",
             ("model",),
             buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.planner_switches = Counter(
+            "llmgw_router_planner_switches_total",
+            "Times the planner answering this router's activate and usage calls changed.",
             registry=self.registry,
         )
         self._models: dict[str, ModelMetrics] = {}

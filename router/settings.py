@@ -24,8 +24,10 @@ Environment variables (all optional):
 - ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``: seconds without a byte from a replica (600)
 - ``LLMGW_ROUTER_MAX_CONNECTIONS``: size of the upstream keep-alive pool (256)
 - ``LLMGW_ROUTER_DRAIN_TIMEOUT``: seconds to let in-flight requests finish on shutdown (30)
-- ``LLMGW_PLANNER_URL``: the planner's admin API, for on-demand activation and
-  usage reports (default ``http://127.0.0.1:4650``)
+- ``LLMGW_PLANNER_URL``: a planner's admin API, for on-demand activation and
+  usage reports (default ``http://127.0.0.1:4650``): tried after the leader
+  Consul names, before the other passing ``llmgw-planner`` instances, which
+  are called with its scheme (:mod:`router.planners`)
 - ``LLMGW_PLANNER_TOKEN``: bearer token for it (the planner's ``LLMGW_ADMIN_TOKEN``)
 - ``LLMGW_ACTIVATION_WINDOW``: seconds a request for a loading model is held
   before 503 ``model_loading`` (45)
@@ -240,9 +242,11 @@ class RouterSettings:
         return self._consul_tls() if self.consul_location()[0] == "https" else None
 
     def planner_ssl_context(self) -> ssl.SSLContext | None:
-        """The context for an ``https://`` planner URL (``None`` for plain HTTP)."""
+        """The context for ``https://`` planners: for an https planner URL or a set
+        ``LLMGW_PLANNER_CACERT`` (the leader's address comes from Consul and may be
+        https while the URL is not); ``None``: the system's CAs, for any https one."""
         https = urllib.parse.urlsplit(self.planner_url).scheme == "https"
-        return self._planner_tls() if https else None
+        return self._planner_tls() if https or self.planner_cacert else None
 
     def certificate_files(self) -> list[str]:
         """The certificate files configured, for the certificate expiry metrics."""

@@ -13,6 +13,12 @@ Three watches cover every model at once, and one more follows each model:
   so a parked model is refused within one blocking-query round trip of the
   planner's write.
 
+With on-demand activation on, two more follow the planners into
+:class:`router.planners.PlannerCandidates`: the KV key ``llmgw/leader`` (who
+leads now) and the health of the ``llmgw-planner`` service (which instances
+pass their TTL check), so activate calls and usage reports follow a planner
+failover within one blocking-query round trip of the new leader taking the lock.
+
 Started and stopped by the app's lifespan (:mod:`router.app`).
 
 Each watch has three layers (after kopf's watching.py):
@@ -41,10 +47,11 @@ from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from llmgw_contract import KVPrefix, service_name
+from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, KVPrefix, service_name
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable, ModelsDiff
 from router.errors import CatalogError
+from router.planners import PlannerCandidates
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +94,9 @@ async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]
 
 
 class ConsulWatcher:
-    """Owns the models, services and states watch tasks, and one health watch task
-    per defined model."""
+    """Owns the models, services and states watch tasks, one health watch task
+    per defined model, and, given ``planners``, the leader and planner-instance
+    watch tasks."""
 
     def __init__(
         self,
@@ -97,9 +105,11 @@ class ConsulWatcher:
         *,
         wait_s: float,
         backoff_max_s: float,
+        planners: PlannerCandidates | None = None,
     ) -> None:
         self._catalog = catalog
         self._table = table
+        self._planners = planners
         self._wait_s = wait_s
         self._backoff_max_s = backoff_max_s
         self._tasks: list[asyncio.Task[None]] = []
@@ -114,6 +124,11 @@ class ConsulWatcher:
                 self._spawn("services", self._watch_services()),
                 self._spawn("state", self._watch_states()),
             ]
+            if self._planners is not None:
+                self._tasks += [
+                    self._spawn("leader", self._watch_leader(self._planners)),
+                    self._spawn("planners", self._watch_planners(self._planners)),
+                ]
 
     async def stop(self) -> None:
         """Cancel every watch and wait for them to finish."""
@@ -167,6 +182,18 @@ class ConsulWatcher:
             return self._catalog.states(index, self._wait_s)
 
         await self._forever(f"Consul KV {KVPrefix.STATE}", read, self._table.set_states)
+
+    async def _watch_leader(self, planners: PlannerCandidates) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.leader(index, self._wait_s)
+
+        await self._forever(f"Consul KV {LEADER_KEY}", read, planners.set_leader)
+
+    async def _watch_planners(self, planners: PlannerCandidates) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.planners(index, self._wait_s)
+
+        await self._forever(f"Consul health of {PLANNER_SERVICE}", read, planners.set_instances)
 
     async def _watch_health(self, model: str) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:

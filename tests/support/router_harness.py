@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -48,12 +49,14 @@ class LocalServer:
         app.add_routes(routes)
         self._runner = web.AppRunner(app)
 
-    async def start(self) -> ServiceAddress:
-        """Listen; returns the address, as the router's catalog would list it."""
+    async def start(self, ssl_context: ssl.SSLContext | None = None) -> ServiceAddress:
+        """Listen (HTTPS with `ssl_context`); returns the address, as the router's
+        catalog would list it."""
         await self._runner.setup()
         self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        self.url = f"http://127.0.0.1:{self.port}"
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=ssl_context).start()
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         return ServiceAddress("127.0.0.1", self.port)
 
     async def stop(self) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from llmgw_contract import ModelRecord, Parked, StateDocument
+from llmgw_contract import LeaderRecord, ModelRecord, Parked, StateDocument
 from router.catalog import ServiceAddress
 from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
 from router.metrics import RouterMetrics
+from router.planners import PlannerCandidates
 from router.watch import ConsulWatcher, next_index
 
 
@@ -34,6 +35,8 @@ class FakeCatalog:
         self.registered: set[str] = set()  # models with an llmgw-<model> service
         self.healthy: dict[str, list[ServiceAddress]] = {}
         self.model_states: dict[str, StateDocument] = {}
+        self.leader_record: LeaderRecord | None = None
+        self.planner_instances: list[ServiceAddress] = []
         self.fail_next = 0
         self.changed = asyncio.Event()
         self.health_reads: dict[str, int] = {}
@@ -62,6 +65,14 @@ class FakeCatalog:
     async def states(self, index: int, wait_s: float):
         await self._block(index, wait_s)
         return self.index, dict(self.model_states)
+
+    async def leader(self, index: int, wait_s: float):
+        await self._block(index, wait_s)
+        return self.index, self.leader_record
+
+    async def planners(self, index: int, wait_s: float):
+        await self._block(index, wait_s)
+        return self.index, list(self.planner_instances)
 
     async def passing(self, model: str, index: int, wait_s: float):
         self.health_reads[model] = self.health_reads.get(model, 0) + 1
@@ -169,3 +180,26 @@ def test_a_bug_in_apply_does_not_kill_the_watch() -> None:
         return calls
 
     assert asyncio.run(scenario()) >= 2
+
+
+def test_the_planner_watches_follow_the_leader_and_the_instances() -> None:
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        planners = PlannerCandidates("http://10.0.0.1:4650", RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05,  # type: ignore[arg-type]
+                                planners=planners)
+        catalog.planner_instances = [ServiceAddress("10.0.0.1", 4650),
+                                     ServiceAddress("10.0.0.2", 4650)]
+        watcher.start()
+        await settle()
+        assert planners.ordered() == ["http://10.0.0.1:4650", "http://10.0.0.2:4650"]
+
+        catalog.leader_record = LeaderRecord(id="b", address="http://10.0.0.2:4650")
+        catalog.planner_instances = [ServiceAddress("10.0.0.2", 4650)]  # .1's check lapsed
+        catalog.bump()
+        await settle()
+        assert planners.ordered() == ["http://10.0.0.2:4650", "http://10.0.0.1:4650"]
+        await watcher.stop()
+
+    asyncio.run(scenario())

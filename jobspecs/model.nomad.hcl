@@ -136,15 +136,13 @@ job "model" {
 
     # Failures must surface as Nomad events promptly, and each replica stops
     # failing on its own: restart in place 5 s apart, and after the 5th start
-    # fails the allocation and leave it failed (no reschedule). So a replica
-    # that cannot start (a file missing on its node, a GPU taken) is tried
-    # exactly 5 times while the other replicas go on serving, and the planner,
-    # counting the same starts from the event stream, parks the model only when
-    # no replica of its definition is healthy (docs/architecture.md,
-    # "Failures"). The 30 m interval covers five crash-after-ready runs of up
-    # to the 2 min stability window, so Nomad gives up no sooner than the
-    # planner counts five. `planner retry` places a stopped replica again
-    # (a forced reschedule, which Nomad steers off the node it failed on).
+    # fail the allocation and leave it failed. So a replica that cannot start
+    # (a file missing on its node, a GPU taken) is tried exactly 5 times while
+    # the other replicas go on serving, and the planner, counting the same
+    # starts from the event stream, parks the model only when no replica of its
+    # definition is healthy (docs/architecture.md, "Failures"). The 30 m
+    # interval covers five crash-after-ready runs of up to the 2 min stability
+    # window, so Nomad gives up no sooner than the planner counts five.
     restart {
       attempts = 4
       interval = "30m"
@@ -152,9 +150,18 @@ job "model" {
       mode     = "fail"
     }
 
+    # Nomad never reschedules a failed replica by itself (its next attempt
+    # would be 10 years away), but rescheduling stays enabled: Nomad honours a
+    # forced reschedule (`planner retry`, an activation, re-applying a stopped
+    # job) only for a group whose policy allows one (nomad/job_endpoint.go,
+    # ReschedulePolicy.Enabled). `attempts = 0` would leave a failed replica
+    # holding its place in the count for good, even across a job stop.
     reschedule {
-      attempts  = 0
-      unlimited = false
+      attempts       = 1
+      interval       = "87600h"
+      delay          = "87600h"
+      delay_function = "constant"
+      unlimited      = false
     }
 
     # No deployments (max_parallel = 0): Nomad never reschedules an allocation

@@ -96,6 +96,10 @@ def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[StateDocume
         raise Rejected(f"model {name!r} has no Nomad job; run `planner apply` first")
     if parked_from_job(job) is not None or job.get("Stop"):
         answer = nomad.register(unparked_job(job))
+        # A replica Nomad stopped after its restart attempts stays failed and keeps its
+        # place in the count, stopped job or not (no reschedule): only a forced
+        # reschedule replaces it, so that the job really starts again.
+        nomad.evaluate(name, force_reschedule=True)
         after = store.update(name, lambda s: set_parked(s, None, _index(answer))).after
         return after, "parking lifted; the job is starting again" \
             if parked_from_job(job) else "the stopped job is starting again"

@@ -139,9 +139,11 @@ class Activator:
             except NomadRejected as exc:
                 if "active deployment" not in str(exc):
                     raise
-                eval_id = self.nomad.evaluate(name)
+                eval_id = self.nomad.evaluate(name, force_reschedule=True)
         else:
-            eval_id = self.nomad.evaluate(name)
+            # Forced: a replica Nomad stopped after its restart attempts is placed again
+            # (it keeps its place in the count otherwise, and nothing would start).
+            eval_id = self.nomad.evaluate(name, force_reschedule=True)
         log.info("model %s: placement attempt (evaluation %s)", name, (eval_id or "")[:8])
         evaluation = self._wait(eval_id)
         if evaluation is None:

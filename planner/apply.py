@@ -37,6 +37,7 @@ class Action(StrEnum):
 
 
 MUTATIONS = frozenset({Action.CREATE, Action.UPDATE, Action.DEREGISTER})
+STOPPED_REASON = "job was stopped"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class Change:
     reason: str
     job: Job | None = None
     unpark: bool = False  # the definition changed since the model was parked
+
+    @property
+    def restart(self) -> bool:
+        """Registering starts a job that was stopped (or parked): its old replicas must
+        be replaced, not kept."""
+        return self.unpark or self.reason == STOPPED_REASON
 
 
 @dataclass
@@ -72,7 +79,7 @@ def is_managed(job: Job) -> bool:
 def _update_reason(new: Job, old: Job) -> str:
     new_meta, old_meta = new.get("Meta") or {}, old.get("Meta") or {}
     if old.get("Stop"):
-        return "job was stopped"
+        return STOPPED_REASON
     if new_meta.get(JobMeta.DEFINITION_HASH) != old_meta.get(JobMeta.DEFINITION_HASH):
         return "source or profile changed"
     old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
@@ -206,6 +213,10 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
                 outcome.plan = nomad.plan(change.job)
             else:
                 answer = nomad.register(change.job)
+                if change.restart:
+                    # Replicas Nomad stopped after their restart attempts keep their place
+                    # in the count across a job stop (no reschedule): place them again.
+                    nomad.evaluate(change.model, force_reschedule=True)
                 if change.unpark:
                     index = int(answer.get("JobModifyIndex") or 0)
                     StateStore(consul).update(change.model,

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.integration
 
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 MODELS = ("c15-crash", "c16-serve", "c16-parked", "c17-race", "c18-gemma", "c19-reload",
-          "c20-a", "c20-b", "failover-kev", "fixed-source", "partly")
+          "c20-a", "c20-b", "failover-kev", "fixed-source", "partly", "restart-stopped")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -363,3 +363,38 @@ def test_a_partly_placed_model_keeps_its_reason_while_one_replica_serves(
         assert "1 of 3 replicas placed" in model["reason"]
         assert "memory exhausted" in model["reason"]
         time.sleep(1)
+
+
+def live_replicas(cluster: Cluster, name: str) -> set[str]:
+    return {a["Name"] for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
+            if a["DesiredStatus"] == "run" and a["ClientStatus"] in ("pending", "running")}
+
+
+def test_a_replica_nomad_stopped_starts_again_after_the_job_is_stopped_and_applied(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Found by a new user: a replica Nomad stopped after its restart attempts (failed,
+    desired run, no reschedule) kept its place in the count through a job stop, so
+    `planner apply` (or `planner retry`) of the stopped job started nothing for it."""
+    folder = write_model(tmp_path / "m", "restart-stopped", tiny_model, replicas=2,
+                         profile=SMALL + "\n  engine: index1-llama.cpp")
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: any(r["state"] == "stopped" for r in
+                         planner_daemon.model("restart-stopped")["replicas"]), 90,
+             "server[1] stopped by Nomad after 5 failed starts")
+    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/restart-stopped",
+                                  method="DELETE")
+    urllib.request.urlopen(stop, timeout=10).close()  # `nomad job stop`
+    wait_for(lambda: not live_replicas(cluster, "restart-stopped"), 30, "the job stopped")
+    applied = json.loads(planner("apply", str(folder), "--output", "json").stdout)
+    assert [c["reason"] for c in applied["changes"] if c["model"] == "restart-stopped"] == \
+        ["job was stopped"]
+    wait_for(lambda: live_replicas(cluster, "restart-stopped") ==
+             {"restart-stopped.server[0]", "restart-stopped.server[1]"}, 30,
+             "both replicas started again")
+    # And `planner retry` of a stopped job does the same.
+    urllib.request.urlopen(stop, timeout=10).close()
+    wait_for(lambda: not live_replicas(cluster, "restart-stopped"), 30, "the job stopped")
+    assert planner("retry", "restart-stopped").returncode == 0
+    wait_for(lambda: len(live_replicas(cluster, "restart-stopped")) == 2, 30,
+             "both replicas started again after retry")

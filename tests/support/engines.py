@@ -13,6 +13,10 @@ itself. Each one is a fake of one thing, and says which.
     slowstop-llama.cpp    takes STOP_DELAY_S to exit when told to stop: a large model
                           freeing its memory, so "room being made" lasts long enough to
                           be seen (C20)
+    index1-llama.cpp      fails every start of replica server[1] (NOMAD_ALLOC_INDEX 1) the
+                          way llama-server does for a missing file; server[0] is the real
+                          server: one replica stopped by Nomad beside a serving one, on
+                          one node
     nodefault-llama.cpp   on a node whose agent has LLMGW_FAKE_FAULT=missing-model in its
                           environment (raw_exec tasks inherit it), exits 1 the way
                           llama-server does when the model file is missing on that node;
@@ -33,6 +37,14 @@ _MISSING = ("gguf_init_from_file: failed to open GGUF file '$model' (No such fil
             "to load model from $model\nsrv  llama_server: exiting due to model loading error")
 
 
+def _missing_file_when(condition: str, real: str) -> str:
+    """A wrapper that exits 1 with llama-server's missing-file error when the shell
+    `condition` holds, and runs the real server otherwise."""
+    return (f"if [ {condition} ]; then\n  model=$2\n"
+            f'  printf "%s\\n" "{_MISSING}" >&2\n  exit 1\nfi\n'
+            f'exec {real} "$@"\n')
+
+
 def write_engines(folder: Path, llama_server: Path) -> dict[str, str]:
     """Write the wrappers into `folder`; returns LLMGW_ENGINES' map {name: path}."""
     real = str(llama_server)
@@ -44,11 +56,8 @@ def write_engines(folder: Path, llama_server: Path) -> dict[str, str]:
         "slowstop-llama.cpp": (f'{real} "$@" &\npid=$!\n'
                                f'trap "sleep {STOP_DELAY_S}; kill $pid; exit 0" INT TERM\n'
                                'wait $pid\n'),
-        "nodefault-llama.cpp": ('if [ "$LLMGW_FAKE_FAULT" = missing-model ]; then\n'
-                                '  model=$2\n'
-                                f'  printf "%s\\n" "{_MISSING}" >&2\n'
-                                '  exit 1\nfi\n'
-                                f'exec {real} "$@"\n'),
+        "index1-llama.cpp": _missing_file_when('"$NOMAD_ALLOC_INDEX" = 1', real),
+        "nodefault-llama.cpp": _missing_file_when('"$LLMGW_FAKE_FAULT" = missing-model', real),
     }
     engines = {"llama.cpp": real}
     for name, body in scripts.items():

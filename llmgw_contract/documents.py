@@ -111,10 +111,14 @@ class StateDocument(Document):
 
     The failure figures refer to `definition_hash`: a new definition starts
     them over, and failures of allocations of another definition never count.
+    Failures that ended before `counting_from_ns` (Unix ns) are history from
+    before the document existed: a document recreated after a wiped KV must
+    not count again what Nomad's task events still show.
     """
 
     name: str
     definition_hash: str = ""
+    counting_from_ns: int = 0
     consecutive_failures: int = 0  # across replicas, since the last stable healthy run
     start_failures_total: int = 0  # every failure counted for this model, ever
     last_error: str | None = None

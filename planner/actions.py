@@ -72,7 +72,9 @@ def _index(answer: dict[str, Any]) -> int:
 
 
 def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> None:
-    """Stop the model's job, keeping it, with the reason in its meta; then record it."""
+    """Stop the model's job, keeping it, with the reason in its meta; then record it.
+    Raises NotLeader for a store fenced by a leadership this planner lost."""
+    store.assert_leading()
     job = nomad.job(name)
     if job is None:
         return

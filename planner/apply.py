@@ -238,10 +238,14 @@ def _version_after(nomad: NomadClient, job_id: str) -> int | None:
 def _write_records(definitions: dict[str, ModelDefinition], consul: ConsulClient) -> None:
     """Write each model's KV record only where it differs."""
     existing = consul.model_records()
+    store = StateStore(consul)
     for name, definition in definitions.items():
         record = definition.record()
         if existing.get(name) != record:
             consul.put_model_record(record)
+        if name not in existing:
+            # Failures count from now, even if the planner is down when they happen.
+            store.create(name)
 
 
 def _forget(name: str, consul: ConsulClient) -> None:

@@ -17,6 +17,8 @@ The KV layout and documents are the contract's (`llmgw_contract.keys`,
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,7 +41,7 @@ from llmgw_contract import (
     model_from_key,
 )
 from llmgw_contract.documents import Document
-from planner.errors import ConsulUnavailable, Rejected
+from planner.errors import ConsulUnavailable, NotLeader, Rejected
 from planner.settings import CONSUL_TLS_VARS, ClientTLS
 
 D = TypeVar("D", bound=Document)
@@ -68,6 +70,18 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None])
         if failure := tls_failure(exc):
             raise ConsulUnavailable(f"{action}: {failure}") from exc
         raise ConsulUnavailable(f"{action}: Consul did not answer ({exc})") from exc
+
+
+def _failed_ops(exc: Exception) -> set[int] | None:
+    """The indexes of the operations a rolled-back transaction names (Consul answers 409
+    with {"Errors": [{"OpIndex", "What"}]}), or None for any other error."""
+    code, _, body = str(exc).partition(" ")
+    if code != "409":
+        return None
+    try:
+        return {int(e["OpIndex"]) for e in json.loads(body).get("Errors") or []}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 class ConsulClient:
@@ -113,6 +127,35 @@ class ConsulClient:
         """Write `key` only if its ModifyIndex is still `index` (0: only if absent).
         False when another writer changed it first."""
         return bool(self._call(f"write {key}", lambda: self._api.kv.put(key, text, cas=index)))
+
+    def fenced_cas_put(self, key: str, text: str, index: int, lock_key: str,
+                       session: str) -> bool:
+        """`cas_put`, in one transaction with a check that `session` still holds the lock
+        on `lock_key` (Consul's `check-session` verb): a deposed leader's write fails
+        whatever it believes. False on a check-and-set conflict; raises NotLeader when
+        the session does not hold the lock."""
+        ops = [{"KV": {"Verb": "check-session", "Key": lock_key, "Session": session}},
+               {"KV": {"Verb": "cas", "Key": key, "Index": index,
+                       "Value": base64.b64encode(text.encode()).decode()}}]
+        def put() -> bool:
+            try:
+                self._api.txn.put(ops)
+            except consul.exceptions.ClientError as exc:
+                failed = _failed_ops(exc)
+                if failed is None:
+                    raise
+                if 0 in failed:
+                    raise NotLeader(f"write {key}: this planner's session no longer holds "
+                                    f"{lock_key}") from None
+                return False
+            return True
+
+        return bool(self._call(f"write {key}", put))
+
+    def holds(self, lock_key: str, session: str) -> bool:
+        """Whether `session` holds the lock on `lock_key` now."""
+        _, item = self._call(f"read {lock_key}", lambda: self._api.kv.get(lock_key))
+        return bool(item) and item.get("Session") == session
 
     def delete_key(self, key: str) -> None:
         self._call(f"delete {key}", lambda: self._api.kv.delete(key))

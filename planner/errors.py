@@ -5,8 +5,9 @@
     ├── Unavailable             Nomad or Consul did not answer: retry later (exit 3)
     │   ├── NomadUnavailable
     │   └── ConsulUnavailable
-    └── Rejected                an agent answered no: read why (exit 1)
-        └── NomadRejected       e.g. a job the parser or the scheduler refused
+    ├── Rejected                an agent answered no: read why (exit 1)
+    │   └── NomadRejected       e.g. a job the parser or the scheduler refused
+    └── NotLeader               this planner no longer holds the leader lock: stop acting
 
 Nomad's, Consul's and the HTTP clients' own exceptions are translated into
 these in `nomad_client` and `consul_client`; nothing above those modules sees
@@ -69,3 +70,8 @@ class Rejected(PlannerError):
 
 class NomadRejected(Rejected):
     pass
+
+
+class NotLeader(PlannerError):
+    """A leader's write was fenced off: its session no longer holds `llmgw/leader`
+    (it was deposed, e.g. after being paused longer than its check's TTL)."""

@@ -93,10 +93,18 @@ class AllocInfo:
     definition_hash: str
     client_status: str
     desired_status: str
+    replaced: bool = False  # Nomad placed a replacement (NextAllocation)
 
     @property
     def live(self) -> bool:
         return self.desired_status == "run" and self.client_status in LIVE_CLIENT_STATUSES
+
+    @property
+    def stopped(self) -> bool:
+        """Nomad gave up on it after its restart attempts: failed, still wanted, and
+        nothing placed in its stead (the job never reschedules by itself)."""
+        return self.desired_status == "run" and self.client_status == "failed" and \
+            not self.replaced
 
 
 def iso(nanos: int) -> str:
@@ -129,8 +137,10 @@ def start_failures(alloc: dict[str, Any]) -> Iterator[StartFailure]:
 
 
 def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailure]:
-    """Failures in `alloc` not counted yet (the caller checks the definition)."""
-    return [f for f in start_failures(alloc) if f.key not in state.counted]
+    """Failures in `alloc` not counted yet and not older than the document (the caller
+    checks the definition)."""
+    return [f for f in start_failures(alloc)
+            if f.key not in state.counted and f.at_ns >= state.counting_from_ns]
 
 
 # llama.cpp's log prefix: elapsed time and level, "0.00.008.710 E ".
@@ -182,8 +192,14 @@ def track(state: StateDocument, info: AllocInfo) -> StateDocument:
             return state
         return state.model_copy(update={
             "replicas": tuple(r for r in state.replicas if r.alloc_id != info.alloc_id)})
-    if info.definition_hash != state.definition_hash or known is not None:
+    if info.definition_hash != state.definition_hash:
         return state
+    if known is not None:
+        if known.name:
+            return state
+        # Seeded from the passing checks alone (a recreated document): name it now.
+        return _with_replica(state, known.model_copy(update={"name": info.name,
+                                                             "node": info.node}))
     return _with_replica(state, ReplicaRecord(alloc_id=info.alloc_id, name=info.name,
                                               node=info.node,
                                               definition_hash=info.definition_hash))
@@ -278,17 +294,36 @@ def protective(state: StateDocument, allocs: Mapping[str, AllocInfo],
     return keep
 
 
+def all_stopped(state: StateDocument, allocs: Mapping[str, AllocInfo]) -> bool:
+    """Every replica of the current definition the job still wants was stopped by Nomad
+    after its restart attempts: nothing will start again by itself."""
+    wanted = [a for a in allocs.values()
+              if a.definition_hash == state.definition_hash and a.desired_status == "run"
+              and not a.replaced]
+    return bool(wanted) and all(a.stopped for a in wanted)
+
+
 def decide_parking(state: StateDocument, allocs: Mapping[str, AllocInfo],
                    passing_now: frozenset[str], now: datetime,
                    rules: Rules) -> StateDocument:
-    """Park once the count reaches `park_after` and no replica protects the model; an
-    already parked model stays as it is."""
-    if state.parked is not None or state.consecutive_failures < rules.park_after:
+    """Park once the count reaches `park_after` and no replica protects the model, or
+    once Nomad stopped every replica after its restart attempts with failures counted
+    (fewer than `park_after` only when some were not counted: a document lost from KV,
+    or runs that crashed after their stability window); an already parked model stays
+    as it is."""
+    if state.parked is not None or state.consecutive_failures == 0:
         return state
     if protective(state, allocs, passing_now):
         return state
-    parked = Parked(reason=f"{state.consecutive_failures} consecutive start failures",
-                    last_error=state.last_error, since=now.isoformat(timespec="seconds"),
+    if state.consecutive_failures >= rules.park_after:
+        reason = f"{state.consecutive_failures} consecutive start failures"
+    elif all_stopped(state, allocs):
+        reason = (f"every replica stopped by Nomad after its restart attempts "
+                  f"({state.consecutive_failures} consecutive start failures counted)")
+    else:
+        return state
+    parked = Parked(reason=reason, last_error=state.last_error,
+                    since=now.isoformat(timespec="seconds"),
                     definition_hash=state.definition_hash)
     return state.model_copy(update={"parked": parked})
 

@@ -42,10 +42,12 @@ def idle_models(records: dict[str, ModelRecord], counts: dict[str, int],
 
 class IdleScaler:
     def __init__(self, nomad: NomadClient, consul: ConsulClient, usage: UsageBook,
-                 clock: Callable[[], datetime], interval: float = 5.0) -> None:
+                 clock: Callable[[], datetime], interval: float = 5.0,
+                 assert_leading: Callable[[], None] = lambda: None) -> None:
         self.nomad, self.consul, self.usage = nomad, consul, usage
         self.clock = clock
         self.interval = interval
+        self.assert_leading = assert_leading  # raises NotLeader once deposed
 
     def active(self) -> dict[str, int]:
         """Current counts of the on-demand models: {name: count}."""
@@ -60,6 +62,7 @@ class IdleScaler:
         last = {name: self.usage.last_used(name) for name, count in counts.items() if count}
         idle = idle_models(records, counts, last, self.clock())
         for name in idle:
+            self.assert_leading()
             self.nomad.scale(name, GROUP, 0, "llmgw: idle")
             log.info("model %s: scaled to 0 after %s s without requests", name,
                      records[name].idle_after)

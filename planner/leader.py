@@ -65,6 +65,11 @@ class Leadership:
         self._check_id: str | None = None
         self._stop = threading.Event()
 
+    def session(self) -> str | None:
+        """The session holding the lock while this instance leads (None otherwise): the
+        fence every leader write checks in its own transaction (`planner.state`)."""
+        return self._session if self.is_leader else None
+
     # --- the check this instance's session is bound to -------------------------------
 
     def _register(self) -> None:
@@ -114,6 +119,13 @@ class Leadership:
             holder = (item or {}).get("Session")
             self.leader = _record(item) if holder else None
             if self.is_leader and holder != session:
+                if item is None and await asyncio.to_thread(
+                        self.consul.acquire, LEADER_KEY, record, session):
+                    # The key was deleted (`consul kv delete -recurse llmgw/`) but the
+                    # session is still ours: take it again without stopping the work.
+                    log.warning("the leader lock's key was deleted; this planner took it "
+                                "again")
+                    continue
                 log.warning("this planner lost the leader lock (%s)",
                             "key deleted" if item is None else "session invalidated")
                 await self._set(False)

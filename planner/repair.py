@@ -26,7 +26,8 @@ log = logging.getLogger("planner.repair")
 
 def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list[str]:
     """Write back the records of model jobs that run or are parked, where missing, and
-    the KV copy of every parked job's parking. Returns the models whose record it wrote."""
+    the KV copy of every parked job's parking, through `store` (so a deposed leader's
+    writes are fenced off). Returns the models whose record it wrote."""
     keys = set(consul.get_texts(KVPrefix.MODELS))
     restored = []
     for stub in nomad.jobs():
@@ -41,7 +42,8 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
             except ValueError as exc:
                 log.error("model %s: cannot restore its record from job meta: %s", name, exc)
                 continue
-            consul.put_text(kv_key(KVPrefix.MODELS, name), encode(record))
+            if not store.put_new(kv_key(KVPrefix.MODELS, name), encode(record)):
+                continue  # `apply` wrote it meanwhile
             restored.append(name)
             log.warning("model %s: its KV record was gone; restored from the job's meta", name)
         if parked:

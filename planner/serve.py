@@ -53,14 +53,17 @@ class PlannerNode:
         self.rules = rules or Rules()
         self.datacenters = datacenters
         self.clock = clock
-        self.store = StateStore(consul)
+        self.leadership = Leadership(consul, address, self._on_change)
+        # The leader's writes: each checks, in its own transaction, that this instance
+        # still holds the lock (a paused, deposed leader that resumes cannot write).
+        self.store = StateStore(consul, fence=self.leadership.session)
         self.usage = UsageBook(consul, clock)
         self.book = StatusBook(nomad, consul, self.usage, clock)
         self.metrics = PlannerMetrics(self.book.rows, certificate_paths)
         self.activator = Activator(nomad, consul, self.store, self.usage, clock=clock,
                                    datacenters=datacenters, changed=self.book.mark)
-        self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval)
-        self.leadership = Leadership(consul, address, self._on_change)
+        self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval,
+                               assert_leading=self.store.assert_leading)
         self.watcher: Watcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -101,8 +104,9 @@ class PlannerNode:
         assert self._session is not None
         active = await asyncio.to_thread(self.idle.active)
         await asyncio.to_thread(self.usage.start_over, [n for n, c in active.items() if c])
-        self.watcher = Watcher(self.nomad, self.consul, self.store, self.rules, self.clock,
-                               self.datacenters, self.metrics, self.book.mark)
+        self.watcher = Watcher(self.nomad, self.consul, self.rules, self.clock,
+                               self.datacenters, self.metrics, self.book.mark,
+                               fence=self.leadership.session)
         self._tasks = [asyncio.create_task(self.watcher.run(self._session), name="watcher"),
                        asyncio.create_task(self.idle.run(), name="idle-scaler"),
                        asyncio.create_task(self.book.run(), name="status-book")]

@@ -18,14 +18,23 @@ the document as it was writes nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
 
-from llmgw_contract import KVPrefix, StateDocument, decode, encode, kv_key, model_from_key
+from llmgw_contract import (
+    LEADER_KEY,
+    KVPrefix,
+    StateDocument,
+    decode,
+    encode,
+    kv_key,
+    model_from_key,
+)
 from planner.consul_client import ConsulClient
-from planner.errors import ConsulUnavailable
+from planner.errors import ConsulUnavailable, NotLeader
 
 log = logging.getLogger("planner.state")
 
@@ -52,23 +61,56 @@ class Updated:
         return self.before != self.after
 
 
+def now_ns() -> int:
+    return time.time_ns()
+
+
 def _document(name: str, text: str | None) -> StateDocument:
+    """The document stored as `text`; a missing one counts failures from now on: it is
+    a new model's, or one lost from KV whose history Nomad still shows (and which must
+    not be counted twice)."""
     if not text:
-        return StateDocument(name=name)
+        return StateDocument(name=name, counting_from_ns=now_ns())
     try:
         return decode(StateDocument, text)
     except ValueError as exc:
         # A document we cannot read is replaced, not fatal: it is a cache of what
         # Nomad holds (parking lives in the job's meta, failures in its events).
         log.error("model %s: unreadable state document, starting from empty (%s)", name, exc)
-        return StateDocument(name=name)
+        return StateDocument(name=name, counting_from_ns=now_ns())
 
 
 class StateStore:
     """Reads and check-and-set writes of the state documents."""
 
-    def __init__(self, consul: ConsulClient) -> None:
+    def __init__(self, consul: ConsulClient,
+                 absent: Callable[[StateDocument], StateDocument] | None = None,
+                 fence: Callable[[], str | None] | None = None) -> None:
+        """`absent`, when given, completes the document created for a model that has
+        none (the watcher seeds what it knows: the replicas passing now). `fence`, when
+        given, names the leader's session (None: not leading): every write then checks,
+        in the same transaction, that the session still holds `llmgw/leader`, and
+        raises NotLeader otherwise (a paused leader that resumes cannot write)."""
         self._consul = consul
+        self._absent = absent
+        self._fence = fence
+
+    def _put(self, key: str, text: str, index: int) -> bool:
+        if self._fence is None:
+            return self._consul.cas_put(key, text, index)
+        session = self._fence()
+        if session is None:
+            raise NotLeader(f"write {key}: this planner is not the leader")
+        return self._consul.fenced_cas_put(key, text, index, LEADER_KEY, session)
+
+    def assert_leading(self) -> None:
+        """Raise NotLeader unless the fence's session holds the lock now (before acting
+        on Nomad, which no Consul transaction can fence)."""
+        if self._fence is None:
+            return
+        session = self._fence()
+        if session is None or not self._consul.holds(LEADER_KEY, session):
+            raise NotLeader("this planner no longer holds the leader lock")
 
     def load(self, name: str) -> StateDocument:
         """The model's document (an empty one when it has none)."""
@@ -96,16 +138,27 @@ class StateStore:
                 with attempt:
                     index, text = self._consul.get_indexed(key)
                     before = _document(name, text)
+                    if index == 0 and self._absent is not None:
+                        before = self._absent(before)
                     after = change(before)
-                    if after == before:
+                    if after == before and index != 0:
                         return Updated(before, after)
-                    if not self._consul.cas_put(key, encode(after), index):
+                    if not self._put(key, encode(after), index):
                         raise CasConflict(key)
                     return Updated(before, after)
         except CasConflict:
             raise ConsulUnavailable(f"write {key}: {MAX_CAS_ATTEMPTS} check-and-set "
                                     "conflicts in a row") from None
         raise AssertionError("unreachable: tenacity either returns or raises")
+
+    def put_new(self, key: str, text: str) -> bool:
+        """Write `key` only if it does not exist (fenced like every write of this store);
+        False when it does."""
+        return self._put(key, text, 0)
+
+    def create(self, name: str) -> None:
+        """Write a new model's document (counting failures from now) unless it has one."""
+        self._consul.cas_put(kv_key(KVPrefix.STATE, name), encode(_document(name, None)), 0)
 
     def delete(self, name: str) -> None:
         self._consul.delete_key(kv_key(KVPrefix.STATE, name))

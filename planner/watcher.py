@@ -34,9 +34,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, w
 
 from llmgw_contract import (
     JobMeta,
+    KVPrefix,
     ModelRecord,
+    ReplicaRecord,
     StateDocument,
     alloc_from_service_id,
+    kv_key,
     model_from_service,
 )
 from planner import actions, repair
@@ -74,12 +77,16 @@ def utcnow() -> datetime:
 class Watcher:
     """Keeps state documents current from Nomad's events and Consul's health."""
 
-    def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
+    def __init__(self, nomad: NomadClient, consul: ConsulClient,
                  rules: Rules | None = None, clock: Callable[[], datetime] = utcnow,
                  datacenters: tuple[str, ...] = ("*",),
                  metrics: PlannerMetrics | None = None,
-                 changed: Callable[[str], None] = lambda name: None) -> None:
-        self.nomad, self.consul, self.store = nomad, consul, store
+                 changed: Callable[[str], None] = lambda name: None,
+                 fence: Callable[[], str | None] | None = None) -> None:
+        """`fence` names the leader's session: every state write checks it still holds
+        the lock (`planner.state`), and Nomad actions check first."""
+        self.nomad, self.consul = nomad, consul
+        self.store = StateStore(consul, absent=self._seed, fence=fence)
         self.rules = rules or Rules()
         self.datacenters = datacenters
         self.metrics = metrics
@@ -96,6 +103,30 @@ class Watcher:
         self._warned: dict[str, WarningLog] = {}
         self._lock = threading.Lock()  # one state change at a time, whichever loop
         self.ready = asyncio.Event()  # set after the first reconcile
+
+    def _seed(self, state: StateDocument) -> StateDocument:
+        """A model's document was missing (lost from KV; `apply` writes new models' own):
+        start it with what this watcher knows now, the definition and the replicas that
+        pass (since when, so a run already stable stays so). Failures before now are
+        history Nomad still shows: they are not counted again (`counting_from_ns`)."""
+        record = self._records.get(state.name)
+        if record is None:
+            return state
+        log.warning("model %s: its state document was missing; counting failures from now",
+                    state.name)
+        state = for_definition(state, record.definition_hash)
+        now = self.now_ns()
+        def stable(alloc_id: str, since: int) -> bool:
+            return (alloc_id, since) in self._stabilized or \
+                now - since >= self.rules.stable_after_ns
+
+        replicas = tuple(
+            ReplicaRecord(alloc_id=alloc_id, definition_hash=record.definition_hash,
+                          healthy_entries=(since,),
+                          stable_entry=since if stable(alloc_id, since) else 0)
+            for alloc_id, (model, since) in sorted(self._passing_since.items())
+            if model == state.name)
+        return state.model_copy(update={"replicas": replicas})
 
     def now_ns(self) -> int:
         return int(self.clock().timestamp() * 1e9)
@@ -202,20 +233,24 @@ class Watcher:
 
     def _reconcile(self) -> int:
         index = self.nomad.current_index()
-        self.repair()
+        repair.restore(self.nomad, self.consul, self.store)
         self._records = self.consul.model_records()
         for name in sorted(self._records):
-            job = self.nomad.job(name)
-            if job is None:
-                continue
-            self.on_job(job)
-            for alloc in self.nomad.allocations(name):
-                self.on_allocation(alloc)
-            evaluations = [e for e in self.nomad.evaluations(name)
-                           if e.get("Status") == "complete"]
-            if evaluations:
-                self.on_evaluation(max(evaluations, key=lambda e: e.get("ModifyIndex", 0)))
+            self._replay(name)
         return index
+
+    def _replay(self, name: str) -> None:
+        """Feed the model's job, allocations and latest evaluation through the handlers."""
+        job = self.nomad.job(name)
+        if job is None:
+            return
+        self.on_job(job)
+        for alloc in self.nomad.allocations(name):
+            self.on_allocation(alloc)
+        evaluations = [e for e in self.nomad.evaluations(name)
+                       if e.get("Status") == "complete"]
+        if evaluations:
+            self.on_evaluation(max(evaluations, key=lambda e: e.get("ModifyIndex", 0)))
 
     def handle_event(self, event: dict[str, Any]) -> None:
         payload = event.get("Payload") or {}
@@ -277,7 +312,8 @@ class Watcher:
                          node=alloc.get("NodeName") or alloc.get("NodeID", "")[:8],
                          definition_hash=self._definition(name, self._version(alloc)),
                          client_status=alloc.get("ClientStatus", ""),
-                         desired_status=alloc.get("DesiredStatus", ""))
+                         desired_status=alloc.get("DesiredStatus", ""),
+                         replaced=bool(alloc.get("NextAllocation")))
 
     def on_allocation(self, alloc: dict[str, Any]) -> None:
         """Track the replica, count its new failures, park when it is time."""
@@ -315,6 +351,8 @@ class Watcher:
                             replica.consecutive_failures if replica else 0,
                             after.consecutive_failures, headline(after.last_error))
                 self._maybe_park(name, after)
+            elif info.stopped and info.definition_hash == current:
+                self._maybe_park(name, after)
             if updated.before.unplaceable and after.unplaceable is None:
                 log.info("model %s: placed (was unplaceable: %s)", name,
                          updated.before.unplaceable.reason)
@@ -332,18 +370,19 @@ class Watcher:
         return len(running | {alloc["ID"]}) >= desired
 
     def _maybe_park(self, name: str, state: StateDocument) -> None:
-        if state.parked is not None or state.consecutive_failures < self.rules.park_after:
+        if state.parked is not None or state.consecutive_failures == 0:
             return
         allocs = {a["ID"]: self._info(a) for a in self.nomad.allocations(name)}
         passing_now = frozenset(a for a, (m, _) in self._passing_since.items() if m == name)
         decided = decide_parking(state, allocs, passing_now, self.clock(), self.rules)
         if decided.parked is None:
-            log.warning("model %s: %d consecutive start failures, not parked: a healthy "
-                        "replica serves (degraded)", name, state.consecutive_failures)
+            if state.consecutive_failures >= self.rules.park_after:
+                log.warning("model %s: %d consecutive start failures, not parked: a healthy "
+                            "replica serves (degraded)", name, state.consecutive_failures)
             return
         actions.park(self.nomad, self.store, name, decided.parked)
-        log.error("model %s: parked after %d consecutive start failures; last error: %s",
-                  name, state.consecutive_failures, headline(state.last_error))
+        log.error("model %s: parked (%s); last error: %s", name, decided.parked.reason,
+                  headline(state.last_error))
 
     def on_evaluation(self, evaluation: dict[str, Any]) -> None:
         """A completed evaluation says whether every replica could be placed, and if not,
@@ -430,3 +469,10 @@ class Watcher:
         """Restore what a wiped `llmgw/` lost (`planner.repair`; check-and-set writes, so
         no lock is held for its reads of every job)."""
         repair.restore(self.nomad, self.consul, self.store)
+        documents = self.consul.get_texts(KVPrefix.STATE)
+        self._records = self.consul.model_records()
+        for name in sorted(self._records):
+            if kv_key(KVPrefix.STATE, name) not in documents:
+                # Lost with the rest of `llmgw/`: replaying what Nomad shows now writes
+                # it again, seeded (`_seed`), with no old failure counted twice.
+                self._replay(name)

@@ -21,13 +21,15 @@ import pytest
 
 from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
 from devcluster.cluster import Cluster
-from llmgw_contract import Parked, StateDocument, decode
+from llmgw_contract import LEADER_KEY, LeaderRecord, Parked, StateDocument, decode
 from planner import actions
 from planner.consul_client import ConsulClient
+from planner.errors import NotLeader
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
 from tests.conftest import (
     ADMIN_TOKEN,
+    STABLE_AFTER_S,
     PlannerDaemon,
     forget_models,
     http_json,
@@ -45,7 +47,8 @@ pytestmark = pytest.mark.integration
 
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 MODELS = ("c15-crash", "c16-serve", "c16-parked", "c17-race", "c18-gemma", "c19-reload",
-          "c20-a", "c20-b", "failover-kev", "fixed-source", "partly", "restart-stopped")
+          "c20-a", "c20-b", "failover-kev", "fixed-source", "partly", "restart-stopped",
+          "wipe-history")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -398,3 +401,63 @@ def test_a_replica_nomad_stopped_starts_again_after_the_job_is_stopped_and_appli
     assert planner("retry", "restart-stopped").returncode == 0
     wait_for(lambda: len(live_replicas(cluster, "restart-stopped")) == 2, 30,
              "both replicas started again after retry")
+
+
+def test_a_kv_wipe_never_counts_history_again_nor_forgets_a_stable_run(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Found by a new user: after `consul kv delete -recurse llmgw/` the leader counted
+    again the failures Nomad's task events still show, and a kill of a stable server
+    then counted as a start failure."""
+    folder = write_model(tmp_path / "m", "wipe-history", tiny_model)
+    assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
+
+    def replica() -> dict:
+        [only] = planner_daemon.model("wipe-history")["replicas"]
+        return only
+
+    def restarted_and_stable(killed: int, before: str | None) -> None:
+        """Wait for a new process, a new healthy run, and that run stable."""
+        wait_for(lambda: llama_pid("wipe-history") != killed, 30, "a new llama-server")
+        wait_for(lambda: (r := replica())["healthy_since"] not in (None, before) and
+                 r["stable"], STABLE_AFTER_S + 30, "the new run stable")
+
+    wait_for(lambda: replica()["stable"], STABLE_AFTER_S + 15, "a stable run")
+    first = llama_pid("wipe-history")
+    os.kill(first, signal.SIGKILL)  # a kill Nomad's events remember
+    restarted_and_stable(first, replica()["healthy_since"])
+    wiped = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true",
+                                   method="DELETE")
+    urllib.request.urlopen(wiped, timeout=10).close()
+    wait_for(lambda: kv_state(cluster, "wipe-history").counting_from_ns > 0, 40,
+             "the state document recreated")
+    model = planner_daemon.model("wipe-history")
+    assert (model["state"], model["consecutive_failures"]) == ("serving", 0), model
+    assert replica()["stable"], (model, kv_state(cluster, "wipe-history"))  # seeded
+
+    counted = len(kv_state(cluster, "wipe-history").counted)
+    second = llama_pid("wipe-history")
+    os.kill(second, signal.SIGKILL)  # the end of a stable run: not a failure
+    wait_for(lambda: len(kv_state(cluster, "wipe-history").counted) > counted, 30,
+             "the planner to judge the run that ended")
+    assert planner_daemon.model("wipe-history")["consecutive_failures"] == 0
+    wait_for(lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader", 20,
+             "the planner leading again (the wipe took its lock key too)")
+
+
+def test_a_deposed_leaders_writes_are_fenced_off(cluster: Cluster,
+                                                 planner_daemon: PlannerDaemon) -> None:
+    """Every leader write is a transaction that also checks its session still holds
+    llmgw/leader: a leader paused past its TTL and resumed cannot write (the write of a
+    session that does not hold the lock fails whatever the process believes)."""
+    consul = ConsulClient(cluster.consul_addr)
+    leader = decode(LeaderRecord, consul.get_indexed(LEADER_KEY)[1])
+    assert leader.address == planner_daemon.url
+    stale = consul.create_session("test: a deposed leader", ["serfHealth"], 0)
+    store = StateStore(consul, fence=lambda: stale)
+    with pytest.raises(NotLeader):
+        store.update("fence-test", lambda s: s.model_copy(update={"consecutive_failures": 9}))
+    with pytest.raises(NotLeader):
+        store.assert_leading()
+    assert consul.get_indexed("llmgw/state/fence-test") == (0, None)
+    consul.destroy_session(stale)

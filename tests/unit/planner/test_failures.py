@@ -114,12 +114,24 @@ def five_failures(state: StateDocument, alloc_id: str = "b1") -> StateDocument:
 
 def test_parked_at_five_when_no_replica_protects_the_model() -> None:
     state = five_failures(fresh(info("b1")))
-    allocs = {"b1": info("b1", client="failed")}
-    assert decide_parking(state.model_copy(update={"consecutive_failures": 4}), allocs,
+    restarting = {"b1": info("b1")}  # still live: Nomad restarts it
+    assert decide_parking(state.model_copy(update={"consecutive_failures": 4}), restarting,
                           frozenset(), T0, RULES).parked is None
-    parked = decide_parking(state, allocs, frozenset(), T0, RULES).parked
+    parked = decide_parking(state, restarting, frozenset(), T0, RULES).parked
     assert parked is not None
     assert (parked.reason, parked.definition_hash) == ("5 consecutive start failures", "d1")
+
+
+def test_parked_when_nomad_stopped_every_replica_though_fewer_were_counted() -> None:
+    """A count lost with a wiped KV (or runs that crashed past their stability window):
+    Nomad gave up on every replica, so nothing starts again; parking says so."""
+    state = five_failures(fresh(info("b1"))).model_copy(update={"consecutive_failures": 2})
+    stopped = {"b1": info("b1", client="failed")}
+    parked = decide_parking(state, stopped, frozenset(), T0, RULES).parked
+    assert parked is not None and parked.reason.startswith("every replica stopped by Nomad")
+    # A replacement placed in its stead (a forced reschedule) is not stopped.
+    replaced = {"b1": AllocInfo("b1", "m.server[0]", "node-a", "d1", "failed", "run", True)}
+    assert decide_parking(state, replaced, frozenset(), T0, RULES).parked is None
 
 
 def test_one_bad_replica_beside_a_healthy_one_never_parks_the_model() -> None:

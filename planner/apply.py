@@ -49,6 +49,9 @@ class Change:
     reason: str
     job: Job | None = None
     unpark: bool = False  # the definition changed since the model was parked
+    # Deregister with purge: a pruned parked job's meta would otherwise keep it a model
+    # (the leader restores records from parking meta, `planner.repair`).
+    purge: bool = False
 
     @property
     def restart(self) -> bool:
@@ -136,21 +139,19 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
         else:
             changes.append(Change(name, Action.UNCHANGED, "no changes"))
     for name in sorted(set(registered) - set(rendered)):
+        # A parked job is stopped too, but its meta keeps it a model (the leader restores
+        # its record): it stays listed until pruned. Any other stopped job was pruned.
+        if registered[name].get("Stop") and name not in parked:
+            continue
+        was = "parked; " if name in parked else ""
         if prune:
-            changes.append(Change(name, Action.DEREGISTER, "no longer defined in git"))
-        elif not registered[name].get("Stop"):
+            changes.append(Change(name, Action.DEREGISTER, f"{was}no longer defined in git",
+                                  purge=name in parked))
+        else:
             changes.append(Change(name, Action.ORPHANED,
-                                  "no longer defined in git; run with --prune to stop it"))
+                                  f"{was}no longer defined in git; run with --prune to "
+                                  f"{'remove' if was else 'stop'} it"))
     return changes
-
-
-def _check_engines(models: dict[str, tuple[Path, ModelDefinition]], settings: Settings) -> None:
-    errors = [DefinitionError(path, "profile.engine",
-                              f"unknown engine {d.profile.engine!r} (this planner knows: "
-                              f"{', '.join(sorted(settings.engines))}; see LLMGW_ENGINES)")
-              for path, d in models.values() if d.profile.engine not in settings.engines]
-    if errors:
-        raise InvalidDefinitions(errors)
 
 
 def _registered_llmgw_jobs(nomad: NomadClient) -> dict[str, Job]:
@@ -180,8 +181,7 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
             prune: bool) -> tuple[dict[str, ModelDefinition], list[Change]]:
     """Validate everything and decide; changes nothing. Raises InvalidDefinitions,
     NomadRejected (a template Nomad refuses) or Unavailable."""
-    models = load_definitions(paths)
-    _check_engines(models, settings)
+    models = load_definitions(paths, settings.engines)
     template = settings.jobspec.read_text()
     rendered = {name: render(d, settings, nomad, template) for name, (_, d) in models.items()}
     registered = _registered_llmgw_jobs(nomad)
@@ -224,7 +224,8 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
                 outcome.eval_id = answer.get("EvalID") or None
                 outcome.job_version = _version_after(nomad, change.model)
         elif change.action is Action.DEREGISTER and not dry_run:
-            outcome.eval_id = nomad.deregister(change.model).get("EvalID") or None
+            outcome.eval_id = nomad.deregister(change.model, purge=change.purge) \
+                .get("EvalID") or None
             _forget(change.model, consul)
         outcomes.append(outcome)
     return outcomes

@@ -60,7 +60,8 @@ class Output(StrEnum):
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
 
 
-def _clients(**overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
+def _clients(output: Output = Output.table, **overrides: str | None
+             ) -> tuple[Settings, NomadClient, ConsulClient]:
     """Settings from the environment (with the options in `overrides` that were given),
     checked, and the two agents' clients; exit 2 naming the setting that is wrong."""
     try:
@@ -73,17 +74,34 @@ def _clients(**overrides: str | None) -> tuple[Settings, NomadClient, ConsulClie
                              tls=settings.consul_tls))
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)
+        if output is Output.json:
+            _print_error(2, "InvalidSettings", str(exc))
         raise typer.Exit(2) from None
 
 
-def _fail(exc: PlannerError) -> typer.Exit:
-    if isinstance(exc, InvalidDefinitions):
-        err.print(f"error: {len(exc.errors)} problem(s) in the model files; nothing was changed:")
-        for problem in exc.errors:
+def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
+    """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit."""
+    problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
+    if problems:
+        err.print(f"error: {len(problems)} problem(s) in the model files; nothing was changed:")
+        for problem in problems:
             err.print(f"  {problem}", markup=False)
     else:
         err.print(f"error: {exc}", markup=False)
+    if output is Output.json:
+        _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
+                     f"{len(problems)} problem(s) in the model files; nothing was changed",
+                     [{"file": str(p.file), "field": p.field, "message": p.message}
+                      for p in problems])
     return typer.Exit(exc.exit_code)
+
+
+def _print_error(exit_code: int, kind: str, message: str,
+                 problems: list[dict[str, str]] | None = None) -> None:
+    """The JSON every command prints on stdout, with --output json, when it fails:
+    {"error": {"kind", "message", "exit_code", "problems": [{file, field, message}]}}."""
+    print(json.dumps({"error": {"kind": kind, "message": message, "exit_code": exit_code,
+                                "problems": problems or []}}, indent=2))
 
 
 @app.command()
@@ -96,12 +114,12 @@ def apply(
     output: OutputOption = Output.table,
 ) -> None:
     """Validate every file, then register only the models that changed."""
-    settings, nomad, consul = _clients()
+    settings, nomad, consul = _clients(output)
     try:
         definitions, changes = prepare(paths, settings, nomad, consul, prune)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, output) from exc
     changed = [o for o in outcomes if o.change.action in MUTATIONS]
     if output is Output.json:
         print(json.dumps({"dry_run": dry_run, "changes": [_outcome_json(o) for o in outcomes]},
@@ -171,19 +189,19 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
         time.sleep(1)
 
 
-def _rows() -> list[ModelStatus]:
+def _rows(output: Output) -> list[ModelStatus]:
     """Every applied model's status, or exit with the agents' error."""
-    _, nomad, consul = _clients()
+    _, nomad, consul = _clients(output)
     try:
         return gather(nomad, consul)
     except PlannerError as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, output) from exc
 
 
 @app.command()
 def status(output: OutputOption = Output.table) -> None:
     """A row per applied model; exit 0 only when every model has what it should."""
-    rows = _rows()
+    rows = _rows(output)
     if output is Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     else:
@@ -206,7 +224,7 @@ def _print_status(rows: list[ModelStatus]) -> None:
 @app.command()
 def models(output: OutputOption = Output.table) -> None:
     """The applied models with their state, failures, reason and last error (always exit 0)."""
-    rows = _rows()
+    rows = _rows(output)
     if output is Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return
@@ -221,16 +239,18 @@ def models(output: OutputOption = Output.table) -> None:
 def retry(model: Annotated[str, typer.Argument(help="the model to start again")],
           output: OutputOption = Output.table) -> None:
     """Lift a model's parking and start it again (the admin API's retry, run directly)."""
-    _, nomad, consul = _clients()
+    _, nomad, consul = _clients(output)
     try:
         record = consul.model_records().get(model)
         if record is None:
             err.print(f"error: model {model!r} was never applied")
+            if output is Output.json:
+                _print_error(2, "UnknownModel", f"model {model!r} was never applied")
             raise typer.Exit(2)
         state, done = actions.retry(nomad, StateStore(consul), model)
         row = model_status(nomad, consul, model, record, state)
     except PlannerError as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, output) from exc
     if output is Output.json:
         print(json.dumps({**row.as_dict(), "retry": done}, indent=2))
     else:

@@ -31,6 +31,7 @@ import difflib
 import hashlib
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -291,12 +292,14 @@ def expand_paths(paths: list[Path]) -> list[Path]:
     return files
 
 
-def load_definitions(paths: list[Path]) -> dict[str, tuple[Path, ModelDefinition]]:
+def load_definitions(paths: list[Path], engines: Collection[str] | None = None
+                     ) -> dict[str, tuple[Path, ModelDefinition]]:
     """Load every model from files and folders: {name: (file, definition)}.
 
     Raises InvalidDefinitions carrying every problem of every file (unknown
-    keys, bad values, YAML errors, empty files, one name in two files); then
-    the caller must change nothing.
+    keys, bad values, YAML errors, empty files, one name in two files, and,
+    when `engines` is given, an engine not among them); then the caller must
+    change nothing.
     """
     files = expand_paths(paths)
     errors: list[DefinitionError] = []
@@ -314,6 +317,10 @@ def load_definitions(paths: list[Path]) -> dict[str, tuple[Path, ModelDefinition
                 f"model {definition.name!r} is already defined in {models[definition.name][0]}")))
             continue
         models[definition.name] = (path, definition)
+        if engines is not None and definition.profile.engine not in engines:
+            errors.append(DefinitionError(path, "profile.engine", (
+                f"unknown engine {definition.profile.engine!r} (this planner knows: "
+                f"{', '.join(sorted(engines))}; see LLMGW_ENGINES)")))
     if errors:
         raise InvalidDefinitions(errors)
     return models

@@ -39,3 +39,15 @@ def test_a_parked_model_stays_parked_until_its_definition_changes() -> None:
     [changed] = decide({"m": spec("s3", definition_hash="d2")}, registered, prune=False,
                        parked=parked)
     assert changed.action is Action.UPDATE and changed.unpark
+
+
+def test_a_parked_model_no_longer_in_git_stays_listed_until_pruned_then_is_purged() -> None:
+    """Found by a new user: a parked job dropped from git was listed nowhere, and the
+    leader kept restoring its record from the parking meta."""
+    parked = {"p": Parked(reason="5 consecutive start failures", definition_hash="d1")}
+    registered = {"p": spec("s1", stop=True), "pruned": spec("s1", stop=True)}
+    [orphan] = decide({}, registered, prune=False, parked=parked)
+    assert (orphan.model, orphan.action) == ("p", Action.ORPHANED)
+    assert orphan.reason.startswith("parked; ") and "--prune to remove" in orphan.reason
+    [gone] = decide({}, registered, prune=True, parked=parked)
+    assert (gone.model, gone.action, gone.purge) == ("p", Action.DEREGISTER, True)

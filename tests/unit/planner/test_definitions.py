@@ -110,6 +110,18 @@ def test_every_problem_of_every_file_is_reported(tmp_path: Path) -> None:
     assert any("name:" in p for p in found) and any("profile.gpus" in p for p in found)
 
 
+
+def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: Path) -> None:
+    write(tmp_path, "vllm.yaml", VALID.format(name="v").replace("llama.cpp", "vllm"))
+    write(tmp_path, "bad.yaml", VALID.format(name="b").replace("gpus: 0", "gpus: -2"))
+    with pytest.raises(InvalidDefinitions) as info:
+        load_definitions([tmp_path], engines={"llama.cpp"})
+    found = sorted(str(e) for e in info.value.errors)
+    assert len(found) == 2 and "profile.gpus" in found[0], found
+    assert found[1].endswith("vllm.yaml: profile.engine: unknown engine 'vllm' (this planner "
+                             "knows: llama.cpp; see LLMGW_ENGINES)"), found
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     ('["--port", "1"]', "is set by the planner"),
     ('["--model=/x"]', "is set by the planner"),

@@ -1,0 +1,48 @@
+"""The planner CLI's failures with --output json: a script reads what went wrong from
+stdout, as JSON, with the same exit code (found by a new user: apply printed nothing
+on stdout for invalid files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+
+# Nothing listens here: validation must fail before any agent is asked.
+UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9"}
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, list(args), env={**UNREACHABLE, **(env or {})})
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_invalid_files_are_reported_as_json_with_every_problem(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: abc\n")
+    code, answer = run("apply", str(tmp_path), "--output", "json")
+    assert code == 2
+    error = answer["error"]
+    assert (error["kind"], error["exit_code"]) == ("InvalidDefinitions", 2)
+    [problem] = error["problems"]
+    assert problem["file"] == str(tmp_path / "a.yaml")
+    assert problem["field"] == "profile.context"
+
+
+def test_an_unreachable_agent_is_exit_3_in_json() -> None:
+    code, answer = run("status", "--output", "json")
+    assert (code, answer["error"]["exit_code"]) == (3, 3)
+    assert answer["error"]["kind"].endswith("Unavailable")
+
+
+@pytest.mark.parametrize("command", [["status"], ["retry", "m"]])
+def test_a_wrong_setting_is_exit_2_in_json(command: list[str]) -> None:
+    code, answer = run(*command, "--output", "json",
+                       env={"NOMAD_CACERT": "/nonexistent/ca.pem"})
+    assert code == 2
+    assert answer["error"]["kind"] == "InvalidSettings"
+    assert "/nonexistent/ca.pem" in answer["error"]["message"]

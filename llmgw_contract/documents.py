@@ -11,7 +11,8 @@ Who writes and who reads (keys in `llmgw_contract.keys`):
     ModelRecord     planner apply -> router (models it knows), planner
     StateDocument   planner       -> router (parked / unplaceable), planner CLIs
     UsageRecord     planner leader (coarse copy of router usage) -> planner
-    LeaderRecord    planner leader -> planner followers (where to forward writes)
+    LeaderRecord    planner leader -> planner followers (where to forward writes) and
+                    routers (where to send activations and usage reports)
     ActivationAnswer  planner admin API -> router
 """
 

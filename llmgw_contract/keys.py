@@ -10,7 +10,9 @@ KV layout (all JSON, see `llmgw_contract.documents`):
     llmgw/usage/<name>    UsageRecord     the leader's coarse copy of when the model
                                           was last asked for (routers report to it)
     llmgw/leader          LeaderRecord    held with a Consul session by the planner
-                                          that acts (leader election)
+                                          that acts (leader election); followers
+                                          forward writes to it, routers send it
+                                          activations and usage reports
 
 The router watches `llmgw/models/` and `llmgw/state/`, never `llmgw/usage/`: a
 usage heartbeat must not wake every router.

@@ -21,13 +21,16 @@ whatever order a park, a retry and the watcher's sync run in.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument
-from planner.errors import Rejected
+from planner.errors import NomadRejected, Rejected
 from planner.failures import forgiven, retried
 from planner.nomad_client import Job, NomadClient
 from planner.state import StateStore
+
+log = logging.getLogger("planner.actions")
 
 META_VALUE_LIMIT = 2000
 
@@ -71,15 +74,24 @@ def _index(answer: dict[str, Any]) -> int:
     return int(answer.get("JobModifyIndex") or 0)
 
 
-def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> None:
+def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> bool:
     """Stop the model's job, keeping it, with the reason in its meta; then record it.
+    False when the job is gone, stopped or changed since it was read (nothing done).
     Raises NotLeader for a store fenced by a leadership this planner lost."""
     store.assert_leading()
     job = nomad.job(name)
-    if job is None:
-        return
-    answer = nomad.register(parked_job(job, parked))
+    if job is None or job.get("Stop"):
+        return False  # stopped meanwhile: an operator's stop is not a park
+    try:
+        # Only the job as read: an `apply` or a stop in between wins, and the next
+        # event decides again on what it did.
+        answer = nomad.register(parked_job(job, parked),
+                                enforce_index=int(job.get("JobModifyIndex") or 0))
+    except NomadRejected as exc:
+        log.warning("model %s: not parked, its job changed meanwhile (%s)", name, exc)
+        return False
     store.update(name, lambda s: set_parked(s, parked, _index(answer)))
+    return True
 
 
 def sync_parking(store: StateStore, name: str, job: Job) -> None:

@@ -110,10 +110,22 @@ class NomadClient:
         return self._call("list jobs", lambda: self._api.jobs.request(
             method="get", params={"meta": "true"}).json())
 
-    def register(self, job: Job) -> dict[str, Any]:
-        """Register (create or update) a job; returns {EvalID, JobModifyIndex, ...}."""
-        return self._call(f"register job {job['ID']}",
-                          lambda: self._api.job.register_job(job["ID"], {"Job": job}))
+    def register(self, job: Job, enforce_index: int | None = None) -> dict[str, Any]:
+        """Register (create or update) a job; returns {EvalID, JobModifyIndex, ...}.
+        With `enforce_index`, only if the job's JobModifyIndex is still that one
+        (Nomad's EnforceIndex; 0: only if it does not exist): NomadRejected otherwise."""
+        body: dict[str, Any] = {"Job": job}
+        if enforce_index is not None:
+            body |= {"EnforceIndex": True, "JobModifyIndex": enforce_index}
+        try:
+            return self._call(f"register job {job['ID']}",
+                              lambda: self._api.job.register_job(job["ID"], body))
+        except NomadUnavailable as exc:
+            # Nomad answers a lost EnforceIndex race with a 500 whose text starts so
+            # (nomad/job_endpoint.go, RegisterEnforceIndexErrPrefix): an answer, a no.
+            if "Enforcing job modify index" in str(exc):
+                raise NomadRejected(str(exc)) from exc
+            raise
 
     def plan(self, job: Job) -> dict[str, Any]:
         """Dry-run the scheduler with a diff against the registered version."""

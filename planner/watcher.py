@@ -372,6 +372,12 @@ class Watcher:
     def _maybe_park(self, name: str, state: StateDocument) -> None:
         if state.parked is not None or state.consecutive_failures == 0:
             return
+        job = self.nomad.job(name)
+        if job is None or job.get("Stop"):
+            # Stopped by an operator (or already parked): it wants no replica, and a
+            # failed one Nomad keeps at desired "run" must not read as "every replica
+            # stopped" (found by test: `nomad job stop` of a model parked it).
+            return
         allocs = {a["ID"]: self._info(a) for a in self.nomad.allocations(name)}
         passing_now = frozenset(a for a, (m, _) in self._passing_since.items() if m == name)
         decided = decide_parking(state, allocs, passing_now, self.clock(), self.rules)
@@ -380,7 +386,8 @@ class Watcher:
                 log.warning("model %s: %d consecutive start failures, not parked: a healthy "
                             "replica serves (degraded)", name, state.consecutive_failures)
             return
-        actions.park(self.nomad, self.store, name, decided.parked)
+        if not actions.park(self.nomad, self.store, name, decided.parked):
+            return
         log.error("model %s: parked (%s); last error: %s", name, decided.parked.reason,
                   headline(state.last_error))
 

@@ -104,6 +104,24 @@ variable "load_grace" {
   description = "How long a start may take before failed health checks restart the task."
 }
 
+variable "canaries" {
+  type        = number
+  default     = 1
+  description = "New replicas started beside the old ones when the definition changes: the replica count (0 for an idle on-demand model)."
+}
+
+variable "healthy_deadline" {
+  type        = string
+  default     = "40m"
+  description = "How long a new replica may take (download and load) to pass its check before the update is rolled back."
+}
+
+variable "progress_deadline" {
+  type        = string
+  default     = "41m"
+  description = "Longer than healthy_deadline."
+}
+
 variable "datacenters" {
   type    = list(string)
   default = ["*"]
@@ -164,16 +182,34 @@ job "model" {
       unlimited      = false
     }
 
-    # No deployments (max_parallel = 0): Nomad never reschedules an allocation
-    # that failed inside a failed deployment, and the planner, not a deployment,
-    # judges health. The cost: a changed job replaces all its allocations at
-    # once instead of one by one.
+    # A changed definition rolls out beside the old one (planner/rollout.py):
+    # one canary per replica, promoted once every canary has passed its check
+    # for 5 s (then the old replicas stop), and the job reverted to its last
+    # stable version if the canaries never become healthy. A canary turns
+    # unhealthy only when its task is dead, after the 5 starts above that the
+    # planner counts too, or at the healthy deadline (a load that hangs, or a
+    # download that never ends). A count change alone updates in place and
+    # starts only the replicas added. Failed replicas are not rescheduled
+    # either way (reschedule, above); the planner reads failures from events.
     update {
-      max_parallel = 0
+      max_parallel      = 1
+      canary            = var.canaries
+      auto_promote      = var.canaries > 0
+      auto_revert       = true
+      health_check      = "checks"
+      min_healthy_time  = "5s"
+      healthy_deadline  = var.healthy_deadline
+      progress_deadline = var.progress_deadline
     }
 
     task "llama-server" {
       driver = var.driver
+
+      # A replica being stopped (an update's old version, a scale-down) leaves
+      # Consul first, then gets its signal 3 s later: routers drop it from
+      # their tables within that time (a blocking query), and what it still
+      # serves finishes, so a rollout fails no request.
+      shutdown_delay = "3s"
 
       dynamic "artifact" {
         for_each = var.artifact_url != "" ? [var.artifact_url] : []

@@ -65,6 +65,23 @@ class Parked(Document):
     definition_hash: str = ""  # the definition that failed; a different one lifts parking
 
 
+class UpdateFailed(Document):
+    """An update of a serving model that Nomad rolled back: the new definition's
+    replicas never became healthy (its deployment failed), so the job runs the last
+    definition that did and the model keeps serving on it.
+
+    Its durable copy is Nomad's: the job versions and the failed deployment of the
+    newest version of `definition_hash` (`planner.rollout`). Re-applying the same
+    definition does not try it again; another definition or `planner retry` does."""
+
+    definition_hash: str  # the definition that failed to roll out
+    job_version: int  # the Nomad job version that carried it
+    reason: str  # Nomad's deployment status description
+    consecutive_failures: int = 0  # start failures its replicas had when it was rolled back
+    last_error: str | None = None
+    since: str = ""  # ISO 8601, UTC: when the planner saw it rolled back
+
+
 class Unplaceable(Document):
     """Nomad's last placement attempt left replicas unplaced, and why.
 
@@ -129,6 +146,7 @@ class StateDocument(Document):
     parked: Parked | None = None
     job_index: int = 0  # the Nomad JobModifyIndex that `parked` reflects (newer wins)
     unplaceable: Unplaceable | None = None
+    update_failed: UpdateFailed | None = None
 
     def replica(self, alloc_id: str) -> ReplicaRecord | None:
         return next((r for r in self.replicas if r.alloc_id == alloc_id), None)

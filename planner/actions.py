@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument
+from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument, UpdateFailed
 from planner.errors import NomadRejected, Rejected
 from planner.failures import forgiven, retried
 from planner.nomad_client import Job, NomadClient
@@ -100,6 +100,17 @@ def sync_parking(store: StateStore, name: str, job: Job) -> None:
     store.update(name, lambda s: set_parked(s, parked_from_job(job), index))
 
 
+def _retry_update(nomad: NomadClient, store: StateStore, name: str, job: Job,
+                  failed: UpdateFailed) -> tuple[StateDocument, str]:
+    """Roll the definition Nomad rolled back out again: its job version registered
+    anew (Nomad's revert, only if the job is still at the version read), then the
+    rollback forgotten; if it fails again, Nomad rolls it back again."""
+    nomad.revert(name, failed.job_version, int(job.get("Version") or 0))
+    after = store.update(name, lambda s: s.model_copy(update={"update_failed": None})).after
+    return after, (f"rolling definition {failed.definition_hash[:12]} out again (job "
+                   f"version {failed.job_version}) beside the one serving")
+
+
 def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[StateDocument, str]:
     """Try a model again: lift parking and start the job; for a job Nomad gave up on
     (replicas stopped after their restart attempts) or an unplaceable one, ask the
@@ -117,6 +128,9 @@ def retry(nomad: NomadClient, store: StateStore, name: str) -> tuple[StateDocume
         after = store.update(name, lambda s: set_parked(s, None, _index(answer))).after
         return after, "parking lifted; the job is starting again" \
             if parked_from_job(job) else "the stopped job is starting again"
+    rolled_back = store.load(name).update_failed
+    if rolled_back is not None:
+        return _retry_update(nomad, store, name, job, rolled_back)
     failed = [a for a in nomad.allocations(name)
               if a.get("ClientStatus") == "failed" and a.get("DesiredStatus") == "run"
               and not a.get("NextAllocation")]

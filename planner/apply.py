@@ -16,7 +16,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from llmgw_contract import JobMeta, KVPrefix, Parked, kv_key
+from llmgw_contract import JobMeta, KVPrefix, Parked, UpdateFailed, kv_key
+from planner import rollout
 from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
@@ -34,6 +35,7 @@ class Action(StrEnum):
     DEREGISTER = "deregister"
     ORPHANED = "orphaned"  # in Nomad, not in git, and --prune not given
     PARKED = "parked"  # same definition as when parked: left stopped
+    ROLLED_BACK = "rolled-back"  # Nomad rolled this definition back: not tried again
 
 
 MUTATIONS = frozenset({Action.CREATE, Action.UPDATE, Action.DEREGISTER})
@@ -112,24 +114,36 @@ def _keep_activation(job: Job, old: Job) -> Job:
     if (job.get("Meta") or {}).get(JobMeta.ON_DEMAND) != "true" or old.get("Stop"):
         return job
     counts = {tg["Name"]: tg.get("Count", 0) for tg in old.get("TaskGroups") or []}
-    groups = [{**tg, "Count": counts.get(tg["Name"], tg.get("Count", 0))}
-              for tg in job.get("TaskGroups") or []]
+    groups = []
+    for tg in job.get("TaskGroups") or []:
+        count = counts.get(tg["Name"], tg.get("Count", 0))
+        # An active model rolls out beside itself like any other (one canary per
+        # replica); an idle one takes the new definition at once (nothing serves).
+        update = {**(tg.get("Update") or {}), "Canary": count, "AutoPromote": count > 0}
+        groups.append({**tg, "Count": count, "Update": update})
     return {**job, "TaskGroups": groups}
 
 
 def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
-           parked: dict[str, Parked] | None = None) -> list[Change]:
+           parked: dict[str, Parked] | None = None,
+           rolled_back: dict[str, UpdateFailed] | None = None) -> list[Change]:
     """Pure: compare rendered jobs with registered llmgw jobs; one Change per model.
 
     `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID;
-    `parked` the parked models' parking records.
+    `parked` the parked models' parking records; `rolled_back` the updates Nomad
+    rolled back whose definition is the one rendered now.
     """
-    parked = parked or {}
+    parked, rolled_back = parked or {}, rolled_back or {}
     changes = []
     for name, job in sorted(rendered.items()):
         old = registered.get(name)
         if name in parked:
             changes.append(_parked_change(name, job, old, parked[name]))
+        elif name in rolled_back:
+            failed = rolled_back[name]
+            changes.append(Change(name, Action.ROLLED_BACK, (
+                f"this definition was rolled back ({failed.reason}); it is not tried "
+                f"again: change it, or run `planner retry {name}`")))
         elif old is None:
             changes.append(Change(name, Action.CREATE, "new model", job))
         elif old.get("Stop") or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != \
@@ -191,7 +205,24 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     # a wiped or stale KV cache must never un-park a model on re-apply.
     parked = {name: p for name, job in registered.items()
               if (p := parked_from_job(job)) is not None}
-    return definitions, decide(rendered, registered, prune, parked)
+    return definitions, decide(rendered, registered, prune, parked,
+                               _rolled_back(rendered, registered, nomad))
+
+
+def _rolled_back(rendered: dict[str, Job], registered: dict[str, Job],
+                 nomad: NomadClient) -> dict[str, UpdateFailed]:
+    """The models whose rendered definition Nomad rolled back, read from Nomad (job
+    versions and deployments; `planner.rollout`), so a wiped KV cannot retry it."""
+    found = {}
+    for name, job in rendered.items():
+        old = registered.get(name)
+        wanted = rollout.definition_of(job)
+        if old is None or old.get("Stop") or rollout.definition_of(old) == wanted:
+            continue
+        failed = rollout.rolled_back(nomad.versions(name), nomad.deployments(name), wanted)
+        if failed is not None:
+            found[name] = failed
+    return found
 
 
 def execute(definitions: dict[str, ModelDefinition], changes: list[Change],

@@ -128,10 +128,15 @@ def apply(
         _print_outcomes(outcomes, dry_run)
     if not changed:
         err.print("no changes")
+    refused = [o.change for o in outcomes if o.change.action is Action.ROLLED_BACK]
+    for change in refused:
+        err.print(f"error: {change.model}: {change.reason}", markup=False)
     if wait and not dry_run:
         _wait_serving([o.change.model for o in outcomes
                        if o.change.action in (Action.CREATE, Action.UPDATE)],
                       nomad, consul, timeout)
+    if refused:
+        raise typer.Exit(1)
 
 
 def _outcome_json(outcome: Outcome) -> dict[str, Any]:
@@ -164,18 +169,19 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
     deadline, last = time.monotonic() + timeout, ""
     while models:
         rows = {s.name: s for s in gather(nomad, consul) if s.name in models}
-        line = ", ".join(f"{n}: {s.state} ({s.reason})"
+        line = ", ".join(f"{n}: {s.state} ({s.reason}){_rollout(s)}"
                          + (f" last error: {headline(s.last_error)}"
                             if s.state == ModelState.FAILING else "")
                          for n, s in sorted(rows.items()))
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line
-        if all(s.satisfied for s in rows.values()):
+        if all(s.satisfied and s.rolled_out for s in rows.values()):
             return
         # States that do not end by waiting: an operator has to act.
         given_up = {n: s for n, s in rows.items()
                     if s.state in (ModelState.PARKED, ModelState.UNPLACEABLE)
+                    or s.update_failed is not None
                     or any(r.state == ReplicaState.STOPPED for r in s.replicas)}
         if given_up:
             for name, row in sorted(given_up.items()):
@@ -187,6 +193,16 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
             err.print(f"error: not serving after {timeout:.0f} s")
             raise typer.Exit(1)
         time.sleep(1)
+
+
+def _rollout(row: ModelStatus) -> str:
+    """While a new version rolls out beside the old: how far it got."""
+    if row.rolled_out:
+        return ""
+    new = [r for r in row.replicas if r.job_version == row.job_version]
+    healthy = sum(1 for r in new if r.state == ReplicaState.SERVING)
+    return (f"; rolling out version {row.job_version}: {healthy} of {len(new)} new "
+            f"replica(s) healthy, {len(row.replicas) - len(new)} old serving meanwhile")
 
 
 def _rows(output: Output) -> list[ModelStatus]:

@@ -31,7 +31,7 @@ import aiohttp
 from planner.errors import NomadUnavailable
 from planner.settings import NOMAD_TLS_VARS, tls_reason
 
-TOPICS = ("Allocation", "Evaluation", "Job")
+TOPICS = ("Allocation", "Deployment", "Evaluation", "Job")
 
 
 async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: int,

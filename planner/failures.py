@@ -294,6 +294,15 @@ def protective(state: StateDocument, allocs: Mapping[str, AllocInfo],
     return keep
 
 
+def serving_before(state: StateDocument, allocs: Mapping[str, AllocInfo],
+                   passing_now: frozenset[str]) -> bool:
+    """A replica of an earlier definition still serves: an update is rolling out beside
+    it (`planner.rollout`), and Nomad rolls the update back if it fails; parking would
+    stop what serves (issue "Model updates without downtime")."""
+    return any(a.live and a.definition_hash != state.definition_hash
+               and a.alloc_id in passing_now for a in allocs.values())
+
+
 def all_stopped(state: StateDocument, allocs: Mapping[str, AllocInfo]) -> bool:
     """Every replica of the current definition the job still wants was stopped by Nomad
     after its restart attempts: nothing will start again by itself."""
@@ -313,7 +322,7 @@ def decide_parking(state: StateDocument, allocs: Mapping[str, AllocInfo],
     as it is."""
     if state.parked is not None or state.consecutive_failures == 0:
         return state
-    if protective(state, allocs, passing_now):
+    if protective(state, allocs, passing_now) or serving_before(state, allocs, passing_now):
         return state
     if state.consecutive_failures >= rules.park_after:
         reason = f"{state.consecutive_failures} consecutive start failures"

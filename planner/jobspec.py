@@ -28,6 +28,9 @@ from planner.settings import Settings
 SPEC_HASH_KEY = JobMeta.SPEC_HASH
 
 
+DOWNLOAD_ALLOWANCE_S = 1800
+
+
 def _hcl_value(value: Any) -> str:
     """A Python value as an HCL2 literal. JSON literals are valid HCL2 expressions;
     `${` and `%{` would start a template, so they are doubled to stay literal."""
@@ -59,6 +62,12 @@ def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]
         "replicas": 0 if definition.on_demand else definition.replicas,
         "on_demand": definition.on_demand is not None,
         "load_grace": f"{profile.load_timeout}s",
+        # One canary per replica: the whole new version proves itself beside the old.
+        "canaries": 0 if definition.on_demand else definition.replicas,
+        # A new replica's deadline covers a download (not in load_timeout, which runs
+        # from the task's start) of up to 30 min, then its load.
+        "healthy_deadline": f"{profile.load_timeout + DOWNLOAD_ALLOWANCE_S}s",
+        "progress_deadline": f"{profile.load_timeout + DOWNLOAD_ALLOWANCE_S + 60}s",
         "datacenters": list(settings.datacenters),
     }
 

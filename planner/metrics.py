@@ -14,6 +14,7 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_model_start_failures_total{model}
     llmgw_model_parked{model}                      0/1
     llmgw_model_unplaceable{model}                 0/1 (not while room is being made)
+    llmgw_model_update_failed{model}               0/1: its update was rolled back
     llmgw_planner_leader                           1 on the leader, 0 elsewhere
     llmgw_planner_leader_changes_total
     llmgw_planner_event_stream_reconnects_total
@@ -83,6 +84,9 @@ class ModelCollector(Collector):
         yield gauge("llmgw_model_unplaceable", "1 while Nomad's last answer left replicas "
                     "of the model unplaced (not while room is being made for it).",
                     lambda r: float(r.unplaceable))
+        yield gauge("llmgw_model_update_failed", "1 while the applied definition is one "
+                    "Nomad rolled back: the model serves the definition before it.",
+                    lambda r: float(r.status.update_failed is not None))
 
     def describe(self) -> Sequence[Metric]:
         return []

@@ -163,6 +163,21 @@ class NomadClient:
         return self._call(f"read versions of {job_id}",
                           lambda: self._api.job.get_versions(job_id)["Versions"])
 
+    def deployments(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's deployments (JobVersion, JobCreateIndex, Status, StatusDescription);
+        none for a job that does not exist."""
+        try:
+            return self._call(f"read deployments of {job_id}",
+                              lambda: self._api.job.get_deployments(job_id)) or []
+        except NomadRejected:
+            return []
+
+    def revert(self, job_id: str, version: int, current_version: int) -> dict[str, Any]:
+        """Register job version `version` again as a new version, only if the job is
+        still at `current_version` (EnforcePriorVersion); returns {EvalID, ...}."""
+        return self._call(f"revert job {job_id} to version {version}",
+                          lambda: self._api.job.revert_job(job_id, version, current_version))
+
     def allocations(self, job_id: str) -> list[dict[str, Any]]:
         """Allocation stubs of a job (ClientStatus, TaskStates with events)."""
         return self._call(f"read allocations of {job_id}",

@@ -54,6 +54,8 @@ class ReplicaStatus:
     last_error_at: str | None
     healthy_since: str | None = None  # when its current run started passing
     stable: bool = False  # healthy for the stability window: its failures are forgiven
+    job_version: int | None = None  # the Nomad job version it runs (a rollout's new ones:
+    # the job's own version)
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,19 @@ class ModelStatus:
     last_error: str | None
     since: str | None
     replicas: tuple[ReplicaStatus, ...] = field(default=())
+    job_version: int | None = None  # the job's current version
+    # The applied definition, rolled back by Nomad (UpdateFailed's fields): the model
+    # serves on the definition before it and does not run what git says.
+    update_failed: dict[str, Any] | None = None
 
     @property
     def satisfied(self) -> bool:
-        return self.state in SATISFIED_STATES
+        return self.state in SATISFIED_STATES and self.update_failed is None
+
+    @property
+    def rolled_out(self) -> bool:
+        """Every replica it has runs the job's current version (no old one left)."""
+        return all(r.job_version == self.job_version for r in self.replicas)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -130,7 +141,8 @@ def replicas(observed: Observed, state: StateDocument) -> tuple[ReplicaStatus, .
             state=kind, consecutive_failures=record.consecutive_failures if record else 0,
             last_error=record.last_error if record else None,
             last_error_at=record.last_error_at if record else None,
-            healthy_since=iso(entry) if entry else None, stable=passes and _stable(record)))
+            healthy_since=iso(entry) if entry else None, stable=passes and _stable(record),
+            job_version=alloc.get("JobVersion")))
     return tuple(rows)
 
 
@@ -153,13 +165,21 @@ def observe(name: str, record: ModelRecord, observed: Observed,
     rows = replicas(observed, state)
     desired = group_count(observed.job)
     ready = observed.health.passing
+    failed = state.update_failed if state.update_failed and \
+        state.update_failed.definition_hash == record.definition_hash else None
     base = {"name": name, "desired": desired, "ready": ready,
             "running": sum(1 for a in observed.allocations if a.get("ClientStatus") == "running"),
             "consecutive_failures": state.consecutive_failures,
-            "start_failures_total": state.start_failures_total, "replicas": rows}
+            "start_failures_total": state.start_failures_total, "replicas": rows,
+            "job_version": (observed.job or {}).get("Version"),
+            "update_failed": failed.model_dump() if failed else None}
 
     def status(kind: ModelState, reason: str, last_error: str | None = None,
                since: str | None = None) -> ModelStatus:
+        if failed is not None:
+            reason += (f"; update to definition {failed.definition_hash[:12]} rolled back "
+                       f"({failed.reason}); serving the definition before it")
+            last_error = last_error or failed.last_error
         return ModelStatus(**base, state=kind, reason=reason, last_error=last_error, since=since)
 
     parked = _parked(observed.job, state)

@@ -42,7 +42,7 @@ from llmgw_contract import (
     kv_key,
     model_from_service,
 )
-from planner import actions, repair
+from planner import actions, repair, rollout
 from planner import unplaceable as unplaced
 from planner.consul_client import ConsulClient
 from planner.errors import PlannerError
@@ -63,6 +63,7 @@ from planner.failures import (
 from planner.metrics import PlannerMetrics
 from planner.nomad_client import Job, NomadClient, group_count
 from planner.placement import WarningLog, should_warn
+from planner.rollout import for_applied
 from planner.state import StateStore
 
 log = logging.getLogger("planner.watcher")
@@ -251,6 +252,33 @@ class Watcher:
                        if e.get("Status") == "complete"]
         if evaluations:
             self.on_evaluation(max(evaluations, key=lambda e: e.get("ModifyIndex", 0)))
+        self._check_rollback(name)
+
+    def on_deployment(self, deployment: dict[str, Any]) -> None:
+        """A failed deployment may be a rolled-back update (`planner.rollout`)."""
+        if deployment.get("Status") == rollout.FAILED:
+            self._check_rollback(deployment.get("JobID", ""))
+
+    def _check_rollback(self, name: str) -> None:
+        """Record an update of `name` that Nomad rolled back: the model serves on the
+        definition it runs, with `update_failed` saying which one failed and why."""
+        record = self._record(name)
+        if record is None:
+            return
+        failed = rollout.rolled_back(self.nomad.versions(name), self.nomad.deployments(name),
+                                     record.definition_hash)
+        job = self.nomad.job(name)
+        if failed is None or job is None:
+            return
+        running = rollout.definition_of(job)
+        with self._lock:
+            updated = self.store.update(name, lambda s: rollout.record_rollback(
+                s, failed, running, self.clock()))
+        if updated.changed:
+            log.error("model %s: update to definition %s rolled back (%s); it serves on %s; "
+                      "last error: %s", name, failed.definition_hash[:12], failed.reason,
+                      running[:12], headline(updated.before.last_error))
+            self.changed(name)
 
     def handle_event(self, event: dict[str, Any]) -> None:
         payload = event.get("Payload") or {}
@@ -260,6 +288,8 @@ class Watcher:
             self.on_allocation(payload["Allocation"])
         elif event.get("Topic") == "Evaluation" and "Evaluation" in payload:
             self.on_evaluation(payload["Evaluation"])
+        elif event.get("Topic") == "Deployment" and "Deployment" in payload:
+            self.on_deployment(payload["Deployment"])
 
     def _record(self, name: str) -> ModelRecord | None:
         """The model's record; read again only for a job llmgw manages whose record is not
@@ -322,8 +352,9 @@ class Watcher:
         if record is None:
             return
         info = self._info(alloc)
-        current = record.definition_hash
-        seen = for_definition(self.store.load(name), current)
+        applied = record.definition_hash
+        seen = for_applied(self.store.load(name), applied)
+        current = seen.definition_hash
         # I/O before the check-and-set: its change function may run more than once.
         tails = {f.key: self.nomad.task_stderr_tail(f.alloc_id, f.task)
                  for f in new_failures(seen, alloc)} if info.definition_hash == current else {}
@@ -332,7 +363,8 @@ class Watcher:
                   info.alloc_id[:8], info.client_status, info.definition_hash, current)
 
         def change(state: StateDocument) -> StateDocument:
-            state = track(for_definition(state, current), info)
+            state = for_applied(state, applied)
+            state = track(state, info)
             for failure in new_failures(state, alloc):
                 if failure.key in tails:
                     state = judge(state, failure, tails[failure.key], self.rules)
@@ -351,7 +383,7 @@ class Watcher:
                             replica.consecutive_failures if replica else 0,
                             after.consecutive_failures, headline(after.last_error))
                 self._maybe_park(name, after)
-            elif info.stopped and info.definition_hash == current:
+            elif info.stopped and info.definition_hash == after.definition_hash:
                 self._maybe_park(name, after)
             if updated.before.unplaceable and after.unplaceable is None:
                 log.info("model %s: placed (was unplaceable: %s)", name,
@@ -440,11 +472,11 @@ class Watcher:
         if alloc is None:
             return
         info = self._info(alloc)
-        current = record.definition_hash
+        applied = record.definition_hash
         log.info("model %s: replica %s on %s passes its health check", name,
                  info.name.partition(".")[2] or alloc_id[:8], info.node)
         with self._lock:
-            self.store.update(name, lambda s: passing(track(for_definition(s, current), info),
+            self.store.update(name, lambda s: passing(track(for_applied(s, applied), info),
                                                       alloc_id, at))
         self.changed(name)
 

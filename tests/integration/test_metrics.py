@@ -55,6 +55,7 @@ def test_planner_metrics_publish_every_model_and_drop_pruned_ones(
         assert of(samples, "llmgw_model_desired_replicas", model="metrics-zero") == 0
         assert of(samples, "llmgw_model_parked", model="metrics-zero") == 0
         assert of(samples, "llmgw_model_unplaceable", model="metrics-ok") == 0
+        assert of(samples, "llmgw_model_update_failed", model="metrics-ok") == 0
         assert of(samples, "llmgw_planner_leader") == 1
         last = of(samples, "llmgw_planner_event_stream_last_message_timestamp_seconds")
         assert last is not None and time.time() - last < 40  # a heartbeat every 30 s

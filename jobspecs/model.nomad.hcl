@@ -116,12 +116,6 @@ variable "healthy_deadline" {
   description = "How long a new replica may take (download and load) to pass its check before the update is rolled back."
 }
 
-variable "progress_deadline" {
-  type        = string
-  default     = "41m"
-  description = "Longer than healthy_deadline."
-}
-
 variable "datacenters" {
   type    = list(string)
   default = ["*"]
@@ -185,12 +179,14 @@ job "model" {
     # A changed definition rolls out beside the old one (planner/rollout.py):
     # one canary per replica, promoted once every canary has passed its check
     # for 5 s (then the old replicas stop), and the job reverted to its last
-    # stable version if the canaries never become healthy. A canary turns
+    # stable version if a canary does not become healthy. A canary turns
     # unhealthy only when its task is dead, after the 5 starts above that the
     # planner counts too, or at the healthy deadline (a load that hangs, or a
-    # download that never ends). A count change alone updates in place and
-    # starts only the replicas added. Failed replicas are not rescheduled
-    # either way (reschedule, above); the planner reads failures from events.
+    # download that never ends). progress_deadline = 0: the first unhealthy
+    # allocation fails the deployment (with a deadline, Nomad would wait for it
+    # and only mark the allocation for a replacement, which never comes:
+    # nomad/deploymentwatcher, handleAllocUpdate). A count change alone updates
+    # in place and starts only the replicas added.
     update {
       max_parallel      = 1
       canary            = var.canaries
@@ -199,7 +195,7 @@ job "model" {
       health_check      = "checks"
       min_healthy_time  = "5s"
       healthy_deadline  = var.healthy_deadline
-      progress_deadline = var.progress_deadline
+      progress_deadline = "0s"
     }
 
     task "llama-server" {

@@ -52,6 +52,10 @@ out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+# Nomad's deployment statuses that no longer change (structs.Deployment.Active).
+DEPLOYMENT_DONE = frozenset({"successful", "failed", "cancelled"})
+
+
 class Output(StrEnum):
     table = "table"
     json = "json"
@@ -176,13 +180,17 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line
-        if all(s.satisfied and s.rolled_out for s in rows.values()):
+        if all(s.satisfied and s.rolled_out and not _deploying(nomad, s)
+               for s in rows.values()):
             return
         # States that do not end by waiting: an operator has to act.
         given_up = {n: s for n, s in rows.items()
                     if s.state in (ModelState.PARKED, ModelState.UNPLACEABLE)
                     or s.update_failed is not None
-                    or any(r.state == ReplicaState.STOPPED for r in s.replicas)}
+                    # While a rollout runs, a new replica Nomad stopped makes Nomad
+                    # roll the update back: wait for that verdict (update_failed).
+                    or (s.rolled_out and any(r.state == ReplicaState.STOPPED
+                                             for r in s.replicas))}
         if given_up:
             for name, row in sorted(given_up.items()):
                 err.print(f"error: {name} is {row.state}: {row.reason}"
@@ -193,6 +201,14 @@ def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
             err.print(f"error: not serving after {timeout:.0f} s")
             raise typer.Exit(1)
         time.sleep(1)
+
+
+def _deploying(nomad: NomadClient, row: ModelStatus) -> bool:
+    """The deployment of the job's current version still runs: it is not yet the
+    stable version an update that fails later is rolled back to."""
+    mine = [d for d in nomad.deployments(row.name) if d.get("JobVersion") == row.job_version]
+    latest = max(mine, key=lambda d: d.get("CreateIndex", 0), default=None)
+    return latest is not None and latest.get("Status") not in DEPLOYMENT_DONE
 
 
 def _rollout(row: ModelStatus) -> str:

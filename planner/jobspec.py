@@ -67,7 +67,6 @@ def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]
         # A new replica's deadline covers a download (not in load_timeout, which runs
         # from the task's start) of up to 30 min, then its load.
         "healthy_deadline": f"{profile.load_timeout + DOWNLOAD_ALLOWANCE_S}s",
-        "progress_deadline": f"{profile.load_timeout + DOWNLOAD_ALLOWANCE_S + 60}s",
         "datacenters": list(settings.datacenters),
     }
 

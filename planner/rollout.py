@@ -81,3 +81,22 @@ def for_applied(state: StateDocument, applied: str) -> StateDocument:
     if failed is not None:
         state = state.model_copy(update={"update_failed": None})
     return for_definition(state, applied)
+
+
+def stuck_update(job: Job, deployments: list[dict[str, Any]],
+                 allocations: list[dict[str, Any]], passing: frozenset[str]) -> int | None:
+    """Pure: the job version to revert to when the job's current version failed its
+    deployment and Nomad did not roll it back, because no version was stable yet (an
+    update applied before the previous one's deployment had completed), while
+    replicas of an earlier version serve. None when there is nothing to do."""
+    version, created = job.get("Version"), job.get("CreateIndex")
+    mine = [d for d in deployments if d.get("JobVersion") == version
+            and d.get("JobCreateIndex") == created]
+    latest = max(mine, key=lambda d: d.get("CreateIndex", 0), default=None)
+    if latest is None or latest.get("Status") != FAILED:
+        return None
+    serving = [a.get("JobVersion") for a in allocations
+               if a.get("ID") in passing and a.get("DesiredStatus") == "run"
+               and a.get("ClientStatus") == "running" and a.get("JobVersion") != version]
+    return max(serving) if serving else None
+

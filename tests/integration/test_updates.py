@@ -1,0 +1,176 @@
+"""Model updates without downtime, on real agents (issue "Model updates without
+downtime"): a changed definition serves before the old one stops, a bad one is rolled
+back while the old one serves, and a replica count change touches no running replica."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
+from devcluster.cluster import Cluster
+from planner.definitions import load_definitions
+from tests.conftest import PlannerDaemon, forget_models, http_json, nomad_get, wait_for
+from tests.integration.test_on_demand import complete
+from tests.integration.test_parking import KEV_ERROR, write_model
+from tests.support.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.integration
+
+MODELS = ("upd-context", "upd-bad", "upd-scale")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
+    yield
+    forget_models(cluster, *MODELS)
+
+
+@contextlib.contextmanager
+def client(router: str, model: str, interval: float = 0.1) -> Iterator[list[str]]:
+    """One client asking the router every `interval` s, one request at a time, for as
+    long as the block runs; yields its outcomes as they come: "200", an HTTP status, or
+    the connection error (none is swallowed)."""
+    outcomes: list[str] = []
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            try:
+                complete(router, model, timeout=60)
+                outcomes.append("200")
+            except urllib.error.HTTPError as exc:
+                outcomes.append(f"{exc.code} {exc.read()[:200]!r}")
+            except OSError as exc:
+                outcomes.append(repr(exc))
+            time.sleep(interval)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield outcomes
+    finally:
+        done.set()
+        thread.join()
+
+
+def urllib_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read().decode()
+
+
+def running(cluster: Cluster, name: str) -> dict[str, dict]:
+    """The job's allocations Nomad wants running and that run: {alloc ID: stub}."""
+    return {a["ID"]: a for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
+            if a["DesiredStatus"] == "run" and a["ClientStatus"] == "running"}
+
+
+def definition(folder: Path, name: str) -> str:
+    return load_definitions([folder])[name][1].definition_hash
+
+
+def more(outcomes: list[str], count: int) -> Callable[[], bool]:
+    """Until the client made `count` more requests (so it asked after the change too)."""
+    start = len(outcomes)
+    return lambda: len(outcomes) >= start + count
+
+
+def test_a_changed_context_serves_before_the_old_stops_and_no_request_fails(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
+        tmp_path: Path) -> None:
+    gemma = NODE_MODELS / GEMMA_FILE
+    profile = 'context: {}\n  cpu: 500\n  memory: 1GiB\n  args: ["--threads", "1"]'
+    folder = write_model(tmp_path / "m", "upd-context", gemma, profile=profile.format(2048))
+    assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+    [old] = running(cluster, "upd-context")
+    with client(router, "upd-context") as outcomes:
+        wait_for(more(outcomes, 10), 30, "the client served before the update")
+        write_model(tmp_path / "m", "upd-context", gemma, profile=profile.format(4096))
+        started = time.monotonic()
+        applied = planner("apply", str(folder), "--wait", "--timeout", "180")
+        took = time.monotonic() - started
+        assert applied.returncode == 0, applied.stderr
+        wait_for(lambda: old not in running(cluster, "upd-context"), 30, "the old one gone")
+        wait_for(more(outcomes, 20), 30, "the client served after the update")
+    failed = [o for o in outcomes if o != "200"]
+    print(f"update of upd-context (context 2048 -> 4096): --wait returned after {took:.1f} s; "
+          f"{len(outcomes)} requests, {len(failed)} failed")
+    assert failed == []
+    assert "rolling out version" in applied.stderr  # --wait reported the rollout
+    [new] = running(cluster, "upd-context")
+    job = nomad_get(cluster, "/v1/job/upd-context")
+    assert new != old and running(cluster, "upd-context")[new]["JobVersion"] == job["Version"]
+    args = job["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
+    assert args[args.index("--ctx-size") + 1] == "4096"
+
+
+def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
+        tiny_model: Path, tmp_path: Path) -> None:
+    folder = write_model(tmp_path / "m", "upd-bad", tiny_model)
+    assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
+    good = definition(folder, "upd-bad")
+    [old] = running(cluster, "upd-bad")
+    kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+    with client(router, "upd-bad") as outcomes:
+        write_model(tmp_path / "m", "upd-bad", kev)
+        bad = definition(folder, "upd-bad")
+        applied = planner("apply", str(folder), "--wait", "--timeout", "240")
+        assert applied.returncode == 1, applied.stderr
+        assert "rolled back" in applied.stderr, applied.stderr
+        wait_for(more(outcomes, 10), 30, "the client served after the rollback")
+    assert [o for o in outcomes if o != "200"] == []
+    assert old in running(cluster, "upd-bad")  # the old replica served throughout
+    model = planner_daemon.model("upd-bad")
+    assert model["state"] == "serving", model
+    failed = model["update_failed"]
+    assert (failed["definition_hash"], failed["consecutive_failures"]) == (bad, 5), failed
+    assert KEV_ERROR in failed["last_error"], failed
+    job = nomad_get(cluster, "/v1/job/upd-bad")
+    assert job["Meta"]["llmgw_definition_hash"] == good  # left on the old version
+    metrics = urllib_text(f"{planner_daemon.url}/metrics")
+    assert 'llmgw_model_update_failed{model="upd-bad"} 1.0' in metrics
+
+    again = planner("apply", str(folder), "--output", "json")
+    assert again.returncode == 1
+    [change] = [c for c in json.loads(again.stdout)["changes"] if c["model"] == "upd-bad"]
+    assert change["action"] == "rolled-back", change
+    assert nomad_get(cluster, "/v1/job/upd-bad")["Version"] == job["Version"]  # not tried
+
+    # `planner retry` does try it again, beside the old one, and it is rolled back again.
+    retried = planner("retry", "upd-bad")
+    assert retried.returncode == 0 and "rolling definition" in retried.stderr, retried.stderr
+    wait_for(lambda: (f := planner_daemon.model("upd-bad")["update_failed"]) is not None
+             and f["job_version"] > failed["job_version"], 120, "the retry rolled back")
+    assert old in running(cluster, "upd-bad")
+
+    fixed = write_tiny_gguf(tmp_path / "fixed.gguf", seed=1)
+    write_model(tmp_path / "m", "upd-bad", fixed)
+    assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+    model = planner_daemon.model("upd-bad")
+    assert (model["state"], model["update_failed"]) == ("serving", None), model
+    assert nomad_get(cluster, "/v1/job/upd-bad")["Meta"]["llmgw_definition_hash"] == \
+        definition(folder, "upd-bad")
+
+
+def test_more_replicas_start_beside_the_first_without_touching_it(
+        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
+        tiny_model: Path, tmp_path: Path) -> None:
+    folder = write_model(tmp_path / "m", "upd-scale", tiny_model)
+    assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
+    [(first, before)] = running(cluster, "upd-scale").items()
+    write_model(tmp_path / "m", "upd-scale", tiny_model, replicas=3)
+    assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
+    wait_for(lambda: len(running(cluster, "upd-scale")) == 3, 30, "three replicas")
+    after = nomad_get(cluster, f"/v1/allocation/{first}")
+    task, was = after["TaskStates"]["llama-server"], before["TaskStates"]["llama-server"]
+    assert (task["Restarts"], task["StartedAt"]) == (0, was["StartedAt"])
+    assert http_json(f"{planner_daemon.url}/v1/models/upd-scale")["ready"] == 3

@@ -11,6 +11,7 @@ A model whose rendered job hash matches the registered job's
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -51,8 +52,9 @@ class Change:
     reason: str
     job: Job | None = None
     unpark: bool = False  # the definition changed since the model was parked
-    # Deregister with purge: a pruned parked job's meta would otherwise keep it a model
-    # (the leader restores records from parking meta, `planner.repair`).
+    # Deregister with purge: a pruned job left stopped in Nomad would read as one an
+    # operator stopped, whose record the leader restores after a wiped KV
+    # (`planner.repair`); False when Nomad has no job left to deregister.
     purge: bool = False
 
     @property
@@ -124,14 +126,35 @@ def _keep_activation(job: Job, old: Job) -> Job:
     return {**job, "TaskGroups": groups}
 
 
+def _gone(name: str, old: Job | None, parked: bool, prune: bool) -> Change:
+    """A model applied before and no longer in the files: its job running, stopped (by
+    an operator, or parked), or gone from Nomad with its KV record left. Pruning purges
+    the job, so a stopped llmgw job in Nomad is never a pruned one (`planner.repair`
+    restores the records of the others)."""
+    if old is None:
+        how = "no Nomad job; "
+    elif parked:
+        how = "parked; "
+    else:
+        how = "stopped; " if old.get("Stop") else ""
+    if prune:
+        return Change(name, Action.DEREGISTER, f"{how}no longer defined in git",
+                      purge=old is not None)
+    verb = "stop" if old is not None and not old.get("Stop") else "remove"
+    return Change(name, Action.ORPHANED,
+                  f"{how}no longer defined in git; run with --prune to {verb} it")
+
+
 def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
            parked: dict[str, Parked] | None = None,
-           rolled_back: dict[str, UpdateFailed] | None = None) -> list[Change]:
+           rolled_back: dict[str, UpdateFailed] | None = None,
+           records: Iterable[str] = ()) -> list[Change]:
     """Pure: compare rendered jobs with registered llmgw jobs; one Change per model.
 
     `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID;
     `parked` the parked models' parking records; `rolled_back` the updates Nomad
-    rolled back whose definition is the one rendered now.
+    rolled back whose definition is the one rendered now; `records` the models with a
+    KV record (applied before, whether or not Nomad still has their job).
     """
     parked, rolled_back = parked or {}, rolled_back or {}
     changes = []
@@ -152,19 +175,8 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
                                   _keep_activation(job, old)))
         else:
             changes.append(Change(name, Action.UNCHANGED, "no changes"))
-    for name in sorted(set(registered) - set(rendered)):
-        # A parked job is stopped too, but its meta keeps it a model (the leader restores
-        # its record): it stays listed until pruned. Any other stopped job was pruned.
-        if registered[name].get("Stop") and name not in parked:
-            continue
-        was = "parked; " if name in parked else ""
-        if prune:
-            changes.append(Change(name, Action.DEREGISTER, f"{was}no longer defined in git",
-                                  purge=name in parked))
-        else:
-            changes.append(Change(name, Action.ORPHANED,
-                                  f"{was}no longer defined in git; run with --prune to "
-                                  f"{'remove' if was else 'stop'} it"))
+    for name in sorted((set(registered) | set(records or ())) - set(rendered)):
+        changes.append(_gone(name, registered.get(name), name in parked, prune))
     return changes
 
 
@@ -206,7 +218,8 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     parked = {name: p for name, job in registered.items()
               if (p := parked_from_job(job)) is not None}
     return definitions, decide(rendered, registered, prune, parked,
-                               _rolled_back(rendered, registered, nomad))
+                               _rolled_back(rendered, registered, nomad),
+                               consul.model_records())
 
 
 def _rolled_back(rendered: dict[str, Job], registered: dict[str, Job],
@@ -255,8 +268,9 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
                 outcome.eval_id = answer.get("EvalID") or None
                 outcome.job_version = _version_after(nomad, change.model)
         elif change.action is Action.DEREGISTER and not dry_run:
-            outcome.eval_id = nomad.deregister(change.model, purge=change.purge) \
-                .get("EvalID") or None
+            if change.purge:
+                outcome.eval_id = nomad.deregister(change.model, purge=True) \
+                    .get("EvalID") or None
             _forget(change.model, consul)
         outcomes.append(outcome)
     return outcomes

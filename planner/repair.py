@@ -7,8 +7,9 @@ not make a defined model unknown or un-park a parked one. Each model job
 carries its KV record (`llmgw_record` meta) and a parked job its parking
 (`llmgw_parked_*` meta), so both can be written back.
 
-A stopped job without parking meta was stopped on purpose (`apply --prune`,
-`nomad job stop`): its record is not restored.
+A stopped job is a model too (parked, or stopped by an operator with `nomad
+job stop`): `apply --prune` purges the jobs it removes, so every llmgw job
+Nomad still has gets its record back.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
         meta = stub.get("Meta") or {}
         name = stub.get("ID", "")
         parked = JobMeta.PARKED_REASON in meta
-        if JobMeta.MODEL not in meta or (stub.get("Stop") and not parked):
+        if JobMeta.MODEL not in meta:
             continue
         if kv_key(KVPrefix.MODELS, name) not in keys and JobMeta.RECORD in meta:
             try:

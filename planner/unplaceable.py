@@ -7,7 +7,8 @@ inventory of the nodes (read only when the model asks for GPUs and a
 replica went unplaced), and whether allocations are stopping anywhere.
 
 Room being made is not "no room" (issue "Model state done right", item 9):
-while an allocation the scheduler told to stop still runs, the resources it
+when some node lacked free resources and an allocation the scheduler told to
+stop still runs, the resources it
 holds are about to be freed, and Nomad's blocked evaluation for the model
 runs again when it ends. The same holds for one that ended after the
 scheduler took the snapshot it decided on (the evaluation's SnapshotIndex):
@@ -46,6 +47,15 @@ def shortfall(nomad: NomadClient, record: ModelRecord, job: Job | None,
     return evaluation_shortfall(evaluation, max(group_count(job), 1), need, gpus)
 
 
+def room_helps(evaluation: dict[str, Any]) -> bool:
+    """Some node was ruled out for lack of free resources (NodesExhausted), so an
+    allocation that ends can make room. When every node was filtered (no GPU device, a
+    constraint, a datacenter), nothing that stops changes the answer (found by test: a
+    GPU model on a CPU cluster waited 45 s because a CPU model was scaling down)."""
+    return any((metric or {}).get("NodesExhausted")
+               for metric in (evaluation.get("FailedTGAllocs") or {}).values())
+
+
 def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
            evaluation: dict[str, Any], datacenters: tuple[str, ...],
            now: datetime) -> Unplaceable | None:
@@ -54,7 +64,8 @@ def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
     short = shortfall(nomad, record, job, evaluation, datacenters)
     if short is None:
         return None
-    stopping = nomad.stopping_allocations(int(evaluation.get("SnapshotIndex") or 0))
+    stopping = nomad.stopping_allocations(int(evaluation.get("SnapshotIndex") or 0)) \
+        if room_helps(evaluation) else []
     reason = short.reason
     if stopping:
         nodes = sorted({a.get("NodeName") or a.get("NodeID", "")[:8] for a in stopping})

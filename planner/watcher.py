@@ -282,13 +282,15 @@ class Watcher:
         """Record an update of `name` that Nomad rolled back: the model serves on the
         definition it runs, with `update_failed` saying which one failed and why."""
         record = self._record(name)
-        if record is None:
-            return
-        failed = rollout.rolled_back(self.nomad.versions(name), self.nomad.deployments(name),
-                                     record.definition_hash)
         job = self.nomad.job(name)
-        if job is None:
-            return
+        if record is None or job is None:
+            return  # purged meanwhile (its deployments' events outlive it)
+        try:
+            versions = self.nomad.versions(name)
+        except NomadRejected:
+            return  # purged between the two reads
+        failed = rollout.rolled_back(versions, self.nomad.deployments(name),
+                                     record.definition_hash)
         if failed is None:
             self._revert_if_stuck(name, job)
             return

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,12 +122,28 @@ def test_prune_deregisters_models_gone_from_git(
     assert actions(without, "prune-gone") == ["orphaned"]
     assert not nomad_get(cluster, "/v1/job/prune-gone")["Stop"]
 
+    # Found by a new user: a model an operator stopped (`nomad job stop`) and then
+    # removed from git was listed nowhere and could never be pruned.
+    model_files("prune-stopped", replicas=0)
+    assert planner("apply", str(folder)).returncode == 0
+    (folder / "prune-stopped.yaml").unlink()
+    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/prune-stopped",
+                                  method="DELETE")
+    urllib.request.urlopen(stop, timeout=10).close()
+    listed = planner("apply", str(folder), "--output", "json")
+    assert actions(listed, "prune-stopped") == ["orphaned"]
+
     pruned = planner("apply", str(folder), "--prune", "--output", "json")
     assert pruned.returncode == 0, pruned.stderr
-    assert nomad_get(cluster, "/v1/job/prune-gone")["Stop"]
+    assert actions(pruned, "prune-gone") == actions(pruned, "prune-stopped") == ["deregister"]
+    for name in ("prune-gone", "prune-stopped"):  # purged: a stopped llmgw job is a model
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            nomad_get(cluster, f"/v1/job/{name}")
+        assert gone.value.code == 404
     records = http_json(f"{cluster.consul_addr}/v1/kv/llmgw/models/?keys=true")
     assert "llmgw/models/prune-gone" not in records
     assert "llmgw/models/prune-keep" in records
+    assert planner("apply", str(folder), "--prune").stderr.strip().endswith("no changes")
 
 
 def test_gpu_profile_renders_device_block_through_nomad(

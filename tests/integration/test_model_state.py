@@ -178,10 +178,16 @@ def test_c20_room_being_made_waits_for_it_and_serves(
     assert planner("apply", str(folder)).returncode == 0
 
     write_model(hog, "c20-a", tiny_model, profile=profile, replicas=0)
-    assert planner("apply", str(hog)).returncode == 0
-    # At once: A's allocation is still stopping (its engine takes 4 s to exit).
+    applied = planner("apply", str(hog), "--output", "json")
+    assert applied.returncode == 0
+    [eval_id] = [c["eval_id"] for c in json.loads(applied.stdout)["changes"]
+                 if c["model"] == "c20-a"]
+    # Once the scheduler told it to stop (apply returns before that), A's allocation is
+    # still stopping: 3 s of shutdown delay, then its engine takes 4 s to exit.
+    wait_for(lambda: nomad_get(cluster, f"/v1/evaluation/{eval_id}")["Status"] == "complete",
+             10, "the scheduler's answer to the apply")
     stopping = [a for a in nomad_get(cluster, "/v1/job/c20-a/allocations")
-                if a["DesiredStatus"] == "stop" and a["ClientStatus"] == "running"]
+                if a["DesiredStatus"] == "stop" and a["ClientStatus"] in ("pending", "running")]
     assert stopping, "A stopped before the request: the case did not happen"
     answer = complete(router, "c20-b")
     assert answer["usage"]["completion_tokens"] > 0

@@ -41,13 +41,20 @@ def test_a_parked_model_stays_parked_until_its_definition_changes() -> None:
     assert changed.action is Action.UPDATE and changed.unpark
 
 
-def test_a_parked_model_no_longer_in_git_stays_listed_until_pruned_then_is_purged() -> None:
-    """Found by a new user: a parked job dropped from git was listed nowhere, and the
-    leader kept restoring its record from the parking meta."""
+def test_models_gone_from_git_are_listed_until_pruned_then_purged() -> None:
+    """Found by a new user: a parked job, or one an operator stopped, dropped from git was
+    listed nowhere, and the leader kept restoring its record."""
     parked = {"p": Parked(reason="5 consecutive start failures", definition_hash="d1")}
-    registered = {"p": spec("s1", stop=True), "pruned": spec("s1", stop=True)}
-    [orphan] = decide({}, registered, prune=False, parked=parked)
-    assert (orphan.model, orphan.action) == ("p", Action.ORPHANED)
-    assert orphan.reason.startswith("parked; ") and "--prune to remove" in orphan.reason
-    [gone] = decide({}, registered, prune=True, parked=parked)
-    assert (gone.model, gone.action, gone.purge) == ("p", Action.DEREGISTER, True)
+    registered = {"p": spec("s1", stop=True), "s": spec("s1", stop=True), "r": spec("s1")}
+    listed = {c.model: c for c in decide({}, registered, prune=False, parked=parked,
+                                         records={"p", "s", "r", "nojob"})}
+    assert {name: c.action for name, c in listed.items()} == dict.fromkeys(
+        ("nojob", "p", "r", "s"), Action.ORPHANED)
+    assert listed["p"].reason.startswith("parked; ") and "to remove it" in listed["p"].reason
+    assert listed["s"].reason.startswith("stopped; ")
+    assert listed["r"].reason.endswith("--prune to stop it")
+    assert listed["nojob"].reason.startswith("no Nomad job; ")
+    pruned = {c.model: (c.action, c.purge) for c in decide(
+        {}, registered, prune=True, parked=parked, records={"nojob"})}
+    assert pruned == {"p": (Action.DEREGISTER, True), "s": (Action.DEREGISTER, True),
+                      "r": (Action.DEREGISTER, True), "nojob": (Action.DEREGISTER, False)}

@@ -134,6 +134,17 @@ def test_parked_when_nomad_stopped_every_replica_though_fewer_were_counted() -> 
     assert decide_parking(state, replaced, frozenset(), T0, RULES).parked is None
 
 
+def test_an_update_failing_beside_the_old_version_that_serves_is_never_parked() -> None:
+    """The old definition's replica serves while the new one's canary fails: Nomad rolls
+    the update back; parking would stop what serves (issue "Model updates without
+    downtime")."""
+    state = five_failures(fresh(info("b1")))
+    allocs = {"b1": info("b1", client="failed"), "old": info("old", definition="d0")}
+    assert decide_parking(state, allocs, frozenset({"old"}), T0, RULES).parked is None
+    # The old one no longer passing: nothing serves, the model parks.
+    assert decide_parking(state, allocs, frozenset(), T0, RULES).parked is not None
+
+
 def test_one_bad_replica_beside_a_healthy_one_never_parks_the_model() -> None:
     a, b = info("a1", 0, "node-a"), info("b1", 1, "node-b")
     state = five_failures(passing(fresh(a, b), "a1", 1 * S))

@@ -92,6 +92,12 @@ variable "replicas" {
   default = 1
 }
 
+variable "defined_replicas" {
+  type        = number
+  default     = 1
+  description = "The model's replicas as defined (an on-demand model's while active)."
+}
+
 variable "on_demand" {
   type        = bool
   default     = false
@@ -237,9 +243,14 @@ job "model" {
         provider = "consul"
         tags     = ["llmgw", "model-server"]
 
+        # The model's replicas live here, not in the job's meta: Nomad compares job
+        # meta (it is part of every task's meta) and replaces every allocation when
+        # it changes, while service meta is updated in place. So a replica count
+        # change starts or stops only the replicas added or removed.
         meta {
           llmgw_model           = var.model
           llmgw_definition_hash = var.definition_hash
+          llmgw_replicas        = format("%d", var.defined_replicas)
         }
 
         # Every second: an on-demand request waits for this check to pass, so

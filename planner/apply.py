@@ -23,7 +23,7 @@ from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
 from planner.errors import DefinitionError, InvalidDefinitions
-from planner.jobspec import SPEC_HASH_KEY, render
+from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
 from planner.state import StateStore
@@ -89,11 +89,19 @@ def _update_reason(new: Job, old: Job) -> str:
         return STOPPED_REASON
     if new_meta.get(JobMeta.DEFINITION_HASH) != old_meta.get(JobMeta.DEFINITION_HASH):
         return "source or profile changed"
+    return _counts(new, old) or "job template or settings changed"
+
+
+def _counts(new: Job, old: Job) -> str | None:
+    """How the replicas differ (the spec hash leaves them out), or None. An on-demand
+    job's count is activation's, not the definition's: only its replicas compare."""
+    if replicas_of(new) != replicas_of(old):
+        return f"replicas {replicas_of(old)} -> {replicas_of(new)}"
+    if (new.get("Meta") or {}).get(JobMeta.ON_DEMAND) == "true":
+        return None
     old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
     new_count = sum(tg.get("Count", 0) for tg in new.get("TaskGroups") or [])
-    if old_count != new_count:
-        return f"replicas {old_count} -> {new_count}"
-    return "job template or settings changed"
+    return f"replicas {old_count} -> {new_count}" if old_count != new_count else None
 
 
 def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Change:
@@ -170,7 +178,7 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
         elif old is None:
             changes.append(Change(name, Action.CREATE, "new model", job))
         elif old.get("Stop") or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != \
-                job["Meta"][SPEC_HASH_KEY]:
+                job["Meta"][SPEC_HASH_KEY] or _counts(job, old) is not None:
             changes.append(Change(name, Action.UPDATE, _update_reason(job, old),
                                   _keep_activation(job, old)))
         else:

@@ -20,7 +20,7 @@ import hashlib
 import json
 from typing import Any
 
-from llmgw_contract import JobMeta, encode
+from llmgw_contract import JobMeta, ModelRecord
 from planner.definitions import ModelDefinition, resolve_source
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
@@ -29,6 +29,8 @@ SPEC_HASH_KEY = JobMeta.SPEC_HASH
 
 
 DOWNLOAD_ALLOWANCE_S = 1800
+# Service meta key for the defined replicas (see the job template).
+REPLICAS_META = "llmgw_replicas"
 
 
 def _hcl_value(value: Any) -> str:
@@ -61,6 +63,7 @@ def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]
         # An on-demand model is registered idle; activation scales it up.
         "replicas": 0 if definition.on_demand else definition.replicas,
         "on_demand": definition.on_demand is not None,
+        "defined_replicas": definition.replicas,
         "load_grace": f"{profile.load_timeout}s",
         # One canary per replica: the whole new version proves itself beside the old.
         "canaries": 0 if definition.on_demand else definition.replicas,
@@ -76,10 +79,47 @@ def variable_file(values: dict[str, Any]) -> str:
 
 
 def spec_hash(job: Job) -> str:
-    """16 hex chars of sha256 over the rendered job, ignoring the hash's own meta key."""
+    """16 hex chars of sha256 over the rendered job, without what the replica count sets
+    (the groups' Count, their canaries, the services' llmgw_replicas: `replicas_of`
+    compares those) or the hash's own meta key. It lives in the job's meta, which Nomad
+    compares: a hash that changed with the count would replace every allocation."""
     meta = {k: v for k, v in (job.get("Meta") or {}).items() if k != SPEC_HASH_KEY}
-    canonical = json.dumps({**job, "Meta": meta}, sort_keys=True, separators=(",", ":"))
+    groups = [_without_count(tg) for tg in job.get("TaskGroups") or []]
+    canonical = json.dumps({**job, "Meta": meta, "TaskGroups": groups}, sort_keys=True,
+                           separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _without_count(group: dict[str, Any]) -> dict[str, Any]:
+    update = {k: v for k, v in (group.get("Update") or {}).items()
+              if k not in ("Canary", "AutoPromote")}
+    tasks = [{**task, "Services": [
+        {**service, "Meta": {k: v for k, v in (service.get("Meta") or {}).items()
+                             if k != REPLICAS_META}}
+        for service in task.get("Services") or []]}
+        for task in group.get("Tasks") or []]
+    return {**{k: v for k, v in group.items() if k != "Count"}, "Update": update,
+            "Tasks": tasks}
+
+
+def replicas_of(job: Job) -> int:
+    """The model's replicas as defined when `job` was rendered: its service meta (jobs
+    rendered before it was kept there: the record in the job's meta)."""
+    for group in job.get("TaskGroups") or []:
+        for task in group.get("Tasks") or []:
+            for service in task.get("Services") or []:
+                value = (service.get("Meta") or {}).get(REPLICAS_META)
+                if value is not None:
+                    return int(value)
+    old = json.loads((job.get("Meta") or {}).get(JobMeta.RECORD) or "{}")
+    return int(old.get("replicas", 0))
+
+
+def record_of(job: Job) -> ModelRecord:
+    """The model record a job carries (its meta, replicas from `replicas_of`). Raises
+    ValueError when the meta cannot be read."""
+    data = json.loads((job.get("Meta") or {})[JobMeta.RECORD])
+    return ModelRecord.model_validate({**data, "replicas": replicas_of(job)})
 
 
 def render(definition: ModelDefinition, settings: Settings, nomad: NomadClient,
@@ -91,6 +131,7 @@ def render(definition: ModelDefinition, settings: Settings, nomad: NomadClient,
     """
     hcl = template if template is not None else settings.jobspec.read_text()
     job = nomad.parse(hcl, variable_file(variables(definition, settings)))
-    job["Meta"] = {**(job.get("Meta") or {}), JobMeta.RECORD: encode(definition.record())}
+    record = definition.record().model_dump_json(exclude={"replicas"})
+    job["Meta"] = {**(job.get("Meta") or {}), JobMeta.RECORD: record}
     job["Meta"][SPEC_HASH_KEY] = spec_hash(job)
     return job

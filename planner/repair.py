@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 
-from llmgw_contract import JobMeta, KVPrefix, ModelRecord, decode, encode, kv_key
+from llmgw_contract import JobMeta, KVPrefix, encode, kv_key
 from planner import actions
 from planner.consul_client import ConsulClient
+from planner.jobspec import record_of
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
 
@@ -38,8 +39,11 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
         if JobMeta.MODEL not in meta:
             continue
         if kv_key(KVPrefix.MODELS, name) not in keys and JobMeta.RECORD in meta:
+            job = nomad.job(name)
+            if job is None:
+                continue
             try:
-                record = decode(ModelRecord, meta[JobMeta.RECORD])
+                record = record_of(job)
             except ValueError as exc:
                 log.error("model %s: cannot restore its record from job meta: %s", name, exc)
                 continue

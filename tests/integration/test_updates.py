@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +21,7 @@ from tests.conftest import PlannerDaemon, forget_models, http_json, nomad_get, w
 from tests.integration.test_on_demand import complete
 from tests.integration.test_parking import KEV_ERROR, write_model
 from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
@@ -34,32 +34,10 @@ def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
     forget_models(cluster, *MODELS)
 
 
-@contextlib.contextmanager
-def client(router: str, model: str, interval: float = 0.1) -> Iterator[list[str]]:
-    """One client asking the router every `interval` s, one request at a time, for as
-    long as the block runs; yields its outcomes as they come: "200", an HTTP status, or
-    the connection error (none is swallowed)."""
-    outcomes: list[str] = []
-    done = threading.Event()
-
-    def loop() -> None:
-        while not done.is_set():
-            try:
-                complete(router, model, timeout=60)
-                outcomes.append("200")
-            except urllib.error.HTTPError as exc:
-                outcomes.append(f"{exc.code} {exc.read()[:200]!r}")
-            except OSError as exc:
-                outcomes.append(repr(exc))
-            time.sleep(interval)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield outcomes
-    finally:
-        done.set()
-        thread.join()
+def client(router: str, model: str) -> contextlib.AbstractContextManager[list[int]]:
+    """One client asking the router every 100 ms, one request at a time, for as long as
+    the block runs; yields the statuses it got (`steady`: connection errors included)."""
+    return steady(lambda: complete(router, model, timeout=60), interval=0.1)
 
 
 def urllib_text(url: str) -> str:
@@ -77,7 +55,7 @@ def definition(folder: Path, name: str) -> str:
     return load_definitions([folder])[name][1].definition_hash
 
 
-def more(outcomes: list[str], count: int) -> Callable[[], bool]:
+def more(outcomes: list[int], count: int) -> Callable[[], bool]:
     """Until the client made `count` more requests (so it asked after the change too)."""
     start = len(outcomes)
     return lambda: len(outcomes) >= start + count
@@ -100,7 +78,7 @@ def test_a_changed_context_serves_before_the_old_stops_and_no_request_fails(
         assert applied.returncode == 0, applied.stderr
         wait_for(lambda: old not in running(cluster, "upd-context"), 30, "the old one gone")
         wait_for(more(outcomes, 20), 30, "the client served after the update")
-    failed = [o for o in outcomes if o != "200"]
+    failed = [o for o in outcomes if o != 200]
     print(f"update of upd-context (context 2048 -> 4096): --wait returned after {took:.1f} s; "
           f"{len(outcomes)} requests, {len(failed)} failed")
     assert failed == []
@@ -127,7 +105,7 @@ def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
         assert applied.returncode == 1, applied.stderr
         assert "rolled back" in applied.stderr, applied.stderr
         wait_for(more(outcomes, 10), 30, "the client served after the rollback")
-    assert [o for o in outcomes if o != "200"] == []
+    assert [o for o in outcomes if o != 200] == []
     assert old in running(cluster, "upd-bad")  # the old replica served throughout
     model = planner_daemon.model("upd-bad")
     assert model["state"] == "serving", model
@@ -170,7 +148,15 @@ def test_more_replicas_start_beside_the_first_without_touching_it(
     write_model(tmp_path / "m", "upd-scale", tiny_model, replicas=3)
     assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
     wait_for(lambda: len(running(cluster, "upd-scale")) == 3, 30, "three replicas")
+    deployments = nomad_get(cluster, "/v1/job/upd-scale/deployments")
+    assert all(not g.get("DesiredCanaries") for d in deployments
+               for g in (d.get("TaskGroups") or {}).values()), deployments
     after = nomad_get(cluster, f"/v1/allocation/{first}")
+    # Still the same allocation, wanted and running (found by a new user: a replaced
+    # allocation keeps its restarts and StartedAt, so those alone proved nothing).
+    assert first in running(cluster, "upd-scale")
+    assert (after["DesiredStatus"], after["ClientStatus"]) == ("run", "running")
+    assert not (after.get("DeploymentStatus") or {}).get("Canary")
     task, was = after["TaskStates"]["llama-server"], before["TaskStates"]["llama-server"]
     assert (task["Restarts"], task["StartedAt"]) == (0, was["StartedAt"])
     assert http_json(f"{planner_daemon.url}/v1/models/upd-scale")["ready"] == 3

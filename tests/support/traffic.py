@@ -9,12 +9,14 @@ import urllib.error
 from collections.abc import Callable, Iterator
 from typing import Any
 
+CONNECTION_ERROR = 0  # no HTTP answer at all
+
 
 @contextlib.contextmanager
 def steady(request: Callable[[], Any], interval: float = 0.05) -> Iterator[list[int]]:
     """Call `request` every `interval` seconds in a thread for as long as the block runs;
-    yields the list of HTTP statuses it got (200, or an HTTPError's code), appended as
-    they come. The thread ends when the block does."""
+    yields the list of HTTP statuses it got (200, an HTTPError's code, or
+    CONNECTION_ERROR), appended as they come. The thread ends when the block does."""
     codes: list[int] = []
     done = threading.Event()
 
@@ -25,6 +27,8 @@ def steady(request: Callable[[], Any], interval: float = 0.05) -> Iterator[list[
                 codes.append(200)
             except urllib.error.HTTPError as exc:
                 codes.append(exc.code)
+            except OSError:
+                codes.append(CONNECTION_ERROR)  # refused, reset, timed out: a failure too
             time.sleep(interval)
 
     thread = threading.Thread(target=loop, daemon=True)

@@ -58,3 +58,11 @@ def test_models_gone_from_git_are_listed_until_pruned_then_purged() -> None:
         {}, registered, prune=True, parked=parked, records={"nojob"})}
     assert pruned == {"p": (Action.DEREGISTER, True), "s": (Action.DEREGISTER, True),
                       "r": (Action.DEREGISTER, True), "nojob": (Action.DEREGISTER, False)}
+
+
+def test_a_replica_count_change_alone_is_an_update_that_keeps_the_spec_hash() -> None:
+    """Found by a new user: replicas 1 -> 2 replaced the first replica (the count was in
+    the job's meta, which Nomad compares)."""
+    rendered = {"m": spec("s1", count=3)}
+    [change] = decide(rendered, {"m": spec("s1", count=1)}, prune=False)
+    assert (change.action, change.reason) == (Action.UPDATE, "replicas 1 -> 3")

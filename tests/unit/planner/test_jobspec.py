@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planner.definitions import ModelDefinition
-from planner.jobspec import spec_hash, variable_file, variables
+from planner.jobspec import replicas_of, spec_hash, variable_file, variables
 from planner.settings import Settings
 from tests.support.nomad_mock import job
 
@@ -31,7 +31,25 @@ def test_variables_map_profile_units_for_nomad() -> None:
 def test_spec_hash_ignores_its_own_key() -> None:
     assert spec_hash(job(meta={"llmgw_spec_hash": "a"})) == \
         spec_hash(job(meta={"llmgw_spec_hash": "b"}))
-    assert spec_hash(job(count=1)) != spec_hash(job(count=2))
+    # The count is compared apart (replicas_of): Nomad compares job meta, and a hash
+    # that moved with the count would replace every allocation on a scale.
+    assert spec_hash(job(count=1)) == spec_hash(job(count=2))
+    assert spec_hash(job(count=1)) != spec_hash(job(count=1, Datacenters=["dc2"]))
+
+
+def with_replicas(replicas: int, count: int) -> dict:
+    served = job(count=count)
+    served["TaskGroups"][0]["Tasks"] = [{"Services": [{"Meta": {
+        "llmgw_replicas": str(replicas)}}]}]
+    served["TaskGroups"][0]["Update"] = {"Canary": count, "AutoPromote": count > 0}
+    return served
+
+
+def test_replicas_live_in_the_service_meta_and_leave_the_spec_hash_alone() -> None:
+    assert spec_hash(with_replicas(1, 1)) == spec_hash(with_replicas(3, 3))
+    assert replicas_of(with_replicas(3, 3)) == 3
+    # A job rendered before: its replicas are in the record in its meta.
+    assert replicas_of(job(meta={"llmgw_record": '{"replicas": 2}'})) == 2
 
 
 def test_the_record_in_the_job_meta_is_the_kv_record() -> None:

@@ -84,10 +84,11 @@ class StateStore:
     """Reads and check-and-set writes of the state documents."""
 
     def __init__(self, consul: ConsulClient,
-                 absent: Callable[[StateDocument], StateDocument] | None = None,
+                 absent: Callable[[StateDocument], StateDocument | None] | None = None,
                  fence: Callable[[], str | None] | None = None) -> None:
         """`absent`, when given, completes the document created for a model that has
-        none (the watcher seeds what it knows: the replicas passing now). `fence`, when
+        none (the watcher seeds what it knows: the replicas passing now), or returns
+        None for a model whose document must not be created (then nothing is written). `fence`, when
         given, names the leader's session (None: not leading): every write then checks,
         in the same transaction, that the session still holds `llmgw/leader`, and
         raises NotLeader otherwise (a paused leader that resumes cannot write)."""
@@ -139,7 +140,10 @@ class StateStore:
                     index, text = self._consul.get_indexed(key)
                     before = _document(name, text)
                     if index == 0 and self._absent is not None:
-                        before = self._absent(before)
+                        seeded = self._absent(before)
+                        if seeded is None:  # not to be created: nothing written
+                            return Updated(before, before)
+                        before = seeded
                     after = change(before)
                     if after == before and index != 0:
                         return Updated(before, after)

@@ -105,14 +105,19 @@ class Watcher:
         self._lock = threading.Lock()  # one state change at a time, whichever loop
         self.ready = asyncio.Event()  # set after the first reconcile
 
-    def _seed(self, state: StateDocument) -> StateDocument:
+    def _seed(self, state: StateDocument) -> StateDocument | None:
         """A model's document was missing (lost from KV; `apply` writes new models' own):
         start it with what this watcher knows now, the definition and the replicas that
         pass (since when, so a run already stable stays so). Failures before now are
-        history Nomad still shows: they are not counted again (`counting_from_ns`)."""
+        history Nomad still shows: they are not counted again (`counting_from_ns`).
+        None (write nothing) for a model pruned meanwhile: the events of its purged job
+        outlive its record (found by a new user: an orphan document after a prune)."""
         record = self._records.get(state.name)
         if record is None:
             return state
+        if self.consul.get_indexed(kv_key(KVPrefix.MODELS, state.name))[1] is None:
+            self._records.pop(state.name, None)
+            return None
         log.warning("model %s: its state document was missing; counting failures from now",
                     state.name)
         state = for_definition(state, record.definition_hash)

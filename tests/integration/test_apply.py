@@ -104,8 +104,9 @@ def test_replica_change_updates_without_changing_definition_hash(
     [change] = [c for c in json.loads(applied.stdout)["changes"] if c["model"] == "scale-only"]
     assert (change["action"], change["reason"]) == ("update", "replicas 0 -> 1")
     after = nomad_get(cluster, "/v1/job/scale-only")["Meta"]
-    assert before["llmgw_definition_hash"] == after["llmgw_definition_hash"]
-    assert before["llmgw_spec_hash"] != after["llmgw_spec_hash"]
+    # The job's meta does not move with the count: Nomad compares it as every task's
+    # meta, and a change would replace every running replica (test_updates.py).
+    assert before == after
     model_files("scale-only", replicas=0)
     assert planner("apply", str(folder)).returncode == 0
 

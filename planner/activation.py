@@ -53,7 +53,7 @@ log = logging.getLogger("planner.activation")
 # seconds bounds the router's question, not the scheduler's work.
 EVAL_WAIT = 2.0
 EVAL_DONE = frozenset({"complete", "failed", "canceled", "blocked"})
-GROUP = "server"  # the task group in jobspecs/model.nomad.hcl
+GROUP = "server"  # the task group in planner/jobspecs/model.nomad.hcl
 
 
 class ModelNotFound(Rejected):

@@ -24,7 +24,7 @@ periodic tick that notices runs that stayed healthy. The rules
   of its own (serving, or still loading), or one whose current run is stable.
   A replica that keeps failing beside a healthy one leaves the model
   `degraded`, never parked; Nomad stops that replica by itself after its
-  restart attempts (jobspecs/model.nomad.hcl: no reschedule).
+  restart attempts (planner/jobspecs/model.nomad.hcl: no reschedule).
 
 Each failure is counted once, keyed by allocation, task and event time, so
 replayed events and planner restarts change nothing.

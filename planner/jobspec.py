@@ -2,7 +2,7 @@
 
 Called by `apply` for every model before anything is registered, so a
 template or variable that Nomad refuses stops the whole run. The template is
-`jobspecs/model.nomad.hcl` (operators can run it by hand with `-var`); this
+`planner/jobspecs/model.nomad.hcl` (operators can run it by hand with `-var`); this
 module only writes its variable file and stamps the planner's hashes into
 the job meta:
 

@@ -33,7 +33,8 @@ from planner.definitions import parse_bytes
 
 REPEAT_WARNING = timedelta(minutes=10)
 
-# The one device the job template asks for (jobspecs/model.nomad.hcl, `device "nvidia/gpu"`).
+# The one device the job template asks for (planner/jobspecs/model.nomad.hcl,
+# `device "nvidia/gpu"`).
 GPU_VENDOR, GPU_TYPE = "nvidia", "gpu"
 GPU = f"{GPU_VENDOR}/{GPU_TYPE}"
 

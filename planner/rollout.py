@@ -1,7 +1,7 @@
 """Model updates: when Nomad rolled a new definition back, and what that leaves.
 
 The job template rolls a changed definition out beside the old one with Nomad
-deployments (`jobspecs/model.nomad.hcl`, `update`): one canary per replica,
+deployments (`planner/jobspecs/model.nomad.hcl`, `update`): one canary per replica,
 promoted automatically once every canary has passed its Consul check for
 `min_healthy_time`, and `auto_revert` to the last stable job version when the
 deployment fails. A canary's allocation turns unhealthy only when its task is

@@ -31,7 +31,7 @@ with `nomad` and `consul` works with `planner`):
                       `make bootstrap` links the dev node's there)
   LLMGW_TASK_DRIVER   default raw_exec (what `nomad agent -dev` enables)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)
-  LLMGW_JOBSPEC       default jobspecs/model.nomad.hcl of this checkout
+  LLMGW_JOBSPEC       default planner/jobspecs/model.nomad.hcl (package data)
 
 Every certificate file configured (CAs, client certificates, the serving
 certificate; keys are not certificates) is published as expiry metrics
@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-DEFAULT_JOBSPEC = Path(__file__).resolve().parents[1] / "jobspecs" / "model.nomad.hcl"
+# Package data (pyproject.toml): an installed wheel carries it too.
+DEFAULT_JOBSPEC = Path(__file__).resolve().parent / "jobspecs" / "model.nomad.hcl"
 
 NOMAD_TLS_VARS = ("NOMAD_CACERT", "NOMAD_CLIENT_CERT", "NOMAD_CLIENT_KEY")
 CONSUL_TLS_VARS = ("CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY")

@@ -88,10 +88,14 @@ def test_c14_one_replica_failing_on_its_node_beside_a_serving_one_is_degraded(
         assert planner("apply", str(folder)).returncode == 0
         wait_for(lambda: planner2.model("c14-two")["ready"] == 1, 60, "replica A serving")
         with steady(lambda: complete(router, "c14-two", timeout=30), interval=0.1) as codes:
+            # The replica's state is Nomad's, read live; its count is the watcher's, from
+            # the event stream: wait for both (the last failed start's event may follow
+            # the allocation turning failed by a few milliseconds).
             degraded = wait_for(
                 lambda: (m := planner2.model("c14-two"))["state"] == "degraded" and
-                any(r["state"] == "stopped" for r in m["replicas"]) and m,
-                90, "degraded, with node-b's replica stopped after its restart attempts")
+                any(r["state"] == "stopped" and r["consecutive_failures"] == 5
+                    for r in m["replicas"]) and m,
+                90, "degraded, with node-b's replica stopped after 5 counted failures")
             seen = len(codes)
             wait_for(lambda: len(codes) >= seen + 20, 60, "A serving after B was given up")
     [bad] = [r for r in degraded["replicas"] if r["state"] == "stopped"]

@@ -240,18 +240,23 @@ def go_download(module: str) -> Path:
     return Path(info["Dir"])
 
 
-def nomad_build() -> None:
+def nomad_module_copy(part: str, work: Path) -> None:
+    """A writable copy of the Nomad module (its api/ sub-module put back) at `work`."""
     if shutil.which("go") is None:
-        raise SystemExit("[bootstrap] nomad: `go` is not on PATH; install Go >= 1.21")
-    say(f"nomad: downloading github.com/hashicorp/nomad@{NOMAD_VERSION} from the Go proxy")
+        raise SystemExit(f"[bootstrap] {part}: `go` is not on PATH; install Go >= 1.21")
+    say(f"{part}: github.com/hashicorp/nomad@{NOMAD_VERSION} from the Go proxy (or its cache)")
     src = go_download(f"github.com/hashicorp/nomad@{NOMAD_VERSION}")
     api = go_download(f"github.com/hashicorp/nomad/api@{NOMAD_API_VERSION}")
-    work = CACHE / "build" / f"nomad-{NOMAD_VERSION}"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(src, work)
     shutil.copytree(api, work / "api")
     for path in (work, *work.rglob("*")):
         path.chmod(path.stat().st_mode | 0o200)
+
+
+def nomad_build() -> None:
+    work = CACHE / "build" / f"nomad-{NOMAD_VERSION}"
+    nomad_module_copy("nomad", work)
     say(f"nomad: go build (about 10 min on 2 cores; log in {CACHE / 'logs' / 'nomad.log'})")
     # -checklinkname=0: some 2023 dependencies pull runtime symbols with
     # //go:linkname, which Go >= 1.23's linker refuses by default.
@@ -260,6 +265,48 @@ def nomad_build() -> None:
         cwd=work, log=CACHE / "logs" / "nomad.log")
     BIN.mkdir(parents=True, exist_ok=True)
     out.replace(BIN / "nomad")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+# --- fake nvidia/gpu device plugin (tests only) --------------------------------------
+
+FAKE_GPU_SOURCE = REPO / "devcluster" / "fakegpu"
+# A folder of its own: a client node with fake GPUs gets it as its plugin_dir, and
+# Nomad loads every executable there.
+PLUGIN_DIR = CACHE / "plugins"
+FAKE_GPU = PLUGIN_DIR / "fake-nvidia-gpu"
+# Outside PLUGIN_DIR: Nomad warns about every file there that is not a plugin.
+FAKE_GPU_STAMP = CACHE / "fake-nvidia-gpu.sha256"
+
+
+def fake_gpu_digest() -> str:
+    """What the binary was built from: its Go sources and the Nomad version."""
+    digest = hashlib.sha256(NOMAD_VERSION.encode())
+    for source in sorted(FAKE_GPU_SOURCE.glob("*.go")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
+
+
+def fake_gpu_done() -> bool:
+    stamp = FAKE_GPU_STAMP
+    return FAKE_GPU.exists() and stamp.exists() and stamp.read_text() == fake_gpu_digest()
+
+
+def fake_gpu_build() -> None:
+    # Built as a package inside a copy of the Nomad module, with its go.mod, go.sum and
+    # replace directives, so the plugin SDK is exactly the one the nomad binary speaks.
+    work = CACHE / "build" / f"fakegpu-nomad-{NOMAD_VERSION}"
+    nomad_module_copy("fake-nvidia-gpu", work)
+    package = work / "llmgw" / "fakegpu"
+    package.mkdir(parents=True)
+    for source in FAKE_GPU_SOURCE.glob("*.go"):
+        shutil.copy2(source, package / source.name)
+    out = CACHE / "build" / "fake-nvidia-gpu.new"
+    run(["go", "build", "-trimpath", "-ldflags=-s -w -checklinkname=0", "-o", str(out),
+         "./llmgw/fakegpu"], cwd=work, log=CACHE / "logs" / "fake-nvidia-gpu.log")
+    PLUGIN_DIR.mkdir(parents=True, exist_ok=True)
+    out.replace(FAKE_GPU)
+    FAKE_GPU_STAMP.write_text(fake_gpu_digest())
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -418,6 +465,7 @@ def main() -> None:
         return
     step(f"consul {CONSUL_VERSION}", consul_done, consul_build)
     step(f"nomad {NOMAD_VERSION}", nomad_done, nomad_build)
+    step("fake-nvidia-gpu device plugin (tests)", fake_gpu_done, fake_gpu_build)
     step(f"prometheus {PROMETHEUS_VERSION} (promtool)", prometheus_done, prometheus_build)
     step("llama-server", llama_done, llama_build)
     link_llama()

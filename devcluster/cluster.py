@@ -10,10 +10,12 @@ is a `nomad agent -config` in client mode, joined to the dev node's Nomad server
 with its own `consul agent` in client mode joined to the dev Consul server. All
 state, logs and pid files live under one folder (`root`). The port layout, and
 how each node is configured and kept apart from the others, is
-devcluster/nodes.py; `Cluster`, `ClientNode` and `TlsFiles` live there and are
-re-exported here. With `tls`, every call this module makes to the agents (the
-readiness checks, `down`'s job stops) is HTTPS with the cluster's client
-certificate (`client_context`).
+devcluster/nodes.py; `Cluster`, `ClientNode`, `FakeGpus` and `TlsFiles` live there
+and are re-exported here. A client node given `gpus=FakeGpus(...)` reports fake
+nvidia/gpu devices through the test-only device plugin devcluster/fakegpu (built
+by the bootstrap); `up` waits until the server lists them. With `tls`, every call
+this module makes to the agents (the readiness checks, `down`'s job stops) is HTTPS
+with the cluster's client certificate (`client_context`).
 
 What a client agent does that `-dev` did for the dev node: it keeps its
 allocations when it stops, tmpfs `secrets`/`private` mounts included, to
@@ -52,12 +54,13 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from devcluster.bootstrap import BIN
+from devcluster.bootstrap import BIN, FAKE_GPU
 from devcluster.nodes import (
     DEV_PORTS,
     MAX_CLIENTS,
     ClientNode,
     Cluster,
+    FakeGpus,
     TlsFiles,
     cgroup_parent,
     client_ports,
@@ -68,8 +71,8 @@ from devcluster.nodes import (
     nomad_data,
 )
 
-__all__ = ["MAX_CLIENTS", "ClientNode", "Cluster", "TlsFiles", "client_context", "down",
-           "free_offset", "leftovers", "status", "up"]
+__all__ = ["MAX_CLIENTS", "ClientNode", "Cluster", "FakeGpus", "TlsFiles", "client_context",
+           "down", "free_offset", "leftovers", "status", "up"]
 
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset"), Path("/sys/fs/cgroup"))  # v1 cpuset, v2
 
@@ -198,6 +201,9 @@ def _start_nomad_client(cluster: Cluster, node: ClientNode, env: Mapping[str, st
     `fresh` (in-memory, so empty) server, from an empty data_dir: the node's old
     state describes a cluster that is gone, and delays its readiness by 5-12 s."""
     ports = client_ports(cluster, node)
+    if node.gpus is not None and not FAKE_GPU.exists():
+        raise FileNotFoundError(f"node {node.name} has fake GPUs, but {FAKE_GPU} is missing: "
+                                "run `python3 -m devcluster.bootstrap` first")
     if fresh and _running_pid(cluster, f"nomad-{node.name}") is None:
         _unmount(nomad_data(cluster, node))
         shutil.rmtree(nomad_data(cluster, node), ignore_errors=True)
@@ -225,8 +231,24 @@ def _has_leader(addr: str, name: str, context: ssl.SSLContext | None = None) -> 
 
 
 def _client_node_ready(cluster: Cluster, node: ClientNode) -> bool:
+    """Ready, and with fake GPUs, the server lists them: a device plugin's fingerprint
+    reaches the server after the node is ready (a GPU job placed before that is
+    unplaceable)."""
     _check_ours(f"http://127.0.0.1:{client_ports(cluster, node)['nomad_http']}", node.name)
-    return _node_ready(cluster, node.name)
+    return _node_ready(cluster, node.name) and (node.gpus is None or
+                                                _gpus_listed(cluster, node))
+
+
+def _gpus_listed(cluster: Cluster, node: ClientNode) -> bool:
+    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes?resources=true",
+                      context=client_context(cluster))
+    for stub in nodes if isinstance(nodes, list) else []:
+        if stub.get("Name") != node.name:
+            continue
+        devices = (stub.get("NodeResources") or {}).get("Devices") or []
+        return any(d.get("Vendor") == "nvidia" and d.get("Type") == "gpu"
+                   and len(d.get("Instances") or []) == node.gpus.count for d in devices)
+    return False
 
 
 def _node_ready(cluster: Cluster, name: str) -> bool:

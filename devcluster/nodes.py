@@ -42,6 +42,11 @@ What several Nomad clients on one host fight over, found by running two
 - The environment: raw_exec tasks inherit their client agent's environment, so
   `ClientNode.env` is how a node differs from another for a task.
 
+Fake GPUs: a client node with `gpus=FakeGpus(count, memory_mib, name)` gets the
+fake nvidia/gpu device plugin (devcluster/fakegpu, a fake: no GPU exists here)
+through `plugin_dir` and a `plugin "fake-nvidia-gpu"` block; other nodes load no
+device plugin at all.
+
 What a client agent's config must say that `-dev` did for the dev node: its
 advertise addresses, and `network_interface = "lo"` (else its tasks' service
 addresses, so Consul's check targets, are the host's external IP).
@@ -65,7 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devcluster.bootstrap import BIN
+from devcluster.bootstrap import BIN, FAKE_GPU, PLUGIN_DIR
 
 # Each cluster owns ten ports from each base below (offsets step by 10):
 #   dev node   consul 8300-8302, 8500, 8502, 8600; nomad 4646-4648
@@ -77,17 +82,33 @@ _NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
+class FakeGpus:
+    """`count` fake nvidia/gpu devices of one model, `name`, each reporting `memory_mib`
+    of memory: what the test-only plugin devcluster/fakegpu fingerprints on a node (no
+    GPU, no CUDA: placement and the reservation's environment only)."""
+
+    count: int
+    memory_mib: int
+    name: str = "Fake GPU"
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.memory_mib < 1:
+            raise ValueError(f"fake GPUs: count and memory_mib must be positive, got {self}")
+
+
+@dataclass(frozen=True)
 class ClientNode:
     """An extra Nomad client node: its name (its Nomad and Consul node name), the
     environment its agent gets on top of the cluster's (so every raw_exec task on
     it does), its node meta, and, when set, the memory (MiB) and CPU (MHz) it
-    advertises instead of the whole machine's."""
+    advertises instead of the whole machine's, and the fake GPUs it reports."""
 
     name: str
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     meta: Mapping[str, str] = field(default_factory=dict, hash=False)
     memory_total_mb: int | None = None
     cpu_total_compute: int | None = None
+    gpus: FakeGpus | None = None
 
 
 @dataclass(frozen=True)
@@ -353,4 +374,19 @@ ports {{
 consul {{
   address = "127.0.0.1:{ports["consul_http"]}"
 }}
-{_client_block(cluster, node.name, _slot(cluster, node), own)}"""
+{_client_block(cluster, node.name, _slot(cluster, node), own)}{_fake_gpu_plugin(node)}"""
+
+
+def _fake_gpu_plugin(node: ClientNode) -> str:
+    """A node with fake GPUs loads the fake plugin (the only one in its plugin_dir)."""
+    if (gpus := node.gpus) is None:
+        return ""
+    return f"""plugin_dir = "{PLUGIN_DIR}"
+plugin "{FAKE_GPU.name}" {{
+  config {{
+    count      = {gpus.count}
+    name       = {json.dumps(gpus.name)}
+    memory_mib = {gpus.memory_mib}
+  }}
+}}
+"""

@@ -167,6 +167,13 @@ def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
               gpus: Sequence[NodeGpus]) -> list[str]:
     constraints = dict(metric.get("ConstraintFiltered") or {})
     same_class = constraints.pop(COMPUTED_CLASS_INELIGIBLE, 0)
+    if not constraints and same_class and _lacking_gpus(need, gpus) == same_class:
+        # An evaluation that rejected every node by class alone names no reason: Nomad's
+        # blocked evaluation, run again when capacity changes, starts from the classes the
+        # first one found ineligible (seen with fake GPUs: a second replica asking for
+        # 24 GiB, gpu-b's one GPU taken). The inventory has exactly that many nodes
+        # without the GPUs asked for, so it is the device request.
+        constraints[MISSING_DEVICES], same_class = same_class, 0
     if len(constraints) == 1:
         # One real reason in this evaluation: every rejected class was rejected for it.
         (only,) = constraints
@@ -210,6 +217,14 @@ def _missing_devices(filtered: int, total: int, need: GpuNeed | None,
         return unexplained
     lacking = "none" if need.count == 1 else "fewer"
     return f"{head}: {_nodes(filtered, total)} {_have(filtered)} {lacking}"
+
+
+def _lacking_gpus(need: GpuNeed | None, gpus: Sequence[NodeGpus]) -> int | None:
+    """How many nodes of the inventory lack the GPUs one replica asks for (None: no
+    GPU need, or no inventory)."""
+    if need is None or need.count < 1 or not gpus:
+        return None
+    return sum(1 for node in gpus if _fitting(node, need) < need.count)
 
 
 def _exhausted(metric: Mapping[str, Any], total: int, need: GpuNeed | None) -> list[str]:

@@ -276,6 +276,23 @@ job "model" {
         }
       }
 
+      # GPU isolation under raw_exec/exec: CUDA reads CUDA_VISIBLE_DEVICES, while
+      # Nomad's nvidia plugin reserves devices by setting NVIDIA_VISIBLE_DEVICES
+      # (for container runtimes), so without this every GPU model on a node sees
+      # every GPU. The reservation holds GPU UUIDs, which CUDA accepts as they are.
+      # A template, not an env block: Nomad interpolates `env` before the device
+      # hook's variables exist (client/taskenv/env.go, buildEnv), while a template
+      # renders after that hook, from the task's whole environment.
+      dynamic "template" {
+        for_each = var.gpus > 0 ? ["gpu.env"] : []
+        content {
+          destination = "local/${template.value}"
+          env         = true
+          change_mode = "noop"
+          data        = "CUDA_VISIBLE_DEVICES={{ env \"NVIDIA_VISIBLE_DEVICES\" }}\n"
+        }
+      }
+
       config {
         command = var.engine_command
         args = concat([

@@ -215,6 +215,20 @@ def test_computed_class_ineligible_is_folded_into_the_real_reason() -> None:
         'no node has the task driver: 3 of 3 nodes filtered ("missing drivers")'
 
 
+def test_only_computed_classes_filtered_is_the_gpu_request_when_the_inventory_says_so() -> None:
+    # A blocked evaluation run again (a second replica, the one big GPU taken) files the
+    # nodes it already rejected under their class alone (tests/integration/test_gpus.py).
+    metric = filtered(3, {"computed class ineligible": 2}, NodesExhausted=1,
+                      DimensionExhausted={"devices: no devices match request": 1})
+    gpus = (NodeGpus("dev", ()), NodeGpus("a", (16 * GiB, 16 * GiB)), NodeGpus("b", (80 * GiB,)))
+    assert reason(metric, GpuNeed(1, 24 * GiB), gpus, desired=2) == (
+        "1 of 2 replicas placed; needs 1 nvidia/gpu with ≥ 24 GiB: 2 of 3 nodes have none; "
+        "nvidia/gpu devices with ≥ 24 GiB in use on 1 of 3 nodes")
+    # When the inventory does not account for them, the class is all there is to say.
+    assert reason(metric, GpuNeed(1), gpus).startswith(
+        "no node class is eligible: 2 of 3 nodes filtered")
+
+
 def test_computed_class_ineligible_with_two_real_reasons_is_counted_not_named() -> None:
     metric = filtered(4, {"missing drivers": 1, "missing devices": 1,
                           "computed class ineligible": 2})

@@ -13,6 +13,7 @@ took (`release`): there are only three.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -140,6 +141,22 @@ def server_environment(cluster: Cluster, model: str) -> dict[str, str]:
                               if "=" in item))
     assert len(found) == 1, f"{len(found)} llama-server processes for {model}"
     return found[0]
+
+
+def test_fake_gpus_are_fingerprinted_as_the_real_plugin_reports_them(
+        gpu_cluster: Cluster) -> None:
+    nodes = {n["Name"]: n["NodeResources"]["Devices"]
+             for n in nomad_get(gpu_cluster, "/v1/nodes?resources=true")}
+    assert not nodes[gpu_cluster.node_name]
+    [a], [b] = nodes["gpu-a"], nodes["gpu-b"]
+    assert (a["Vendor"], a["Type"], a["Name"]) == ("nvidia", "gpu", "Fake GPU 16GB")
+    assert (a["Attributes"]["memory"]["Int"], a["Attributes"]["memory"]["Unit"]) == \
+        (16384, "MiB")
+    assert a["Attributes"]["driver_version"]["String"] == "fake"
+    assert b["Attributes"]["memory"]["Int"] == 81920 and len(b["Instances"]) == 1
+    ids = [i["ID"] for i in a["Instances"]]
+    assert len(set(ids)) == 2 and all(i["Healthy"] for i in a["Instances"])
+    assert all(re.fullmatch(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", i) for i in ids)
 
 
 def test_gpu_memory_24gib_places_on_the_80gib_node_only(

@@ -163,6 +163,10 @@ def test_gpu_profile_renders_device_block_through_nomad(
         "RTarget": "24576 MiB",
     }
     assert "--n-gpu-layers" in task["Config"]["args"]
+    # GPU isolation under raw_exec/exec (tests/integration/test_gpus.py runs it).
+    [template] = task["Templates"]
+    assert template["Envvars"] and template["DestPath"] == "local/gpu.env"
+    assert template["EmbeddedTmpl"] == 'CUDA_VISIBLE_DEVICES={{ env "NVIDIA_VISIBLE_DEVICES" }}\n'
 
 
 def test_foreign_job_with_the_same_name_is_not_overwritten(

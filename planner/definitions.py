@@ -39,6 +39,7 @@ from urllib.parse import quote, urlparse
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -62,9 +63,17 @@ _UNITS = {
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
-# llama-server flags the planner sets itself; an operator's copy would fight them.
-RESERVED_ARGS = frozenset({"-m", "--model", "--host", "--port", "-c", "--ctx-size", "--alias",
-                           "-a", "-hf", "--hf-repo", "-mu", "--model-url"})
+# llama-server flags the job template sets itself (planner/jobspecs/model.nomad.hcl),
+# with their short forms (llama.cpp common/arg.cpp), and where an operator says it
+# instead: a second copy would fight the template's.
+RESERVED_ARGS: dict[str, str] = {
+    **dict.fromkeys(("-m", "--model", "-hf", "--hf-repo", "-mu", "--model-url"),
+                    "the model file comes from `source`"),
+    **dict.fromkeys(("-c", "--ctx-size"), "set `profile.context` instead"),
+    **dict.fromkeys(("--host", "--port"),
+                    "Nomad gives each replica its address and a dynamic port"),
+    **dict.fromkeys(("-a", "--alias"), "the alias is the model's `name`"),
+}
 
 
 def parse_bytes(value: object) -> int:
@@ -91,6 +100,40 @@ Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
 Seconds = Annotated[int, BeforeValidator(parse_seconds), Field(gt=0)]
 
 
+def _is_flag(arg: str) -> bool:
+    """'-x' / '--flag' start a flag; '-1' and '-.5' are negative values."""
+    return len(arg) > 1 and arg[0] == "-" and not (arg[1].isdigit() or arg[1] == ".")
+
+
+def check_arg(arg: str) -> str:
+    """One element of `profile.args`, as llama-server's parser will read it: it takes
+    each argv element whole, so `--threads=1` and `--threads 1` are unknown flags to it
+    (llama.cpp common/arg.cpp looks the element up as given; llama-server exits with
+    "invalid argument: --threads=1"). Raises ValueError saying the right form."""
+    if "\0" in arg or "\n" in arg:
+        raise ValueError(f"argument {arg!r} contains a NUL or newline")
+    if "${" in arg:
+        # Nomad interpolates ${...} in task args at run time; there is no escape.
+        raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
+    if not _is_flag(arg):
+        return arg
+    match = re.fullmatch(r"(\S+?)(=|\s+)(.*)", arg, re.DOTALL)
+    flag, sep, value = match.groups() if match else (arg, "", "")
+    if flag in RESERVED_ARGS:
+        raise ValueError(f"{flag} is set by the planner's job template; remove it and its value "
+                         f"({RESERVED_ARGS[flag]})")
+    if not sep:
+        return arg
+    why = ("llama-server does not split --flag=value" if sep == "=" else
+           "each element is one argv element; no shell splits it")
+    right = json.dumps([flag, value.strip()] if value.strip() else [flag])
+    raise ValueError(f"{arg!r} is one element; write the flag and its value as separate "
+                     f"elements: {right} ({why})")
+
+
+Arg = Annotated[str, AfterValidator(check_arg)]
+
+
 class Profile(BaseModel):
     """How the model server runs: engine, resources, and extra engine arguments."""
 
@@ -103,21 +146,7 @@ class Profile(BaseModel):
     cpu: int = Field(1000, ge=100)
     memory: Bytes = parse_bytes("1GiB")
     load_timeout: Seconds = 600
-    args: tuple[str, ...] = ()
-
-    @field_validator("args")
-    @classmethod
-    def _args_are_argv(cls, args: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in args:
-            if "\0" in arg or "\n" in arg:
-                raise ValueError(f"argument {arg!r} contains a NUL or newline")
-            if "${" in arg:
-                # Nomad interpolates ${...} in task args at run time; there is no escape.
-                raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
-            if arg.split("=", 1)[0] in RESERVED_ARGS:
-                raise ValueError(f"argument {arg!r} is set by the planner; "
-                                 "use source / profile.context instead")
-        return args
+    args: tuple[Arg, ...] = ()
 
     @model_validator(mode="after")
     def _gpu_memory_needs_gpus(self) -> Profile:

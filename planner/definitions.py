@@ -9,6 +9,7 @@ One file holds one model:
     name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
     source: file:///abs/path/model.gguf # or https://..., or hf://org/repo[@rev]/path.gguf
     sha256: <64 hex>                    # optional; checked by Nomad's artifact download
+                                        # (a split source: a list, one per shard)
     profile:
       engine: llama.cpp                 # which engine build runs it
       context: 4096                     # tokens
@@ -51,6 +52,7 @@ from pydantic import (
 
 from llmgw_contract import ModelRecord, service_name
 from planner.errors import DefinitionError, InvalidDefinitions
+from planner.sources import Shard, expand, source_name, split_of
 
 # Nomad job IDs and Consul service names both accept this; "llmgw-" + name
 # must stay within a DNS label's 63 characters (RFC 1035).
@@ -155,6 +157,18 @@ class Profile(BaseModel):
         return self
 
 
+def _sha256s(value: object) -> str | tuple[str, ...] | None:
+    """A sha256 (64 hex digits, any case) or a list of them -> lower case."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list | tuple) else [value]
+    for one in values:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", str(one)):
+            raise ValueError(f"expected a sha256 (64 hex digits) or a list of them, got {one!r}")
+    lowered = tuple(str(one).lower() for one in values)
+    return lowered if isinstance(value, list | tuple) else lowered[0]
+
+
 class OnDemand(BaseModel):
     """Run only while used: registered with 0 instances, started by a request (the
     router's activation), stopped again after `idle_after` without requests."""
@@ -171,8 +185,8 @@ class ModelDefinition(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     source: str
-    sha256: Annotated[str, BeforeValidator(lambda v: str(v).lower())] | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$")
+    # One file's sha256, or a list: one per shard of a split source, in shard order.
+    sha256: Annotated[str | tuple[str, ...] | None, BeforeValidator(_sha256s)] = None
     profile: Profile
     replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
     on_demand: OnDemand | None = None
@@ -190,6 +204,31 @@ class ModelDefinition(BaseModel):
                              "a file:// source is not downloaded")
         return self
 
+    @model_validator(mode="after")
+    def _split_names_its_first_shard(self) -> ModelDefinition:
+        resolved = resolve_source(self.source)
+        split = split_of(source_name(resolved.local_path, resolved.download_url))
+        if split is not None and split.number != 1:
+            raise ValueError(
+                f"source names shard {split.number} of a {split.count}-file split model; name "
+                f"its first, {split.name(1)} (llama-server opens the others from it)")
+        if isinstance(self.sha256, tuple) and (split is None
+                                               or len(self.sha256) != split.count):
+            raise ValueError(
+                f"sha256 is a list of {len(self.sha256)}: a list is one sha256 per shard of a "
+                f"split source ({split.count} here)" if split else
+                "sha256 is a list, but the source is one file: give its sha256 alone")
+        if isinstance(self.sha256, str) and split is not None:
+            raise ValueError(f"the source is split in {split.count} files: give sha256 as a "
+                             f"list of {split.count}, one per shard in order")
+        return self
+
+    @property
+    def shards(self) -> list[Shard]:
+        """Every file of the source, the first the one llama-server is given."""
+        resolved = resolve_source(self.source)
+        return expand(resolved.local_path, resolved.download_url, self.sha256)
+
     @property
     def definition_hash(self) -> str:
         """16 hex chars of sha256 over source, sha256 and profile (not replicas)."""
@@ -206,7 +245,9 @@ class ModelDefinition(BaseModel):
         """The KV record the router and the planner's daemons read (llmgw/models/<name>);
         the job's meta carries a copy, so a wiped KV can be restored from Nomad."""
         return ModelRecord(name=self.name, definition_hash=self.definition_hash,
-                           replicas=self.replicas, source=self.source, sha256=self.sha256,
+                           replicas=self.replicas, source=self.source,
+                           sha256=list(self.sha256) if isinstance(self.sha256, tuple)
+                           else self.sha256,
                            profile=self.profile.model_dump(mode="json"),
                            on_demand=self.on_demand.model_dump(mode="json")
                            if self.on_demand else None)

@@ -77,8 +77,9 @@ class GgufHeader:
 
     `metadata`: key -> int/float/bool/str, a list for short arrays, ArrayLength for
     long ones. `tensor_bytes`: the tensors' data in this file (bytes, by ggml type and
-    shape). `data_offset`: where the tensor data starts (the header's size, bytes).
-    `file_size`: bytes, None when the server did not say.
+    shape; tensors of `unknown_types` not counted). `data_offset`: where the tensor
+    data starts (the header's size, bytes). `file_size`: bytes, None when the server
+    did not say.
     """
 
     where: str
@@ -87,6 +88,7 @@ class GgufHeader:
     tensor_bytes: int
     data_offset: int
     file_size: int | None
+    unknown_types: frozenset[int] = frozenset()  # ggml types the gguf package lacks
 
     @property
     def architecture(self) -> str:
@@ -137,7 +139,7 @@ class _Cursor:
         kind, count = self.unpack("<I"), self.unpack("<Q")
         if count <= KEEP_ARRAY:
             return [self.value(kind) for _ in range(count)]
-        if kind in _SCALARS.keys() - {GGUFValueType.STRING, GGUFValueType.ARRAY}:
+        if kind in _SCALARS:
             self.take(count * struct.calcsize(_SCALARS[GGUFValueType(kind)]))
         else:
             for _ in range(count):
@@ -145,7 +147,9 @@ class _Cursor:
         return ArrayLength(count)
 
 
-def _tensor_bytes(cursor: _Cursor) -> int:
+def _tensor_bytes(cursor: _Cursor, unknown: set[int]) -> int:
+    """One tensor info's data size in bytes; a ggml type newer than the gguf package
+    counts 0 and goes into `unknown`."""
     cursor.string()  # name
     dims = [cursor.unpack("<Q") for _ in range(cursor.unpack("<I"))]
     kind = cursor.unpack("<I")
@@ -153,7 +157,8 @@ def _tensor_bytes(cursor: _Cursor) -> int:
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ValueError, KeyError):
-        raise SourceError(f"unknown ggml tensor type {kind}") from None
+        unknown.add(kind)
+        return 0
     elements = 1
     for dim in dims:
         elements *= dim
@@ -175,10 +180,12 @@ def parse(buf: bytes, where: str, file_size: int | None) -> GgufHeader:
     for _ in range(pairs):
         key = cursor.string()
         metadata[key] = cursor.value(cursor.unpack("<I"))
-    tensor_bytes = sum(_tensor_bytes(cursor) for _ in range(tensors))
+    unknown: set[int] = set()
+    tensor_bytes = sum(_tensor_bytes(cursor, unknown) for _ in range(tensors))
     alignment = metadata.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
     data_offset = -(-cursor.pos // alignment) * alignment
-    return GgufHeader(where, metadata, tensors, tensor_bytes, data_offset, file_size)
+    return GgufHeader(where, metadata, tensors, tensor_bytes, data_offset, file_size,
+                      frozenset(unknown))
 
 
 def _read_growing(first: bytes, read: Callable[[int, int], bytes], where: str,

@@ -3,6 +3,7 @@ the models we ship and test with still fitting their profiles."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,14 @@ def test_the_demo_definition_fits_gemma() -> None:
     local = model.model_copy(update={"source": f"file://{GEMMA}"})
     fit = check_models({name: (file, local)})[name]
     assert fit.estimate is not None and fit.estimate.total < model.profile.memory
+
+
+def test_a_quantization_newer_than_the_gguf_package_is_noted_not_judged(
+        tmp_path: Path) -> None:
+    header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    newer = dataclasses.replace(header, unknown_types=frozenset({99}))
+    model = definition(f"file://{tmp_path}/tiny.gguf", memory="1MiB")
+    fit = check_models({"m": (Path("m.yaml"), model)}, lambda shard: newer)["m"]
+    assert fit.estimate is None
+    assert fit.note == "not checked: ggml tensor type(s) [99] unknown to this planner's gguf " \
+        "package"

@@ -44,7 +44,7 @@ class ModelRecord(Document):
     definition_hash: str
     replicas: int  # for an on-demand model: how many while active
     source: str = ""
-    sha256: str | None = None
+    sha256: str | list[str] | None = None  # a list: one per shard of a split source
     profile: dict[str, Any] = {}
     on_demand: dict[str, Any] | None = None  # {"idle_after": seconds}
 

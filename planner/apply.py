@@ -1,8 +1,9 @@
 """`planner apply`: make Nomad and Consul hold exactly the models in git.
 
 Called by the CLI. Three steps, in this order, so bad input changes nothing:
-  1. load and validate every file (`definitions.load_definitions`) and render
-     every job through Nomad's parser (`jobspec.render`);
+  1. load and validate every file (`definitions.load_definitions`), judge each
+     model's fit from its GGUF header (`fit.check_models`), and render every job
+     through Nomad's parser (`jobspec.render`);
   2. decide, in a pure function, what each model needs (`decide`);
   3. carry that out: register, deregister, write the model records.
 A model whose rendered job hash matches the registered job's
@@ -23,6 +24,7 @@ from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
 from planner.errors import DefinitionError, InvalidDefinitions
+from planner.fit import Fit, check_models
 from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
@@ -212,10 +214,13 @@ def _check_foreign(rendered: dict[str, Job], nomad: NomadClient,
 
 
 def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: ConsulClient,
-            prune: bool) -> tuple[dict[str, ModelDefinition], list[Change]]:
-    """Validate everything and decide; changes nothing. Raises InvalidDefinitions,
+            prune: bool) -> tuple[dict[str, ModelDefinition], list[Change], dict[str, Fit]]:
+    """Validate everything and decide; changes nothing. Also returns each model's fit
+    (`planner.fit`: its memory estimate from the GGUF header). Raises
+    InvalidDefinitions (a bad file, or a model its header says cannot fit),
     NomadRejected (a template Nomad refuses) or Unavailable."""
     models = load_definitions(paths, settings.engines)
+    fits = check_models(models)
     template = settings.jobspec.read_text()
     rendered = {name: render(d, settings, nomad, template) for name, (_, d) in models.items()}
     registered = _registered_llmgw_jobs(nomad)
@@ -227,7 +232,7 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
               if (p := parked_from_job(job)) is not None}
     return definitions, decide(rendered, registered, prune, parked,
                                _rolled_back(rendered, registered, nomad),
-                               consul.model_records())
+                               consul.model_records()), fits
 
 
 def _rolled_back(rendered: dict[str, Job], registered: dict[str, Job],

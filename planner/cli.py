@@ -32,6 +32,7 @@ from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
 from planner.errors import InvalidDefinitions, PlannerError
 from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
+from planner.fit import Fit
 from planner.nomad_client import NomadClient
 from planner.placement import evaluation_reason
 from planner.plandiff import format_diff
@@ -112,7 +113,8 @@ def _print_error(exit_code: int, kind: str, message: str,
 def apply(
     paths: Annotated[list[Path], typer.Argument(help="model files or folders of *.yaml")],
     prune: Annotated[bool, typer.Option(help="deregister models no longer in these files")] = False,
-    dry_run: Annotated[bool, typer.Option(help="print Nomad's plan diff; change nothing")] = False,
+    dry_run: Annotated[bool, typer.Option(help="print Nomad's plan diff and each "
+                                                "model's memory estimate; change nothing")] = False,
     wait: Annotated[bool, typer.Option(help="wait until changed models pass their checks")] = False,
     timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
     output: OutputOption = Output.table,
@@ -120,16 +122,17 @@ def apply(
     """Validate every file, then register only the models that changed."""
     settings, nomad, consul = _clients(output)
     try:
-        definitions, changes = prepare(paths, settings, nomad, consul, prune)
+        definitions, changes, fits = prepare(paths, settings, nomad, consul, prune)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
     changed = [o for o in outcomes if o.change.action in MUTATIONS]
+    shown = fits if dry_run else {}
     if output is Output.json:
-        print(json.dumps({"dry_run": dry_run, "changes": [_outcome_json(o) for o in outcomes]},
-                         indent=2))
+        print(json.dumps({"dry_run": dry_run,
+                          "changes": [_outcome_json(o, shown) for o in outcomes]}, indent=2))
     else:
-        _print_outcomes(outcomes, dry_run)
+        _print_outcomes(outcomes, dry_run, shown)
     if not changed:
         err.print("no changes")
     refused = [o.change for o in outcomes if o.change.action is Action.ROLLED_BACK]
@@ -143,19 +146,27 @@ def apply(
         raise typer.Exit(1)
 
 
-def _outcome_json(outcome: Outcome) -> dict[str, Any]:
+def _outcome_json(outcome: Outcome, fits: dict[str, Fit]) -> dict[str, Any]:
     data = outcome.as_dict()
+    if outcome.change.model in fits:
+        data["estimate"] = fits[outcome.change.model].as_dict()
     if outcome.plan is not None:
         data["diff"] = format_diff(outcome.plan.get("Diff"))
         data["placement"] = evaluation_reason(outcome.plan)
     return data
 
 
-def _print_outcomes(outcomes: list[Outcome], dry_run: bool) -> None:
-    table = Table("model", "action", "reason", "evaluation", "version", box=None)
+def _print_outcomes(outcomes: list[Outcome], dry_run: bool, fits: dict[str, Fit]) -> None:
+    """The table of changes; with `fits` (a dry run) a column with each model's memory
+    estimate from its GGUF header."""
+    columns = ["model", "action", "reason", "evaluation", "version"]
+    table = Table(*columns, *(["memory estimate"] if fits else []), box=None)
     for o in outcomes:
+        estimate = [fits[o.change.model].text() if o.change.model in fits else ""] \
+            if fits else []
         table.add_row(o.change.model, str(o.change.action), o.change.reason,
-                      (o.eval_id or "")[:8], "" if o.job_version is None else str(o.job_version))
+                      (o.eval_id or "")[:8], "" if o.job_version is None else str(o.job_version),
+                      *estimate)
     out.print(table)
     for o in outcomes:
         if o.plan is not None:

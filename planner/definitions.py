@@ -9,6 +9,7 @@ One file holds one model:
     name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
     source: file:///abs/path/model.gguf # or https://..., or hf://org/repo[@rev]/path.gguf
     sha256: <64 hex>                    # optional; checked by Nomad's artifact download
+                                        # (a split source: a list, one per shard)
     profile:
       engine: llama.cpp                 # which engine build runs it
       context: 4096                     # tokens
@@ -39,6 +40,7 @@ from urllib.parse import quote, urlparse
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -50,6 +52,7 @@ from pydantic import (
 
 from llmgw_contract import ModelRecord, service_name
 from planner.errors import DefinitionError, InvalidDefinitions
+from planner.sources import Shard, expand, source_name, split_of
 
 # Nomad job IDs and Consul service names both accept this; "llmgw-" + name
 # must stay within a DNS label's 63 characters (RFC 1035).
@@ -62,9 +65,17 @@ _UNITS = {
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
-# llama-server flags the planner sets itself; an operator's copy would fight them.
-RESERVED_ARGS = frozenset({"-m", "--model", "--host", "--port", "-c", "--ctx-size", "--alias",
-                           "-a", "-hf", "--hf-repo", "-mu", "--model-url"})
+# llama-server flags the job template sets itself (planner/jobspecs/model.nomad.hcl),
+# with their short forms (llama.cpp common/arg.cpp), and where an operator says it
+# instead: a second copy would fight the template's.
+RESERVED_ARGS: dict[str, str] = {
+    **dict.fromkeys(("-m", "--model", "-hf", "--hf-repo", "-mu", "--model-url"),
+                    "the model file comes from `source`"),
+    **dict.fromkeys(("-c", "--ctx-size"), "set `profile.context` instead"),
+    **dict.fromkeys(("--host", "--port"),
+                    "Nomad gives each replica its address and a dynamic port"),
+    **dict.fromkeys(("-a", "--alias"), "the alias is the model's `name`"),
+}
 
 
 def parse_bytes(value: object) -> int:
@@ -91,6 +102,40 @@ Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
 Seconds = Annotated[int, BeforeValidator(parse_seconds), Field(gt=0)]
 
 
+def _is_flag(arg: str) -> bool:
+    """'-x' / '--flag' start a flag; '-1' and '-.5' are negative values."""
+    return len(arg) > 1 and arg[0] == "-" and not (arg[1].isdigit() or arg[1] == ".")
+
+
+def check_arg(arg: str) -> str:
+    """One element of `profile.args`, as llama-server's parser will read it: it takes
+    each argv element whole, so `--threads=1` and `--threads 1` are unknown flags to it
+    (llama.cpp common/arg.cpp looks the element up as given; llama-server exits with
+    "invalid argument: --threads=1"). Raises ValueError saying the right form."""
+    if "\0" in arg or "\n" in arg:
+        raise ValueError(f"argument {arg!r} contains a NUL or newline")
+    if "${" in arg:
+        # Nomad interpolates ${...} in task args at run time; there is no escape.
+        raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
+    if not _is_flag(arg):
+        return arg
+    match = re.fullmatch(r"(\S+?)(=|\s+)(.*)", arg, re.DOTALL)
+    flag, sep, value = match.groups() if match else (arg, "", "")
+    if flag in RESERVED_ARGS:
+        raise ValueError(f"{flag} is set by the planner's job template; remove it and its value "
+                         f"({RESERVED_ARGS[flag]})")
+    if not sep:
+        return arg
+    why = ("llama-server does not split --flag=value" if sep == "=" else
+           "each element is one argv element; no shell splits it")
+    right = json.dumps([flag, value.strip()] if value.strip() else [flag])
+    raise ValueError(f"{arg!r} is one element; write the flag and its value as separate "
+                     f"elements: {right} ({why})")
+
+
+Arg = Annotated[str, AfterValidator(check_arg)]
+
+
 class Profile(BaseModel):
     """How the model server runs: engine, resources, and extra engine arguments."""
 
@@ -103,27 +148,25 @@ class Profile(BaseModel):
     cpu: int = Field(1000, ge=100)
     memory: Bytes = parse_bytes("1GiB")
     load_timeout: Seconds = 600
-    args: tuple[str, ...] = ()
-
-    @field_validator("args")
-    @classmethod
-    def _args_are_argv(cls, args: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in args:
-            if "\0" in arg or "\n" in arg:
-                raise ValueError(f"argument {arg!r} contains a NUL or newline")
-            if "${" in arg:
-                # Nomad interpolates ${...} in task args at run time; there is no escape.
-                raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
-            if arg.split("=", 1)[0] in RESERVED_ARGS:
-                raise ValueError(f"argument {arg!r} is set by the planner; "
-                                 "use source / profile.context instead")
-        return args
+    args: tuple[Arg, ...] = ()
 
     @model_validator(mode="after")
     def _gpu_memory_needs_gpus(self) -> Profile:
         if self.gpu_memory is not None and self.gpus == 0:
             raise ValueError("gpu_memory is only meaningful with gpus > 0")
         return self
+
+
+def _sha256s(value: object) -> str | tuple[str, ...] | None:
+    """A sha256 (64 hex digits, any case) or a list of them -> lower case."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list | tuple) else [value]
+    for one in values:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", str(one)):
+            raise ValueError(f"expected a sha256 (64 hex digits) or a list of them, got {one!r}")
+    lowered = tuple(str(one).lower() for one in values)
+    return lowered if isinstance(value, list | tuple) else lowered[0]
 
 
 class OnDemand(BaseModel):
@@ -142,8 +185,8 @@ class ModelDefinition(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     source: str
-    sha256: Annotated[str, BeforeValidator(lambda v: str(v).lower())] | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$")
+    # One file's sha256, or a list: one per shard of a split source, in shard order.
+    sha256: Annotated[str | tuple[str, ...] | None, BeforeValidator(_sha256s)] = None
     profile: Profile
     replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
     on_demand: OnDemand | None = None
@@ -161,6 +204,31 @@ class ModelDefinition(BaseModel):
                              "a file:// source is not downloaded")
         return self
 
+    @model_validator(mode="after")
+    def _split_names_its_first_shard(self) -> ModelDefinition:
+        resolved = resolve_source(self.source)
+        split = split_of(source_name(resolved.local_path, resolved.download_url))
+        if split is not None and split.number != 1:
+            raise ValueError(
+                f"source names shard {split.number} of a {split.count}-file split model; name "
+                f"its first, {split.name(1)} (llama-server opens the others from it)")
+        if isinstance(self.sha256, tuple) and (split is None
+                                               or len(self.sha256) != split.count):
+            raise ValueError(
+                f"sha256 is a list of {len(self.sha256)}: a list is one sha256 per shard of a "
+                f"split source ({split.count} here)" if split else
+                "sha256 is a list, but the source is one file: give its sha256 alone")
+        if isinstance(self.sha256, str) and split is not None:
+            raise ValueError(f"the source is split in {split.count} files: give sha256 as a "
+                             f"list of {split.count}, one per shard in order")
+        return self
+
+    @property
+    def shards(self) -> list[Shard]:
+        """Every file of the source, the first the one llama-server is given."""
+        resolved = resolve_source(self.source)
+        return expand(resolved.local_path, resolved.download_url, self.sha256)
+
     @property
     def definition_hash(self) -> str:
         """16 hex chars of sha256 over source, sha256 and profile (not replicas)."""
@@ -177,7 +245,9 @@ class ModelDefinition(BaseModel):
         """The KV record the router and the planner's daemons read (llmgw/models/<name>);
         the job's meta carries a copy, so a wiped KV can be restored from Nomad."""
         return ModelRecord(name=self.name, definition_hash=self.definition_hash,
-                           replicas=self.replicas, source=self.source, sha256=self.sha256,
+                           replicas=self.replicas, source=self.source,
+                           sha256=list(self.sha256) if isinstance(self.sha256, tuple)
+                           else self.sha256,
                            profile=self.profile.model_dump(mode="json"),
                            on_demand=self.on_demand.model_dump(mode="json")
                            if self.on_demand else None)

@@ -51,8 +51,9 @@ def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]
         "engine_command": settings.engines[profile.engine],
         "driver": settings.task_driver,
         "source_path": source.local_path or "",
-        "artifact_url": source.download_url or "",
-        "artifact_sha256": definition.sha256 or "",
+        # Every shard of a split source under its own name (planner/sources.py).
+        "artifacts": [{"url": shard.url, "sha256": shard.sha256 or "", "file": shard.file}
+                      for shard in definition.shards if shard.url],
         "context": profile.context,
         "gpus": profile.gpus,
         # Nomad compares device memory with units: "${device.attr.memory} >= 24 GiB".

@@ -89,13 +89,14 @@ def cluster(binaries: Path, test_ca: TlsCA,
 
 
 @pytest.fixture(scope="session")
-def planner_env(cluster: Cluster, binaries: Path,
+def planner_env(cluster: Cluster, binaries: Path, test_ca: TlsCA,
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The planner's environment for the test cluster; its engines are the real
     llama-server and the test-only wrappers of tests/support/engines.py (fakes, each of
-    one behaviour)."""
+    one behaviour). It trusts the test CA as the Nomad agent does: `apply` reads an
+    https:// source's GGUF header before registering it."""
     engines = write_engines(tmp_path_factory.mktemp("engines"), binaries / "llama-server")
-    return {**os.environ, **cluster.env,
+    return {**os.environ, **cluster.env, "SSL_CERT_FILE": str(test_ca.bundle),
             "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
 
 

@@ -41,16 +41,10 @@ variable "source_path" {
   description = "Model file already on the node (file:// sources). Empty when downloading."
 }
 
-variable "artifact_url" {
-  type        = string
-  default     = ""
-  description = "https URL Nomad downloads into the allocation (https:// and hf:// sources)."
-}
-
-variable "artifact_sha256" {
-  type        = string
-  default     = ""
-  description = "Expected sha256 of the downloaded file; empty skips the check."
+variable "artifacts" {
+  type        = list(object({ url = string, sha256 = string, file = string }))
+  default     = []
+  description = "Files Nomad downloads into local/model/ (https:// and hf:// sources): one, or every shard of a split GGUF under its own name; llama-server is given the first. An empty sha256 skips the check."
 }
 
 variable "context" {
@@ -129,7 +123,7 @@ variable "datacenters" {
 
 locals {
   service    = "llmgw-${var.model}"
-  model_file = var.artifact_url != "" ? "local/model/model.gguf" : var.source_path
+  model_file = length(var.artifacts) > 0 ? "local/model/${var.artifacts[0].file}" : var.source_path
   gpu_args   = var.gpus > 0 ? ["--n-gpu-layers", "999"] : []
 }
 
@@ -214,14 +208,14 @@ job "model" {
       shutdown_delay = "3s"
 
       dynamic "artifact" {
-        for_each = var.artifact_url != "" ? [var.artifact_url] : []
+        for_each = var.artifacts
         content {
-          source      = artifact.value
-          destination = "local/model/model.gguf"
+          source      = artifact.value.url
+          destination = "local/model/${artifact.value.file}"
           mode        = "file"
 
           dynamic "options" {
-            for_each = var.artifact_sha256 != "" ? [var.artifact_sha256] : []
+            for_each = artifact.value.sha256 != "" ? [artifact.value.sha256] : []
             content {
               checksum = "sha256:${options.value}"
             }

@@ -23,6 +23,7 @@ from tests.conftest import (
     run_router,
     wait_for,
 )
+from tests.support.sparse_gguf import write_sparse_gguf
 from tests.support.tls import TlsCA, serve_https
 
 pytestmark = pytest.mark.integration
@@ -169,8 +170,9 @@ def test_c13_huge_https_source_that_fits_nowhere_downloads_nothing(
         test_ca: TlsCA, tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()
-    with (site / "huge.gguf").open("wb") as f:
-        f.truncate(200 * 2**30)  # 200 GiB, sparse: no disk used
+    # A 70B f16 model's header (apply reads it to judge the fit: ~131 GiB, within the
+    # profile's 4 x 80 GiB) before 128 GiB of weights that are a sparse hole.
+    header = write_sparse_gguf(site / "huge.gguf")
     server = serve_https(site, test_ca)
     try:
         folder = on_demand_model(tmp_path / "m", "c13-huge", f"{server.url}/huge.gguf",
@@ -180,7 +182,9 @@ def test_c13_huge_https_source_that_fits_nowhere_downloads_nothing(
         assert status == 503 and error["code"] == "model_unplaceable"
         assert "nvidia/gpu" in error["message"]
         time.sleep(2)
-        assert server.requests == []
+        assert server.requests == []  # nothing was downloaded whole
+        # apply read the header with range requests, and no further than 4x its size.
+        assert server.ranges and max(last for _, _, last in server.ranges) < 4 * header
     finally:
         server.close()
 

@@ -26,13 +26,17 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
 
 
 def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0,
-                    width: int = 64, layers: int = 2) -> Path:
+                    width: int = 64, layers: int = 2, split_max_tensors: int = 0) -> Path:
     """Write the model to `path` and return it. Larger `width`/`layers` make a
-    slower model (512 x 8 is ~40 MB and streams for seconds on two cores)."""
+    slower model (512 x 8 is ~40 MB and streams for seconds on two cores).
+    `split_max_tensors` > 0 writes a split model instead, as llama.cpp's gguf-split
+    does (the gguf package's writer: `<stem>-00001-of-0000N.gguf`..., the metadata
+    in the first, `split.*` keys in each), and returns its first shard (21 tensors:
+    8 per shard makes 3)."""
     EMBED, LAYERS, FFN = width, layers, 2 * width
     rng = np.random.default_rng(seed)
     tokens, scores, types = _vocab()
-    writer = gguf.GGUFWriter(str(path), architecture)
+    writer = gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors)
     writer.add_name("llmgw-tiny-test")
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(EMBED)
@@ -71,4 +75,4 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return writer.format_shard_names(path)[0]

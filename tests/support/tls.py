@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import datetime
 import http.server
+import io
 import ipaddress
+import re
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -105,10 +107,13 @@ def issue(ca: TlsCA, folder: Path, name: str, days: float = 2,
 
 @dataclass
 class FileServer:
-    """Serves one folder over HTTPS; `requests` lists the paths asked for."""
+    """Serves one folder over HTTPS. `requests` lists the paths asked for whole (what
+    Nomad downloads); `ranges` the (path, first byte, last byte) of each range request
+    (what `planner apply` reads of a GGUF header), answered 206 as RFC 9110 says."""
 
     url: str
     requests: list[str] = field(default_factory=list)
+    ranges: list[tuple[str, int, int]] = field(default_factory=list)
     _server: http.server.ThreadingHTTPServer | None = None
 
     def close(self) -> None:
@@ -125,8 +130,28 @@ def serve_https(folder: Path, ca: TlsCA) -> FileServer:
             super().__init__(*args, directory=str(folder), **kwargs)  # type: ignore[arg-type]
 
         def send_head(self):  # type: ignore[no-untyped-def]
-            served.requests.append(self.path)
-            return super().send_head()
+            match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if match is None:
+                served.requests.append(self.path)
+                return super().send_head()
+            path = Path(self.translate_path(self.path))
+            if not path.is_file():
+                self.send_error(404)
+                return None
+            size = path.stat().st_size
+            first = int(match[1])
+            last = min(int(match[2]) if match[2] else size - 1, size - 1)
+            served.ranges.append((self.path, first, last))
+            if first >= size:
+                self.send_error(416)
+                return None
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Content-Length", str(last - first + 1))
+            self.end_headers()
+            with path.open("rb") as f:
+                f.seek(first)
+                return io.BytesIO(f.read(last - first + 1))
 
         def log_message(self, *args: object) -> None:
             pass

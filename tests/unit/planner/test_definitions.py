@@ -123,15 +123,40 @@ def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: P
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    ('["--port", "1"]', "is set by the planner"),
-    ('["--model=/x"]', "is set by the planner"),
-    ('["${HOME}"]', "Nomad would interpolate"),
+    ('["--port", "1"]', "profile.args.0: --port is set by the planner's job template; "
+                        "remove it and its value (Nomad gives each replica its address"),
+    ('["--threads", "1", "--model=/x"]', "profile.args.2: --model is set by the planner"),
+    ('["-m", "/x"]', "profile.args.0: -m is set by the planner"),
+    ('["-c", "8192"]', "profile.args.0: -c is set by the planner's job template; remove it "
+                       "and its value (set `profile.context` instead)"),
+    ('["--ctx-size", "8192"]', "profile.args.0: --ctx-size is set by the planner"),
+    ('["--host", "0.0.0.0"]', "profile.args.0: --host is set by the planner"),
+    ('["${HOME}"]', "profile.args.0: argument '${HOME}' contains '${', which Nomad would "
+                    "interpolate"),
+    # C23: llama-server looks each argv element up whole ("invalid argument: --threads=1").
+    ('["--threads=1"]', "profile.args.0: '--threads=1' is one element; write the flag and "
+                        'its value as separate elements: ["--threads", "1"] (llama-server '
+                        "does not split --flag=value)"),
+    ('["--parallel", "1", "--threads 1"]',
+     "profile.args.2: '--threads 1' is one element; write the flag and its value as "
+     'separate elements: ["--threads", "1"] (each element is one argv element'),
 ])
-def test_args_the_planner_owns_or_nomad_would_rewrite(tmp_path: Path, args: str,
-                                                      expected: str) -> None:
-    write(tmp_path, "a.yaml", VALID.format(name="a").replace('["--threads", "2"]', args))
+def test_args_llama_server_would_reject_name_the_element(tmp_path: Path, args: str,
+                                                         expected: str) -> None:
+    path = write(tmp_path, "a.yaml", VALID.format(name="a").replace('["--threads", "2"]', args))
     [problem] = problems(tmp_path)
-    assert "profile.args" in problem and expected in problem
+    assert problem.startswith(f"{path}: {expected}"), problem
+
+
+@pytest.mark.parametrize("args", [
+    '["--seed", "-1", "--temp", "-.5"]',  # negative values are not flags
+    '["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]',  # a value may hold "="
+    '["--chat-template-kwargs", "{\\"a b\\": 1}"]',  # and spaces
+    '["-ngl", "20", "--metrics"]',
+])
+def test_args_llama_server_accepts_pass(tmp_path: Path, args: str) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace('["--threads", "2"]', args))
+    assert load_definitions([tmp_path])["a"][1].profile.args
 
 
 def test_gpu_memory_without_gpus(tmp_path: Path) -> None:

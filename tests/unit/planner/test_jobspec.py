@@ -24,7 +24,9 @@ def test_variables_map_profile_units_for_nomad() -> None:
     assert values["gpu_memory"] == "24576 MiB"
     assert values["memory_mb"] == 512
     assert values["load_grace"] == "90s"
-    assert values["artifact_url"] == "https://huggingface.co/org/repo/resolve/main/m.gguf"
+    # A single download keeps the name every https:// model has had (its job unchanged).
+    assert values["artifacts"] == [{"url": "https://huggingface.co/org/repo/resolve/main/m.gguf",
+                                    "sha256": "", "file": "model.gguf"}]
     assert values["source_path"] == ""
 
 

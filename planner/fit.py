@@ -1,0 +1,213 @@
+"""Whether a model fits its profile, judged from its GGUF header before any download.
+
+Called by `planner apply` (`check_models`) after the files are valid and before
+anything is rendered or registered: a profile too small for the model is refused
+with the figures, as is a context longer than the model was trained for, or a
+source that cannot be read. `--dry-run` prints each estimate.
+
+The estimate, in bytes, of what llama-server allocates at its defaults (4
+parallel sequences sharing one KV cache, f16 cache, n_ubatch 512):
+
+  weights   the tensors' sizes (every shard of a split model)
+  KV cache  context x layers x KV heads x (key + value head dim) x 2 bytes, from
+            <arch>.block_count, .attention.head_count_kv, .attention.key_length /
+            .value_length (else embedding_length / head_count); per-layer arrays
+            summed. Every layer is counted at the full context, so a model with
+            sliding-window layers (Gemma 3: 15 of 18) gets an upper bound.
+  compute   llama.cpp's graph buffer: n_ubatch x 4 bytes x (3 x feed_forward_length
+            + 4 x embedding_length + head_count x key_length) for the activations,
+            n_ubatch x context x 2 bytes for the attention mask, and the logits of 4
+            sequences (vocabulary x 4 x 4 bytes). Fitted to llama-server's own
+            "compute buffer size" lines: Gemma 3 270M 19.3 / 24.8 / 52.8 MiB at 512 /
+            4096 / 32768 tokens (slope 1 KiB a token = 512 x 2 bytes).
+  overhead  64 MiB: the process, its tokenizer tables and CPU repacked weights,
+            measured as llama-server's resident memory beyond the buffers it
+            reports: 14 MiB for the tiny test model, 41 MiB for Gemma 3 270M (of
+            which 12.7 MiB CPU_REPACK). bench/fit_estimate.py prints the comparison.
+
+The limit compared is `gpus x gpu_memory` for a GPU profile (llama.cpp spreads the
+layers over its GPUs), `memory` for a CPU one; a GPU profile without gpu_memory
+is estimated, not judged. A file:// source this machine does not have (a node's
+path) is not judged either, and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import Keys
+
+from planner.definitions import ModelDefinition
+from planner.errors import DefinitionError, InvalidDefinitions
+from planner.ggufhead import ArrayLength, GgufHeader, SourceError
+from planner.sources import Shard, read_shard
+
+N_UBATCH = 512
+N_SEQUENCES = 4
+KV_BYTES = 2  # f16, llama.cpp's default cache type
+OVERHEAD = 64 * 2**20
+# Arguments that stretch the trained context on purpose (RoPE scaling).
+CONTEXT_STRETCHERS = ("--rope-scaling", "--rope-scale", "--yarn-orig-ctx")
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: '9.8 GiB', '512 MiB'."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f}".removesuffix(".0") + " GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes llama-server needs for one model at `context` tokens (module docstring)."""
+
+    context: int
+    weights: int
+    kv_cache: int
+    compute: int
+    overhead: int = OVERHEAD
+    trained_context: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.compute + self.overhead
+
+    def parts(self) -> str:
+        return (f"weights {size_text(self.weights)} + KV cache {size_text(self.kv_cache)} "
+                f"for {self.context} tokens + compute {size_text(self.compute)} + overhead "
+                f"{size_text(self.overhead)}")
+
+    def text(self) -> str:
+        return f"≈ {size_text(self.total)} ({self.parts()})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes": self.total, "context": self.context, "weights": self.weights,
+                "kv_cache": self.kv_cache, "compute": self.compute,
+                "overhead": self.overhead, "trained_context": self.trained_context}
+
+
+def _ints(value: Any, layers: int) -> list[int]:
+    """A per-layer figure: a scalar repeated, or the array itself."""
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)] * layers if isinstance(value, int | float) else []
+
+
+def _scalar(value: Any) -> int | None:
+    if isinstance(value, list):
+        return max((int(v) for v in value), default=None)
+    return int(value) if isinstance(value, int | float) else None
+
+
+def estimate(headers: list[GgufHeader], context: int) -> Estimate:
+    """Pure: the estimate from a model's headers (every shard; metadata from the first).
+    Missing keys count as 0 (an architecture without them is llama-server's to refuse)."""
+    first = headers[0]
+    layers = _scalar(first.arch_key(Keys.LLM.BLOCK_COUNT)) or 0
+    embed = _scalar(first.arch_key(Keys.LLM.EMBEDDING_LENGTH)) or 0
+    heads = _scalar(first.arch_key(Keys.Attention.HEAD_COUNT)) or 0
+    kv_heads = _ints(first.arch_key(Keys.Attention.HEAD_COUNT_KV)
+                     or first.arch_key(Keys.Attention.HEAD_COUNT), layers)
+    head_dim = embed // heads if heads else 0
+    key = _scalar(first.arch_key(Keys.Attention.KEY_LENGTH)) or head_dim
+    value = _scalar(first.arch_key(Keys.Attention.VALUE_LENGTH)) or head_dim
+    ffn = _scalar(first.arch_key(Keys.LLM.FEED_FORWARD_LENGTH)) or 0
+    tokens = first.metadata.get(Keys.Tokenizer.LIST)
+    vocab = tokens.length if isinstance(tokens, ArrayLength) else \
+        len(tokens) if isinstance(tokens, list) else _scalar(first.arch_key(Keys.LLM.VOCAB_SIZE))
+    kv = context * sum(kv_heads[:layers]) * (key + value) * KV_BYTES
+    compute = (N_UBATCH * 4 * (3 * ffn + 4 * embed + heads * key)
+               + N_UBATCH * context * 2 + (vocab or 0) * N_SEQUENCES * 4)
+    return Estimate(context, sum(h.tensor_bytes for h in headers), kv, compute,
+                    trained_context=_scalar(first.arch_key(Keys.LLM.CONTEXT_LENGTH)))
+
+
+def judge(definition: ModelDefinition, file: Path, est: Estimate) -> list[DefinitionError]:
+    """Pure: the problems of one definition against its estimate."""
+    profile, problems = definition.profile, []
+    trained = est.trained_context
+    if trained and profile.context > trained and \
+            not any(a in CONTEXT_STRETCHERS for a in profile.args):
+        problems.append(DefinitionError(file, "profile.context", (
+            f"{profile.context} tokens is more than the model was trained for "
+            f"({trained}, its context_length); ask for at most {trained}, or stretch it "
+            "on purpose with --rope-scaling in args")))
+    if profile.gpus and profile.gpu_memory:
+        limit, where = profile.gpus * profile.gpu_memory, "profile.gpu_memory"
+        gives = (f"{profile.gpus} x {size_text(profile.gpu_memory)}" if profile.gpus > 1
+                 else size_text(profile.gpu_memory))
+    elif profile.gpus:
+        return problems
+    else:
+        limit, where, gives = profile.memory, "profile.memory", size_text(profile.memory)
+    if est.total > limit:
+        problems.append(DefinitionError(file, where, (
+            f"the model needs ≈ {size_text(est.total)} for {profile.context} tokens of "
+            f"context; profile gives {gives} ({est.parts()}; from the GGUF header)")))
+    return problems
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One model's estimate, or why there is none (`note`)."""
+
+    estimate: Estimate | None
+    note: str = ""
+
+    def text(self) -> str:
+        return self.estimate.text() if self.estimate else self.note
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**(self.estimate.as_dict() if self.estimate else {}),
+                **({"note": self.note} if self.note else {})}
+
+
+Reader = Callable[[Shard], GgufHeader]
+
+
+def check_models(models: dict[str, tuple[Path, ModelDefinition]],
+                 read: Reader | None = None) -> dict[str, Fit]:
+    """Read every model's header(s) and judge it: {name: Fit}. Raises InvalidDefinitions
+    with every problem of every model (field `source` when it cannot be read)."""
+    reader = read or read_shard
+    fits, problems = {}, []
+    for name, (file, definition) in models.items():
+        try:
+            headers = [reader(shard) for shard in definition.shards]
+        except FileNotFoundError as exc:
+            fits[name] = Fit(None, f"not checked: {exc.filename} is not on this machine")
+            continue
+        except SourceError as exc:
+            problems.append(DefinitionError(file, "source", str(exc)))
+            continue
+        problems += _split_problems(file, headers)
+        unknown = sorted(set().union(*(h.unknown_types for h in headers)))
+        if unknown:
+            # A quantization newer than the gguf package: its size is unknown, so the
+            # estimate would be short; llama-server judges the file.
+            fits[name] = Fit(None, f"not checked: ggml tensor type(s) {unknown} unknown "
+                                   "to this planner's gguf package")
+            continue
+        est = estimate(headers, definition.profile.context)
+        problems += judge(definition, file, est)
+        fits[name] = Fit(est)
+    if problems:
+        raise InvalidDefinitions(problems)
+    return fits
+
+
+def _split_problems(file: Path, headers: list[GgufHeader]) -> list[DefinitionError]:
+    """Each shard says it is the shard its name says (split.no, split.count)."""
+    if len(headers) == 1:
+        split = headers[0].split
+        return [] if split is None else [DefinitionError(file, "source", (
+            f"{headers[0].where} is shard {split[0] + 1} of a {split[1]}-file split "
+            "model; name its first shard, <name>-00001-of-"
+            f"{split[1]:05d}.gguf"))]
+    return [DefinitionError(file, "source", (
+        f"{h.where} says it is shard {h.split[0] + 1 if h.split else '(none)'} of "
+        f"{h.split[1] if h.split else 1}; its name says {i + 1} of {len(headers)}"))
+        for i, h in enumerate(headers) if h.split != (i, len(headers))]

@@ -1,0 +1,126 @@
+"""Fit from the GGUF header: the estimate's parts, the refusals with their figures, and
+the models we ship and test with still fitting their profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from planner.definitions import ModelDefinition, load_definitions
+from planner.errors import InvalidDefinitions
+from planner.fit import OVERHEAD, Estimate, check_models, estimate, judge, size_text
+from planner.ggufhead import SourceError, read_local
+from planner.sources import Shard
+from tests.support.sparse_gguf import write_sparse_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
+
+REPO = Path(__file__).parents[3]
+GEMMA = Path.home() / ".cache/llmgw/models/gemma-3-270m-q4_k_m.gguf"
+
+
+def definition(source: str, **profile: object) -> ModelDefinition:
+    return ModelDefinition.model_validate({"name": "m", "source": source, "profile": profile})
+
+
+def test_estimate_parts_follow_the_header(tmp_path: Path) -> None:
+    header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    est = estimate([header], 512)
+    # 2 layers x 4 KV heads x (16 + 16) x 2 bytes per token.
+    assert est.kv_cache == 512 * 2 * 4 * (16 + 16) * 2
+    assert est.weights == header.tensor_bytes
+    assert est.compute == 512 * 4 * (3 * 128 + 4 * 64 + 4 * 16) + 512 * 512 * 2 + 259 * 4 * 4
+    assert est.total == est.weights + est.kv_cache + est.compute + OVERHEAD
+    assert est.trained_context == 8192
+
+
+def test_seventy_b_header_gives_its_known_sizes(tmp_path: Path) -> None:
+    write_sparse_gguf(tmp_path / "big.gguf")
+    est = estimate([read_local(tmp_path / "big.gguf")], 8192)
+    assert size_text(est.weights) == "128.5 GiB"  # 69B parameters in f16
+    assert size_text(est.kv_cache) == "2.5 GiB"  # Llama 2/3 70B at 8192 tokens, f16
+
+
+def fake(context: int = 4096, total: int = 10 * 2**30, trained: int = 8192) -> Estimate:
+    return Estimate(context, total - OVERHEAD, 0, 0, trained_context=trained)
+
+
+def test_a_cpu_profile_below_the_estimate_is_refused_with_the_figures() -> None:
+    model = definition("file:///m.gguf", memory="8GiB", context=4096)
+    [problem] = judge(model, Path("m.yaml"), fake())
+    assert (problem.file, problem.field) == (Path("m.yaml"), "profile.memory")
+    assert problem.message.startswith("the model needs ≈ 10 GiB for 4096 tokens of "
+                                      "context; profile gives 8 GiB (weights 9.9 GiB + ")
+
+
+def test_a_gpu_profile_is_judged_by_all_its_gpus() -> None:
+    one = definition("file:///m.gguf", gpus=1, gpu_memory="8GiB", memory="1GiB")
+    [problem] = judge(one, Path("m.yaml"), fake())
+    assert problem.field == "profile.gpu_memory" and "profile gives 8 GiB" in problem.message
+    two = definition("file:///m.gguf", gpus=2, gpu_memory="8GiB", memory="1GiB")
+    assert judge(two, Path("m.yaml"), fake()) == []  # 16 GiB over two GPUs
+    unstated = definition("file:///m.gguf", gpus=1, memory="1GiB")
+    assert judge(unstated, Path("m.yaml"), fake()) == []
+
+
+def test_context_beyond_training_is_refused_unless_stretched() -> None:
+    long = definition("file:///m.gguf", memory="64GiB", context=16384)
+    [problem] = judge(long, Path("m.yaml"), fake(context=16384))
+    assert problem.field == "profile.context"
+    assert problem.message.startswith("16384 tokens is more than the model was trained for "
+                                      "(8192, its context_length)")
+    stretched = definition("file:///m.gguf", memory="64GiB", context=16384,
+                           args=["--rope-scaling", "yarn"])
+    assert judge(stretched, Path("m.yaml"), fake(context=16384)) == []
+
+
+def test_check_models_collects_every_problem_and_notes_absent_files(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    models = {
+        "fits": (Path("a.yaml"), definition(f"file://{tiny}", memory="256MiB", context=512)),
+        "small": (Path("b.yaml"), definition(f"file://{tiny}", memory="32MiB", context=512)),
+        "elsewhere": (Path("c.yaml"), definition("file:///nodes/only.gguf")),
+        "broken": (Path("d.yaml"), definition("https://h/x.gguf")),
+    }
+
+    def read(shard: Shard):
+        if shard.url:
+            raise SourceError("https://h/x.gguf is unreachable (refused)")
+        return read_local(Path(shard.local_path or ""))
+
+    with pytest.raises(InvalidDefinitions) as info:
+        check_models(models, read)
+    assert [(str(e.file), e.field) for e in info.value.errors] == [
+        ("b.yaml", "profile.memory"), ("d.yaml", "source")]
+    assert "unreachable" in info.value.errors[1].message
+
+    del models["small"], models["broken"]
+    fits = check_models(models, read)
+    assert fits["fits"].estimate is not None
+    assert fits["elsewhere"].note == "not checked: /nodes/only.gguf is not on this machine"
+
+
+def test_the_tests_default_profile_fits_the_tiny_model(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = definition(f"file://{tiny}", context=512, cpu=100, memory="256MiB")
+    assert check_models({"m": (Path("m.yaml"), model)})["m"].estimate.total < 256 * 2**20
+
+
+@pytest.mark.skipif(not GEMMA.exists(), reason="the demo model is not in the cache")
+def test_the_demo_definition_fits_gemma() -> None:
+    [(name, (file, model))] = load_definitions([REPO / "models"]).items()
+    local = model.model_copy(update={"source": f"file://{GEMMA}"})
+    fit = check_models({name: (file, local)})[name]
+    assert fit.estimate is not None and fit.estimate.total < model.profile.memory
+
+
+def test_a_quantization_newer_than_the_gguf_package_is_noted_not_judged(
+        tmp_path: Path) -> None:
+    header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    newer = dataclasses.replace(header, unknown_types=frozenset({99}))
+    model = definition(f"file://{tmp_path}/tiny.gguf", memory="1MiB")
+    fit = check_models({"m": (Path("m.yaml"), model)}, lambda shard: newer)["m"]
+    assert fit.estimate is None
+    assert fit.note == "not checked: ggml tensor type(s) [99] unknown to this planner's gguf " \
+        "package"

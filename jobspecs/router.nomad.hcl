@@ -30,12 +30,6 @@ variable "job_name" {
   description = "The job ID; also names the Nomad variable (nomad/jobs/<job_name>) and the settings' KV folder."
 }
 
-variable "service_name" {
-  type        = string
-  default     = "llmgw-router"
-  description = "Consul service the instances register (with an HTTP check on /health)."
-}
-
 variable "datacenters" {
   type        = list(string)
   default     = ["*"]
@@ -301,9 +295,11 @@ job "router" {
       env = merge({ CONSUL_HTTP_ADDR = var.consul_addr }, local.planner_env)
 
       # In the task, so Nomad deregisters it when the task stops (before the
-      # shutdown delay) and registers it again at each start.
+      # shutdown delay) and registers it again at each start. The name is
+      # llmgw_contract's ROUTER_SERVICE: planner and router never take it for a
+      # model's service.
       service {
-        name     = var.service_name
+        name     = "llmgw-router"
         port     = "http"
         provider = "consul"
         tags     = ["llmgw", "router"]

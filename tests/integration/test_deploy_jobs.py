@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import json
 import subprocess
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -175,14 +176,42 @@ def leader_address(cluster: Cluster) -> str:
     return decode(LeaderRecord, base64.b64decode(entry["Value"])).address
 
 
-def test_two_planner_instances_one_leader_one_standby(cluster: Cluster,
-                                                      jobs: dict[str, int]) -> None:
+def one_leader(cluster: Cluster) -> str:
+    """Wait until both planner instances pass, one of them leading; its address."""
     roles = wait_for(lambda: (r := planner_roles(cluster)) and len(r) == 2
-                     and sorted(r.values()) == ["follower", "leader"] and r, 60,
+                     and sorted(r.values()) == ["follower", "leader"] and r, 120,
                      "two planner instances, one leading")
     [leader] = [address for address, role in roles.items() if role == "leader"]
     assert leader_address(cluster) == f"http://{leader}"
+    return leader
+
+
+def test_two_planner_instances_one_leader_one_standby(cluster: Cluster,
+                                                      jobs: dict[str, int]) -> None:
+    leader = one_leader(cluster)
+    allocations = nomad_get(cluster, f"/v1/job/{PLANNER_JOB}/allocations")
+    [leading] = [a["ID"] for a in allocations if a["DesiredStatus"] == "run"
+                 and _alloc_port(cluster, a["ID"]) == int(leader.rsplit(":", 1)[1])]
+    # The leader's allocation is stopped (a drained node, a lost one): the standby
+    # takes the lock, and Nomad places a new standby.
+    started = time.monotonic()
+    _request(f"{cluster.nomad_addr}/v1/allocation/{leading}/stop", "POST")
+    successor = wait_for(lambda: (a := leader_address(cluster)) != f"http://{leader}" and a,
+                         30, "the standby to lead")
+    took = time.monotonic() - started
+    print(f"planner failover: {successor} leads {took:.1f} s after the leader's "
+          f"allocation was stopped")
+    assert one_leader(cluster) == successor.removeprefix("http://")
     assert len(running_versions(cluster, PLANNER_JOB)) == 2
+
+
+def _alloc_port(cluster: Cluster, alloc_id: str) -> int | None:
+    """The `admin` port of a planner allocation."""
+    alloc = nomad_get(cluster, f"/v1/allocation/{alloc_id}")
+    for network in (alloc.get("AllocatedResources") or {}).get("Shared", {}).get("Ports") or []:
+        if network["Label"] == "admin":
+            return network["Value"]
+    return None
 
 
 def completion(router: str) -> dict:
@@ -222,6 +251,7 @@ def test_a_router_job_update_rolls_without_a_failed_request(
 
     with steady(through_a_passing_router, interval=0.1) as codes:
         wait_for(lambda: len(codes) >= 5, 60, "the client's first requests")
+        started = time.monotonic()
         version = nomad_run(cluster, "router.nomad.hcl", {
             **install_vars, "consul_addr": cluster.env["CONSUL_HTTP_ADDR"], "instances": 2,
             "settings_version": "2"})
@@ -230,9 +260,12 @@ def test_a_router_job_update_rolls_without_a_failed_request(
         # Until every old instance has left (after its shutdown delay and drain).
         wait_for(lambda: not set(before) & set(running_versions(cluster, ROUTER_JOB)), 120,
                  "the old router instances gone")
+        took = time.monotonic() - started
         sent = len(codes)
         wait_for(lambda: len(codes) >= sent + 5, 60, "requests to the new instances")
     failed = [code for code in codes if code != 200]
+    print(f"router update: deployed and old instances gone in {took:.0f} s; "
+          f"{len(codes)} requests, {len(failed)} failed")
     assert not failed, f"{len(failed)} of {len(codes)} requests failed: {failed}"
     after = running_versions(cluster, ROUTER_JOB)
     assert len(after) == 2 and set(after.values()) == {version}, after

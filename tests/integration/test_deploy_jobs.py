@@ -144,7 +144,8 @@ def jobs(cluster: Cluster, planner_env: dict[str, str], planner_daemon: PlannerD
     serve` stands aside meanwhile, so the planner job's two instances are the only
     candidates for leader."""
     planner_daemon.stop()
-    addresses = {"consul_addr": cluster.env["CONSUL_HTTP_ADDR"]}
+    # As terraform/ passes them (nomad_job takes strings): a list as HCL text.
+    addresses = {"consul_addr": cluster.env["CONSUL_HTTP_ADDR"], "datacenters": '["*"]'}
     try:
         put_settings(cluster, PLANNER_JOB, {"LLMGW_ENGINES": planner_env["LLMGW_ENGINES"]})
         put_settings(cluster, ROUTER_JOB, {"LLMGW_QUEUE_TIMEOUT": "30"})

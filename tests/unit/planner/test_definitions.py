@@ -70,6 +70,13 @@ def test_name_must_be_a_dns_label(tmp_path: Path, name: str) -> None:
     assert ": name: expected a DNS label" in problem and repr(name) in problem
 
 
+@pytest.mark.parametrize("name", ["planner", "router"])
+def test_names_whose_service_is_llmgws_own_are_reserved(tmp_path: Path, name: str) -> None:
+    write(tmp_path, "a.yaml", VALID.format(name=name))
+    [problem] = problems(tmp_path)
+    assert f": name: {name!r} is reserved: its service llmgw-{name} is llmgw's own" in problem
+
+
 def test_negative_gpu_count(tmp_path: Path) -> None:
     write(tmp_path, "a.yaml", VALID.format(name="a").replace("gpus: 0", "gpus: -1"))
     [problem] = problems(tmp_path)

@@ -6,7 +6,7 @@ import asyncio
 import base64
 import json
 
-from llmgw_contract import PLANNER_SERVICE, ModelRecord, encode
+from llmgw_contract import PLANNER_SERVICE, ROUTER_SERVICE, ModelRecord, encode
 from router.balancer import Endpoint
 from router.catalog import ServiceAddress, parse_endpoints, parse_models, parse_services
 from router.endpoints import EndpointTable, diff_endpoints, diff_models
@@ -59,6 +59,7 @@ def test_parse_services_keeps_model_services_only() -> None:
         "llmgw-a": ["llmgw"],
         "llmgw-b": [],
         PLANNER_SERVICE: ["leader"],
+        ROUTER_SERVICE: ["llmgw", "router"],  # the router job's own (jobspecs/router.nomad.hcl)
         "nomad-client": ["http"],
         "llmgw-": [],
     }

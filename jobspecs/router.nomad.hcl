@@ -1,0 +1,341 @@
+# llmgw's router as a Nomad service job: `router serve`, `instances` of them,
+# each registered in Consul as the service `llmgw-router` with an HTTP check on
+# its /health (200 once it has read the models, services and states from
+# Consul). Clients (or the load balancer in front) send to the passing
+# instances of that service.
+#
+#   nomad job run -var wheel_url=https://pkgs.example.com/llmgw-0.1.0-py3-none-any.whl \
+#     -var instances=3 jobspecs/router.nomad.hcl
+#
+# An update is a Nomad deployment gated on that check: `canaries` new instances
+# start beside the old ones and are promoted once each has passed its check for
+# `min_healthy_time`; then the rest are replaced `max_parallel` at a time, each
+# new one healthy before the next old one stops. A stopping instance leaves
+# Consul `shutdown_delay` before it gets its signal, and drains what it still
+# serves, so a client that follows the passing instances sees no failed request
+# (tests/integration/test_deploy_jobs.py). A canary that never passes reverts
+# the job.
+#
+# Install, tokens and settings work as in planner.nomad.hcl: the wheel is an
+# artifact pip-installed into a venv in the allocation; tokens are the items of
+# the Nomad variable nomad/jobs/<job_name> (CONSUL_HTTP_TOKEN, and
+# LLMGW_PLANNER_TOKEN, the planner's LLMGW_ADMIN_TOKEN), which must exist before
+# the job starts; settings are Consul KV keys <config_prefix>/<job_name>/LLMGW_*
+# (LLMGW_QUEUE_TIMEOUT, LLMGW_REPLICA_CONCURRENCY...), read when an instance
+# starts. Change `settings_version` to roll them out.
+
+variable "job_name" {
+  type        = string
+  default     = "llmgw-router"
+  description = "The job ID; also names the Nomad variable (nomad/jobs/<job_name>) and the settings' KV folder."
+}
+
+variable "datacenters" {
+  type        = list(string)
+  default     = ["*"]
+  description = "Datacenters the router may run in."
+}
+
+variable "node_pool" {
+  type        = string
+  default     = "default"
+  description = "Nomad node pool the router runs in."
+}
+
+variable "instances" {
+  type        = number
+  default     = 2
+  description = "Router instances."
+}
+
+variable "port" {
+  type        = number
+  default     = 0
+  description = "Static port for every instance (one instance per node then); 0: a dynamic port each, found through Consul."
+}
+
+variable "wheel_url" {
+  type        = string
+  description = "URL of the llmgw wheel (llmgw-<version>-py3-none-any.whl); Nomad's artifact downloader fetches it, so http(s)://, s3:: and the other go-getter forms work."
+}
+
+variable "wheel_sha256" {
+  type        = string
+  default     = ""
+  description = "Expected sha256 of the wheel; empty skips the check."
+}
+
+variable "pip_index_url" {
+  type        = string
+  default     = ""
+  description = "Package index for the wheel's dependencies; empty: pip's own configuration on the node."
+}
+
+variable "wheelhouse_url" {
+  type        = string
+  default     = ""
+  description = "A folder of dependency wheels (an HTTP directory listing or a path on the node); when set, pip installs only from it (--no-index --find-links)."
+}
+
+variable "python" {
+  type        = string
+  default     = "python3"
+  description = "Python >= 3.11 on the node that creates the venv."
+}
+
+variable "driver" {
+  type        = string
+  default     = "raw_exec"
+  description = "Task driver: raw_exec (the dev cluster's) or exec."
+}
+
+variable "consul_addr" {
+  type        = string
+  default     = "127.0.0.1:8500"
+  description = "Consul HTTP API, host:port or http(s)://host:port (CONSUL_HTTP_ADDR), as seen from the node."
+}
+
+variable "planner_url" {
+  type        = string
+  default     = ""
+  description = "A planner's admin API tried before Consul names the leader (LLMGW_PLANNER_URL); empty: only the leader and the llmgw-planner instances Consul lists."
+}
+
+variable "config_prefix" {
+  type        = string
+  default     = "llmgw-config"
+  description = "Consul KV folder of the settings: <config_prefix>/<job_name>/<VARIABLE>."
+}
+
+variable "settings_version" {
+  type        = string
+  default     = "0"
+  description = "Any string; change it to roll the settings and tokens out to every instance (a deployment)."
+}
+
+variable "canaries" {
+  type        = number
+  default     = 1
+  description = "New instances started beside the old ones at an update, before any old one stops."
+}
+
+variable "max_parallel" {
+  type        = number
+  default     = 1
+  description = "Old instances replaced at a time once the canaries are promoted."
+}
+
+variable "min_healthy_time" {
+  type        = string
+  default     = "10s"
+  description = "How long a new instance must pass its check before it counts as healthy."
+}
+
+variable "healthy_deadline" {
+  type        = string
+  default     = "10m"
+  description = "How long a new instance may take (venv install included) to become healthy before the update is reverted."
+}
+
+variable "shutdown_delay" {
+  type        = string
+  default     = "5s"
+  description = "Time between leaving Consul and the stop signal, for clients and load balancers to drop the instance."
+}
+
+variable "drain_timeout_s" {
+  type        = number
+  default     = 30
+  description = "Seconds a stopping router lets its requests finish (--drain-timeout); the kill timeout is 5 s more."
+}
+
+variable "cpu" {
+  type        = number
+  default     = 500
+  description = "MHz for the router task."
+}
+
+variable "memory_mb" {
+  type        = number
+  default     = 512
+  description = "MiB for the router task."
+}
+
+variable "install_memory_mb" {
+  type        = number
+  default     = 512
+  description = "MiB for the install task (pip)."
+}
+
+variable "args" {
+  type        = list(string)
+  default     = []
+  description = "Extra `router serve` arguments, one argv element each."
+}
+
+variable "log_level" {
+  type        = string
+  default     = "info"
+  description = "debug, info, warning or error."
+}
+
+locals {
+  # pip's sources: a wheelhouse alone, or an index, or the node's own pip configuration.
+  pip_sources = concat(
+    var.wheelhouse_url != "" ? ["--no-index", "--find-links", var.wheelhouse_url] : [],
+    var.pip_index_url != "" ? ["--index-url", var.pip_index_url] : [],
+  )
+
+  # Run as `sh -c SCRIPT install PYTHON PIP-ARGS...`, so no value is quoted into
+  # shell code. The venv lives in the allocation directory, shared by the tasks.
+  install_script = <<-EOT
+  set -eu
+  python="$1"; shift
+  venv="$NOMAD_ALLOC_DIR/venv"
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install --disable-pip-version-check --no-compile --quiet "$@" local/dist/*.whl
+  EOT
+
+  planner_env = var.planner_url != "" ? { LLMGW_PLANNER_URL = var.planner_url } : {}
+}
+
+job "router" {
+  id          = var.job_name
+  name        = var.job_name
+  type        = "service"
+  datacenters = var.datacenters
+  node_pool   = var.node_pool
+
+  group "router" {
+    count = var.instances
+
+    spread {
+      attribute = "$${node.unique.id}"
+    }
+
+    meta {
+      llmgw_settings_version = var.settings_version
+    }
+
+    network {
+      port "http" {
+        static = var.port
+      }
+    }
+
+    update {
+      max_parallel      = var.max_parallel
+      canary            = var.canaries
+      auto_promote      = var.canaries > 0
+      auto_revert       = true
+      health_check      = "checks"
+      min_healthy_time  = var.min_healthy_time
+      healthy_deadline  = var.healthy_deadline
+      progress_deadline = "15m"
+    }
+
+    restart {
+      attempts = 3
+      interval = "5m"
+      delay    = "5s"
+      mode     = "delay"
+    }
+
+    task "install" {
+      driver = var.driver
+
+      lifecycle {
+        hook    = "prestart"
+        sidecar = false
+      }
+
+      artifact {
+        source      = var.wheel_url
+        destination = "local/dist"
+
+        dynamic "options" {
+          for_each = var.wheel_sha256 != "" ? [var.wheel_sha256] : []
+          content {
+            checksum = "sha256:${options.value}"
+          }
+        }
+      }
+
+      config {
+        command = "/bin/sh"
+        args    = concat(["-c", local.install_script, "install", var.python], local.pip_sources)
+      }
+
+      resources {
+        cpu    = 500
+        memory = var.install_memory_mb
+      }
+    }
+
+    task "router" {
+      driver = var.driver
+
+      # Out of Consul first, then SIGTERM: the router stops accepting, drains its
+      # open requests for up to drain_timeout_s, and exits 0.
+      shutdown_delay = var.shutdown_delay
+      kill_signal    = "SIGTERM"
+      kill_timeout   = "${var.drain_timeout_s + 5}s"
+
+      config {
+        command = "$${NOMAD_ALLOC_DIR}/venv/bin/router"
+        args = concat([
+          "serve",
+          "--host", "$${NOMAD_IP_http}",
+          "--port", "$${NOMAD_PORT_http}",
+          "--drain-timeout", format("%d", var.drain_timeout_s),
+          "--log-level", var.log_level,
+        ], var.args)
+      }
+
+      env = merge({ CONSUL_HTTP_ADDR = var.consul_addr }, local.planner_env)
+
+      # In the task, so Nomad deregisters it when the task stops (before the
+      # shutdown delay) and registers it again at each start. The name is
+      # llmgw_contract's ROUTER_SERVICE: planner and router never take it for a
+      # model's service.
+      service {
+        name     = "llmgw-router"
+        port     = "http"
+        provider = "consul"
+        tags     = ["llmgw", "router"]
+
+        check {
+          type     = "http"
+          path     = "/health"
+          interval = "2s"
+          timeout  = "2s"
+        }
+      }
+
+      template {
+        destination = "secrets/tokens.env"
+        env         = true
+        change_mode = "noop"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if .K | regexMatch "_TOKEN$" }}
+        {{ .K }}={{ .V | toJSON }}{{ end }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "local/settings.env"
+        env         = true
+        change_mode = "noop"
+        data        = <<-EOT
+        {{- range ls "${var.config_prefix}/${var.job_name}" }}{{ if .Key | regexMatch "^LLMGW_[A-Z0-9_]+$" }}{{ if not (.Key | regexMatch "_TOKEN$") }}
+        {{ .Key }}={{ .Value | toJSON }}{{ end }}{{ end }}{{ end }}
+        EOT
+      }
+
+      resources {
+        cpu    = var.cpu
+        memory = var.memory_mb
+      }
+    }
+  }
+}

@@ -1,0 +1,170 @@
+# Where the jobs reach the agents, from the node they run on.
+
+variable "nomad_addr" {
+  type        = string
+  default     = "http://127.0.0.1:4646"
+  description = "Nomad HTTP API as the planner reaches it from its node (NOMAD_ADDR): the local client agent by default."
+}
+
+variable "consul_addr" {
+  type        = string
+  default     = "127.0.0.1:8500"
+  description = "Consul HTTP API as the planner and router reach it from their node (CONSUL_HTTP_ADDR): host:port or http(s)://host:port."
+}
+
+# Where and how the jobs run.
+
+variable "datacenters" {
+  type        = list(string)
+  default     = ["*"]
+  description = "Datacenters both jobs may run in."
+}
+
+variable "node_pool" {
+  type        = string
+  default     = "default"
+  description = "Nomad node pool both jobs run in."
+}
+
+variable "driver" {
+  type        = string
+  default     = "raw_exec"
+  description = "Task driver of both jobs: raw_exec, or exec where raw_exec is disabled."
+}
+
+variable "planner_instances" {
+  type        = number
+  default     = 2
+  description = "Planner instances: one leader, the others standing by (1 runs without a standby)."
+
+  validation {
+    condition     = var.planner_instances >= 1
+    error_message = "planner_instances must be at least 1."
+  }
+}
+
+variable "router_instances" {
+  type        = number
+  default     = 2
+  description = "Router instances, each registered as the Consul service llmgw-router."
+
+  validation {
+    condition     = var.router_instances >= 1
+    error_message = "router_instances must be at least 1."
+  }
+}
+
+variable "router_port" {
+  type        = number
+  default     = 0
+  description = "Static port of every router instance (then at most one per node); 0: dynamic ports, found through Consul."
+}
+
+variable "planner_cpu" {
+  type        = number
+  default     = 500
+  description = "MHz for each planner instance."
+}
+
+variable "planner_memory_mb" {
+  type        = number
+  default     = 512
+  description = "MiB for each planner instance."
+}
+
+variable "router_cpu" {
+  type        = number
+  default     = 500
+  description = "MHz for each router instance."
+}
+
+variable "router_memory_mb" {
+  type        = number
+  default     = 512
+  description = "MiB for each router instance."
+}
+
+# What the jobs install.
+
+variable "wheel_url" {
+  type        = string
+  description = "URL of the llmgw wheel (dist/llmgw-<version>-py3-none-any.whl from `pip wheel --no-deps .`), fetched by Nomad's artifact downloader on each node."
+}
+
+variable "wheel_sha256" {
+  type        = string
+  default     = ""
+  description = "Expected sha256 of the wheel; empty skips the check."
+}
+
+variable "pip_index_url" {
+  type        = string
+  default     = ""
+  description = "Package index the nodes install the wheel's dependencies from; empty: pip's own configuration on the node."
+}
+
+variable "wheelhouse_url" {
+  type        = string
+  default     = ""
+  description = "Folder of dependency wheels (`pip wheel -w DIR dist/llmgw-*.whl`) the nodes install from with --no-index; empty: the index."
+}
+
+variable "python" {
+  type        = string
+  default     = "python3"
+  description = "Python >= 3.11 on the nodes, which creates each allocation's venv."
+}
+
+# Settings, tokens and policies.
+
+variable "planner_settings" {
+  type        = map(string)
+  default     = {}
+  description = "The planner's LLMGW_* environment (LLMGW_ENGINES, LLMGW_TASK_DRIVER, LLMGW_DATACENTERS...), written to Consul KV <config_prefix>/llmgw-planner/."
+
+  validation {
+    condition     = alltrue([for k in keys(var.planner_settings) : can(regex("^LLMGW_[A-Z0-9_]+$", k)) && !endswith(k, "_TOKEN")])
+    error_message = "planner_settings keys are LLMGW_* variable names; tokens (*_TOKEN) are the module's to write."
+  }
+}
+
+variable "router_settings" {
+  type        = map(string)
+  default     = {}
+  description = "The router's LLMGW_* environment (LLMGW_QUEUE_TIMEOUT, LLMGW_REPLICA_CONCURRENCY...), written to Consul KV <config_prefix>/llmgw-router/."
+
+  validation {
+    condition     = alltrue([for k in keys(var.router_settings) : can(regex("^LLMGW_[A-Z0-9_]+$", k)) && !endswith(k, "_TOKEN")])
+    error_message = "router_settings keys are LLMGW_* variable names; tokens (*_TOKEN) are the module's to write."
+  }
+}
+
+variable "config_prefix" {
+  type        = string
+  default     = "llmgw-config"
+  description = "Consul KV folder of the settings (outside llmgw/, the planner's state)."
+}
+
+variable "settings_revision" {
+  type        = string
+  default     = "1"
+  description = "Change it to roll both jobs (a deployment) with the current settings and tokens, e.g. after replacing a token."
+}
+
+variable "acl_enabled" {
+  type        = bool
+  default     = true
+  description = "Create the ACL policies and tokens (Nomad and Consul with ACLs enabled); false for a cluster without ACLs, where only the admin token is written."
+}
+
+variable "policy_dir" {
+  type        = string
+  default     = null
+  description = "Folder holding nomad/planner.hcl, nomad/router.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
+}
+
+variable "jobspec_dir" {
+  type        = string
+  default     = null
+  description = "Folder holding planner.nomad.hcl and router.nomad.hcl; null: the repository's jobspecs/ beside this module."
+}

@@ -225,6 +225,12 @@ def _exhausted(metric: Mapping[str, Any], total: int, need: GpuNeed | None) -> l
     return parts
 
 
+def schedulable(node: Mapping[str, Any], datacenters: Sequence[str] = ("*",),
+                node_pool: str | None = None) -> bool:
+    """A node stub the scheduler would evaluate (see `gpu_inventory`)."""
+    return _schedulable(node, datacenters, node_pool)
+
+
 def _schedulable(node: Mapping[str, Any], datacenters: Sequence[str],
                  node_pool: str | None) -> bool:
     return (node.get("Status") == "ready" and not node.get("Drain")

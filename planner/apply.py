@@ -22,7 +22,8 @@ from planner import rollout
 from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
-from planner.errors import DefinitionError, InvalidDefinitions
+from planner.engines.install import engine_refs
+from planner.errors import DefinitionError, InvalidDefinitions, Unavailable
 from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
@@ -215,9 +216,17 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
             prune: bool) -> tuple[dict[str, ModelDefinition], list[Change]]:
     """Validate everything and decide; changes nothing. Raises InvalidDefinitions,
     NomadRejected (a template Nomad refuses) or Unavailable."""
-    models = load_definitions(paths, settings.engines)
+    # The engines a model may name: defined ones (their install jobs in Nomad) and
+    # LLMGW_ENGINES'; a defined engine's version is what the model's job constrains on.
+    try:
+        engines = engine_refs(nomad, settings)
+    except Unavailable:
+        load_definitions(paths)  # bad files are exit 2 with Nomad down too
+        raise
+    models = load_definitions(paths, engines)
     template = settings.jobspec.read_text()
-    rendered = {name: render(d, settings, nomad, template) for name, (_, d) in models.items()}
+    rendered = {name: render(d, settings, nomad, template, engines[d.profile.engine])
+                for name, (_, d) in models.items()}
     registered = _registered_llmgw_jobs(nomad)
     _check_foreign(rendered, nomad, models, registered)
     definitions = {name: d for name, (_, d) in models.items()}

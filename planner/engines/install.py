@@ -36,6 +36,7 @@ from planner.engines.definitions import (
     EngineRef,
     load_engines,
     managed,
+    meta_key,
     unmanaged,
 )
 from planner.nomad_client import Job, NomadClient
@@ -246,13 +247,34 @@ def _nodes(nomad: NomadClient, datacenters: Sequence[str]) -> list[dict[str, Any
     return full
 
 
-def installed_nodes(nomad: NomadClient, ref: EngineRef,
-                    datacenters: Sequence[str]) -> tuple[int, int]:
-    """(schedulable nodes whose metadata records `ref.version` of the engine, schedulable
-    nodes): what the placement reason says of a missing engine."""
+@dataclass(frozen=True)
+class Progress:
+    """One engine version across the schedulable nodes: how many record it in their
+    metadata, how many there are, and how many are still on their way to it (their
+    install allocation of the current job runs, or ended well and the node has not yet
+    told the servers: a client sends a metadata change within about 5 s,
+    client/client.go nodeUpdateRetryIntv)."""
+
+    installed: int
+    nodes: int
+    installing: int
+
+
+def progress(nomad: NomadClient, name: str, version: str,
+             datacenters: Sequence[str]) -> Progress:
+    """Where engine `name` at `version` stands on the schedulable nodes."""
     nodes = _nodes(nomad, datacenters)
-    have = sum(1 for n in nodes if (n.get("Meta") or {}).get(ref.meta_key) == ref.version)
-    return have, len(nodes)
+    key = meta_key(name)
+    have = {n["ID"] for n in nodes if (n.get("Meta") or {}).get(key) == version}
+    job = nomad.job(f"{JOB_PREFIX}{name}")
+    coming = 0
+    if job is not None and not job.get("Stop") and \
+            (job.get("Meta") or {}).get(META_VERSION) == version:
+        latest = _latest_by_node(job, nomad.allocations(job["ID"]))
+        coming = sum(1 for n in nodes if n["ID"] not in have and
+                     (latest.get(n["ID"]) or {}).get("ClientStatus") in
+                     ("pending", "running", "complete"))
+    return Progress(installed=len(have), nodes=len(nodes), installing=coming)
 
 
 def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall]:
@@ -287,19 +309,24 @@ def _latest_by_node(job: Job, allocations: Sequence[Mapping[str, Any]]
     return latest
 
 
+# Task events that say why a task could not start or ended (nomad/structs/structs.go).
+_FAILURE_EVENTS = frozenset({"Failed Validation", "Driver Failure", "Failed Artifact Download",
+                             "Setup Failure", "Terminated", "Task hook failed"})
+
+
 def _alloc_error(nomad: NomadClient, alloc: Mapping[str, Any] | None) -> str:
     """A failed install's reason: the last line the task wrote to stderr (the install
-    script says what failed), else the task's last event (a failed download)."""
+    script says what failed), else the last event that says why (a failed download, a
+    config Nomad refused)."""
     if alloc is None:
         return ""
     for task, state in sorted((alloc.get("TaskStates") or {}).items()):
         tail = nomad.task_stderr_tail(alloc["ID"], task, size=2048)
-        lines = [line for line in tail.splitlines() if line.strip()]
-        if lines:
-            return lines[-1].strip()
-        events = state.get("Events") or []
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        if lines and "not started yet" not in lines[-1]:
+            return lines[-1]
+        events = [e for e in state.get("Events") or [] if e.get("Type") in _FAILURE_EVENTS]
         if events:
-            last = events[-1]
-            message = last.get("DisplayMessage") or last.get("Message", "")
-            return f"{last.get('Type', '')}: {message}"
+            message = events[-1].get("DisplayMessage") or events[-1].get("Message", "")
+            return f"{events[-1].get('Type')}: {' '.join(message.split())}"
     return alloc.get("ClientDescription") or "failed"

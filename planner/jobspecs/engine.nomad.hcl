@@ -116,12 +116,11 @@ locals {
     else
       set -- --unix-socket "$NOMAD_SECRETS_DIR/api.sock" http://localhost/v1/client/metadata
     fi
-    answer=$(curl -sS --max-time 30 -X POST -H "X-Nomad-Token: $NOMAD_TOKEN" \
-      --data "$body" -w ' HTTP %%{http_code}' "$@" 2>&1)
-    case "$answer" in
-      *" HTTP 200") ;;
-      *) fail "could not record $META_KEY=$ENGINE_VERSION in the node's metadata: $answer" ;;
-    esac
+    # No -w: Nomad reads the task's arguments as an HCL template, where a percent
+    # sign before a brace starts a directive.
+    answer=$(curl -sS -f --max-time 30 -X POST -H "X-Nomad-Token: $NOMAD_TOKEN" \
+      --data "$body" "$@" 2>&1) ||
+      fail "could not record $META_KEY=$ENGINE_VERSION in the node's metadata: $answer"
     echo "llmgw engine install: $NODE_NAME: $ENGINE $ENGINE_VERSION at $target; node meta $META_KEY=$ENGINE_VERSION"
   EOT
 }

@@ -42,9 +42,10 @@ from llmgw_contract import (
     kv_key,
     model_from_service,
 )
-from planner import actions, repair, rollout
+from planner import actions, engines, repair, rollout
 from planner import unplaceable as unplaced
 from planner.consul_client import ConsulClient
+from planner.engines import Engine
 from planner.errors import NomadRejected, PlannerError
 from planner.events import stream_events
 from planner.failures import (
@@ -60,6 +61,7 @@ from planner.failures import (
     stabilize,
     track,
 )
+from planner.jobspec import ENGINE_KIND_META
 from planner.metrics import PlannerMetrics
 from planner.nomad_client import Job, NomadClient, group_count
 from planner.placement import WarningLog, should_warn
@@ -379,6 +381,12 @@ class Watcher:
                          desired_status=alloc.get("DesiredStatus", ""),
                          replaced=bool(alloc.get("NextAllocation")))
 
+    def _engine(self, name: str) -> Engine:
+        """The model's engine kind (its job's meta names one other than llama.cpp)."""
+        meta = (self._jobs.get(name) or {}).get("Meta") or {}
+        return engines.KINDS.get(meta.get(ENGINE_KIND_META) or "", engines.engine(
+            engines.DEFAULT_KIND))
+
     def on_allocation(self, alloc: dict[str, Any]) -> None:
         """Track the replica, count its new failures, park when it is time."""
         name = alloc.get("JobID", "")
@@ -401,7 +409,8 @@ class Watcher:
             state = track(state, info)
             for failure in new_failures(state, alloc):
                 if failure.key in tails:
-                    state = judge(state, failure, tails[failure.key], self.rules)
+                    state = judge(state, failure, tails[failure.key], self.rules,
+                                  self._engine(name).error_lines)
             if placed:
                 state = state.model_copy(update={"unplaceable": None})
             return state

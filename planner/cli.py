@@ -326,8 +326,9 @@ def engines_apply(
 
 
 def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
-    """Poll every second until every schedulable node records each engine's version;
-    exit 1 naming the nodes where an install failed, or at the timeout."""
+    """Poll every second until every schedulable node ran the current install job of each
+    engine and records its version; exit 1 naming the nodes where an install failed, or
+    at the timeout."""
     deadline, last = time.monotonic() + timeout, ""
     while True:
         rows = [r for r in _installs(output) if r.engine in engines]
@@ -337,7 +338,9 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line
-        if rows and all(r.ok for r in rows):
+        # The version recorded and this job version's install done: a changed definition
+        # of the same version (a new path, a new sha256) is checked again on every node.
+        if rows and all(r.ok and r.install == "complete" for r in rows):
             return
         failed = [r for r in rows if not r.ok and r.install == "failed"]
         if failed:

@@ -78,3 +78,10 @@ def test_one_name_in_two_files_and_bad_yaml_are_errors(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidDefinitions, match="no engine files"):
         load_engines([tmp_path / "empty"])
+
+
+def test_the_demos_engine_file_is_valid() -> None:
+    folder = Path(__file__).resolve().parents[4] / "engines"
+    [(_, engine)] = load_engines([folder]).values()
+    assert (engine.name, engine.version, engine.path) == (
+        "llama.cpp", "11434", "/opt/llmgw/bin/llama-server")

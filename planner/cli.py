@@ -40,6 +40,7 @@ from planner.serve import PlannerNode
 from planner.settings import Settings
 from planner.state import StateStore
 from planner.status import ModelStatus, ReplicaState, gather, model_status
+from planner.unplaceable import engine_need
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have (an engine is not installed on some node); 2 invalid model or engine files, settings or
@@ -148,7 +149,8 @@ def _outcome_json(outcome: Outcome) -> dict[str, Any]:
     data = outcome.as_dict()
     if outcome.plan is not None:
         data["diff"] = format_diff(outcome.plan.get("Diff"))
-        data["placement"] = evaluation_reason(outcome.plan)
+        data["placement"] = evaluation_reason(outcome.plan,
+                                              engine=engine_need(outcome.change.job))
     return data
 
 
@@ -163,7 +165,7 @@ def _print_outcomes(outcomes: list[Outcome], dry_run: bool) -> None:
             out.print(f"\nplan for {o.change.model}:", markup=False)
             for line in format_diff(o.plan.get("Diff")):
                 out.print(line, markup=False)
-            unplaced = evaluation_reason(o.plan)
+            unplaced = evaluation_reason(o.plan, engine=engine_need(o.change.job))
             if unplaced:
                 out.print(f"placement: would not place: {unplaced}", markup=False)
 

@@ -164,10 +164,11 @@ def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
     return Shortfall(reason=reason, placed=placed, desired=desired)
 
 
-def evaluation_reason(evaluation: Mapping[str, Any]) -> str | None:
+def evaluation_reason(evaluation: Mapping[str, Any], *,
+                      engine: EngineNeed | None = None) -> str | None:
     """The reason an evaluation left allocations unplaced, or None if it placed them all;
     for callers without the task group count or an inventory (e.g. `apply --dry-run`)."""
-    shortfall = evaluation_shortfall(evaluation, desired=0)
+    shortfall = evaluation_shortfall(evaluation, desired=0, engine=engine)
     return shortfall.reason if shortfall else None
 
 

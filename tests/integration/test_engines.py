@@ -113,6 +113,9 @@ def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_w
     folder = write_model(tmp_path / "models", "eng-tiny", tiny_model,
                          profile='context: 512\n  cpu: 100\n  memory: 256MiB\n'
                                  '  args: ["--threads", "1"]\n  engine: llama.cpp')
+    planned = json.loads(planner("apply", str(folder), "--dry-run", "--output", "json").stdout)
+    assert planned["changes"][0]["placement"] == \
+        f"engine {ENGINE} {VERSION} is installed on 0 of 2 nodes"
     assert planner("apply", str(folder)).returncode == 0
     applied_at = time.monotonic()
     model = wait_for(lambda: (m := daemon.model("eng-tiny"))["state"] == "unplaceable" and m,

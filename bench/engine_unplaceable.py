@@ -53,10 +53,10 @@ def get_json(url: str) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    offset = free_offset(range(11000, 11050, 10))
     workdir = Path(tempfile.mkdtemp(prefix="llmgw-b", dir="/tmp"))
     children = Children(str(workdir))
-    cluster = Cluster(workdir / "c", free_offset(range(11000, 11050, 10)),
-                      clients=(ClientNode("node-b"),))
+    cluster = Cluster(workdir / "c", offset, clients=(ClientNode("node-b"),))
     cycles = []
     try:
         try:

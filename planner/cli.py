@@ -85,18 +85,20 @@ def _clients(output: Output = Output.table, **overrides: str | None
         raise typer.Exit(2) from None
 
 
-def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
-    """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit."""
+def _fail(exc: PlannerError, output: Output = Output.table, files: str = "model") -> typer.Exit:
+    """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit.
+    `files` says which definitions a list of problems is about."""
     problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
     if problems:
-        err.print(f"error: {len(problems)} problem(s) in the model files; nothing was changed:")
+        err.print(f"error: {len(problems)} problem(s) in the {files} files; nothing was "
+                  "changed:")
         for problem in problems:
             err.print(f"  {problem}", markup=False)
     else:
         err.print(f"error: {exc}", markup=False)
     if output is Output.json:
         _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
-                     f"{len(problems)} problem(s) in the model files; nothing was changed",
+                     f"{len(problems)} problem(s) in the {files} files; nothing was changed",
                      [{"file": str(p.file), "field": p.field, "message": p.message}
                       for p in problems])
     return typer.Exit(exc.exit_code)
@@ -311,7 +313,7 @@ def engines_apply(
     try:
         outcomes = execute_engines(prepare_engines(paths, settings, nomad), nomad, dry_run)
     except PlannerError as exc:
-        raise _fail(exc, output) from exc
+        raise _fail(exc, output, files="engine") from exc
     if output is Output.json:
         print(json.dumps({"dry_run": dry_run, "changes": [
             {k: v for k, v in o.items() if k != "plan"} | (

@@ -65,20 +65,32 @@ def meta_key(name: str) -> str:
     return f"{META_PREFIX}{name}"
 
 
+def _version_text(value: object) -> object:
+    if isinstance(value, float):
+        raise ValueError(f"YAML read this version as the number {value!r}: quote it, "
+                         "e.g. version: \"1.10\"")
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _hex_text(value: object) -> object:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ValueError("YAML read this sha256 as a number: quote it")
+    return value.lower() if isinstance(value, str) else value
+
+
 class EngineDefinition(BaseModel):
     """One engine, as written in one YAML file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=ENGINE_NAME_PATTERN, max_length=48)
-    # YAML reads 11434 as a number: a version is a string either way.
-    version: Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int | float)
-                                            and not isinstance(v, bool) else v)] = Field(
-        pattern=VERSION_PATTERN)
+    # YAML reads 11434 as a number: a version is a string either way (1.10 is refused:
+    # YAML made it 1.1 already).
+    version: Annotated[str, BeforeValidator(_version_text)] = Field(pattern=VERSION_PATTERN)
     kind: str = DEFAULT_KIND
     artifact: str | None = None
     path: str | None = None
-    sha256: Annotated[str, BeforeValidator(lambda v: str(v).lower())] | None = Field(
+    sha256: Annotated[str, BeforeValidator(_hex_text)] | None = Field(
         None, pattern=r"^[0-9a-f]{64}$")
 
     @field_validator("kind")
@@ -184,7 +196,8 @@ def _explain(error: Mapping[str, Any]) -> str:
                    "letter or '_' (letters, digits, '_', '-'), e.g. llama.cpp")
     elif error["type"] == "string_pattern_mismatch" and error["loc"] == ("version",):
         message = "expected a version such as 11434 or b4500 (letters, digits, '.', '_', '+', '-')"
-    if error["type"] != "missing" and "input" in error and "got " not in message:
+    if error["type"] != "missing" and error["loc"] and "input" in error and \
+            "got " not in message:
         message += f" (got {error['input']!r})"
     return message
 

@@ -48,6 +48,7 @@ def test_every_problem_names_file_field_and_expectation(tmp_path: Path) -> None:
     write(tmp_path, "name.yaml", "name: llama.3x\nversion: '1'\npath: /x\n")
     write(tmp_path, "extra.yaml", "name: e\nversion: '1'\npath: /x\nurl: y\n")
     write(tmp_path, "rel.yaml", "name: f\nversion: 'a b'\npath: bin/x\n")
+    write(tmp_path, "num.yaml", f"name: g\nversion: 1.10\npath: /x\nsha256: {'1' * 64}\n")
     found = problems(tmp_path)
     expected = [
         "both.yaml: (top level): give exactly one of artifact",
@@ -55,13 +56,17 @@ def test_every_problem_names_file_field_and_expectation(tmp_path: Path) -> None:
         "http.yaml: artifact: expected https://host/path/to/binary, got 'http://h/x'",
         "kind.yaml: kind: unknown engine kind 'vllm' (known: llama.cpp)",
         "name.yaml: name: expected a lower-case name whose dot-separated parts each start",
-        "nosha.yaml: (top level): an artifact needs its sha256",
+        "nosha.yaml: (top level): an artifact needs its sha256: nodes run what they "
+        "download",
+        "num.yaml: sha256: YAML read this sha256 as a number: quote it",
+        "num.yaml: version: YAML read this version as the number 1.1: quote it",
         "rel.yaml: path: expected an absolute path on the nodes, got 'bin/x'",
         "rel.yaml: version: expected a version such as 11434",
     ]
     assert len(found) == len(expected), found
     for line, start in zip(found, expected, strict=True):
         assert line.startswith(f"{tmp_path}/{start}"), (line, start)
+    assert found[5].endswith("download")  # a whole-file problem does not echo the file
 
 
 def test_one_name_in_two_files_and_bad_yaml_are_errors(tmp_path: Path) -> None:

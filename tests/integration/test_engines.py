@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import ClientNode, Cluster, down, free_offset, up
-from tests.conftest import TEST_PORT_OFFSETS, PlannerDaemon, nomad_get, wait_for
+from tests.conftest import TEST_PORT_OFFSETS, PlannerDaemon, http_json, nomad_get, wait_for
 from tests.integration.test_parking import write_model
 from tests.support.tls import TlsCA, serve_https
 
@@ -166,3 +166,33 @@ def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_w
     for node in nodes.node_names:
         assert (f'llmgw_engine_installed{{engine="{ENGINE}",node="{node}",'
                 f'version="{VERSION}"}} 1.0') in metrics, metrics
+
+
+def test_a_node_that_turns_eligible_later_gets_the_engine(
+        nodes: Cluster, planner: Callable, daemon: PlannerDaemon, binaries: Path,
+        tmp_path: Path) -> None:
+    """Nomad runs a sysbatch job on a node once per job version and evaluates sysbatch
+    jobs only when they change: the leader evaluates the engine's job for a node that
+    joins or turns eligible afterwards."""
+    [node_b] = [n for n in nomad_get(nodes, "/v1/nodes") if n["Name"] == "node-b"]
+    eligibility = f"{nodes.nomad_addr}/v1/node/{node_b['ID']}/eligibility"
+    http_json(eligibility, {"NodeID": node_b["ID"], "Eligibility": "ineligible"})
+    try:
+        folder = tmp_path / "late"
+        folder.mkdir()
+        (folder / "late.yaml").write_text(
+            f'name: late.cpp\nversion: "1"\npath: {(binaries / "llama-server").resolve()}\n')
+        installed = planner("engines", "apply", str(folder), "--wait", "--timeout", "120")
+        assert installed.returncode == 0, installed.stderr
+        rows = [r for r in json.loads(planner("status", "--nodes", "--output", "json").stdout)
+                if r["engine"] == "late.cpp"]
+        assert [(r["node"], r["ok"]) for r in rows] == [(nodes.node_name, True)]
+        key = "llmgw_engine_late.cpp"
+        assert nomad_get(nodes, f"/v1/node/{node_b['ID']}")["Meta"].get(key) is None
+    finally:
+        http_json(eligibility, {"NodeID": node_b["ID"], "Eligibility": "eligible"})
+    wait_for(lambda: nomad_get(nodes, f"/v1/node/{node_b['ID']}")["Meta"].get(key) == "1",
+             60, "node-b to install late.cpp once eligible")
+    assert "node node-b lacks it; evaluated llmgw-engine-late.cpp" in daemon.log.read_text()
+    listed = planner("status", "--nodes", "--output", "json")
+    assert listed.returncode == 0, listed.stdout

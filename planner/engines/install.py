@@ -281,6 +281,8 @@ def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall
     """Each defined engine on each schedulable node, by node then engine."""
     jobs = registered(nomad)
     definitions = definitions_of(jobs)
+    if not definitions:
+        return []  # no engine defined: no node to read
     allocs = {name: _latest_by_node(jobs[name], nomad.allocations(jobs[name]["ID"]))
               for name in definitions}
     rows = []

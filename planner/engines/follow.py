@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from planner.engines.install import META_VERSION, definitions_of, registered
+from planner.engines.install import META_ENGINE, META_VERSION, definitions_of, registered
 from planner.errors import PlannerError
 from planner.nomad_client import Job, NomadClient
 from planner.placement import schedulable
@@ -44,7 +44,7 @@ class EngineFollower:
 
     def on_job(self, job: Job) -> None:
         """An engine's install job changed (or was stopped)."""
-        name = (job.get("Meta") or {}).get("llmgw_engine")
+        name = (job.get("Meta") or {}).get(META_ENGINE)
         if not name or META_VERSION not in job.get("Meta", {}):
             return
         if job.get("Stop"):

@@ -3,7 +3,7 @@
 Called by `planner engines apply` (`prepare_engines`, `execute_engines`), by
 `planner apply` (`engine_refs`: which engine a model's job runs, and which version it
 constrains on), and by `planner status --nodes`, the metrics and the placement reason
-(`installs`, `installed_nodes`: what each node has).
+(`installs`, `progress`: what each node has).
 
 The durable record of a definition is its job's meta in Nomad (`llmgw_engine_record`,
 as `llmgw_record` is for models), so the planner needs no other store to know the

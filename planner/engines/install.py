@@ -39,6 +39,7 @@ from planner.engines.definitions import (
     meta_key,
     unmanaged,
 )
+from planner.jobspec import variable_file
 from planner.nomad_client import Job, NomadClient
 from planner.placement import schedulable
 from planner.settings import Settings
@@ -108,12 +109,6 @@ def variables(definition: EngineDefinition, settings: Settings) -> dict[str, Any
     }
 
 
-def _variable_file(values: Mapping[str, Any]) -> str:
-    # JSON literals are HCL2 literals; `${` and `%{` are doubled to stay literal.
-    return "".join(f"{name} = {json.dumps(value).replace('${', '$${').replace('%{', '%%{')}\n"
-                   for name, value in values.items())
-
-
 def spec_hash(job: Job) -> str:
     """16 hex chars of sha256 over the rendered job without its round and the hash."""
     meta = {k: v for k, v in (job.get("Meta") or {}).items()
@@ -127,7 +122,7 @@ def render(definition: EngineDefinition, settings: Settings, nomad: NomadClient,
     """The install job of one engine, parsed by Nomad, its record and hash in the meta.
     Raises NomadRejected when Nomad refuses it, NomadUnavailable when unreachable."""
     hcl = template if template is not None else TEMPLATE.read_text()
-    job = nomad.parse(hcl, _variable_file(variables(definition, settings)))
+    job = nomad.parse(hcl, variable_file(variables(definition, settings)))
     job["Meta"] = {**(job.get("Meta") or {}),
                    META_RECORD: definition.model_dump_json(), META_ROUND: "0"}
     job["Meta"][META_SPEC_HASH] = spec_hash(job)

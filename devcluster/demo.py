@@ -126,6 +126,7 @@ def main() -> None:
     say(f"  export PATH={BIN}:$PATH   # nomad, consul")
     say(f"  export LLMGW_ADMIN_TOKEN=$(cat {cluster.root / 'admin-token'})   # admin API")
     say("  nomad job status gemma-3-270m ; consul catalog services")
+    say("  .venv/bin/planner status --nodes   # the engines each node has")
     say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")
     say("stop it all with: make down")

@@ -2,7 +2,8 @@
 
 Called by `python -m devcluster demo` after the bootstrap. Steps, each shown
 as it runs: cluster up (standard ports, state in .run/demo), `planner serve`
-(watcher + admin API on 127.0.0.1:4650), `planner apply models/ --wait`,
+(watcher + admin API on 127.0.0.1:4650), `planner engines apply engines/
+--wait` (llama-server checked and recorded on the node), `planner apply models/ --wait`,
 router up on 127.0.0.1:8080, one completion through the router, `planner
 status`. Leaves everything running and says how to stop it (`make down`).
 The admin token is generated once and kept in .run/demo/admin-token.
@@ -48,7 +49,10 @@ def planner_env(cluster: Cluster) -> dict[str, str]:
     token = admin_token(cluster)
     return {**os.environ, **cluster.env, "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
             "LLMGW_ADMIN_TOKEN": token, "LLMGW_PLANNER_TOKEN": token,
-            "LLMGW_PLANNER_URL": f"http://127.0.0.1:{PLANNER_PORT}"}
+            "LLMGW_PLANNER_URL": f"http://127.0.0.1:{PLANNER_PORT}",
+            # Engine installs record node metadata through the agent, not the Task API
+            # socket, whose path under a deep checkout's .run/ can pass 107 bytes.
+            "LLMGW_ENGINE_NOMAD_ADDR": cluster.nomad_addr}
 
 
 def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None:
@@ -102,6 +106,9 @@ def main() -> None:
     venv = REPO / ".venv" / "bin"
     start(cluster, "planner", [str(venv / "planner"), "serve", "--port", str(PLANNER_PORT)],
           f"http://127.0.0.1:{PLANNER_PORT}/health")
+    say("planner engines apply engines/ --wait")
+    subprocess.run([str(venv / "planner"), "engines", "apply", str(REPO / "engines"),
+                    "--wait", "--timeout", "120"], env=env, check=True)
     say("planner apply models/ --wait")
     subprocess.run([str(venv / "planner"), "apply", str(REPO / "models"),
                     "--wait", "--timeout", "300"], env=env, check=True)
@@ -119,6 +126,7 @@ def main() -> None:
     say(f"  export PATH={BIN}:$PATH   # nomad, consul")
     say(f"  export LLMGW_ADMIN_TOKEN=$(cat {cluster.root / 'admin-token'})   # admin API")
     say("  nomad job status gemma-3-270m ; consul catalog services")
+    say("  .venv/bin/planner status --nodes   # the engines each node has")
     say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")
     say("stop it all with: make down")

@@ -23,7 +23,8 @@ from planner import rollout
 from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
-from planner.errors import DefinitionError, InvalidDefinitions
+from planner.engines.install import engine_refs
+from planner.errors import DefinitionError, InvalidDefinitions, Unavailable
 from planner.fit import Fit, check_models
 from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
 from planner.nomad_client import Job, NomadClient
@@ -219,10 +220,18 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     (`planner.fit`: its memory estimate from the GGUF header). Raises
     InvalidDefinitions (a bad file, or a model its header says cannot fit),
     NomadRejected (a template Nomad refuses) or Unavailable."""
-    models = load_definitions(paths, settings.engines)
+    # The engines a model may name: defined ones (their install jobs in Nomad) and
+    # LLMGW_ENGINES'; a defined engine's version is what the model's job constrains on.
+    try:
+        engines = engine_refs(nomad, settings)
+    except Unavailable:
+        load_definitions(paths)  # bad files are exit 2 with Nomad down too
+        raise
+    models = load_definitions(paths, engines)
     fits = check_models(models)
     template = settings.jobspec.read_text()
-    rendered = {name: render(d, settings, nomad, template) for name, (_, d) in models.items()}
+    rendered = {name: render(d, settings, nomad, template, engines[d.profile.engine])
+                for name, (_, d) in models.items()}
     registered = _registered_llmgw_jobs(nomad)
     _check_foreign(rendered, nomad, models, registered)
     definitions = {name: d for name, (_, d) in models.items()}

@@ -30,6 +30,7 @@ from planner import actions
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
+from planner.engines.install import NodeInstall, execute_engines, installs, prepare_engines
 from planner.errors import InvalidDefinitions, PlannerError
 from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
 from planner.fit import Fit
@@ -40,10 +41,11 @@ from planner.serve import PlannerNode
 from planner.settings import Settings
 from planner.state import StateStore
 from planner.status import ModelStatus, ReplicaState, gather, model_status
+from planner.unplaceable import engine_need
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
-have; 2 invalid model files, settings or usage; 3 Nomad or Consul unreachable, or their
-TLS certificate not verified (retry later)."""
+have (an engine is not installed on some node); 2 invalid model or engine files, settings or
+usage; 3 Nomad or Consul unreachable, or their TLS certificate not verified (retry later)."""
 
 app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -84,18 +86,20 @@ def _clients(output: Output = Output.table, **overrides: str | None
         raise typer.Exit(2) from None
 
 
-def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
-    """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit."""
+def _fail(exc: PlannerError, output: Output = Output.table, files: str = "model") -> typer.Exit:
+    """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit.
+    `files` says which definitions a list of problems is about."""
     problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
     if problems:
-        err.print(f"error: {len(problems)} problem(s) in the model files; nothing was changed:")
+        err.print(f"error: {len(problems)} problem(s) in the {files} files; nothing was "
+                  "changed:")
         for problem in problems:
             err.print(f"  {problem}", markup=False)
     else:
         err.print(f"error: {exc}", markup=False)
     if output is Output.json:
         _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
-                     f"{len(problems)} problem(s) in the model files; nothing was changed",
+                     f"{len(problems)} problem(s) in the {files} files; nothing was changed",
                      [{"file": str(p.file), "field": p.field, "message": p.message}
                       for p in problems])
     return typer.Exit(exc.exit_code)
@@ -152,7 +156,8 @@ def _outcome_json(outcome: Outcome, fits: dict[str, Fit]) -> dict[str, Any]:
         data["estimate"] = fits[outcome.change.model].as_dict()
     if outcome.plan is not None:
         data["diff"] = format_diff(outcome.plan.get("Diff"))
-        data["placement"] = evaluation_reason(outcome.plan)
+        data["placement"] = evaluation_reason(outcome.plan,
+                                              engine=engine_need(outcome.change.job))
     return data
 
 
@@ -173,7 +178,7 @@ def _print_outcomes(outcomes: list[Outcome], dry_run: bool, fits: dict[str, Fit]
             out.print(f"\nplan for {o.change.model}:", markup=False)
             for line in format_diff(o.plan.get("Diff")):
                 out.print(line, markup=False)
-            unplaced = evaluation_reason(o.plan)
+            unplaced = evaluation_reason(o.plan, engine=engine_need(o.change.job))
             if unplaced:
                 out.print(f"placement: would not place: {unplaced}", markup=False)
 
@@ -242,8 +247,14 @@ def _rows(output: Output) -> list[ModelStatus]:
 
 
 @app.command()
-def status(output: OutputOption = Output.table) -> None:
+def status(output: OutputOption = Output.table,
+           nodes: Annotated[bool, typer.Option(
+               "--nodes", help="the engines installed per node instead; exit 0 only when "
+                               "every node has every defined engine")] = False) -> None:
     """A row per applied model; exit 0 only when every model has what it should."""
+    if nodes:
+        _status_nodes(output)
+        return
     rows = _rows(output)
     if output is Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
@@ -262,6 +273,100 @@ def _print_status(rows: list[ModelStatus]) -> None:
     out.print(table)
     if not rows:
         err.print("no models applied yet (run `planner apply models/`)")
+
+
+def _installs(output: Output) -> list[NodeInstall]:
+    settings, nomad, _ = _clients(output)
+    try:
+        return installs(nomad, settings.datacenters)
+    except PlannerError as exc:
+        raise _fail(exc, output) from exc
+
+
+def _status_nodes(output: Output) -> None:
+    """`status --nodes`: each defined engine on each schedulable node."""
+    rows = _installs(output)
+    if output is Output.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+    else:
+        _print_installs(rows)
+    if not all(r.ok for r in rows):
+        raise typer.Exit(1)
+
+
+def _print_installs(rows: list[NodeInstall]) -> None:
+    table = Table("node", "engine", "version", "installed", "install", "error", box=None)
+    for r in rows:
+        table.add_row(r.node, r.engine, r.wanted, r.installed or "-", r.install or "-", r.error)
+    out.print(table)
+    if not rows:
+        err.print("no engines defined (run `planner engines apply engines/`)")
+
+
+engines_app = typer.Typer(help=f"Engines (engines/*.yaml): a sysbatch job installs each on "
+                               f"every node and records it in the node's metadata.\n\n"
+                               f"{EXIT_CODES}", no_args_is_help=True)
+app.add_typer(engines_app, name="engines")
+
+
+@engines_app.command("apply")
+def engines_apply(
+    paths: Annotated[list[Path], typer.Argument(help="engine files or folders of *.yaml")],
+    dry_run: Annotated[bool, typer.Option(help="print Nomad's plan; change nothing")] = False,
+    wait: Annotated[bool, typer.Option(help="wait until every node has them (exit 1 when "
+                                            "an install fails)")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
+    output: OutputOption = Output.table,
+) -> None:
+    """Validate every engine file, then register the install jobs that changed, run
+    again the installs that failed, and install on nodes that joined since."""
+    settings, nomad, _ = _clients(output)
+    try:
+        outcomes = execute_engines(prepare_engines(paths, settings, nomad), nomad, dry_run)
+    except PlannerError as exc:
+        raise _fail(exc, output, files="engine") from exc
+    if output is Output.json:
+        print(json.dumps({"dry_run": dry_run, "changes": [
+            {k: v for k, v in o.items() if k != "plan"} | (
+                {"diff": format_diff(o["plan"].get("Diff"))} if "plan" in o else {})
+            for o in outcomes]}, indent=2))
+    else:
+        table = Table("engine", "action", "reason", "job", "evaluation", box=None)
+        for o in outcomes:
+            table.add_row(o["engine"], o["action"], o["reason"], o["job_id"],
+                          (o["eval_id"] or "")[:8])
+        out.print(table)
+    if wait and not dry_run:
+        _wait_installed({o["engine"] for o in outcomes}, output, timeout)
+
+
+def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
+    """Poll every second until every schedulable node ran the current install job of each
+    engine and records its version; exit 1 naming the nodes where an install failed, or
+    at the timeout."""
+    deadline, last = time.monotonic() + timeout, ""
+    while True:
+        rows = [r for r in _installs(output) if r.engine in engines]
+        line = ", ".join(f"{e}: on {sum(r.ok for r in rows if r.engine == e)} of "
+                         f"{sum(1 for r in rows if r.engine == e)} nodes"
+                         for e in sorted(engines))
+        if line != last:
+            err.print(f"waiting: {line}", markup=False)
+            last = line
+        # The version recorded and this job version's install done: a changed definition
+        # of the same version (a new path, a new sha256) is checked again on every node.
+        if rows and all(r.ok and r.install == "complete" for r in rows):
+            return
+        failed = [r for r in rows if not r.ok and r.install == "failed"]
+        if failed:
+            for r in failed:
+                err.print(f"error: {r.engine} {r.wanted} failed to install on {r.node}: "
+                          f"{r.error}", markup=False)
+            raise typer.Exit(1)
+        if time.monotonic() > deadline:
+            err.print(f"error: not installed everywhere after {timeout:.0f} s")
+            raise typer.Exit(1)
+        time.sleep(1)
 
 
 @app.command()

@@ -398,7 +398,8 @@ def load_definitions(paths: list[Path], engines: Collection[str] | None = None
         if engines is not None and definition.profile.engine not in engines:
             errors.append(DefinitionError(path, "profile.engine", (
                 f"unknown engine {definition.profile.engine!r} (this planner knows: "
-                f"{', '.join(sorted(engines))}; see LLMGW_ENGINES)")))
+                f"{', '.join(sorted(engines))}; define it in engines/*.yaml and run `planner "
+                f"engines apply`, or name it in LLMGW_ENGINES)")))
     if errors:
         raise InvalidDefinitions(errors)
     return models

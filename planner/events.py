@@ -31,7 +31,8 @@ import aiohttp
 from planner.errors import NomadUnavailable
 from planner.settings import NOMAD_TLS_VARS, tls_reason
 
-TOPICS = ("Allocation", "Deployment", "Evaluation", "Job")
+# Node: engines are installed on nodes that join or turn eligible (planner.engines.follow).
+TOPICS = ("Allocation", "Deployment", "Evaluation", "Job", "Node")
 
 
 async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: int,

@@ -32,8 +32,7 @@ replayed events and planner restarts change nothing.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -46,6 +45,7 @@ from llmgw_contract.documents import (
     ReplicaRecord,
     StateDocument,
 )
+from planner.engines import llama_cpp
 
 PARK_AFTER = 5  # consecutive start failures; `planner serve --park-after` overrides
 STABLE_AFTER_S = 120  # a healthy run this long resets the counts; `--stable-after` overrides
@@ -143,36 +143,14 @@ def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailu
             if f.key not in state.counted and f.at_ns >= state.counting_from_ns]
 
 
-# llama.cpp's log prefix: elapsed time and level, "0.00.008.710 E ".
-LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) +")
-_TROUBLE = re.compile(r"error|fail|unknown|invalid|cannot|unable|no such|out of memory", re.I)
-
-
-def stderr_summary(tail: str, keep_errors: int = 8, keep_last: int = 2) -> str:
-    """What of a task's stderr tail an operator needs: its error lines (llama.cpp's
-    level E, or words of trouble), each once and in order, since llama.cpp names
-    the cause first ("failed to open GGUF file", "unknown model architecture"),
-    then its last lines. Time prefixes are dropped, so repeats collapse."""
-    lines, errors = [], []
-    for raw in tail.splitlines():
-        match = LOG_PREFIX.match(raw)
-        line = (raw[match.end():] if match else raw).strip()
-        if not line or line in lines:
-            continue
-        lines.append(line)
-        if (match and match.group(1) == "E") or _TROUBLE.search(line):
-            errors.append(line)
-    last = [line for line in lines[-keep_last:] if line not in errors[:keep_errors]]
-    return "\n".join(errors[:keep_errors] + last)
-
-
 def headline(last_error: str | None) -> str:
     """One line of a last error for a table and a log: the task event and the first
-    stderr line kept with it (`stderr_summary` puts the cause first)."""
+    stderr line kept with it (an engine's `error_lines` put the cause first; llama.cpp's
+    time prefix is dropped from what older planners kept)."""
     if not last_error:
         return ""
     first, *rest = last_error.splitlines()
-    return f"{first} | {LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
+    return f"{first} | {llama_cpp.LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
 
 
 # --- replicas -------------------------------------------------------------------------
@@ -213,17 +191,18 @@ def healthy_entry(replica: ReplicaRecord | None, failure: StartFailure) -> int:
     return min(inside, default=0)
 
 
-def judge(state: StateDocument, failure: StartFailure, stderr_tail: str,
-          rules: Rules) -> StateDocument:
+def judge(state: StateDocument, failure: StartFailure, stderr_tail: str, rules: Rules,
+          error_lines: Callable[[str], str] = llama_cpp.stderr_summary) -> StateDocument:
     """Account for one ended run of a replica of the current definition: a failure
-    (start failure, or crash within the stability window), or the end of a stable run."""
+    (start failure, or crash within the stability window), or the end of a stable run.
+    `error_lines` is the model's engine's reading of its stderr (`Engine.error_lines`)."""
     replica = state.replica(failure.alloc_id) or ReplicaRecord(alloc_id=failure.alloc_id,
                                                                definition_hash=state.definition_hash)
     counted = (*state.counted, failure.key)[-MAX_COUNTED:]
     entry = healthy_entry(replica, failure)
     if entry and failure.at_ns - entry >= rules.stable_after_ns:
         return stabilize(state.model_copy(update={"counted": counted}), replica.alloc_id, entry)
-    detail = stderr_summary(stderr_tail)
+    detail = error_lines(stderr_tail)
     message = failure.message
     if entry:
         message += f" ({(failure.at_ns - entry) / 1e9:.0f} s after it passed its health check)"

@@ -12,6 +12,12 @@ the job meta:
                          from Nomad if Consul's copy is lost
   llmgw_spec_hash        the whole rendered job, replicas included: what `apply`
                          compares to decide whether to register again
+  llmgw_engine_kind      the engine kind when it is not llama.cpp (`planner.engines`)
+
+The engine (`planner.engines.definitions.EngineRef`) gives the command, the server
+arguments and health path of its kind, and, for an engine defined in engines/*.yaml,
+the version the job constrains on (`${meta.llmgw_engine_<name>} = <version>`: only
+nodes that installed it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Any
 
 from llmgw_contract import JobMeta, ModelRecord
 from planner.definitions import ModelDefinition, resolve_source
+from planner.engines import DEFAULT_KIND, engine
+from planner.engines.definitions import EngineRef
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
 
@@ -29,6 +37,9 @@ SPEC_HASH_KEY = JobMeta.SPEC_HASH
 
 
 DOWNLOAD_ALLOWANCE_S = 1800
+# Job meta key naming the engine kind (planner.engines) of a model not run by llama.cpp;
+# the watcher reads its error lines with that engine.
+ENGINE_KIND_META = "llmgw_engine_kind"
 # Service meta key for the defined replicas (see the job template).
 REPLICAS_META = "llmgw_replicas"
 
@@ -41,14 +52,26 @@ def _hcl_value(value: Any) -> str:
     return json.dumps(value).replace("${", "$${").replace("%{", "%%{")
 
 
-def variables(definition: ModelDefinition, settings: Settings) -> dict[str, Any]:
-    """The template's variables for one model. Raises KeyError for an unknown engine."""
+def variables(definition: ModelDefinition, settings: Settings,
+              ref: EngineRef | None = None) -> dict[str, Any]:
+    """The template's variables for one model, run by engine `ref` (default: the
+    profile's engine in LLMGW_ENGINES). Raises KeyError for an unknown engine."""
     profile = definition.profile
     source = resolve_source(definition.source)
+    if ref is None:
+        ref = EngineRef(profile.engine, DEFAULT_KIND, settings.engines[profile.engine])
+    server = engine(ref.kind)
     return {
         "model": definition.name,
         "definition_hash": definition.definition_hash,
-        "engine_command": settings.engines[profile.engine],
+        "engine_command": ref.command,
+        # What differs per engine (planner.engines): its arguments and readiness path.
+        "engine_args": server.server_args(definition.name, profile.context, profile.gpus),
+        "health_path": server.health_path,
+        # Run only where the node's metadata records this version (an engine defined in
+        # engines/*.yaml); none for an LLMGW_ENGINES engine.
+        "engine_meta_key": ref.meta_key,
+        "engine_version": ref.version or "",
         "driver": settings.task_driver,
         "source_path": source.local_path or "",
         # Every shard of a split source under its own name (planner/sources.py).
@@ -124,15 +147,19 @@ def record_of(job: Job) -> ModelRecord:
 
 
 def render(definition: ModelDefinition, settings: Settings, nomad: NomadClient,
-           template: str | None = None) -> Job:
-    """The Nomad job for one model, parsed and canonicalized by Nomad, hashes in its meta.
+           template: str | None = None, ref: EngineRef | None = None) -> Job:
+    """The Nomad job for one model run by engine `ref` (see `variables`), parsed and
+    canonicalized by Nomad, hashes in its meta.
 
     Raises NomadRejected when Nomad refuses the template or its variables,
     NomadUnavailable when it cannot be reached.
     """
     hcl = template if template is not None else settings.jobspec.read_text()
-    job = nomad.parse(hcl, variable_file(variables(definition, settings)))
+    job = nomad.parse(hcl, variable_file(variables(definition, settings, ref)))
     record = definition.record().model_dump_json(exclude={"replicas"})
     job["Meta"] = {**(job.get("Meta") or {}), JobMeta.RECORD: record}
+    if ref is not None and ref.kind != DEFAULT_KIND:
+        # Only another kind is named: the jobs of llama.cpp models stay as they were.
+        job["Meta"][ENGINE_KIND_META] = ref.kind
     job["Meta"][SPEC_HASH_KEY] = spec_hash(job)
     return job

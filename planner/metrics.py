@@ -21,6 +21,11 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_planner_event_stream_last_message_timestamp_seconds
     llmgw_planner_reconcile_duration_seconds       histogram
     llmgw_certificate_expiry_timestamp_seconds{path}, llmgw_certificate_read_success{path}
+    llmgw_engine_installed{node,engine,version}    leader only: 1 where the node's metadata
+                                                   records that version, per schedulable node
+                                                   and defined engine: the defined version
+                                                   (0 where missing), and a different one a
+                                                   node records (1)
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from prometheus_client.registry import Collector
 
 from llmgw_contract import ModelState
 from llmgw_contract.certificates import CertificateCollector
+from planner.engines.install import NodeInstall
+from planner.errors import PlannerError
 from planner.statusbook import Row
 
 # A reconcile reads every model's job, allocations and evaluations: milliseconds for a
@@ -92,11 +99,48 @@ class ModelCollector(Collector):
         return []
 
 
+class EngineCollector(Collector):
+    """`llmgw_engine_installed`, from `planner.engines.install.installs` at each scrape
+    (an empty list on a follower), read at most every `min_interval` seconds: one node
+    read per node, so a fast scraper does not multiply the load on Nomad."""
+
+    def __init__(self, rows: Callable[[], Sequence[NodeInstall]],
+                 min_interval: float = 10.0) -> None:
+        self._rows, self._min_interval = rows, min_interval
+        self._cached: tuple[float, Sequence[NodeInstall]] = (float("-inf"), ())
+
+    def _read(self) -> Sequence[NodeInstall]:
+        at, rows = self._cached
+        if time.monotonic() - at >= self._min_interval:
+            try:
+                rows = self._rows()
+            except PlannerError:
+                rows = ()  # Nomad unreachable: no answer rather than a stale one
+            self._cached = (time.monotonic(), rows)
+        return rows
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "llmgw_engine_installed", "1 where the node's metadata records this version of "
+            "the engine (llmgw_engine_<name>), 0 where a schedulable node lacks the defined "
+            "version: models that need it are not placed there.",
+            labels=["node", "engine", "version"])
+        for row in self._read():
+            family.add_metric([row.node, row.engine, row.wanted], float(row.ok))
+            if row.installed and not row.ok:
+                family.add_metric([row.node, row.engine, row.installed], 1.0)
+        yield family
+
+    def describe(self) -> Sequence[Metric]:
+        return []
+
+
 class PlannerMetrics:
     """The registry and the instruments the node, leadership and watcher update."""
 
     def __init__(self, rows: Callable[[], Sequence[Row]],
-                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: ()) -> None:
+                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
+                 engines: Callable[[], Sequence[NodeInstall]] = lambda: ()) -> None:
         self.registry = CollectorRegistry()
         self.leader = Gauge("llmgw_planner_leader", "1 on the planner instance that holds the "
                             "leader lock and acts, 0 on the others.", registry=self.registry)
@@ -116,6 +160,7 @@ class PlannerMetrics:
             buckets=_RECONCILE_BUCKETS, registry=self.registry)
         self.registry.register(ModelCollector(rows))
         self.registry.register(CertificateCollector(certificate_paths))
+        self.registry.register(EngineCollector(engines))
 
     def message_seen(self) -> None:
         self.last_message.set(time.time())

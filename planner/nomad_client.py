@@ -209,6 +209,17 @@ class NomadClient:
         return self._call("list nodes", lambda: self._api.nodes.request(
             method="get", params={"resources": "true"}).json())
 
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        """One node in full (Meta: static and dynamic metadata merged), or None when
+        Nomad no longer has it."""
+        try:
+            return self._call(f"read node {node_id[:8]}",
+                              lambda: self._api.node.get_node(node_id))
+        except NomadRejected as exc:
+            if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
+                return None
+            raise
+
     def evaluation(self, eval_id: str) -> dict[str, Any]:
         return self._call(f"read evaluation {eval_id}",
                           lambda: self._api.evaluation.get_evaluation(eval_id))

@@ -43,6 +43,8 @@ GPU = f"{GPU_VENDOR}/{GPU_TYPE}"
 MISSING_DEVICES = "missing devices"
 COMPUTED_CLASS_INELIGIBLE = "computed class ineligible"
 _CONSTRAINT_WORDS = {"missing drivers": "no node has the task driver"}
+# Node metadata that records an installed engine (planner/engines/definitions.py).
+ENGINE_META_PREFIX = "llmgw_engine_"
 
 # DimensionExhausted names for devices that exist but are taken: the BinPackIterator's
 # "devices: <AssignDevice error>" (scheduler/rank.go, errors in scheduler/device.go, e.g.
@@ -70,6 +72,24 @@ class NodeGpus:
 
     node: str
     memory_bytes: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class EngineNeed:
+    """The engine a model's job constrains on: `name` at `version`, recorded in node
+    metadata `llmgw_engine_<name>` by its install job (planner/engines/install.py);
+    `installed` of `nodes` schedulable nodes have it (None: not counted)."""
+
+    name: str
+    version: str
+    installed: int | None = None
+    nodes: int | None = None
+
+    @property
+    def constraint(self) -> str:
+        """The constraint as Nomad names it in ConstraintFiltered (structs.Constraint's
+        String: "LTarget Operand RTarget"), as the job template writes it."""
+        return f"${{meta.{ENGINE_META_PREFIX}{self.name}}} = {self.version}"
 
 
 @dataclass(frozen=True)
@@ -118,14 +138,16 @@ def gpu_inventory(nodes: Sequence[Mapping[str, Any]], *, datacenters: Sequence[s
 
 def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
                          need: GpuNeed | None = None,
-                         gpus: Sequence[NodeGpus] = ()) -> Shortfall | None:
+                         gpus: Sequence[NodeGpus] = (), *,
+                         engine: EngineNeed | None = None) -> Shortfall | None:
     """What an evaluation (or plan answer) left unplaced and why; None when it left nothing.
 
     `desired` is the task group's count. Each failed task group stands for
     1 + CoalescedFailures unplaced allocations (Nomad keeps the first failure's metric and
     counts the rest, scheduler/generic_sched.go); `desired` is raised to that number if it
     is lower. `need` is None for a model without GPUs; `gpus` is `gpu_inventory(...)`, empty
-    when unknown (then device mismatches are told without naming which).
+    when unknown (then device mismatches are told without naming which). `engine` is the
+    versioned engine the job constrains on (None: an LLMGW_ENGINES engine, no constraint).
     """
     failed = {group: metric or {} for group, metric in
               (evaluation.get("FailedTGAllocs") or {}).items()}
@@ -133,7 +155,8 @@ def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
         return None
     unplaced = sum(1 + int(metric.get("CoalescedFailures") or 0) for metric in failed.values())
     desired = max(desired, unplaced)
-    reasons = dict.fromkeys(metric_reason(failed[group], need, gpus) for group in sorted(failed))
+    reasons = dict.fromkeys(metric_reason(failed[group], need, gpus, engine=engine)
+                            for group in sorted(failed))
     reason = "; ".join(reasons)
     placed = desired - unplaced
     if placed:
@@ -141,21 +164,23 @@ def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
     return Shortfall(reason=reason, placed=placed, desired=desired)
 
 
-def evaluation_reason(evaluation: Mapping[str, Any]) -> str | None:
+def evaluation_reason(evaluation: Mapping[str, Any], *,
+                      engine: EngineNeed | None = None) -> str | None:
     """The reason an evaluation left allocations unplaced, or None if it placed them all;
     for callers without the task group count or an inventory (e.g. `apply --dry-run`)."""
-    shortfall = evaluation_shortfall(evaluation, desired=0)
+    shortfall = evaluation_shortfall(evaluation, desired=0, engine=engine)
     return shortfall.reason if shortfall else None
 
 
 def metric_reason(metric: Mapping[str, Any], need: GpuNeed | None = None,
-                  gpus: Sequence[NodeGpus] = ()) -> str:
-    """One AllocMetric -> its reasons, devices first, joined by '; '."""
+                  gpus: Sequence[NodeGpus] = (), *, engine: EngineNeed | None = None) -> str:
+    """One AllocMetric -> its reasons, a missing engine first, then devices, joined by
+    '; '."""
     total = int(metric.get("NodesEvaluated") or 0)
     if total == 0:
         pools = ", ".join(sorted(metric.get("NodesAvailable") or {})) or "none"
         return f"no ready node to evaluate (datacenters with nodes: {pools})"
-    parts = _filtered(metric, total, need, gpus) + _exhausted(metric, total, need)
+    parts = _filtered(metric, total, need, gpus, engine) + _exhausted(metric, total, need)
     if not parts and metric.get("NodesExhausted"):
         parts.append(f"resources exhausted on {_nodes(metric['NodesExhausted'], total)}")
     if not parts:
@@ -164,7 +189,7 @@ def metric_reason(metric: Mapping[str, Any], need: GpuNeed | None = None,
 
 
 def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
-              gpus: Sequence[NodeGpus]) -> list[str]:
+              gpus: Sequence[NodeGpus], engine: EngineNeed | None = None) -> list[str]:
     constraints = dict(metric.get("ConstraintFiltered") or {})
     same_class = constraints.pop(COMPUTED_CLASS_INELIGIBLE, 0)
     if not constraints and same_class and _lacking_gpus(need, gpus) == same_class:
@@ -180,6 +205,8 @@ def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
         constraints[only] += same_class
         same_class = 0
     parts = []
+    if engine is not None and engine.constraint in constraints:
+        parts.append(_missing_engine(constraints.pop(engine.constraint), total, engine))
     if MISSING_DEVICES in constraints:
         parts.append(_missing_devices(constraints.pop(MISSING_DEVICES), total, need, gpus))
     for constraint, count in sorted(constraints.items()):
@@ -227,6 +254,15 @@ def _lacking_gpus(need: GpuNeed | None, gpus: Sequence[NodeGpus]) -> int | None:
     return sum(1 for node in gpus if _fitting(node, need) < need.count)
 
 
+def _missing_engine(filtered: int, total: int, engine: EngineNeed) -> str:
+    """"engine llama.cpp 11434 is installed on 0 of 2 nodes": the count is of the
+    schedulable nodes' metadata when known, else of the nodes the scheduler did not
+    filter for it."""
+    installed = engine.installed if engine.installed is not None else total - filtered
+    nodes = engine.nodes if engine.nodes is not None else total
+    return f"engine {engine.name} {engine.version} is installed on {_nodes(installed, nodes)}"
+
+
 def _exhausted(metric: Mapping[str, Any], total: int, need: GpuNeed | None) -> list[str]:
     parts, devices = [], 0
     for dimension, count in sorted((metric.get("DimensionExhausted") or {}).items()):
@@ -238,6 +274,12 @@ def _exhausted(metric: Mapping[str, Any], total: int, need: GpuNeed | None) -> l
         what = f"{GPU} devices{_at_least(need)}" if need else "devices"
         parts.insert(0, f"{what} in use on {_nodes(devices, total)}")
     return parts
+
+
+def schedulable(node: Mapping[str, Any], datacenters: Sequence[str] = ("*",),
+                node_pool: str | None = None) -> bool:
+    """A node stub the scheduler would evaluate (see `gpu_inventory`)."""
+    return _schedulable(node, datacenters, node_pool)
 
 
 def _schedulable(node: Mapping[str, Any], datacenters: Sequence[str],

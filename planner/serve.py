@@ -29,6 +29,7 @@ import aiohttp
 
 from planner.activation import Activator
 from planner.consul_client import ConsulClient
+from planner.engines.install import NodeInstall, installs
 from planner.failures import Rules
 from planner.idle import IdleScaler
 from planner.leader import Leadership
@@ -59,7 +60,7 @@ class PlannerNode:
         self.store = StateStore(consul, fence=self.leadership.session)
         self.usage = UsageBook(consul, clock)
         self.book = StatusBook(nomad, consul, self.usage, clock)
-        self.metrics = PlannerMetrics(self.book.rows, certificate_paths)
+        self.metrics = PlannerMetrics(self.book.rows, certificate_paths, self._engine_installs)
         self.activator = Activator(nomad, consul, self.store, self.usage, clock=clock,
                                    datacenters=datacenters, changed=self.book.mark)
         self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval,
@@ -67,6 +68,10 @@ class PlannerNode:
         self.watcher: Watcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+
+    def _engine_installs(self) -> list[NodeInstall]:
+        """Engines per node for the metrics: the leader's to publish, like the models'."""
+        return installs(self.nomad, self.datacenters) if self.is_leader else []
 
     @property
     def is_leader(self) -> bool:

@@ -29,6 +29,15 @@ with `nomad` and `consul` works with `planner`):
                       default "llama.cpp=/opt/llmgw/bin/llama-server" (the node
                       layout: engines in /opt/llmgw/bin, models in /opt/llmgw/models;
                       `make bootstrap` links the dev node's there)
+                      An engine defined in engines/*.yaml (`planner engines apply`) of
+                      the same name wins; these are engines assumed present on every
+                      node, neither installed nor checked.
+  LLMGW_ENGINE_ROOT   where `planner engines apply` installs artifact engines on the
+                      nodes: <root>/<engine>/<version>/; default /opt/llmgw/engines
+  LLMGW_ENGINE_NOMAD_ADDR
+                      the agent address engine installs record node metadata through
+                      (Nomad forwards ?node_id= to the node); default empty: each
+                      task's own agent, through the Task API socket
   LLMGW_TASK_DRIVER   default raw_exec (what `nomad agent -dev` enables)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)
   LLMGW_JOBSPEC       default planner/jobspecs/model.nomad.hcl (package data)
@@ -203,6 +212,8 @@ class Settings:
     consul_token: str | None = None
     engines: dict[str, str] = field(
         default_factory=lambda: {"llama.cpp": "/opt/llmgw/bin/llama-server"})
+    engine_root: str = "/opt/llmgw/engines"
+    engine_nomad_addr: str = ""
     task_driver: str = "raw_exec"
     datacenters: tuple[str, ...] = ("*",)
     jobspec: Path = DEFAULT_JOBSPEC
@@ -281,6 +292,8 @@ class Settings:
             consul_token=env.get("CONSUL_HTTP_TOKEN") or None,
             engines=_engines(env["LLMGW_ENGINES"]) if "LLMGW_ENGINES" in env
             else defaults.engines,
+            engine_root=env.get("LLMGW_ENGINE_ROOT") or defaults.engine_root,
+            engine_nomad_addr=env.get("LLMGW_ENGINE_NOMAD_ADDR", ""),
             task_driver=env.get("LLMGW_TASK_DRIVER", defaults.task_driver),
             datacenters=tuple(d.strip() for d in env.get("LLMGW_DATACENTERS", "*").split(",")),
             jobspec=Path(env.get("LLMGW_JOBSPEC", str(DEFAULT_JOBSPEC))),

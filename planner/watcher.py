@@ -7,6 +7,8 @@ Run by the leading `planner serve` (`planner.leader`), as three loops:
              any error, reconcile and reconnect with a back-off (tenacity). Nomad's
              event buffer is in memory and drops slow readers, so the reconcile on
              every (re)connect is what makes it lossless.
+             Node events (and each reconcile) get engines installed on nodes that
+             became schedulable after their install job ran (`planner.engines.follow`).
   health     a Consul blocking query on every passing check: which allocations
              pass now, and since when (a healthy run starts when one enters).
   tick       every second: runs that stayed healthy for the stability window
@@ -42,9 +44,11 @@ from llmgw_contract import (
     kv_key,
     model_from_service,
 )
-from planner import actions, repair, rollout
+from planner import actions, engines, repair, rollout
 from planner import unplaceable as unplaced
 from planner.consul_client import ConsulClient
+from planner.engines import Engine
+from planner.engines.follow import EngineFollower
 from planner.errors import NomadRejected, PlannerError
 from planner.events import stream_events
 from planner.failures import (
@@ -60,6 +64,7 @@ from planner.failures import (
     stabilize,
     track,
 )
+from planner.jobspec import ENGINE_KIND_META
 from planner.metrics import PlannerMetrics
 from planner.nomad_client import Job, NomadClient, group_count
 from planner.placement import WarningLog, should_warn
@@ -102,6 +107,7 @@ class Watcher:
         self._passing_since: dict[str, tuple[str, int]] = {}  # alloc -> (model, since ns)
         self._stabilized: set[tuple[str, int]] = set()
         self._warned: dict[str, WarningLog] = {}
+        self.engines = EngineFollower(nomad, datacenters)  # engines onto new nodes
         self._lock = threading.Lock()  # one state change at a time, whichever loop
         self.ready = asyncio.Event()  # set after the first reconcile
 
@@ -243,6 +249,7 @@ class Watcher:
         self._records = self.consul.model_records()
         for name in sorted(self._records):
             self._replay(name)
+        self.engines.reconcile()
         return index
 
     def _replay(self, name: str) -> None:
@@ -324,6 +331,8 @@ class Watcher:
             self.on_evaluation(payload["Evaluation"])
         elif event.get("Topic") == "Deployment" and "Deployment" in payload:
             self.on_deployment(payload["Deployment"])
+        elif event.get("Topic") == "Node" and "Node" in payload:
+            self.engines.on_node(payload["Node"])
 
     def _record(self, name: str) -> ModelRecord | None:
         """The model's record; read again only for a job llmgw manages whose record is not
@@ -336,6 +345,7 @@ class Watcher:
         """Remember the job (count, versions) and keep the KV copy of its parking current."""
         name = job.get("ID", "")
         if JobMeta.MODEL not in (job.get("Meta") or {}):
+            self.engines.on_job(job)
             return
         self._jobs[name] = job
         known = self._records.get(name)
@@ -379,6 +389,12 @@ class Watcher:
                          desired_status=alloc.get("DesiredStatus", ""),
                          replaced=bool(alloc.get("NextAllocation")))
 
+    def _engine(self, name: str) -> Engine:
+        """The model's engine kind (its job's meta names one other than llama.cpp)."""
+        meta = (self._jobs.get(name) or {}).get("Meta") or {}
+        return engines.KINDS.get(meta.get(ENGINE_KIND_META) or "", engines.engine(
+            engines.DEFAULT_KIND))
+
     def on_allocation(self, alloc: dict[str, Any]) -> None:
         """Track the replica, count its new failures, park when it is time."""
         name = alloc.get("JobID", "")
@@ -401,7 +417,8 @@ class Watcher:
             state = track(state, info)
             for failure in new_failures(state, alloc):
                 if failure.key in tails:
-                    state = judge(state, failure, tails[failure.key], self.rules)
+                    state = judge(state, failure, tails[failure.key], self.rules,
+                                  self._engine(name).error_lines)
             if placed:
                 state = state.model_copy(update={"unplaceable": None})
             return state

@@ -7,6 +7,9 @@
 #     -var model=tiny -var source_path=/models/tiny.gguf \
 #     -var engine_command=/usr/local/bin/llama-server jobspecs/model.nomad.hcl
 #
+# (the planner passes the engine's own arguments, alias and context included, as
+# engine_args: planner/engines/llama_cpp.py)
+#
 # Health: llama-server answers 503 on every route while it loads the model
 # and 200 on /health once ready, so the Consul check below is critical during
 # a load. check_restart.grace keeps those failures from restarting the task
@@ -27,6 +30,30 @@ variable "engine_command" {
   type        = string
   default     = "llama-server"
   description = "Path to the llama-server binary on the node."
+}
+
+variable "engine_args" {
+  type        = list(string)
+  default     = ["--model", "{model_file}", "--host", "$${NOMAD_IP_http}", "--port", "$${NOMAD_PORT_http}"]
+  description = "The engine's own arguments (planner/engines/<kind>.py); {model_file} stands for the model file."
+}
+
+variable "health_path" {
+  type        = string
+  default     = "/health"
+  description = "HTTP path the engine answers 200 on once the model is loaded."
+}
+
+variable "engine_meta_key" {
+  type        = string
+  default     = ""
+  description = "Node metadata key that records the engine's installed version (llmgw_engine_<name>)."
+}
+
+variable "engine_version" {
+  type        = string
+  default     = ""
+  description = "Run only on nodes whose engine_meta_key is this version; empty: no constraint."
 }
 
 variable "driver" {
@@ -124,7 +151,6 @@ variable "datacenters" {
 locals {
   service    = "llmgw-${var.model}"
   model_file = length(var.artifacts) > 0 ? "local/model/${var.artifacts[0].file}" : var.source_path
-  gpu_args   = var.gpus > 0 ? ["--n-gpu-layers", "999"] : []
 }
 
 job "model" {
@@ -141,6 +167,17 @@ job "model" {
 
   group "server" {
     count = var.replicas
+
+    # Only nodes where the engine's install job recorded this version
+    # (planner/jobspecs/engine.nomad.hcl): a node without it is filtered by the
+    # scheduler, never tried and failed 5 times.
+    dynamic "constraint" {
+      for_each = var.engine_version != "" ? [var.engine_version] : []
+      content {
+        attribute = "$${meta.${var.engine_meta_key}}"
+        value     = constraint.value
+      }
+    }
 
     network {
       port "http" {}
@@ -259,7 +296,7 @@ job "model" {
         # (tests/integration/test_model_state.py, C18, measures it).
         check {
           type     = "http"
-          path     = "/health"
+          path     = var.health_path
           interval = "1s"
           timeout  = "5s"
 
@@ -289,14 +326,8 @@ job "model" {
 
       config {
         command = var.engine_command
-        args = concat([
-          "--model", local.model_file,
-          "--alias", var.model,
-          "--host", "${NOMAD_IP_http}",
-          "--port", "${NOMAD_PORT_http}",
-          "--ctx-size", format("%d", var.context),
-          "--metrics",
-        ], local.gpu_args, var.args)
+        args = concat([for arg in var.engine_args : replace(arg, "{model_file}", local.model_file)],
+        var.args)
       }
 
       resources {

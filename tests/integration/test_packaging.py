@@ -48,6 +48,7 @@ def run(bin_dir: Path, *argv: str, env: dict[str, str] | None = None,
 def test_the_wheel_carries_the_job_template(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "planner/jobspecs/model.nomad.hcl" in names, names
+    assert "planner/jobspecs/engine.nomad.hcl" in names, names  # `planner engines apply`
     # The planner reads it beside its own modules, wherever it is installed.
     beside = Path(sys.modules["planner.settings"].__file__).parent
     assert beside / "jobspecs" / "model.nomad.hcl" == DEFAULT_JOBSPEC

@@ -126,7 +126,8 @@ def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: P
     found = sorted(str(e) for e in info.value.errors)
     assert len(found) == 2 and "profile.gpus" in found[0], found
     assert found[1].endswith("vllm.yaml: profile.engine: unknown engine 'vllm' (this planner "
-                             "knows: llama.cpp; see LLMGW_ENGINES)"), found
+                             "knows: llama.cpp; define it in engines/*.yaml and run "
+                             "`planner engines apply`, or name it in LLMGW_ENGINES)"), found
 
 
 @pytest.mark.parametrize(("args", "expected"), [

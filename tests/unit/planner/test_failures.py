@@ -17,7 +17,6 @@ from planner.failures import (
     passing,
     retried,
     stabilize,
-    stderr_summary,
     track,
 )
 from tests.support.nomad_mock import S, alloc, event, run
@@ -186,29 +185,6 @@ def test_retried_clears_parking_and_counts() -> None:
     assert again.replica("b1").consecutive_failures == 0
 
 
-def test_stderr_summary_keeps_the_cause_first() -> None:
-    tail = ("0.01 I loading\n0.02 E llama_model_load: error loading model: unknown model "
-            "architecture: 'kev'\n0.03 E failed to load model\n0.04 E exiting due to model "
-            "loading error\n")
-    assert "unknown model architecture: 'kev'" in stderr_summary(tail).splitlines()[0]
-
-
-# Real llama-server stderr (trimmed): a missing file and a file that is not GGUF.
-MISSING = """\
-0.00.004.312 I srv    load_model: loading model '/m/nope.gguf'
-0.00.004.400 E gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)
-0.00.004.420 E llama_model_load: error loading model: llama_model_loader: failed to load model
-0.00.004.500 E srv  llama_server: exiting due to model loading error
-"""
-GARBAGE = MISSING.replace("failed to open GGUF file '/m/x' (No such file or directory)",
-                          "invalid magic characters: '??B?', expected 'GGUF'")
-
-
-def test_stderr_summary_names_what_tells_the_failures_apart() -> None:
-    assert stderr_summary(MISSING).splitlines()[0] == \
-        "gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)"
-    assert "invalid magic characters" in stderr_summary(GARBAGE).splitlines()[0]
-    repeated = MISSING + MISSING.replace("0.00.004", "0.00.009")
-    assert stderr_summary(repeated) == stderr_summary(MISSING)  # repeats collapse
+def test_headline_drops_llama_cpp_time_prefixes() -> None:
     assert headline("Terminated: Exit Code: 1\n0.00.000.100 E boom\nmore") == \
         "Terminated: Exit Code: 1 | boom"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from llmgw_contract import ModelRecord, ModelState, StateDocument, Unplaceable
+from planner.engines.install import NodeInstall
 from planner.metrics import PlannerMetrics
 from planner.status import ModelStatus
 from planner.statusbook import Row, row, wanted_replicas
@@ -59,3 +60,15 @@ def test_a_pruned_model_leaves_no_series() -> None:
     assert 'model="a"' in metrics.exposition()[0].decode()
     rows.clear()
     assert 'model="a"' not in metrics.exposition()[0].decode()
+
+
+def test_engine_installs_per_node_at_zero_and_a_stale_version_at_one() -> None:
+    rows = [NodeInstall("a", "llama.cpp", "11434", "11434", "complete"),
+            NodeInstall("b", "llama.cpp", "11434", "11000", "failed", "sha256 mismatch"),
+            NodeInstall("c", "llama.cpp", "11434", None, "running")]
+    metrics = PlannerMetrics(lambda: [], engines=lambda: rows)
+    text = metrics.exposition()[0].decode()
+    for node, version, value in (("a", "11434", "1.0"), ("b", "11434", "0.0"),
+                                 ("b", "11000", "1.0"), ("c", "11434", "0.0")):
+        assert (f'llmgw_engine_installed{{engine="llama.cpp",node="{node}",'
+                f'version="{version}"}} {value}') in text, text

@@ -1,0 +1,329 @@
+"""Engines on the nodes: a sysbatch job per engine installs it, node metadata records it.
+
+Called by `planner engines apply` (`prepare_engines`, `execute_engines`), by
+`planner apply` (`engine_refs`: which engine a model's job runs, and which version it
+constrains on), and by `planner status --nodes`, the metrics and the placement reason
+(`installs`, `progress`: what each node has).
+
+The durable record of a definition is its job's meta in Nomad (`llmgw_engine_record`,
+as `llmgw_record` is for models), so the planner needs no other store to know the
+engines. What a node has is its dynamic metadata `llmgw_engine_<name> = <version>`,
+set by the install task itself once the engine checked out
+(`planner/jobspecs/engine.nomad.hcl`); model jobs constrain on exactly that, so the
+scheduler and every view here read the same fact.
+
+Nomad places a sysbatch job's allocation on a node once per job version
+(scheduler/system_util.go: a terminal allocation is placed again only when the job
+changed). So `execute_engines` registers a changed definition (a new version runs on
+every node), evaluates an unchanged one (a node that joined since gets its
+allocation), and re-registers one whose install failed somewhere with the next
+`llmgw_engine_round` (the only way to run it again there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from planner.engines.definitions import (
+    JOB_PREFIX,
+    EngineDefinition,
+    EngineRef,
+    load_engines,
+    managed,
+    meta_key,
+    unmanaged,
+)
+from planner.jobspec import variable_file
+from planner.nomad_client import Job, NomadClient
+from planner.placement import schedulable
+from planner.settings import Settings
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "jobspecs" / "engine.nomad.hcl"
+
+# Meta keys of an engine's install job.
+META_ENGINE = "llmgw_engine"
+META_VERSION = "llmgw_engine_version"
+META_RECORD = "llmgw_engine_record"  # the EngineDefinition as JSON
+META_ROUND = "llmgw_engine_round"  # raised to run the install again where it failed
+META_SPEC_HASH = "llmgw_spec_hash"
+
+
+class EngineAction(StrEnum):
+    CREATE = "create"
+    UPDATE = "update"
+    RETRY = "retry"  # same definition; its install failed on some node
+    UNCHANGED = "unchanged"
+
+
+@dataclass(frozen=True)
+class EngineChange:
+    engine: str
+    action: EngineAction
+    reason: str
+    job: Job | None = None
+
+
+@dataclass(frozen=True)
+class NodeInstall:
+    """One engine on one schedulable node: the version the definition wants, the one the
+    node's metadata records (None: none), and its install allocation's client status
+    ("" when it has none) with the error of a failed one."""
+
+    node: str
+    engine: str
+    wanted: str
+    installed: str | None
+    install: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.installed == self.wanted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def variables(definition: EngineDefinition, settings: Settings) -> dict[str, Any]:
+    """The install template's variables for one engine."""
+    command = definition.command(settings.engine_root)
+    artifact = definition.artifact or ""
+    return {
+        "engine": definition.name,
+        "version": definition.version,
+        "meta_key": definition.meta_key,
+        "artifact_url": artifact,
+        "artifact_sha256": definition.sha256 or "",
+        "command_file": command.rsplit("/", 1)[-1],
+        "install_dir": command.rsplit("/", 1)[0] if artifact else "",
+        "path": definition.path or "",
+        "nomad_addr": settings.engine_nomad_addr,
+        "driver": settings.task_driver,
+        "datacenters": list(settings.datacenters),
+    }
+
+
+def spec_hash(job: Job) -> str:
+    """16 hex chars of sha256 over the rendered job without its round and the hash."""
+    meta = {k: v for k, v in (job.get("Meta") or {}).items()
+            if k not in (META_SPEC_HASH, META_ROUND)}
+    canonical = json.dumps({**job, "Meta": meta}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def render(definition: EngineDefinition, settings: Settings, nomad: NomadClient,
+           template: str | None = None) -> Job:
+    """The install job of one engine, parsed by Nomad, its record and hash in the meta.
+    Raises NomadRejected when Nomad refuses it, NomadUnavailable when unreachable."""
+    hcl = template if template is not None else TEMPLATE.read_text()
+    job = nomad.parse(hcl, variable_file(variables(definition, settings)))
+    job["Meta"] = {**(job.get("Meta") or {}),
+                   META_RECORD: definition.model_dump_json(), META_ROUND: "0"}
+    job["Meta"][META_SPEC_HASH] = spec_hash(job)
+    return job
+
+
+def is_engine_job(job: Mapping[str, Any]) -> bool:
+    return META_RECORD in (job.get("Meta") or {}) and str(job.get("ID", "")).startswith(
+        JOB_PREFIX)
+
+
+def registered(nomad: NomadClient) -> dict[str, Job]:
+    """The engines' install jobs Nomad runs (not stopped), by engine name."""
+    jobs = {}
+    for stub in nomad.jobs():
+        if is_engine_job(stub) and not stub.get("Stop"):
+            job = nomad.job(stub["ID"])
+            if job is not None and not job.get("Stop"):
+                jobs[job["Meta"][META_ENGINE]] = job
+    return jobs
+
+
+def definitions_of(jobs: Mapping[str, Job]) -> dict[str, EngineDefinition]:
+    """The definitions the install jobs carry (a job whose record cannot be read is
+    left out: it was not written by this planner)."""
+    found = {}
+    for name, job in jobs.items():
+        try:
+            found[name] = EngineDefinition.model_validate_json(job["Meta"][META_RECORD])
+        except (KeyError, ValueError):
+            continue
+    return found
+
+
+def engine_refs(nomad: NomadClient, settings: Settings) -> dict[str, EngineRef]:
+    """Every engine a model may name: LLMGW_ENGINES' (unchecked), then the defined
+    engines registered in Nomad, which win over a name in both."""
+    return {**unmanaged(settings.engines),
+            **managed(definitions_of(registered(nomad)), settings.engine_root)}
+
+
+def failed_nodes(job: Job, allocations: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Nodes whose latest install allocation of this job version failed."""
+    return sorted(a.get("NodeName") or node for node, a in _latest_by_node(job, allocations).items()
+                  if a.get("ClientStatus") == "failed")
+
+
+def decide(rendered: Mapping[str, Job], jobs: Mapping[str, Job],
+           failed: Mapping[str, Sequence[str]]) -> list[EngineChange]:
+    """What each engine needs (pure): `jobs` the registered install jobs, `failed` the
+    nodes where the current version's install failed, by engine."""
+    changes = []
+    for name, job in sorted(rendered.items()):
+        old = jobs.get(name)
+        if old is None:
+            changes.append(EngineChange(name, EngineAction.CREATE, "new engine", job))
+            continue
+        old_meta = old.get("Meta") or {}
+        if old_meta.get(META_SPEC_HASH) != job["Meta"][META_SPEC_HASH]:
+            reason = (f"version {old_meta.get(META_VERSION)} -> {job['Meta'][META_VERSION]}"
+                      if old_meta.get(META_VERSION) != job["Meta"][META_VERSION]
+                      else "definition changed")
+            changes.append(EngineChange(name, EngineAction.UPDATE, reason, job))
+        elif failed.get(name):
+            round_ = int(old_meta.get(META_ROUND) or 0) + 1
+            again = {**job, "Meta": {**job["Meta"], META_ROUND: str(round_)}}
+            changes.append(EngineChange(name, EngineAction.RETRY, (
+                f"install failed on {', '.join(failed[name])}: running it again "
+                f"(round {round_})"), again))
+        else:
+            changes.append(EngineChange(name, EngineAction.UNCHANGED, "no changes"))
+    return changes
+
+
+def prepare_engines(paths: list[Path], settings: Settings,
+                    nomad: NomadClient) -> list[EngineChange]:
+    """Validate every file and render every job, then decide; changes nothing. Raises
+    InvalidDefinitions, NomadRejected or NomadUnavailable."""
+    engines = load_engines(paths)
+    template = TEMPLATE.read_text()
+    rendered = {name: render(d, settings, nomad, template) for name, (_, d) in engines.items()}
+    jobs = registered(nomad)
+    failed = {name: failed_nodes(job, nomad.allocations(job["ID"]))
+              for name, job in jobs.items() if name in rendered}
+    return decide(rendered, jobs, failed)
+
+
+def execute_engines(changes: Sequence[EngineChange], nomad: NomadClient,
+                    dry_run: bool = False) -> list[dict[str, Any]]:
+    """Register what changed, evaluate what did not (a node that joined since gets the
+    engine); with `dry_run`, Nomad's plan instead. One dict per engine: engine, action,
+    reason, job_id, eval_id (and plan with dry_run)."""
+    outcomes = []
+    for change in changes:
+        job_id = f"{JOB_PREFIX}{change.engine}"
+        outcome: dict[str, Any] = {"engine": change.engine, "action": str(change.action),
+                                   "reason": change.reason, "job_id": job_id, "eval_id": None}
+        if change.job is not None:
+            if dry_run:
+                outcome["plan"] = nomad.plan(change.job)
+            else:
+                outcome["eval_id"] = nomad.register(change.job).get("EvalID") or None
+        elif not dry_run:
+            outcome["eval_id"] = nomad.evaluate(job_id)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _nodes(nomad: NomadClient, datacenters: Sequence[str]) -> list[dict[str, Any]]:
+    """Every schedulable node in full (its Meta), in Nomad's order."""
+    full = []
+    for stub in nomad.nodes():
+        if schedulable(stub, datacenters):
+            node = nomad.node(stub["ID"])
+            if node is not None:
+                full.append(node)
+    return full
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One engine version across the schedulable nodes: how many record it in their
+    metadata, how many there are, and how many are still on their way to it (their
+    install allocation of the current job runs, or ended well and the node has not yet
+    told the servers: a client sends a metadata change within about 5 s,
+    client/client.go nodeUpdateRetryIntv)."""
+
+    installed: int
+    nodes: int
+    installing: int
+
+
+def progress(nomad: NomadClient, name: str, version: str,
+             datacenters: Sequence[str]) -> Progress:
+    """Where engine `name` at `version` stands on the schedulable nodes."""
+    nodes = _nodes(nomad, datacenters)
+    key = meta_key(name)
+    have = {n["ID"] for n in nodes if (n.get("Meta") or {}).get(key) == version}
+    job = nomad.job(f"{JOB_PREFIX}{name}")
+    coming = 0
+    if job is not None and not job.get("Stop") and \
+            (job.get("Meta") or {}).get(META_VERSION) == version:
+        latest = _latest_by_node(job, nomad.allocations(job["ID"]))
+        coming = sum(1 for n in nodes if n["ID"] not in have and
+                     (latest.get(n["ID"]) or {}).get("ClientStatus") in
+                     ("pending", "running", "complete"))
+    return Progress(installed=len(have), nodes=len(nodes), installing=coming)
+
+
+def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall]:
+    """Each defined engine on each schedulable node, by node then engine."""
+    jobs = registered(nomad)
+    definitions = definitions_of(jobs)
+    if not definitions:
+        return []  # no engine defined: no node to read
+    allocs = {name: _latest_by_node(jobs[name], nomad.allocations(jobs[name]["ID"]))
+              for name in definitions}
+    rows = []
+    for node in _nodes(nomad, datacenters):
+        meta = node.get("Meta") or {}
+        for name, definition in sorted(definitions.items()):
+            alloc = allocs[name].get(node.get("ID", ""))
+            status = (alloc or {}).get("ClientStatus", "")
+            error = _alloc_error(nomad, alloc) if status == "failed" else ""
+            rows.append(NodeInstall(node=node.get("Name", ""), engine=name,
+                                    wanted=definition.version,
+                                    installed=meta.get(definition.meta_key),
+                                    install=status, error=error))
+    return rows
+
+
+def _latest_by_node(job: Job, allocations: Sequence[Mapping[str, Any]]
+                    ) -> dict[str, Mapping[str, Any]]:
+    latest: dict[str, Mapping[str, Any]] = {}
+    for alloc in allocations:
+        if alloc.get("JobVersion") != job.get("Version"):
+            continue
+        node = alloc.get("NodeID", "")
+        if node not in latest or alloc.get("CreateIndex", 0) > latest[node].get("CreateIndex", 0):
+            latest[node] = alloc
+    return latest
+
+
+# Task events that say why a task could not start or ended (nomad/structs/structs.go).
+_FAILURE_EVENTS = frozenset({"Failed Validation", "Driver Failure", "Failed Artifact Download",
+                             "Setup Failure", "Terminated", "Task hook failed"})
+
+
+def _alloc_error(nomad: NomadClient, alloc: Mapping[str, Any] | None) -> str:
+    """A failed install's reason: the last line the task wrote to stderr (the install
+    script says what failed), else the last event that says why (a failed download, a
+    config Nomad refused)."""
+    if alloc is None:
+        return ""
+    for task, state in sorted((alloc.get("TaskStates") or {}).items()):
+        tail = nomad.task_stderr_tail(alloc["ID"], task, size=2048)
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        if lines and "not started yet" not in lines[-1]:
+            return lines[-1]
+        events = [e for e in state.get("Events") or [] if e.get("Type") in _FAILURE_EVENTS]
+        if events:
+            message = events[-1].get("DisplayMessage") or events[-1].get("Message", "")
+            return f"{events[-1].get('Type')}: {' '.join(message.split())}"
+    return alloc.get("ClientDescription") or "failed"

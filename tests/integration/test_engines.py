@@ -1,0 +1,198 @@
+"""Engines installed per node, on two real client nodes (the dev node and `node-b`).
+
+An engine defined in YAML is installed by its sysbatch job on every node, which records
+it in the node's dynamic metadata (`llmgw_engine_<name> = <version>`, set by the install
+task itself through its Task API socket and workload identity); a model's job
+constrains on it. A model whose engine is on no node is unplaceable at once with the
+reason, never started; once the engine installs, Nomad places it by itself.
+
+The cluster lives under a short folder in /tmp: the Task API socket is
+`<alloc dir>/<task>/secrets/api.sock`, and a unix socket path is at most 107 bytes
+(pytest's own temporary folders are too deep for it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from devcluster.cluster import ClientNode, Cluster, down, free_offset, up
+from tests.conftest import TEST_PORT_OFFSETS, PlannerDaemon, http_json, nomad_get, wait_for
+from tests.integration.test_parking import write_model
+from tests.support.tls import TlsCA, serve_https
+
+pytestmark = pytest.mark.integration
+
+ENGINE, VERSION = "llama.cpp", "11434"
+META_KEY = f"llmgw_engine_{ENGINE}"
+
+
+@pytest.fixture(scope="module")
+def nodes(binaries: Path, test_ca: TlsCA) -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="llmgw-e", dir="/tmp"))
+    cluster = Cluster(root, free_offset(TEST_PORT_OFFSETS), clients=(ClientNode("node-b"),))
+    try:
+        # The agents trust the test CA: the engine artifact is served over https.
+        up(cluster, extra_env={"SSL_CERT_FILE": str(test_ca.bundle)})
+        yield cluster
+    finally:
+        down(cluster)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def env(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {**os.environ, **nodes.env,
+            "LLMGW_ENGINE_ROOT": str(tmp_path_factory.mktemp("engine-root"))}
+
+
+@pytest.fixture(scope="module")
+def daemon(nodes: Cluster, env: dict[str, str]) -> Iterator[PlannerDaemon]:
+    planner = PlannerDaemon(env, nodes.root / "planner.log")
+    planner.start()
+    try:
+        yield planner
+    finally:
+        planner.stop()
+
+
+@pytest.fixture(scope="module")
+def planner(env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+    return run
+
+
+def write_engine(folder: Path, **fields: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {"name": ENGINE, "version": VERSION, **fields}
+    (folder / "engine.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in body.items()))
+    return folder
+
+
+def node_meta(cluster: Cluster) -> dict[str, str | None]:
+    return {n["Name"]: nomad_get(cluster, f"/v1/node/{n['ID']}")["Meta"].get(META_KEY)
+            for n in nomad_get(cluster, "/v1/nodes")}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_when_installed(
+        nodes: Cluster, planner: Callable, daemon: PlannerDaemon, binaries: Path,
+        tiny_model: Path, test_ca: TlsCA, env: dict[str, str], tmp_path: Path) -> None:
+    server_binary = (binaries / "llama-server").resolve()
+    # 1. An engine whose check fails on every node (its sha256 is not the file's).
+    bad = write_engine(tmp_path / "bad", path=str(server_binary), sha256="0" * 64)
+    installed = planner("engines", "apply", str(bad), "--wait", "--timeout", "120")
+    assert installed.returncode == 1, installed.stderr
+    for node in nodes.node_names:
+        assert f"failed to install on {node}" in installed.stderr, installed.stderr
+    assert f"sha256 is {sha256(server_binary)}, expected {'0' * 64}" in installed.stderr
+    listed = planner("status", "--nodes", "--output", "json")
+    assert listed.returncode == 1
+    rows = json.loads(listed.stdout)
+    assert {(r["node"], r["install"], r["installed"]) for r in rows} == {
+        (node, "failed", None) for node in nodes.node_names}
+    assert node_meta(nodes) == dict.fromkeys(nodes.node_names)
+
+    # 2. A model of that engine: unplaceable within 2 s, with the reason; never started.
+    folder = write_model(tmp_path / "models", "eng-tiny", tiny_model,
+                         profile='context: 512\n  cpu: 100\n  memory: 256MiB\n'
+                                 '  args: ["--threads", "1"]\n  engine: llama.cpp')
+    planned = json.loads(planner("apply", str(folder), "--dry-run", "--output", "json").stdout)
+    assert planned["changes"][0]["placement"] == \
+        f"engine {ENGINE} {VERSION} is installed on 0 of 2 nodes"
+    assert planner("apply", str(folder)).returncode == 0
+    applied_at = time.monotonic()
+    model = wait_for(lambda: (m := daemon.model("eng-tiny"))["state"] == "unplaceable" and m,
+                     2, "eng-tiny unplaceable within 2 s of apply")
+    print(f"engine missing: unplaceable {time.monotonic() - applied_at:.2f} s after apply")
+    assert model["reason"] == f"engine {ENGINE} {VERSION} is installed on 0 of 2 nodes"
+    assert (model["consecutive_failures"], model["start_failures_total"]) == (0, 0)
+    assert nomad_get(nodes, "/v1/job/eng-tiny/allocations") == []
+    job = nomad_get(nodes, "/v1/job/eng-tiny")
+    assert {"LTarget": f"${{meta.{META_KEY}}}", "Operand": "=", "RTarget": VERSION} in \
+        job["TaskGroups"][0]["Constraints"]
+
+    # 3. The engine fixed (an artifact every node downloads and checks): it installs
+    # on both nodes, and Nomad places the waiting model by itself.
+    site = tmp_path / "site"
+    site.mkdir()
+    shutil.copy(server_binary, site / "llama-server")
+    server = serve_https(site, test_ca)
+    try:
+        good = write_engine(tmp_path / "good", artifact=f"{server.url}/llama-server",
+                            sha256=sha256(server_binary))
+        installed = planner("engines", "apply", str(good), "--wait", "--timeout", "180")
+        assert installed.returncode == 0, installed.stderr
+    finally:
+        server.close()
+    assert node_meta(nodes) == dict.fromkeys(nodes.node_names, VERSION)
+    command = Path(env["LLMGW_ENGINE_ROOT"]) / ENGINE / VERSION / "llama-server"
+    assert sha256(command) == sha256(server_binary) and os.access(command, os.X_OK)
+    listed = planner("status", "--nodes", "--output", "json")
+    assert listed.returncode == 0, listed.stdout
+    assert {(r["node"], r["installed"], r["ok"]) for r in json.loads(listed.stdout)} == {
+        (node, VERSION, True) for node in nodes.node_names}
+    again = planner("engines", "apply", str(good), "--output", "json")
+    assert [c["action"] for c in json.loads(again.stdout)["changes"]] == ["unchanged"]
+
+    # The metadata reached the servers: Nomad's blocked evaluation placed the model.
+    model = wait_for(lambda: (m := daemon.model("eng-tiny"))["state"] == "serving" and m,
+                     90, "eng-tiny placed and serving once its engine is installed")
+    assert (model["consecutive_failures"], model["start_failures_total"]) == (0, 0)
+    # Re-applied, its job runs the installed artifact (the command changed: a rollout).
+    assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+    [alloc] = [a for a in nomad_get(nodes, "/v1/job/eng-tiny/allocations")
+               if (a["DesiredStatus"], a["ClientStatus"]) == ("run", "running")]
+    full = nomad_get(nodes, f"/v1/allocation/{alloc['ID']}")
+    assert full["Job"]["TaskGroups"][0]["Tasks"][0]["Config"]["command"] == str(command)
+    assert daemon.model("eng-tiny")["start_failures_total"] == 0
+    metrics = urllib.request.urlopen(f"{daemon.url}/metrics", timeout=10).read().decode()
+    for node in nodes.node_names:
+        assert (f'llmgw_engine_installed{{engine="{ENGINE}",node="{node}",'
+                f'version="{VERSION}"}} 1.0') in metrics, metrics
+
+
+def test_a_node_that_turns_eligible_later_gets_the_engine(
+        nodes: Cluster, planner: Callable, daemon: PlannerDaemon, binaries: Path,
+        tmp_path: Path) -> None:
+    """Nomad runs a sysbatch job on a node once per job version and evaluates sysbatch
+    jobs only when they change: the leader evaluates the engine's job for a node that
+    joins or turns eligible afterwards."""
+    [node_b] = [n for n in nomad_get(nodes, "/v1/nodes") if n["Name"] == "node-b"]
+    eligibility = f"{nodes.nomad_addr}/v1/node/{node_b['ID']}/eligibility"
+    http_json(eligibility, {"NodeID": node_b["ID"], "Eligibility": "ineligible"})
+    try:
+        folder = tmp_path / "late"
+        folder.mkdir()
+        (folder / "late.yaml").write_text(
+            f'name: late.cpp\nversion: "1"\npath: {(binaries / "llama-server").resolve()}\n')
+        installed = planner("engines", "apply", str(folder), "--wait", "--timeout", "120")
+        assert installed.returncode == 0, installed.stderr
+        rows = [r for r in json.loads(planner("status", "--nodes", "--output", "json").stdout)
+                if r["engine"] == "late.cpp"]
+        assert [(r["node"], r["ok"]) for r in rows] == [(nodes.node_name, True)]
+        key = "llmgw_engine_late.cpp"
+        assert nomad_get(nodes, f"/v1/node/{node_b['ID']}")["Meta"].get(key) is None
+    finally:
+        http_json(eligibility, {"NodeID": node_b["ID"], "Eligibility": "eligible"})
+    wait_for(lambda: nomad_get(nodes, f"/v1/node/{node_b['ID']}")["Meta"].get(key) == "1",
+             60, "node-b to install late.cpp once eligible")
+    assert "node node-b lacks it; evaluated llmgw-engine-late.cpp" in daemon.log.read_text()
+    listed = planner("status", "--nodes", "--output", "json")
+    assert listed.returncode == 0, listed.stdout

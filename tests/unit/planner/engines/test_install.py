@@ -1,0 +1,77 @@
+"""planner.engines.install, its pure parts: what each engine needs, where its install
+failed, what the template gets; and the per-node rows' verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.engines.definitions import EngineDefinition
+from planner.engines.install import (
+    META_ROUND,
+    META_SPEC_HASH,
+    META_VERSION,
+    EngineAction,
+    NodeInstall,
+    decide,
+    failed_nodes,
+    variables,
+)
+from planner.settings import Settings
+
+SHA = "cd" * 32
+
+
+def job(version: str = "11434", spec: str = "h1", round_: str = "0",
+        job_version: int = 0) -> dict[str, Any]:
+    return {"ID": "llmgw-engine-llama.cpp", "Version": job_version,
+            "Meta": {META_VERSION: version, META_SPEC_HASH: spec, META_ROUND: round_}}
+
+
+def alloc(node: str, status: str, create: int, job_version: int = 0) -> dict[str, Any]:
+    return {"NodeID": f"id-{node}", "NodeName": node, "ClientStatus": status,
+            "CreateIndex": create, "JobVersion": job_version}
+
+
+def test_decide_creates_updates_retries_and_leaves_alone() -> None:
+    rendered = {"new": job(), "bumped": job("11500", "h2"), "broken": job(),
+                "same": job()}
+    registered = {"bumped": job("11434", "h1"), "broken": job(round_="2"), "same": job()}
+    changes = {c.engine: c for c in decide(rendered, registered, {"broken": ["node-b"]})}
+    assert changes["new"].action is EngineAction.CREATE
+    assert (changes["bumped"].action, changes["bumped"].reason) == (
+        EngineAction.UPDATE, "version 11434 -> 11500")
+    retry = changes["broken"]
+    assert retry.action is EngineAction.RETRY and retry.job is not None
+    assert retry.job["Meta"][META_ROUND] == "3" and "node-b" in retry.reason
+    assert (changes["same"].action, changes["same"].job) == (EngineAction.UNCHANGED, None)
+
+
+def test_failed_nodes_reads_each_nodes_latest_allocation_of_this_version() -> None:
+    allocations = [alloc("a", "failed", 10), alloc("a", "complete", 20),  # retried, fine
+                   alloc("b", "failed", 30), alloc("c", "failed", 5, job_version=0),
+                   alloc("c", "complete", 40, job_version=1)]
+    assert failed_nodes(job(job_version=0), allocations) == ["b", "c"]
+    assert failed_nodes(job(job_version=1), allocations) == []
+
+
+def test_template_variables_for_an_artifact_and_a_path() -> None:
+    settings = Settings(engine_root="/opt/e", engine_nomad_addr="http://127.0.0.1:4646")
+    art = EngineDefinition(name="llama.cpp", version="11434",
+                           artifact="https://h/x/llama-server", sha256=SHA)
+    values = variables(art, settings)
+    assert (values["install_dir"], values["command_file"], values["path"]) == (
+        "/opt/e/llama.cpp/11434", "llama-server", "")
+    assert (values["meta_key"], values["nomad_addr"]) == (
+        "llmgw_engine_llama.cpp", "http://127.0.0.1:4646")
+    local = variables(EngineDefinition(name="x", version="1", path="/bin/x", sha256=SHA),
+                      settings)
+    assert (local["path"], local["artifact_url"], local["install_dir"],
+            local["artifact_sha256"]) == ("/bin/x", "", "", SHA)
+
+
+def test_a_node_is_ok_only_with_the_defined_version() -> None:
+    assert NodeInstall("a", "e", "2", "2").ok
+    assert not NodeInstall("a", "e", "2", "1").ok and not NodeInstall("a", "e", "2", None).ok
+    assert NodeInstall("a", "e", "2", None, "failed", "boom").as_dict() == {
+        "node": "a", "engine": "e", "wanted": "2", "installed": None, "install": "failed",
+        "error": "boom", "ok": False}

@@ -1,0 +1,56 @@
+"""The llama.cpp engine: its arguments, health path and error lines (real stderr, trimmed)."""
+
+from __future__ import annotations
+
+from planner.engines import KINDS, MODEL_FILE, NOMAD_PORT, engine
+from planner.engines.llama_cpp import ENGINE, stderr_summary
+
+
+def test_the_registry_names_llama_cpp_and_refuses_an_unknown_kind() -> None:
+    assert KINDS["llama.cpp"] is ENGINE is engine("llama.cpp")
+    try:
+        engine("vllm")
+    except KeyError as exc:
+        assert "unknown engine kind 'vllm' (known: llama.cpp)" in str(exc)
+    else:
+        raise AssertionError("no KeyError")
+
+
+def test_server_args_serve_the_model_file_on_nomads_port() -> None:
+    args = ENGINE.server_args("tiny", 512, gpus=0)
+    assert args[:2] == ["--model", MODEL_FILE]
+    assert args[args.index("--port") + 1] == NOMAD_PORT
+    assert args[args.index("--ctx-size") + 1] == "512"
+    assert "--n-gpu-layers" not in args
+    assert ENGINE.server_args("tiny", 512, gpus=1)[-2:] == ["--n-gpu-layers", "999"]
+    assert ENGINE.health_path == "/health"
+
+
+def test_stderr_summary_keeps_the_cause_first() -> None:
+    tail = ("0.01 I loading\n0.02 E llama_model_load: error loading model: unknown model "
+            "architecture: 'kev'\n0.03 E failed to load model\n0.04 E exiting due to model "
+            "loading error\n")
+    assert "unknown model architecture: 'kev'" in stderr_summary(tail).splitlines()[0]
+
+
+# Real llama-server stderr (trimmed): a missing file and a file that is not GGUF.
+MISSING = """\
+0.00.004.312 I srv    load_model: loading model '/m/nope.gguf'
+0.00.004.400 E gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)
+0.00.004.420 E llama_model_load: error loading model: llama_model_loader: failed to load model
+0.00.004.500 E srv  llama_server: exiting due to model loading error
+"""
+GARBAGE = MISSING.replace("failed to open GGUF file '/m/x' (No such file or directory)",
+                          "invalid magic characters: '??B?', expected 'GGUF'")
+
+
+def test_stderr_summary_names_what_tells_the_failures_apart() -> None:
+    assert stderr_summary(MISSING).splitlines()[0] == \
+        "gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)"
+    assert "invalid magic characters" in stderr_summary(GARBAGE).splitlines()[0]
+    repeated = MISSING + MISSING.replace("0.00.004", "0.00.009")
+    assert stderr_summary(repeated) == stderr_summary(MISSING)  # repeats collapse
+
+
+def test_error_lines_are_the_stderr_summary() -> None:
+    assert ENGINE.error_lines(MISSING) == stderr_summary(MISSING)

@@ -1,0 +1,56 @@
+"""A model whose engine is not installed: the scheduler's constraint filter on
+`${meta.llmgw_engine_<name>}` becomes "engine X V is installed on N of M nodes".
+
+Uses the canonical AllocMetric and evaluation factories of test_placement."""
+
+from __future__ import annotations
+
+from planner.placement import EngineNeed, evaluation_shortfall
+from planner.unplaceable import engine_need
+from tests.unit.planner.test_placement import evaluation, exhausted, filtered
+
+NEED = EngineNeed("llama.cpp", "11434")
+CONSTRAINT = "${meta.llmgw_engine_llama.cpp} = 11434"
+
+
+def reason(metric: dict, engine: EngineNeed | None = NEED, desired: int = 1) -> str:
+    shortfall = evaluation_shortfall(evaluation(metric), desired, engine=engine)
+    assert shortfall is not None
+    return shortfall.reason
+
+
+def test_the_constraint_is_named_as_nomad_files_it() -> None:
+    assert NEED.constraint == CONSTRAINT
+
+
+def test_an_engine_on_no_node_is_one_sentence_with_the_counts() -> None:
+    # Two nodes of one computed class: Nomad checks the first, files the second as
+    # "computed class ineligible"; both lack the engine.
+    metric = filtered(2, {CONSTRAINT: 1, "computed class ineligible": 1})
+    counted = EngineNeed("llama.cpp", "11434", installed=0, nodes=2)
+    assert reason(metric, counted) == "engine llama.cpp 11434 is installed on 0 of 2 nodes"
+    # Not counted (the metadata could not be read): the scheduler's own numbers.
+    assert reason(metric) == "engine llama.cpp 11434 is installed on 0 of 2 nodes"
+
+
+def test_a_missing_engine_comes_first_and_other_shortfalls_follow() -> None:
+    metric = filtered(3, {CONSTRAINT: 2}) | {"NodesExhausted": 1,
+                                            "DimensionExhausted": {"memory": 1}}
+    counted = EngineNeed("llama.cpp", "11434", installed=1, nodes=3)
+    assert reason(metric, counted) == ("engine llama.cpp 11434 is installed on 1 of 3 nodes; "
+                                       "memory exhausted on 1 of 3 nodes")
+
+
+def test_without_an_engine_need_the_constraint_is_told_as_any_other() -> None:
+    assert reason(filtered(1, {CONSTRAINT: 1}), None) == (
+        f'constraint {CONSTRAINT} not met: 1 of 1 node filtered ("{CONSTRAINT}")')
+    assert reason(exhausted(1, {"memory": 1})) == "memory exhausted on 1 of 1 node"
+
+
+def test_the_engine_need_is_read_from_the_jobs_constraint() -> None:
+    job = {"TaskGroups": [{"Constraints": [
+        {"LTarget": "${attr.consul.version}", "Operand": "semver", "RTarget": ">= 1.7.0"},
+        {"LTarget": "${meta.llmgw_engine_llama.cpp}", "Operand": "=", "RTarget": "11434"}]}]}
+    assert engine_need(job) == NEED
+    assert engine_need({"TaskGroups": [{"Constraints": None}]}) is None
+    assert engine_need(None) is None

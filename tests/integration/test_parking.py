@@ -11,9 +11,9 @@ import os
 import signal
 import time
 import urllib.error
-from datetime import UTC, datetime
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_contract import JobMeta, KVPrefix, Parked, UpdateFailed, kv_key
-from planner import rollout
+from llmgw_contract.acl import Permission
+from planner import access, rollout
 from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
@@ -212,10 +213,14 @@ def _check_foreign(rendered: dict[str, Job], nomad: NomadClient,
 
 
 def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: ConsulClient,
-            prune: bool) -> tuple[dict[str, ModelDefinition], list[Change]]:
-    """Validate everything and decide; changes nothing. Raises InvalidDefinitions,
-    NomadRejected (a template Nomad refuses) or Unavailable."""
+            prune: bool, needs: tuple[Permission, ...] = ()
+            ) -> tuple[dict[str, ModelDefinition], list[Change]]:
+    """Validate everything and decide; changes nothing. The files are validated before
+    the agents are asked anything (invalid files exit 2 whatever the agents); then
+    the tokens must allow `needs` (`planner.access`). Raises InvalidDefinitions,
+    PermissionDenied, NomadRejected (a template Nomad refuses) or Unavailable."""
     models = load_definitions(paths, settings.engines)
+    access.check(nomad, consul, needs)
     template = settings.jobspec.read_text()
     rendered = {name: render(d, settings, nomad, template) for name, (_, d) in models.items()}
     registered = _registered_llmgw_jobs(nomad)

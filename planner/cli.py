@@ -5,7 +5,13 @@ stderr. Exit codes (also in `planner --help`):
   0  done / every model has what it should
   1  an agent refused, or a model is short of what it should have
   2  invalid model files, settings (e.g. a TLS file that does not exist) or usage
-  3  Nomad or Consul unreachable: retry later
+  3  Nomad or Consul unreachable (retry later), or an ACL token lacks a permission
+     the command needs (the message names the rule and the policy file under acl/)
+
+Every command first asks Nomad and Consul whether its tokens (NOMAD_TOKEN,
+CONSUL_HTTP_TOKEN) allow what it is about to do (`planner.access`), so `apply`
+with a token that may not write changes nothing, and a token whose Consul reads
+would be filtered to nothing is refused rather than believed.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw_contract import ModelState
-from planner import actions
+from llmgw_contract.acl import Permission
+from planner import access, actions
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
-from planner.errors import InvalidDefinitions, PlannerError
+from planner.errors import InvalidDefinitions, PlannerError, Unavailable
 from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
 from planner.nomad_client import NomadClient
 from planner.placement import evaluation_reason
@@ -42,7 +49,8 @@ from planner.status import ModelStatus, ReplicaState, gather, model_status
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have; 2 invalid model files, settings or usage; 3 Nomad or Consul unreachable, or their
-TLS certificate not verified (retry later)."""
+TLS certificate not verified (retry later), or an ACL token (NOMAD_TOKEN,
+CONSUL_HTTP_TOKEN) lacks a permission: the message names it and the policy under acl/."""
 
 app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -64,23 +72,29 @@ class Output(StrEnum):
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
 
 
-def _clients(output: Output = Output.table, **overrides: str | None
-             ) -> tuple[Settings, NomadClient, ConsulClient]:
+def _clients(needs: tuple[Permission, ...], output: Output = Output.table,
+             **overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
     """Settings from the environment (with the options in `overrides` that were given),
-    checked, and the two agents' clients; exit 2 naming the setting that is wrong."""
+    checked, and the two agents' clients, once the agents said the tokens allow
+    `needs`; exit 2 naming the setting that is wrong, 3 naming what a token lacks (or
+    the agent that could not be asked)."""
     try:
         settings = replace(Settings.from_env(),
                            **{k: v for k, v in overrides.items() if v is not None})
         settings.validate()
-        return (settings,
-                NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls),
-                ConsulClient(settings.consul_url, settings.consul_token,
-                             tls=settings.consul_tls))
+        nomad = NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls)
+        consul = ConsulClient(settings.consul_url, settings.consul_token,
+                              tls=settings.consul_tls)
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)
         if output is Output.json:
             _print_error(2, "InvalidSettings", str(exc))
         raise typer.Exit(2) from None
+    try:
+        access.check(nomad, consul, needs)
+    except PlannerError as exc:
+        raise _fail(exc, output) from None
+    return settings, nomad, consul
 
 
 def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
@@ -118,9 +132,10 @@ def apply(
     output: OutputOption = Output.table,
 ) -> None:
     """Validate every file, then register only the models that changed."""
-    settings, nomad, consul = _clients(output)
+    settings, nomad, consul = _clients((), output)
     try:
-        definitions, changes = prepare(paths, settings, nomad, consul, prune)
+        definitions, changes = prepare(paths, settings, nomad, consul, prune,
+                                       access.APPLY_DRY_RUN if dry_run else access.APPLY)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
@@ -223,7 +238,7 @@ def _rollout(row: ModelStatus) -> str:
 
 def _rows(output: Output) -> list[ModelStatus]:
     """Every applied model's status, or exit with the agents' error."""
-    _, nomad, consul = _clients(output)
+    _, nomad, consul = _clients(access.STATUS, output)
     try:
         return gather(nomad, consul)
     except PlannerError as exc:
@@ -271,7 +286,7 @@ def models(output: OutputOption = Output.table) -> None:
 def retry(model: Annotated[str, typer.Argument(help="the model to start again")],
           output: OutputOption = Output.table) -> None:
     """Lift a model's parking and start it again (the admin API's retry, run directly)."""
-    _, nomad, consul = _clients(output)
+    _, nomad, consul = _clients(access.RETRY, output)
     try:
         record = consul.model_records().get(model)
         if record is None:
@@ -310,7 +325,15 @@ def serve(
     """Campaign for leadership; while leading, run the watcher (start failures, parking,
     placement), the idle scaler and activation; always serve the admin API (over HTTPS
     with --tls-cert/--tls-key; followers verify the leader with LLMGW_PLANNER_CACERT)."""
-    settings, nomad, consul = _clients(tls_cert=tls_cert, tls_key=tls_key)
+    settings, nomad, consul = _clients((), tls_cert=tls_cert, tls_key=tls_key)
+    try:
+        access.check(nomad, consul, access.SERVE)
+    except Unavailable as exc:
+        # The node retries its agents forever; a daemon started before them must not
+        # die of it. A token it lacks is said as soon as they answer (the 403s).
+        err.print(f"warning: could not check the ACL tokens yet: {exc}", markup=False)
+    except PlannerError as exc:
+        raise _fail(exc) from None
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)

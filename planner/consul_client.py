@@ -200,7 +200,10 @@ class ConsulClient:
                        "Value": base64.b64encode(text.encode()).decode()}}]
         def put() -> bool:
             try:
-                self._api.txn.put(ops)
+                # Not py-consul's `txn.put`: it sends no token (py-consul 1.8), so with
+                # ACLs every operation was "Permission denied" (found by test_acl.py).
+                self._api.http.put(CB.json(), "/v1/txn", data=json.dumps(ops),
+                                   headers=self._api.prepare_headers())
             except consul.exceptions.ClientError as exc:
                 failed = _failed_ops(exc)
                 if failed is None:

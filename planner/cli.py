@@ -8,6 +8,12 @@ stderr. Exit codes (also in `planner --help`):
   3  Nomad or Consul unreachable (retry later), or an ACL token lacks a permission
      the command needs (the message names the rule and the policy file under acl/)
 
+`apply --dry-run --detailed-exitcode`, for CI on a merge request, exits as
+`terraform plan -detailed-exitcode` does: 0 no changes, 2 changes, 1 any error
+(2 then no longer means invalid input, which is why it is a flag: the codes above
+stay as they are without it). `--output markdown` (apply, status) prints a
+summary fit to post on the merge request; on an error, the error as Markdown.
+
 Every command first asks Nomad and Consul whether its tokens (NOMAD_TOKEN,
 CONSUL_HTTP_TOKEN) allow what it is about to do (`planner.access`), so `apply`
 with a token that may not write changes nothing, and a token whose Consul reads
@@ -42,6 +48,7 @@ from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
 from planner.nomad_client import NomadClient
 from planner.placement import evaluation_reason
 from planner.plandiff import format_diff
+from planner.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.serve import PlannerNode
 from planner.settings import Settings
 from planner.state import StateStore
@@ -50,7 +57,9 @@ from planner.status import ModelStatus, ReplicaState, gather, model_status
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have; 2 invalid model files, settings or usage; 3 Nomad or Consul unreachable, or their
 TLS certificate not verified (retry later), or an ACL token (NOMAD_TOKEN,
-CONSUL_HTTP_TOKEN) lacks a permission: the message names it and the policy under acl/."""
+CONSUL_HTTP_TOKEN) lacks a permission: the message names it and the policy under acl/.
+`apply --dry-run --detailed-exitcode` exits as `terraform plan -detailed-exitcode`
+does instead: 0 no changes, 2 changes, 1 any error."""
 
 app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -67,9 +76,14 @@ DEPLOYMENT_DONE = frozenset({"successful", "failed", "cancelled"})
 class Output(StrEnum):
     table = "table"
     json = "json"
+    markdown = "markdown"  # apply and status: fit to post on a merge request
 
 
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
+ApplyOutputOption = Annotated[Output, typer.Option(
+    "--output", "-o", help="table, json, or markdown (a plan summary for a merge request)")]
+StatusOutputOption = Annotated[Output, typer.Option(
+    "--output", "-o", help="table, json, or markdown")]
 
 
 def _clients(needs: tuple[Permission, ...], output: Output = Output.table,
@@ -106,11 +120,14 @@ def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
             err.print(f"  {problem}", markup=False)
     else:
         err.print(f"error: {exc}", markup=False)
+    listed = [{"file": str(p.file), "field": p.field, "message": p.message}
+              for p in problems]
     if output is Output.json:
         _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
                      f"{len(problems)} problem(s) in the model files; nothing was changed",
-                     [{"file": str(p.file), "field": p.field, "message": p.message}
-                      for p in problems])
+                     listed)
+    elif output is Output.markdown:
+        print(error_markdown(str(exc), listed), end="")
     return typer.Exit(exc.exit_code)
 
 
@@ -127,11 +144,37 @@ def apply(
     paths: Annotated[list[Path], typer.Argument(help="model files or folders of *.yaml")],
     prune: Annotated[bool, typer.Option(help="deregister models no longer in these files")] = False,
     dry_run: Annotated[bool, typer.Option(help="print Nomad's plan diff; change nothing")] = False,
+    detailed_exitcode: Annotated[bool, typer.Option(
+        "--detailed-exitcode", help="with --dry-run, exit as `terraform plan "
+        "-detailed-exitcode` does: 0 no changes, 2 changes, 1 any error")] = False,
     wait: Annotated[bool, typer.Option(help="wait until changed models pass their checks")] = False,
     timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
-    output: OutputOption = Output.table,
+    output: ApplyOutputOption = Output.table,
 ) -> None:
-    """Validate every file, then register only the models that changed."""
+    """Validate every file, then register only the models that changed.
+
+    With --dry-run --detailed-exitcode (for CI on a merge request): exit 0 when
+    nothing would change, 2 when something would, 1 on any error (invalid files,
+    an agent unreachable or refusing, a token lacking a permission; the message,
+    and with --output json the error's `exit_code`, say which)."""
+    if detailed_exitcode and not dry_run:
+        err.print("error: --detailed-exitcode goes with --dry-run (it reports a plan)")
+        raise typer.Exit(1)
+    try:
+        changed = _apply(paths, prune, dry_run, wait, timeout, output)
+    except typer.Exit as exc:
+        if detailed_exitcode and exc.exit_code != 0:
+            raise typer.Exit(1) from None
+        raise
+    if detailed_exitcode and changed:
+        raise typer.Exit(2)
+
+
+def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: float,
+           output: Output) -> bool:
+    """`apply`'s work; whether anything changed (or would, in a dry run). Exits 1 when a
+    definition Nomad rolled back was refused or --wait saw a model give up, 2 or 3 as
+    the module says."""
     settings, nomad, consul = _clients((), output)
     try:
         definitions, changes = prepare(paths, settings, nomad, consul, prune,
@@ -143,6 +186,8 @@ def apply(
     if output is Output.json:
         print(json.dumps({"dry_run": dry_run, "changes": [_outcome_json(o) for o in outcomes]},
                          indent=2))
+    elif output is Output.markdown:
+        print(outcomes_markdown(outcomes, dry_run), end="")
     else:
         _print_outcomes(outcomes, dry_run)
     if not changed:
@@ -156,6 +201,7 @@ def apply(
                       nomad, consul, timeout)
     if refused:
         raise typer.Exit(1)
+    return bool(changed)
 
 
 def _outcome_json(outcome: Outcome) -> dict[str, Any]:
@@ -246,11 +292,13 @@ def _rows(output: Output) -> list[ModelStatus]:
 
 
 @app.command()
-def status(output: OutputOption = Output.table) -> None:
+def status(output: StatusOutputOption = Output.table) -> None:
     """A row per applied model; exit 0 only when every model has what it should."""
     rows = _rows(output)
     if output is Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
+    elif output is Output.markdown:
+        print(status_markdown(rows), end="")
     else:
         _print_status(rows)
     if not all(r.satisfied for r in rows):

@@ -76,17 +76,25 @@ DEPLOYMENT_DONE = frozenset({"successful", "failed", "cancelled"})
 class Output(StrEnum):
     table = "table"
     json = "json"
-    markdown = "markdown"  # apply and status: fit to post on a merge request
+
+
+class ReportOutput(StrEnum):
+    """`apply` and `status` also write Markdown, fit to post on a merge request.
+    Compared with ==, so an Output and a ReportOutput of one value are equal."""
+
+    table = "table"
+    json = "json"
+    markdown = "markdown"
 
 
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
-ApplyOutputOption = Annotated[Output, typer.Option(
+ApplyOutputOption = Annotated[ReportOutput, typer.Option(
     "--output", "-o", help="table, json, or markdown (a plan summary for a merge request)")]
-StatusOutputOption = Annotated[Output, typer.Option(
+StatusOutputOption = Annotated[ReportOutput, typer.Option(
     "--output", "-o", help="table, json, or markdown")]
 
 
-def _clients(needs: tuple[Permission, ...], output: Output = Output.table,
+def _clients(needs: tuple[Permission, ...], output: Output | ReportOutput = Output.table,
              **overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
     """Settings from the environment (with the options in `overrides` that were given),
     checked, and the two agents' clients, once the agents said the tokens allow
@@ -101,7 +109,7 @@ def _clients(needs: tuple[Permission, ...], output: Output = Output.table,
                               tls=settings.consul_tls)
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)
-        if output is Output.json:
+        if output == Output.json:
             _print_error(2, "InvalidSettings", str(exc))
         raise typer.Exit(2) from None
     try:
@@ -111,7 +119,7 @@ def _clients(needs: tuple[Permission, ...], output: Output = Output.table,
     return settings, nomad, consul
 
 
-def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
+def _fail(exc: PlannerError, output: Output | ReportOutput = Output.table) -> typer.Exit:
     """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit."""
     problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
     if problems:
@@ -122,11 +130,11 @@ def _fail(exc: PlannerError, output: Output = Output.table) -> typer.Exit:
         err.print(f"error: {exc}", markup=False)
     listed = [{"file": str(p.file), "field": p.field, "message": p.message}
               for p in problems]
-    if output is Output.json:
+    if output == Output.json:
         _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
                      f"{len(problems)} problem(s) in the model files; nothing was changed",
                      listed)
-    elif output is Output.markdown:
+    elif output == ReportOutput.markdown:
         print(error_markdown(str(exc), listed), end="")
     return typer.Exit(exc.exit_code)
 
@@ -149,7 +157,7 @@ def apply(
         "-detailed-exitcode` does: 0 no changes, 2 changes, 1 any error")] = False,
     wait: Annotated[bool, typer.Option(help="wait until changed models pass their checks")] = False,
     timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
-    output: ApplyOutputOption = Output.table,
+    output: ApplyOutputOption = ReportOutput.table,
 ) -> None:
     """Validate every file, then register only the models that changed.
 
@@ -171,7 +179,7 @@ def apply(
 
 
 def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: float,
-           output: Output) -> bool:
+           output: ReportOutput) -> bool:
     """`apply`'s work; whether anything changed (or would, in a dry run). Exits 1 when a
     definition Nomad rolled back was refused or --wait saw a model give up, 2 or 3 as
     the module says."""
@@ -183,10 +191,10 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
     except PlannerError as exc:
         raise _fail(exc, output) from exc
     changed = [o for o in outcomes if o.change.action in MUTATIONS]
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps({"dry_run": dry_run, "changes": [_outcome_json(o) for o in outcomes]},
                          indent=2))
-    elif output is Output.markdown:
+    elif output == ReportOutput.markdown:
         print(outcomes_markdown(outcomes, dry_run), end="")
     else:
         _print_outcomes(outcomes, dry_run)
@@ -282,7 +290,7 @@ def _rollout(row: ModelStatus) -> str:
             f"replica(s) healthy, {len(row.replicas) - len(new)} old serving meanwhile")
 
 
-def _rows(output: Output) -> list[ModelStatus]:
+def _rows(output: Output | ReportOutput) -> list[ModelStatus]:
     """Every applied model's status, or exit with the agents' error."""
     _, nomad, consul = _clients(access.STATUS, output)
     try:
@@ -292,12 +300,12 @@ def _rows(output: Output) -> list[ModelStatus]:
 
 
 @app.command()
-def status(output: StatusOutputOption = Output.table) -> None:
+def status(output: StatusOutputOption = ReportOutput.table) -> None:
     """A row per applied model; exit 0 only when every model has what it should."""
     rows = _rows(output)
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
-    elif output is Output.markdown:
+    elif output == ReportOutput.markdown:
         print(status_markdown(rows), end="")
     else:
         _print_status(rows)
@@ -320,7 +328,7 @@ def _print_status(rows: list[ModelStatus]) -> None:
 def models(output: OutputOption = Output.table) -> None:
     """The applied models with their state, failures, reason and last error (always exit 0)."""
     rows = _rows(output)
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return
     table = Table("model", "state", "failures", "reason", "since", "last error", box=None)
@@ -339,14 +347,14 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
         record = consul.model_records().get(model)
         if record is None:
             err.print(f"error: model {model!r} was never applied")
-            if output is Output.json:
+            if output == Output.json:
                 _print_error(2, "UnknownModel", f"model {model!r} was never applied")
             raise typer.Exit(2)
         state, done = actions.retry(nomad, StateStore(consul), model)
         row = model_status(nomad, consul, model, record, state)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps({**row.as_dict(), "retry": done}, indent=2))
     else:
         err.print(f"{model}: {done} (now {row.state}: {row.reason})")

@@ -38,6 +38,7 @@ NO_UI_TEXT = "Nomad UI is not available in this binary"
 # The meta keys llmgw writes on a model's job (llmgw_contract.JobMeta), by prefix: the
 # demo imports no planner code.
 META_PREFIX = "llmgw_"
+PARKED_PREFIX = "llmgw_parked_"
 
 ROUTER_PORT = 8080
 PLANNER_PORT = 4650
@@ -144,6 +145,8 @@ def show_job(cluster: Cluster, job_id: str) -> None:
     say("its llmgw_* meta (a parked model's reason and last error are here):")
     for line in meta_lines(meta):
         print(f"  {line}", file=sys.stderr)
+    if not any(key.startswith(PARKED_PREFIX) for key in meta):
+        print("  (not parked: no llmgw_parked_* keys)", file=sys.stderr)
 
 
 def main() -> None:

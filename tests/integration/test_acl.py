@@ -150,8 +150,8 @@ def test_planner_and_router_work_with_exactly_their_policies(
     assert applied.returncode == 0, applied.stderr
 
     daemon = PlannerDaemon(planner_env, acl_cluster.root / "planner.log")
-    daemon.start()
     try:
+        daemon.start()  # in the try: a start that times out still stops the process
         assert http_json(f"{daemon.url}/health")["role"] == "leader"
         # The router: its Consul token only, no Nomad token at all.
         with run_router(acl_cluster, daemon.url, CONSUL_HTTP_TOKEN=tokens.router_consul,

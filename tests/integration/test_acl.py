@@ -167,17 +167,16 @@ def test_planner_and_router_work_with_exactly_their_policies(
         assert planner_cli(planner_env, "apply",
                            str(write_model(folder, "acl-kev", kev))).returncode == 0
         failing = wait_for(lambda: (m := daemon.model("acl-kev"))["consecutive_failures"] >= 1
-                           and m, 60, "acl-kev's first counted failure")
-        assert KEV_ERROR in failing["last_error"]
+                           and KEV_ERROR in (m["last_error"] or "") and m, 60,
+                           "acl-kev's first counted failure, with llama.cpp's stderr")
+        assert failing["state"] in ("failing", "parked")
         retried = planner_cli(planner_env, "retry", "acl-kev")
         assert retried.returncode == 0, retried.stderr
-        pruned = planner_cli(planner_env, "apply", str(write_model(
-            tmp_path / "only-tiny", "acl-tiny", tiny_model)), "--prune")
-        assert pruned.returncode == 0, pruned.stderr
+        # status works with the token: exit 1 only because acl-kev is short of a replica.
         status = planner_cli(planner_env, "status", "--output", "json")
-        assert status.returncode == 0, status.stderr
-        assert [(r["name"], r["state"]) for r in json.loads(status.stdout)] == [
-            ("acl-tiny", "serving")]
+        assert status.returncode == 1, status.stderr
+        rows = {r["name"]: r["state"] for r in json.loads(status.stdout)}
+        assert rows["acl-tiny"] == "serving" and rows["acl-kev"] != "serving"
         assert "denied" not in daemon.log.read_text()
     finally:
         daemon.stop()

@@ -10,12 +10,14 @@ is a `nomad agent -config` in client mode, joined to the dev node's Nomad server
 with its own `consul agent` in client mode joined to the dev Consul server. All
 state, logs and pid files live under one folder (`root`). The port layout, and
 how each node is configured and kept apart from the others, is
-devcluster/nodes.py; `Cluster`, `ClientNode`, `FakeGpus` and `TlsFiles` live there
-and are re-exported here. A client node given `gpus=FakeGpus(...)` reports fake
-nvidia/gpu devices through the test-only device plugin devcluster/fakegpu (built
+devcluster/nodes.py; `Cluster`, `ClientNode`, `FakeGpus`, `AclTokens` and `TlsFiles`
+live there and are re-exported here. A client node given `gpus=FakeGpus(...)` reports
+fake nvidia/gpu devices through the test-only device plugin devcluster/fakegpu (built
 by the bootstrap); `up` waits until the server lists them. With `tls`, every call
 this module makes to the agents (the readiness checks, `down`'s job stops) is HTTPS
-with the cluster's client certificate (`client_context`).
+with the cluster's client certificate (`client_context`). With `acl`, `up` bootstraps
+Nomad's ACLs with the cluster's own secret, and every call carries the management
+tokens (`_headers`).
 
 What a client agent does that `-dev` did for the dev node: it keeps its
 allocations when it stops, tmpfs `secrets`/`private` mounts included, to
@@ -58,6 +60,7 @@ from devcluster.bootstrap import BIN, FAKE_GPU
 from devcluster.nodes import (
     DEV_PORTS,
     MAX_CLIENTS,
+    AclTokens,
     ClientNode,
     Cluster,
     FakeGpus,
@@ -71,8 +74,8 @@ from devcluster.nodes import (
     nomad_data,
 )
 
-__all__ = ["MAX_CLIENTS", "ClientNode", "Cluster", "FakeGpus", "TlsFiles", "client_context",
-           "down", "free_offset", "leftovers", "status", "up"]
+__all__ = ["MAX_CLIENTS", "AclTokens", "ClientNode", "Cluster", "FakeGpus", "TlsFiles",
+           "client_context", "down", "free_offset", "leftovers", "status", "up"]
 
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset"), Path("/sys/fs/cgroup"))  # v1 cpuset, v2
 
@@ -87,9 +90,35 @@ def client_context(cluster: Cluster) -> ssl.SSLContext | None:
     return context
 
 
-def _get_json(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> object:
-    with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+def _headers(cluster: Cluster) -> dict[str, str]:
+    """The management tokens of an ACL cluster (none otherwise)."""
+    return cluster.acl.headers if cluster.acl is not None else {}
+
+
+def _get_json(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None,
+              headers: Mapping[str, str] | None = None) -> object:
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
         return json.load(response)
+
+
+def _bootstrap_nomad_acl(cluster: Cluster, acl: AclTokens) -> bool:
+    """Bootstrap Nomad's ACLs with `acl.nomad` as the management token's secret; True
+    once done (now, or before: our secret then works). Nomad answers 500 until it
+    has a leader."""
+    context = client_context(cluster)
+    request = urllib.request.Request(
+        f"{cluster.nomad_addr}/v1/acl/bootstrap", method="POST",
+        data=json.dumps({"BootstrapSecret": acl.nomad}).encode())
+    try:
+        urllib.request.urlopen(request, timeout=5, context=context).close()
+        return True
+    except urllib.error.HTTPError as exc:
+        if exc.code != 400:  # 400: bootstrap already done
+            raise OSError(f"ACL bootstrap: HTTP {exc.code}: {exc.read().decode()}") from None
+    _get_json(f"{cluster.nomad_addr}/v1/acl/token/self", context=context,
+              headers=_headers(cluster))
+    return True
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
@@ -173,19 +202,23 @@ def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None
     context = client_context(cluster)
     cluster.root.mkdir(parents=True, exist_ok=True)
     fresh = _running_pid(cluster, "nomad") is None
+    headers = _headers(cluster)
     _start(cluster, "consul", consul_argv(cluster), cluster.consul_http_port)
-    _wait("consul", lambda: _has_leader(cluster.consul_addr, cluster.node_name, context),
-          timeout, cluster.log("consul"))
+    _wait("consul", lambda: _has_leader(cluster.consul_addr, cluster.node_name, context,
+                                        headers), timeout, cluster.log("consul"))
     config = cluster.root / "nomad.hcl"
     _start(cluster, "nomad", [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
            cluster.nomad_http_port, env, (config, nomad_config(cluster)))
     for node in cluster.clients:
         _start(cluster, f"consul-{node.name}", consul_client_argv(cluster, node),
                client_ports(cluster, node)["consul_http"])
+    if (acl := cluster.acl) is not None:
+        _wait("nomad ACL bootstrap", lambda: _bootstrap_nomad_acl(cluster, acl), timeout,
+              cluster.log("nomad"))
     # Client nodes start once the server has a leader: a Nomad client that finds
     # no server waits 15 s before it tries to register again.
-    _wait("nomad server", lambda: _has_leader(cluster.nomad_addr, cluster.node_name, context),
-          timeout, cluster.log("nomad"))
+    _wait("nomad server", lambda: _has_leader(cluster.nomad_addr, cluster.node_name, context,
+                                              headers), timeout, cluster.log("nomad"))
     for node in cluster.clients:
         _start_nomad_client(cluster, node, env, timeout, fresh)
     _wait("nomad node", lambda: _node_ready(cluster, cluster.node_name), timeout,
@@ -215,18 +248,20 @@ def _start_nomad_client(cluster: Cluster, node: ClientNode, env: Mapping[str, st
            ports["nomad_http"], {**env, **node.env}, (config, nomad_client_config(cluster, node)))
 
 
-def _check_ours(addr: str, name: str, context: ssl.SSLContext | None = None) -> None:
+def _check_ours(addr: str, name: str, context: ssl.SSLContext | None = None,
+                headers: Mapping[str, str] | None = None) -> None:
     """Raise OSError unless the agent answering at `addr` (Consul or Nomad) is node
     `name`, i.e. ours and not another one holding the port."""
-    me = _get_json(f"{addr}/v1/agent/self", context=context)
+    me = _get_json(f"{addr}/v1/agent/self", context=context, headers=headers)
     config = me.get("Config") or me.get("config")  # type: ignore[union-attr]
     if config["NodeName"] != name:
         raise OSError(f"{addr} is held by another agent, {config['NodeName']}")
 
 
-def _has_leader(addr: str, name: str, context: ssl.SSLContext | None = None) -> bool:
+def _has_leader(addr: str, name: str, context: ssl.SSLContext | None = None,
+                headers: Mapping[str, str] | None = None) -> bool:
     """Ours, and it knows a leader (a Consul client agent only once it has joined)."""
-    _check_ours(addr, name, context)
+    _check_ours(addr, name, context, headers)
     return bool(_get_json(f"{addr}/v1/status/leader", context=context))
 
 
@@ -253,7 +288,8 @@ def _gpus_listed(cluster: Cluster, node: ClientNode) -> bool:
 
 def _node_ready(cluster: Cluster, name: str) -> bool:
     """The server lists a node of that name as ready, with raw_exec healthy."""
-    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes", context=client_context(cluster))
+    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes", context=client_context(cluster),
+                      headers=_headers(cluster))
     for node in nodes if isinstance(nodes, list) else []:
         drivers = node.get("Drivers") or {}
         if (node.get("Name") == name and node.get("Status") == "ready"
@@ -265,19 +301,21 @@ def _node_ready(cluster: Cluster, name: str) -> bool:
 def _stop_jobs(cluster: Cluster, timeout: float) -> None:
     """Stop every job and wait for its allocations to stop, so tasks end cleanly."""
     try:
-        context = client_context(cluster)
-        jobs = _get_json(f"{cluster.nomad_addr}/v1/jobs", context=context)
+        context, headers = client_context(cluster), _headers(cluster)
+        jobs = _get_json(f"{cluster.nomad_addr}/v1/jobs", context=context, headers=headers)
     except (OSError, urllib.error.URLError, ValueError):
         return
     for job in jobs if isinstance(jobs, list) else []:
         request = urllib.request.Request(
-            f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE")
+            f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE",
+            headers=headers)
         with contextlib.suppress(OSError, urllib.error.URLError):
             urllib.request.urlopen(request, timeout=5, context=context).close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            allocs = _get_json(f"{cluster.nomad_addr}/v1/allocations", context=context)
+            allocs = _get_json(f"{cluster.nomad_addr}/v1/allocations", context=context,
+                               headers=headers)
         except (OSError, urllib.error.URLError, ValueError):
             return
         if not any(a.get("ClientStatus") in ("running", "pending") for a in allocs):  # type: ignore[union-attr]

@@ -5,8 +5,18 @@ as it runs: cluster up (standard ports, state in .run/demo), `planner serve`
 (watcher + admin API on 127.0.0.1:4650), `planner engines apply engines/
 --wait` (llama-server checked and recorded on the node), `planner apply models/ --wait`,
 router up on 127.0.0.1:8080, one completion through the router, `planner
-status`. Leaves everything running and says how to stop it (`make down`).
-The admin token is generated once and kept in .run/demo/admin-token.
+status`, then what the Nomad UI would show of the model (below). Leaves
+everything running and says how to stop it (`make down`). The admin token is
+generated once and kept in .run/demo/admin-token.
+
+The Nomad UI: the Nomad built here from its Go module has none (its Ember app
+is built by `make dev-ui`, from npm packages this environment does not serve;
+`/ui/` answers "Nomad UI is not available in this binary",
+command/agent/stub_asset.go). The demo says so rather than print a URL that
+leads nowhere, and prints the same facts the UI's job page shows: `nomad job
+status` and the job's `llmgw_*` meta (parking reason, last error, since, the
+model record), read from /v1/job/<id>, the API the UI reads. A Nomad with its
+UI gets its URL printed instead.
 """
 
 from __future__ import annotations
@@ -23,6 +33,13 @@ from pathlib import Path
 
 from devcluster.bootstrap import BIN, REPO
 from devcluster.cluster import Cluster, up
+
+# What a Nomad built without its web UI answers on /ui/ (command/agent/stub_asset.go).
+NO_UI_TEXT = "Nomad UI is not available in this binary"
+# The meta keys llmgw writes on a model's job (llmgw_contract.JobMeta), by prefix: the
+# demo imports no planner code.
+META_PREFIX = "llmgw_"
+PARKED_PREFIX = "llmgw_parked_"
 
 ROUTER_PORT = 8080
 PLANNER_PORT = 4650
@@ -97,11 +114,56 @@ def complete(model: str, timeout: float = 120.0) -> dict:
             time.sleep(1)
 
 
+def nomad_ui_available(nomad_addr: str) -> bool:
+    """Whether the Nomad agent at `nomad_addr` serves its web UI (False: a binary built
+    without it, which answers /ui/ with a stub page)."""
+    with urllib.request.urlopen(f"{nomad_addr}/ui/", timeout=5) as response:
+        return NO_UI_TEXT not in response.read().decode(errors="replace")
+
+
+def llmgw_meta(job: dict) -> dict[str, str]:
+    """The job's `llmgw_*` meta, as the Nomad UI's job page lists it (its Meta table,
+    from /v1/job/<id>): {key: value}, sorted by key."""
+    return dict(sorted((k, v) for k, v in (job.get("Meta") or {}).items()
+                       if k.startswith(META_PREFIX)))
+
+
+def meta_lines(meta: dict[str, str]) -> list[str]:
+    """One line per key, `key = value`; a multi-line value (a last error with stderr
+    lines) goes on indented lines of its own, as the UI wraps it."""
+    lines = []
+    for key, value in meta.items():
+        first, *rest = value.splitlines() or [""]
+        lines += [f"{key} = {first}", *(f"    {line}" for line in rest)]
+    return lines
+
+
+def show_job(cluster: Cluster, job_id: str) -> None:
+    """What the Nomad UI would show of a model's job: `nomad job status` and its
+    llmgw_* meta (parked: reason, last error, since)."""
+    say(f"nomad job status {job_id}  (the Nomad UI's job page, as text)")
+    subprocess.run([str(BIN / "nomad"), "job", "status", job_id], env=planner_env(cluster),
+                   check=False)
+    with urllib.request.urlopen(f"{cluster.nomad_addr}/v1/job/{job_id}", timeout=10) as resp:
+        meta = llmgw_meta(json.load(resp))
+    say("its llmgw_* meta (a parked model's reason and last error are here):")
+    for line in meta_lines(meta):
+        print(f"  {line}", file=sys.stderr)
+    if not any(key.startswith(PARKED_PREFIX) for key in meta):
+        print("  (not parked: no llmgw_parked_* keys)", file=sys.stderr)
+
+
 def main() -> None:
     cluster = demo_cluster()
     say("starting consul and nomad (dev mode, 127.0.0.1) ...")
     up(cluster)
-    say(f"cluster up: Nomad UI {cluster.nomad_addr}/ui, Consul UI {cluster.consul_addr}/ui")
+    ui = nomad_ui_available(cluster.nomad_addr)
+    say(f"cluster up: Nomad {cluster.nomad_addr}, Consul UI {cluster.consul_addr}/ui")
+    if ui:
+        say(f"Nomad UI: {cluster.nomad_addr}/ui")
+    else:
+        say("Nomad UI: none: this Nomad is built from its Go module without the web UI; "
+            "the demo prints what the UI would show (`nomad job status`, llmgw_* meta)")
     env = planner_env(cluster)
     venv = REPO / ".venv" / "bin"
     start(cluster, "planner", [str(venv / "planner"), "serve", "--port", str(PLANNER_PORT)],
@@ -122,11 +184,13 @@ def main() -> None:
     say(f"answered in {time.monotonic() - started:.1f} s, usage {answer.get('usage')}")
     print(f"\n{PROMPT}{text}\n")
     subprocess.run([str(REPO / ".venv" / "bin" / "planner"), "status"], env=env, check=False)
+    show_job(cluster, "gemma-3-270m")
     say("everything is still running. Try:")
     say(f"  export PATH={BIN}:$PATH   # nomad, consul")
     say(f"  export LLMGW_ADMIN_TOKEN=$(cat {cluster.root / 'admin-token'})   # admin API")
     say("  nomad job status gemma-3-270m ; consul catalog services")
     say("  .venv/bin/planner status --nodes   # the engines each node has")
+    say("  nomad job inspect gemma-3-270m | grep llmgw_   # the meta a parked model carries")
     say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")
     say("stop it all with: make down")

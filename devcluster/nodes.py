@@ -60,6 +60,17 @@ keys); Nomad with `tls { http = true ... verify_https_client = true }`, and its
 as its client certificate. Nomad's own services are not advertised in Consul
 there: their HTTPS checks carry no client certificate, so they would only ever
 be critical.
+
+An ACL cluster (`Cluster(..., acl=AclTokens(...))`, dev node only; off by default)
+enforces ACLs in both agents with a default-deny policy, as a production cluster
+does: Consul with `acl { enabled, default_policy = "deny", tokens { master, agent } }`
+(Consul 1.8's names; `master` is 1.11's `initial_management`), its agent token the
+master token so the node registers itself; Nomad with `acl { enabled = true }`,
+bootstrapped by `up` with `AclTokens.nomad` as the bootstrap secret (Nomad >= 1.4's
+`BootstrapSecret`), and its `consul` block holding Consul's master token, so the
+Nomad agent registers the jobs' services (a production agent gets a token of its
+own). The two secrets are the clusters' management tokens: the tests create the
+planner's and router's policies and tokens with them (acl/).
 """
 
 from __future__ import annotations
@@ -126,23 +137,39 @@ class TlsFiles:
 
 
 @dataclass(frozen=True)
+class AclTokens:
+    """Management secrets of an ACL cluster: Consul's master token and the SecretID
+    Nomad's ACL bootstrap gives its management token (a UUID, as Nomad requires)."""
+
+    consul: str = field(repr=False)
+    nomad: str = field(repr=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers that carry both (each agent reads only its own)."""
+        return {"X-Consul-Token": self.consul, "X-Nomad-Token": self.nomad}
+
+
+@dataclass(frozen=True)
 class Cluster:
     """Where one dev cluster lives, which ports it uses, its extra client nodes, and,
-    with `tls`, the files that make both agents serve HTTPS only.
+    with `tls`, the files that make both agents serve HTTPS only; with `acl`, the
+    management tokens of agents that enforce ACLs (default deny).
 
     Raises ValueError for more than MAX_CLIENTS clients, a name used twice (or the
     dev node's), a name that is not a lower-case DNS label, or client nodes in a TLS
-    cluster (not rendered yet)."""
+    or ACL cluster (not rendered yet)."""
 
     root: Path
     port_offset: int = 0
     clients: tuple[ClientNode, ...] = ()
     tls: TlsFiles | None = None
+    acl: AclTokens | None = None
 
     def __post_init__(self) -> None:
-        if self.tls is not None and self.clients:
-            raise ValueError("a TLS cluster has only its dev node (client nodes would need "
-                             "TLS in their own agents' configs)")
+        if (self.tls is not None or self.acl is not None) and self.clients:
+            raise ValueError("a TLS or ACL cluster has only its dev node (client nodes "
+                             "would need TLS or tokens in their own agents' configs)")
         names = [node.name for node in self.clients]
         if len(names) > MAX_CLIENTS:
             raise ValueError(f"at most {MAX_CLIENTS} client nodes, got {len(names)}")
@@ -198,6 +225,15 @@ class Cluster:
             env["CONSUL_HTTP_SSL"] = "true"
         return env
 
+    @property
+    def management_env(self) -> dict[str, str]:
+        """`env` with the management tokens of an ACL cluster (NOMAD_TOKEN,
+        CONSUL_HTTP_TOKEN), for the `nomad` and `consul` CLIs of an operator; `env`
+        alone for a cluster without ACLs."""
+        if self.acl is None:
+            return self.env
+        return {**self.env, "NOMAD_TOKEN": self.acl.nomad, "CONSUL_HTTP_TOKEN": self.acl.consul}
+
     def pidfile(self, agent: str) -> Path:
         return self.root / f"{agent}.pid"
 
@@ -223,10 +259,12 @@ def nomad_data(cluster: Cluster, node: ClientNode) -> Path:
 
 def _dynamic_ports(cluster: Cluster, slot: int) -> tuple[int, int]:
     """The dynamic port range of node `slot`, inclusive. The demo's cluster has
-    20000-24999, others 1000 each from 25000 by offset, all below 32768; each
-    node gets its own quarter, as a client only avoids ports its own tasks hold."""
+    20000-24999, others 500 each from 25000 by offset (offsets 11000-11130, the
+    tests' and the benchmarks', each get their own: with 1000 each, 11000 and 11050
+    shared one and their tasks' ports could collide), all below 32768; each node
+    gets its own quarter, as a client only avoids ports its own tasks hold."""
     o = cluster.port_offset
-    low, size = (20000, 5000) if o == 0 else (25000 + (o // 10 % 5) * 1000, 1000)
+    low, size = (20000, 5000) if o == 0 else (25000 + (o // 10 % 14) * 500, 500)
     part = size // (MAX_CLIENTS + 1)
     return low + slot * part, low + (slot + 1) * part - 1
 
@@ -248,8 +286,18 @@ def consul_argv(cluster: Cluster) -> list[str]:
         "-dns-port", str(8600 + o),
         "-serf-lan-port", str(8301 + o), "-serf-wan-port", str(8302 + o),
         "-server-port", str(8300 + o), "-grpc-port", str(8502 + o),
-        *_consul_tls_argv(cluster),
+        *_consul_tls_argv(cluster), *_consul_acl_argv(cluster),
     ]
+
+
+def _consul_acl_argv(cluster: Cluster) -> list[str]:
+    """ACLs enforced, default deny; the master token is also the agent's own."""
+    if (acl := cluster.acl) is None:
+        return []
+    secret = json.dumps(acl.consul)
+    return ["-hcl", f'acl {{ enabled = true  default_policy = "deny"  '
+                    f'enable_token_persistence = false  '
+                    f"tokens {{ master = {secret}  agent = {secret} }} }}"]
 
 
 def _consul_tls_argv(cluster: Cluster) -> list[str]:
@@ -328,6 +376,10 @@ def nomad_config(cluster: Cluster) -> str:
     """The dev node's agent config (run with -dev, which makes it server and client)."""
     o = cluster.port_offset
     tls, consul_tls = _nomad_tls_blocks(cluster)
+    acl = ""
+    if cluster.acl is not None:
+        acl = "acl {\n  enabled = true\n}\n"
+        consul_tls += f"  token = {json.dumps(cluster.acl.consul)}\n"
     return f"""
 data_dir  = "{cluster.root / 'nomad'}"
 bind_addr = "127.0.0.1"
@@ -337,7 +389,7 @@ ports {{
   rpc  = {4647 + o}
   serf = {4648 + o}
 }}
-{tls}consul {{
+{tls}{acl}consul {{
   address = "127.0.0.1:{8500 + o}"
 {consul_tls}}}
 {_client_block(cluster, cluster.node_name, 0, [])}"""

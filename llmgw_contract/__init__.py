@@ -11,6 +11,8 @@ import-linter contracts in pyproject.toml check both). It holds:
   activation API, with the functions that encode and decode them.
 
 - `certificates`: the certificate series both publish, and their collector.
+- `acl`: the ACL rules both need from Consul (acl/), and the sentence that
+  names a denied one.
 
 Two contract tests: tests/unit/contract/test_router_reads.py proves the router
 acts on every value these types allow, tests/unit/contract/test_planner_writes.py

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_contract import JobMeta, KVPrefix, Parked, UpdateFailed, kv_key
-from planner import rollout
+from llmgw_contract.acl import Permission
+from planner import access, rollout
 from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
 from planner.engines.install import engine_refs
-from planner.errors import DefinitionError, InvalidDefinitions, Unavailable
+from planner.errors import DefinitionError, InvalidDefinitions, PermissionDenied, Unavailable
 from planner.fit import Fit, check_models
 from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
 from planner.nomad_client import Job, NomadClient
@@ -215,19 +216,23 @@ def _check_foreign(rendered: dict[str, Job], nomad: NomadClient,
 
 
 def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: ConsulClient,
-            prune: bool) -> tuple[dict[str, ModelDefinition], list[Change], dict[str, Fit]]:
-    """Validate everything and decide; changes nothing. Also returns each model's fit
-    (`planner.fit`: its memory estimate from the GGUF header). Raises
-    InvalidDefinitions (a bad file, or a model its header says cannot fit),
-    NomadRejected (a template Nomad refuses) or Unavailable."""
+            prune: bool, needs: tuple[Permission, ...] = ()
+            ) -> tuple[dict[str, ModelDefinition], list[Change], dict[str, Fit]]:
+    """Validate everything and decide; changes nothing. The files are validated before
+    anything else is judged (invalid files exit 2 whatever the agents); then the tokens
+    must allow `needs` (`planner.access`). Also returns each model's fit (`planner.fit`:
+    its memory estimate from the GGUF header). Raises InvalidDefinitions (a bad file, or
+    a model its header says cannot fit), PermissionDenied, NomadRejected (a template
+    Nomad refuses) or Unavailable."""
     # The engines a model may name: defined ones (their install jobs in Nomad) and
     # LLMGW_ENGINES'; a defined engine's version is what the model's job constrains on.
     try:
         engines = engine_refs(nomad, settings)
-    except Unavailable:
-        load_definitions(paths)  # bad files are exit 2 with Nomad down too
+    except (Unavailable, PermissionDenied):
+        load_definitions(paths)  # bad files are exit 2 whatever the agents
         raise
     models = load_definitions(paths, engines)
+    access.check(nomad, consul, needs)
     fits = check_models(models)
     template = settings.jobspec.read_text()
     rendered = {name: render(d, settings, nomad, template, engines[d.profile.engine])

@@ -5,7 +5,19 @@ stderr. Exit codes (also in `planner --help`):
   0  done / every model has what it should
   1  an agent refused, or a model is short of what it should have
   2  invalid model files, settings (e.g. a TLS file that does not exist) or usage
-  3  Nomad or Consul unreachable: retry later
+  3  Nomad or Consul unreachable (retry later), or an ACL token lacks a permission
+     the command needs (the message names the rule and the policy file under acl/)
+
+`apply --dry-run --detailed-exitcode`, for CI on a merge request, exits as
+`terraform plan -detailed-exitcode` does: 0 no changes, 2 changes, 1 any error
+(2 then no longer means invalid input, which is why it is a flag: the codes above
+stay as they are without it). `--output markdown` (apply, status) prints a
+summary fit to post on the merge request; on an error, the error as Markdown.
+
+Every command first asks Nomad and Consul whether its tokens (NOMAD_TOKEN,
+CONSUL_HTTP_TOKEN) allow what it is about to do (`planner.access`), so `apply`
+with a token that may not write changes nothing, and a token whose Consul reads
+would be filtered to nothing is refused rather than believed.
 """
 
 from __future__ import annotations
@@ -26,17 +38,19 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw_contract import ModelState
-from planner import actions
+from llmgw_contract.acl import Permission
+from planner import access, actions
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
 from planner.engines.install import NodeInstall, execute_engines, installs, prepare_engines
-from planner.errors import InvalidDefinitions, PlannerError
+from planner.errors import InvalidDefinitions, PlannerError, Unavailable
 from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
 from planner.fit import Fit
 from planner.nomad_client import NomadClient
 from planner.placement import evaluation_reason
 from planner.plandiff import format_diff
+from planner.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.serve import PlannerNode
 from planner.settings import Settings
 from planner.state import StateStore
@@ -45,7 +59,10 @@ from planner.unplaceable import engine_need
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have (an engine is not installed on some node); 2 invalid model or engine files, settings or
-usage; 3 Nomad or Consul unreachable, or their TLS certificate not verified (retry later)."""
+usage; 3 Nomad or Consul unreachable, or their TLS certificate not verified (retry later), or
+an ACL token (NOMAD_TOKEN, CONSUL_HTTP_TOKEN) lacks a permission: the message names it and
+the policy under acl/. `apply --dry-run --detailed-exitcode` exits as `terraform plan
+-detailed-exitcode` does instead: 0 no changes, 2 changes, 1 any error."""
 
 app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -64,30 +81,50 @@ class Output(StrEnum):
     json = "json"
 
 
+class ReportOutput(StrEnum):
+    """`apply` and `status` also write Markdown, fit to post on a merge request.
+    Compared with ==, so an Output and a ReportOutput of one value are equal."""
+
+    table = "table"
+    json = "json"
+    markdown = "markdown"
+
+
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
+ApplyOutputOption = Annotated[ReportOutput, typer.Option(
+    "--output", "-o", help="table, json, or markdown (a plan summary for a merge request)")]
+StatusOutputOption = Annotated[ReportOutput, typer.Option(
+    "--output", "-o", help="table, json, or markdown")]
 
 
-def _clients(output: Output = Output.table, **overrides: str | None
-             ) -> tuple[Settings, NomadClient, ConsulClient]:
+def _clients(needs: tuple[Permission, ...], output: Output | ReportOutput = Output.table,
+             **overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
     """Settings from the environment (with the options in `overrides` that were given),
-    checked, and the two agents' clients; exit 2 naming the setting that is wrong."""
+    checked, and the two agents' clients, once the agents said the tokens allow
+    `needs`; exit 2 naming the setting that is wrong, 3 naming what a token lacks (or
+    the agent that could not be asked)."""
     try:
         settings = replace(Settings.from_env(),
                            **{k: v for k, v in overrides.items() if v is not None})
         settings.validate()
-        return (settings,
-                NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls),
-                ConsulClient(settings.consul_url, settings.consul_token,
-                             tls=settings.consul_tls))
+        nomad = NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls)
+        consul = ConsulClient(settings.consul_url, settings.consul_token,
+                              tls=settings.consul_tls)
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)
-        if output is Output.json:
+        if output == Output.json:
             _print_error(2, "InvalidSettings", str(exc))
         raise typer.Exit(2) from None
+    try:
+        access.check(nomad, consul, needs)
+    except PlannerError as exc:
+        raise _fail(exc, output) from None
+    return settings, nomad, consul
 
 
-def _fail(exc: PlannerError, output: Output = Output.table, files: str = "model") -> typer.Exit:
-    """Report `exc` on stderr (and, with --output json, as JSON on stdout); the exit.
+def _fail(exc: PlannerError, output: Output | ReportOutput = Output.table,
+          files: str = "model") -> typer.Exit:
+    """Report `exc` on stderr (and, with --output json or markdown, on stdout); the exit.
     `files` says which definitions a list of problems is about."""
     problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
     if problems:
@@ -97,11 +134,14 @@ def _fail(exc: PlannerError, output: Output = Output.table, files: str = "model"
             err.print(f"  {problem}", markup=False)
     else:
         err.print(f"error: {exc}", markup=False)
-    if output is Output.json:
+    listed = [{"file": str(p.file), "field": p.field, "message": p.message}
+              for p in problems]
+    if output == Output.json:
         _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
                      f"{len(problems)} problem(s) in the {files} files; nothing was changed",
-                     [{"file": str(p.file), "field": p.field, "message": p.message}
-                      for p in problems])
+                     listed)
+    elif output == ReportOutput.markdown:
+        print(error_markdown(str(exc), listed), end="")
     return typer.Exit(exc.exit_code)
 
 
@@ -119,22 +159,51 @@ def apply(
     prune: Annotated[bool, typer.Option(help="deregister models no longer in these files")] = False,
     dry_run: Annotated[bool, typer.Option(help="print Nomad's plan diff and each "
                                                 "model's memory estimate; change nothing")] = False,
+    detailed_exitcode: Annotated[bool, typer.Option(
+        "--detailed-exitcode", help="with --dry-run, exit as `terraform plan "
+        "-detailed-exitcode` does: 0 no changes, 2 changes, 1 any error")] = False,
     wait: Annotated[bool, typer.Option(help="wait until changed models pass their checks")] = False,
     timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
-    output: OutputOption = Output.table,
+    output: ApplyOutputOption = ReportOutput.table,
 ) -> None:
-    """Validate every file, then register only the models that changed."""
-    settings, nomad, consul = _clients(output)
+    """Validate every file, then register only the models that changed.
+
+    With --dry-run --detailed-exitcode (for CI on a merge request): exit 0 when
+    nothing would change, 2 when something would, 1 on any error (invalid files,
+    an agent unreachable or refusing, a token lacking a permission; the message,
+    and with --output json the error's `exit_code`, say which)."""
+    if detailed_exitcode and not dry_run:
+        err.print("error: --detailed-exitcode goes with --dry-run (it reports a plan)")
+        raise typer.Exit(1)
     try:
-        definitions, changes, fits = prepare(paths, settings, nomad, consul, prune)
+        changed = _apply(paths, prune, dry_run, wait, timeout, output)
+    except typer.Exit as exc:
+        if detailed_exitcode and exc.exit_code != 0:
+            raise typer.Exit(1) from None
+        raise
+    if detailed_exitcode and changed:
+        raise typer.Exit(2)
+
+
+def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: float,
+           output: ReportOutput) -> bool:
+    """`apply`'s work; whether anything changed (or would, in a dry run). Exits 1 when a
+    definition Nomad rolled back was refused or --wait saw a model give up, 2 or 3 as
+    the module says."""
+    settings, nomad, consul = _clients((), output)
+    try:
+        definitions, changes, fits = prepare(paths, settings, nomad, consul, prune,
+                                             access.APPLY_DRY_RUN if dry_run else access.APPLY)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
     changed = [o for o in outcomes if o.change.action in MUTATIONS]
     shown = fits if dry_run else {}
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps({"dry_run": dry_run,
                           "changes": [_outcome_json(o, shown) for o in outcomes]}, indent=2))
+    elif output == ReportOutput.markdown:
+        print(outcomes_markdown(outcomes, dry_run), end="")
     else:
         _print_outcomes(outcomes, dry_run, shown)
     if not changed:
@@ -148,6 +217,7 @@ def apply(
                       nomad, consul, timeout)
     if refused:
         raise typer.Exit(1)
+    return bool(changed)
 
 
 def _outcome_json(outcome: Outcome, fits: dict[str, Fit]) -> dict[str, Any]:
@@ -237,9 +307,9 @@ def _rollout(row: ModelStatus) -> str:
             f"replica(s) healthy, {len(row.replicas) - len(new)} old serving meanwhile")
 
 
-def _rows(output: Output) -> list[ModelStatus]:
+def _rows(output: Output | ReportOutput) -> list[ModelStatus]:
     """Every applied model's status, or exit with the agents' error."""
-    _, nomad, consul = _clients(output)
+    _, nomad, consul = _clients(access.STATUS, output)
     try:
         return gather(nomad, consul)
     except PlannerError as exc:
@@ -247,7 +317,7 @@ def _rows(output: Output) -> list[ModelStatus]:
 
 
 @app.command()
-def status(output: OutputOption = Output.table,
+def status(output: StatusOutputOption = ReportOutput.table,
            nodes: Annotated[bool, typer.Option(
                "--nodes", help="the engines installed per node instead; exit 0 only when "
                                "every node has every defined engine")] = False) -> None:
@@ -256,8 +326,10 @@ def status(output: OutputOption = Output.table,
         _status_nodes(output)
         return
     rows = _rows(output)
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
+    elif output == ReportOutput.markdown:
+        print(status_markdown(rows), end="")
     else:
         _print_status(rows)
     if not all(r.satisfied for r in rows):
@@ -275,18 +347,18 @@ def _print_status(rows: list[ModelStatus]) -> None:
         err.print("no models applied yet (run `planner apply models/`)")
 
 
-def _installs(output: Output) -> list[NodeInstall]:
-    settings, nomad, _ = _clients(output)
+def _installs(output: Output | ReportOutput) -> list[NodeInstall]:
+    settings, nomad, _ = _clients(access.ENGINES_STATUS, output)
     try:
         return installs(nomad, settings.datacenters)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
 
 
-def _status_nodes(output: Output) -> None:
+def _status_nodes(output: Output | ReportOutput) -> None:
     """`status --nodes`: each defined engine on each schedulable node."""
     rows = _installs(output)
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     else:
         _print_installs(rows)
@@ -320,7 +392,7 @@ def engines_apply(
 ) -> None:
     """Validate every engine file, then register the install jobs that changed, run
     again the installs that failed, and install on nodes that joined since."""
-    settings, nomad, _ = _clients(output)
+    settings, nomad, _ = _clients(access.ENGINES_APPLY, output)
     try:
         outcomes = execute_engines(prepare_engines(paths, settings, nomad), nomad, dry_run)
     except PlannerError as exc:
@@ -373,7 +445,7 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
 def models(output: OutputOption = Output.table) -> None:
     """The applied models with their state, failures, reason and last error (always exit 0)."""
     rows = _rows(output)
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return
     table = Table("model", "state", "failures", "reason", "since", "last error", box=None)
@@ -387,19 +459,19 @@ def models(output: OutputOption = Output.table) -> None:
 def retry(model: Annotated[str, typer.Argument(help="the model to start again")],
           output: OutputOption = Output.table) -> None:
     """Lift a model's parking and start it again (the admin API's retry, run directly)."""
-    _, nomad, consul = _clients(output)
+    _, nomad, consul = _clients(access.RETRY, output)
     try:
         record = consul.model_records().get(model)
         if record is None:
             err.print(f"error: model {model!r} was never applied")
-            if output is Output.json:
+            if output == Output.json:
                 _print_error(2, "UnknownModel", f"model {model!r} was never applied")
             raise typer.Exit(2)
         state, done = actions.retry(nomad, StateStore(consul), model)
         row = model_status(nomad, consul, model, record, state)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
-    if output is Output.json:
+    if output == Output.json:
         print(json.dumps({**row.as_dict(), "retry": done}, indent=2))
     else:
         err.print(f"{model}: {done} (now {row.state}: {row.reason})")
@@ -426,7 +498,15 @@ def serve(
     """Campaign for leadership; while leading, run the watcher (start failures, parking,
     placement), the idle scaler and activation; always serve the admin API (over HTTPS
     with --tls-cert/--tls-key; followers verify the leader with LLMGW_PLANNER_CACERT)."""
-    settings, nomad, consul = _clients(tls_cert=tls_cert, tls_key=tls_key)
+    settings, nomad, consul = _clients((), tls_cert=tls_cert, tls_key=tls_key)
+    try:
+        access.check(nomad, consul, access.SERVE)
+    except Unavailable as exc:
+        # The node retries its agents forever; a daemon started before them must not
+        # die of it. A token it lacks is said as soon as they answer (the 403s).
+        err.print(f"warning: could not check the ACL tokens yet: {exc}", markup=False)
+    except PlannerError as exc:
+        raise _fail(exc) from None
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)

@@ -5,7 +5,9 @@ Called by `apply` (model records), `state` (state documents, check-and-set),
 service, its TTL check and the leadership session) and `usage`. Raises only
 `planner.errors` types: ConsulUnavailable when Consul cannot be reached or
 fails (or the TLS handshake fails: the message names the CONSUL_* files to
-check), Rejected when it refuses a request.
+check), Rejected when it refuses a request, PermissionDenied (naming the ACL rule the
+call needs, `planner.access`) when it denies the token one; `denied` asks for rules
+before acting.
 
 TLS: an https:// address (`Settings.consul_url`: CONSUL_HTTP_ADDR with https://,
 or CONSUL_HTTP_SSL=true) is verified with CONSUL_CACERT (else the system's CAs)
@@ -29,6 +31,7 @@ from urllib.parse import urlparse
 import consul
 import consul.exceptions
 import requests
+from consul.callback import CB
 
 from llmgw_contract import (
     KVPrefix,
@@ -40,7 +43,18 @@ from llmgw_contract import (
     kv_key,
     model_from_key,
 )
+from llmgw_contract.acl import (
+    CONSUL_KV_READ,
+    CONSUL_KV_WRITE,
+    CONSUL_PLANNER_SERVICE_WRITE,
+    CONSUL_SERVICES_READ,
+    CONSUL_SESSION_WRITE,
+    Agent,
+    Permission,
+    TokenStatus,
+)
 from llmgw_contract.documents import Document
+from planner.access import denied_error
 from planner.errors import ConsulUnavailable, NotLeader, Rejected
 from planner.settings import CONSUL_TLS_VARS, ClientTLS
 
@@ -64,7 +78,8 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None])
         -> Iterator[None]:
     try:
         yield
-    except (consul.exceptions.ACLPermissionDenied, consul.exceptions.BadRequest) as exc:
+    except (consul.exceptions.ACLPermissionDenied, consul.exceptions.BadRequest,
+            consul.exceptions.ACLDisabled) as exc:
         raise Rejected(f"{action}: Consul refused ({exc})") from exc
     except (consul.exceptions.ConsulException, requests.RequestException, OSError) as exc:
         if failure := tls_failure(exc):
@@ -100,16 +115,60 @@ class ConsulClient:
                                   scheme=url.scheme, token=token, verify=self.tls.verify,
                                   cert=self.tls.cert)
 
-    def _call(self, action: str, fn: Callable[[], Any]) -> Any:
-        with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
-            return fn()
+    def _call(self, needs: Permission, action: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
+        the ACL rule Consul checks for this call."""
+        try:
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
+                return fn()
+        except Rejected as exc:
+            if isinstance(exc.__cause__, consul.exceptions.ACLPermissionDenied):
+                detail = str(exc.__cause__)
+                raise denied_error(Agent.CONSUL, [needs.rule], self._token_status(detail),
+                                   action, detail) from exc.__cause__
+            raise
+
+    def _token_status(self, detail: str) -> TokenStatus:
+        """Consul answers "ACL not found" for a token it does not know."""
+        if "ACL not found" in detail:
+            return TokenStatus.UNKNOWN
+        return TokenStatus.VALID if self._api.token else TokenStatus.EMPTY
+
+    def denied(self, needs: list[Permission]
+               ) -> tuple[list[Permission], TokenStatus, str] | None:
+        """Which of `needs` this client's token is denied, in one call to Consul's
+        /v1/internal/acl/authorize (`llmgw_contract.acl`): None when all are allowed
+        (or Consul enforces no ACLs), else (the denied ones, the token's status,
+        Consul's words for an unknown token). Raises ConsulUnavailable when Consul
+        cannot be asked."""
+        if not needs:
+            return None
+        body = json.dumps([p.authorize_request() for p in needs])
+
+        def ask() -> Any:
+            return self._api.http.post(CB.json(), "/v1/internal/acl/authorize",
+                                       data=body, headers=self._api.prepare_headers())
+
+        try:
+            with _translated("check ACL permissions",
+                             lambda exc: self.tls.failure(self.address, exc)):
+                answers = ask()
+        except Rejected as exc:
+            cause = exc.__cause__
+            if isinstance(cause, consul.exceptions.ACLDisabled):
+                return None
+            if isinstance(cause, consul.exceptions.ACLPermissionDenied):
+                return list(needs), self._token_status(str(cause)), str(cause)
+            raise
+        denied = [p for p, a in zip(needs, answers or [], strict=False) if not a.get("Allow")]
+        return (denied, self._token_status(""), "") if denied else None
 
     # --- KV ----------------------------------------------------------------------
 
     def get_indexed(self, key: str) -> tuple[int, str | None]:
         """(ModifyIndex, text) of `key`; (0, None) when it does not exist (a
         check-and-set with index 0 then creates it only if still absent)."""
-        _, item = self._call(f"read {key}", lambda: self._api.kv.get(key))
+        _, item = self._call(CONSUL_KV_READ, f"read {key}", lambda: self._api.kv.get(key))
         if not item:
             return 0, None
         value = item["Value"]
@@ -117,16 +176,18 @@ class ConsulClient:
 
     def get_texts(self, prefix: str) -> dict[str, str]:
         """Every non-empty value under `prefix`: {key: text}."""
-        _, items = self._call(f"read {prefix}", lambda: self._api.kv.get(prefix, recurse=True))
+        _, items = self._call(CONSUL_KV_READ, f"read {prefix}",
+                              lambda: self._api.kv.get(prefix, recurse=True))
         return {item["Key"]: item["Value"].decode() for item in items or [] if item["Value"]}
 
     def put_text(self, key: str, text: str) -> None:
-        self._call(f"write {key}", lambda: self._api.kv.put(key, text))
+        self._call(CONSUL_KV_WRITE, f"write {key}", lambda: self._api.kv.put(key, text))
 
     def cas_put(self, key: str, text: str, index: int) -> bool:
         """Write `key` only if its ModifyIndex is still `index` (0: only if absent).
         False when another writer changed it first."""
-        return bool(self._call(f"write {key}", lambda: self._api.kv.put(key, text, cas=index)))
+        return bool(self._call(CONSUL_KV_WRITE, f"write {key}",
+                               lambda: self._api.kv.put(key, text, cas=index)))
 
     def fenced_cas_put(self, key: str, text: str, index: int, lock_key: str,
                        session: str) -> bool:
@@ -139,7 +200,10 @@ class ConsulClient:
                        "Value": base64.b64encode(text.encode()).decode()}}]
         def put() -> bool:
             try:
-                self._api.txn.put(ops)
+                # Not py-consul's `txn.put`: it sends no token (py-consul 1.8), so with
+                # ACLs every operation was "Permission denied" (found by test_acl.py).
+                self._api.http.put(CB.json(), "/v1/txn", data=json.dumps(ops),
+                                   headers=self._api.prepare_headers())
             except consul.exceptions.ClientError as exc:
                 failed = _failed_ops(exc)
                 if failed is None:
@@ -150,15 +214,15 @@ class ConsulClient:
                 return False
             return True
 
-        return bool(self._call(f"write {key}", put))
+        return bool(self._call(CONSUL_KV_WRITE, f"write {key}", put))
 
     def holds(self, lock_key: str, session: str) -> bool:
         """Whether `session` holds the lock on `lock_key` now."""
-        _, item = self._call(f"read {lock_key}", lambda: self._api.kv.get(lock_key))
+        _, item = self._call(CONSUL_KV_READ, f"read {lock_key}", lambda: self._api.kv.get(lock_key))
         return bool(item) and item.get("Session") == session
 
     def delete_key(self, key: str) -> None:
-        self._call(f"delete {key}", lambda: self._api.kv.delete(key))
+        self._call(CONSUL_KV_WRITE, f"delete {key}", lambda: self._api.kv.delete(key))
 
     # --- model records ---------------------------------------------------------------
 
@@ -196,13 +260,14 @@ class ConsulClient:
     def passing_checks(self, index: int | None, wait: str = "5s") -> tuple[int, list[Any]]:
         """Blocking query on every passing check: returns once the set changed after
         `index` (or after `wait`; short, so a shutdown never waits long on it)."""
-        new_index, checks = self._call("watch passing checks", lambda: self._api.health.state(
+        new_index, checks = self._call(CONSUL_SERVICES_READ, "watch passing checks",
+                                       lambda: self._api.health.state(
             "passing", index=index, wait=wait))
         return int(new_index), checks or []
 
     def service_health(self, service: str) -> ServiceHealth:
         """Instances of `service` registered anywhere, and those whose checks all pass."""
-        _, nodes = self._call(f"read health of {service}",
+        _, nodes = self._call(CONSUL_SERVICES_READ, f"read health of {service}",
                               lambda: self._api.health.service(service))
         passing = [node for node in nodes
                    if all(check["Status"] == "passing" for check in node["Checks"])]
@@ -220,44 +285,49 @@ class ConsulClient:
         check = consul.Check.ttl(ttl)
         check["DeregisterCriticalServiceAfter"] = deregister_after
         check["Status"] = "passing"
-        self._call(f"register service {service_id}", lambda: self._api.agent.service.register(
+        self._call(CONSUL_PLANNER_SERVICE_WRITE, f"register service {service_id}",
+                   lambda: self._api.agent.service.register(
             name, service_id=service_id, address=address, port=port, check=check))
         return f"service:{service_id}"
 
     def deregister_service(self, service_id: str) -> None:
-        self._call(f"deregister service {service_id}",
+        self._call(CONSUL_PLANNER_SERVICE_WRITE, f"deregister service {service_id}",
                    lambda: self._api.agent.service.deregister(service_id))
 
     def pass_ttl(self, check_id: str) -> None:
-        self._call(f"update check {check_id}", lambda: self._api.agent.check.ttl_pass(check_id))
+        self._call(CONSUL_PLANNER_SERVICE_WRITE, f"update check {check_id}",
+                   lambda: self._api.agent.check.ttl_pass(check_id))
 
     def create_session(self, name: str, checks: list[str], lock_delay_s: int) -> str:
         """A session bound to `checks` (invalidated as soon as one goes critical), with
         the `release` behaviour: its locks are released, the keys stay."""
-        return str(self._call("create session", lambda: self._api.session.create(
+        return str(self._call(CONSUL_SESSION_WRITE, "create session",
+                              lambda: self._api.session.create(
             name=name, checks=checks, lock_delay=lock_delay_s, behavior="release")))
 
     def destroy_session(self, session_id: str) -> None:
-        self._call("destroy session", lambda: self._api.session.destroy(session_id))
+        self._call(CONSUL_SESSION_WRITE, "destroy session",
+                   lambda: self._api.session.destroy(session_id))
 
     def acquire(self, key: str, text: str, session_id: str) -> bool:
         """Try to take the lock on `key` for `session_id`, writing `text` when taken."""
-        return bool(self._call(f"acquire {key}", lambda: self._api.kv.put(
+        return bool(self._call(CONSUL_KV_WRITE, f"acquire {key}", lambda: self._api.kv.put(
             key, text, acquire=session_id)))
 
     def release(self, key: str, session_id: str) -> None:
-        self._call(f"release {key}", lambda: self._api.kv.put(key, None, release=session_id))
+        self._call(CONSUL_KV_WRITE, f"release {key}",
+                   lambda: self._api.kv.put(key, None, release=session_id))
 
     def watch_names(self, prefix: KVPrefix, index: int | None,
                     wait: str = "5s") -> tuple[int, set[str]]:
         """Blocking read of the model names with a key under `prefix`: returns once the
         keys changed after `index` (or after `wait`)."""
-        new_index, keys = self._call(f"watch {prefix}", lambda: self._api.kv.get(
+        new_index, keys = self._call(CONSUL_KV_READ, f"watch {prefix}", lambda: self._api.kv.get(
             prefix, keys=True, index=index, wait=wait))
         return int(new_index), {n for k in keys or [] if (n := model_from_key(prefix, k))}
 
     def watch_key(self, key: str, index: int | None, wait: str = "5s") -> tuple[int, Any]:
         """Blocking read of one key: (index, item with Session, Value, ModifyIndex or None)."""
-        new_index, item = self._call(f"watch {key}", lambda: self._api.kv.get(
+        new_index, item = self._call(CONSUL_KV_READ, f"watch {key}", lambda: self._api.kv.get(
             key, index=index, wait=wait))
         return int(new_index), item

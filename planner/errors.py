@@ -7,6 +7,9 @@
     │   └── ConsulUnavailable
     ├── Rejected                an agent answered no: read why (exit 1)
     │   └── NomadRejected       e.g. a job the parser or the scheduler refused
+    ├── PermissionDenied        an ACL token lacks a permission (or the agent does not
+    │                           know the token): fix the token, the message names the
+    │                           rule and the policy file (exit 3)
     └── NotLeader               this planner no longer holds the leader lock: stop acting
 
 Nomad's, Consul's and the HTTP clients' own exceptions are translated into
@@ -62,6 +65,19 @@ class NomadUnavailable(Unavailable):
 
 class ConsulUnavailable(Unavailable):
     pass
+
+
+class PermissionDenied(PlannerError):
+    """Nomad or Consul denied a permission to the planner's ACL token. Not a Rejected:
+    no caller may take it for an answer about the job or the key (a 403 is never
+    "the job changed meanwhile"); the message is `llmgw_contract.acl.denial`'s."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, agent: str, rules: list[str]) -> None:
+        super().__init__(message)
+        self.agent = agent
+        self.rules = rules
 
 
 class Rejected(PlannerError):

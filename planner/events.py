@@ -28,6 +28,8 @@ from typing import Any
 
 import aiohttp
 
+from llmgw_contract.acl import Agent, TokenStatus
+from planner.access import NOMAD_READ_JOB, denied_error
 from planner.errors import NomadUnavailable
 from planner.settings import NOMAD_TLS_VARS, tls_reason
 
@@ -52,6 +54,12 @@ async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: 
     try:
         async with session.get(url, params=params, headers=headers, ssl=ssl or True,
                                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:
+            if resp.status == 403:
+                # The topics need read-job (nomad/stream/event_broker.go,
+                # aclAllowsSubscription); an unknown token is told apart by the client.
+                raise denied_error(Agent.NOMAD, [NOMAD_READ_JOB.rule],
+                                   TokenStatus.VALID if token else TokenStatus.EMPTY,
+                                   "event stream", await resp.text())
             if resp.status != 200:
                 raise NomadUnavailable(f"event stream: HTTP {resp.status}: {await resp.text()}")
             while True:

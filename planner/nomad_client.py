@@ -18,6 +18,7 @@ API shapes: https://developer.hashicorp.com/nomad/api-docs/jobs (Nomad 1.6).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,10 +28,24 @@ import nomad
 import nomad.api.exceptions as nomad_exc
 import requests
 
-from planner.errors import NomadRejected, NomadUnavailable
+from llmgw_contract.acl import Agent, Permission, TokenStatus
+from planner.access import (
+    NOMAD_LIST_JOBS,
+    NOMAD_NODE_READ,
+    NOMAD_PARSE_JOB,
+    NOMAD_READ_JOB,
+    NOMAD_READ_LOGS,
+    NOMAD_SCALE_JOB,
+    NOMAD_SUBMIT_JOB,
+    PROBE_JOB,
+    denied_error,
+)
+from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied
 from planner.settings import NOMAD_TLS_VARS, ClientTLS
 
 Job = dict[str, Any]
+
+log = logging.getLogger("planner.nomad")
 
 
 def group_count(job: Job | None) -> int:
@@ -78,13 +93,75 @@ class NomadClient:
         self.ssl_context = self.tls.context() if url.scheme == "https" else None
         # `address` given, so python-nomad does not read NOMAD_ADDR itself; `cert`
         # always given (or its own NOMAD_CLIENT_* lookup would apply).
+        self._logs_denied = False
         self._api = nomad.Nomad(address=self.address, secure=url.scheme == "https",
                                 token=token, timeout=timeout, verify=self.tls.verify,
                                 cert=self.tls.cert or ("", ""))
 
-    def _call(self, action: str, fn: Callable[[], Any]) -> Any:
-        with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
-            return fn()
+    def _call(self, needs: Permission, action: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
+        the ACL capability Nomad checks for this call."""
+        try:
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
+                return fn()
+        except NomadRejected as exc:
+            if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
+                token, detail = self.token_status()
+                raise denied_error(Agent.NOMAD, [needs.rule], token, action,
+                                   detail) from exc.__cause__
+            raise
+
+    def token_status(self) -> tuple[TokenStatus, str]:
+        """What Nomad makes of this client's token, after a 403: (status, Nomad's words
+        for an unknown one). Nomad answers every denied call "Permission denied",
+        whether or not it knows the token; /v1/acl/token/self tells them apart."""
+        if not self.token:
+            return TokenStatus.EMPTY, ""
+        try:
+            self._api.acl.get_self_token()
+        except (nomad_exc.URLNotFoundNomadException,
+                nomad_exc.URLNotAuthorizedNomadException) as exc:
+            return TokenStatus.UNKNOWN, _response_text(exc)
+        except (nomad_exc.BaseNomadException, requests.RequestException):
+            pass
+        return TokenStatus.VALID, ""
+
+    def denied(self, needs: list[Permission]
+               ) -> tuple[list[Permission], TokenStatus, str] | None:
+        """Which of `needs` this client's token is denied, asked with calls that change
+        nothing (`planner.access`): None when all are allowed (or Nomad enforces no
+        ACLs), else (the denied ones, the token's status, Nomad's words for an unknown
+        token). Raises NomadUnavailable when Nomad cannot be asked."""
+        probe = PROBE_JOB
+        probes: dict[Permission, Callable[[], Any]] = {
+            NOMAD_LIST_JOBS: lambda: self._api.jobs.request(method="get",
+                                                           params={"prefix": probe}),
+            NOMAD_READ_JOB: lambda: self._api.job.request(probe, method="get"),
+            NOMAD_SUBMIT_JOB: lambda: self._api.job.request(
+                probe, "evaluate", json={"JobID": probe}, method="post"),
+            # A hex prefix: Nomad parses a node ID prefix as hex.
+            NOMAD_NODE_READ: lambda: self._api.nodes.request(method="get",
+                                                            params={"prefix": "ffffffff"}),
+        }
+        denied = []
+        for permission in needs:
+            if (ask := probes.get(permission)) is None:
+                continue
+            try:
+                with _translated(f"check {permission.rule}",
+                                 lambda exc: self.tls.failure(self.address, exc)):
+                    ask()
+            except NomadRejected as exc:
+                if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
+                    denied.append(permission)
+            except NomadUnavailable as exc:
+                # "job not found" is a 500 from evaluate: an answer past the ACL check.
+                if "not found" not in str(exc):
+                    raise
+        if not denied:
+            return None
+        token, detail = self.token_status()
+        return denied, token, detail
 
     def parse(self, hcl: str, variables: str) -> Job:
         """Render an HCL2 jobspec with a variable file through Nomad's parser (canonicalized).
@@ -93,13 +170,14 @@ class NomadClient:
         request body itself through the library's generic request method.
         """
         body = {"JobHCL": hcl, "Variables": variables, "Canonicalize": True}
-        return self._call("parse jobspec", lambda: self._api.jobs.request(
+        return self._call(NOMAD_PARSE_JOB, "parse jobspec", lambda: self._api.jobs.request(
             "parse", json=body, method="post").json())
 
     def job(self, job_id: str) -> Job | None:
         """The registered job, or None when Nomad has no job with this ID."""
         try:
-            return self._call(f"read job {job_id}", lambda: self._api.job.get_job(job_id))
+            return self._call(NOMAD_READ_JOB, f"read job {job_id}",
+                              lambda: self._api.job.get_job(job_id))
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
                 return None
@@ -107,7 +185,7 @@ class NomadClient:
 
     def jobs(self) -> list[Job]:
         """Every job's stub (ID, Status, Stop, Meta in Nomad >= 1.6 via `meta=true`)."""
-        return self._call("list jobs", lambda: self._api.jobs.request(
+        return self._call(NOMAD_LIST_JOBS, "list jobs", lambda: self._api.jobs.request(
             method="get", params={"meta": "true"}).json())
 
     def register(self, job: Job, enforce_index: int | None = None) -> dict[str, Any]:
@@ -118,7 +196,7 @@ class NomadClient:
         if enforce_index is not None:
             body |= {"EnforceIndex": True, "JobModifyIndex": enforce_index}
         try:
-            return self._call(f"register job {job['ID']}",
+            return self._call(NOMAD_SUBMIT_JOB, f"register job {job['ID']}",
                               lambda: self._api.job.register_job(job["ID"], body))
         except NomadUnavailable as exc:
             # Nomad answers a lost EnforceIndex race with a 500 whose text starts so
@@ -129,7 +207,7 @@ class NomadClient:
 
     def plan(self, job: Job) -> dict[str, Any]:
         """Dry-run the scheduler with a diff against the registered version."""
-        return self._call(f"plan job {job['ID']}",
+        return self._call(NOMAD_SUBMIT_JOB, f"plan job {job['ID']}",
                           lambda: self._api.job.plan_job(job["ID"], {"Job": job}, diff=True))
 
     def scale(self, job_id: str, group: str, count: int, message: str) -> str | None:
@@ -138,7 +216,7 @@ class NomadClient:
         Nomad answers 400 "job scaling blocked due to active deployment" while a
         deployment runs; that arrives as NomadRejected with Nomad's words."""
         body = {"Count": count, "Target": {"Group": group}, "Message": message}
-        answer = self._call(f"scale job {job_id}", lambda: self._api.job.request(
+        answer = self._call(NOMAD_SCALE_JOB, f"scale job {job_id}", lambda: self._api.job.request(
             job_id, "scale", json=body, method="post").json())
         return answer.get("EvalID") or None
 
@@ -149,25 +227,26 @@ class NomadClient:
         job's reschedule policy gave up on them (how `planner retry` starts a
         replica Nomad stopped after its restart attempts)."""
         body = {"JobID": job_id, "EvalOptions": {"ForceReschedule": force_reschedule}}
-        answer = self._call(f"evaluate job {job_id}", lambda: self._api.job.request(
-            job_id, "evaluate", json=body, method="post").json())
+        answer = self._call(NOMAD_SUBMIT_JOB, f"evaluate job {job_id}",
+                            lambda: self._api.job.request(job_id, "evaluate", json=body,
+                                                          method="post").json())
         return answer.get("EvalID") or None
 
     def deregister(self, job_id: str, purge: bool = False) -> dict[str, Any]:
         """Stop a job (purge=True also removes it from Nomad's state)."""
-        return self._call(f"deregister job {job_id}",
+        return self._call(NOMAD_SUBMIT_JOB, f"deregister job {job_id}",
                           lambda: self._api.job.deregister_job(job_id, purge=purge))
 
     def versions(self, job_id: str) -> list[Job]:
         """Every stored version of a job, newest first."""
-        return self._call(f"read versions of {job_id}",
+        return self._call(NOMAD_READ_JOB, f"read versions of {job_id}",
                           lambda: self._api.job.get_versions(job_id)["Versions"])
 
     def deployments(self, job_id: str) -> list[dict[str, Any]]:
         """The job's deployments (JobVersion, JobCreateIndex, Status, StatusDescription);
         none for a job that does not exist."""
         try:
-            return self._call(f"read deployments of {job_id}",
+            return self._call(NOMAD_READ_JOB, f"read deployments of {job_id}",
                               lambda: self._api.job.get_deployments(job_id)) or []
         except NomadRejected:
             return []
@@ -175,18 +254,18 @@ class NomadClient:
     def revert(self, job_id: str, version: int, current_version: int) -> dict[str, Any]:
         """Register job version `version` again as a new version, only if the job is
         still at `current_version` (EnforcePriorVersion); returns {EvalID, ...}."""
-        return self._call(f"revert job {job_id} to version {version}",
+        return self._call(NOMAD_SUBMIT_JOB, f"revert job {job_id} to version {version}",
                           lambda: self._api.job.revert_job(job_id, version, current_version))
 
     def allocations(self, job_id: str) -> list[dict[str, Any]]:
         """Allocation stubs of a job (ClientStatus, TaskStates with events)."""
-        return self._call(f"read allocations of {job_id}",
+        return self._call(NOMAD_READ_JOB, f"read allocations of {job_id}",
                           lambda: self._api.job.get_allocations(job_id))
 
     def allocation(self, alloc_id: str) -> dict[str, Any] | None:
         """One allocation in full (with its Job), or None when Nomad no longer has it."""
         try:
-            return self._call(f"read allocation {alloc_id[:8]}",
+            return self._call(NOMAD_READ_JOB, f"read allocation {alloc_id[:8]}",
                               lambda: self._api.allocation.get_allocation(alloc_id))
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
@@ -199,14 +278,15 @@ class NomadClient:
         scheduler looked at the cluster. A filter expression (Nomad >= 1.3) asks only for
         allocations told to stop; its grammar has no `>`, so the index is compared here."""
         expression = 'DesiredStatus == "stop" or DesiredStatus == "evict"'
-        stubs = self._call("list stopping allocations", lambda: self._api.allocations.request(
-            method="get", params={"filter": expression}).json())
+        stubs = self._call(NOMAD_READ_JOB, "list stopping allocations",
+                           lambda: self._api.allocations.request(
+                               method="get", params={"filter": expression}).json())
         return [a for a in stubs if a.get("ClientStatus") in ("running", "pending")
                 or (since_index and int(a.get("ModifyIndex", 0)) > since_index)]
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node's stub with its resources (NodeResources.Devices: the GPUs)."""
-        return self._call("list nodes", lambda: self._api.nodes.request(
+        return self._call(NOMAD_NODE_READ, "list nodes", lambda: self._api.nodes.request(
             method="get", params={"resources": "true"}).json())
 
     def node(self, node_id: str) -> dict[str, Any] | None:
@@ -221,17 +301,17 @@ class NomadClient:
             raise
 
     def evaluation(self, eval_id: str) -> dict[str, Any]:
-        return self._call(f"read evaluation {eval_id}",
+        return self._call(NOMAD_READ_JOB, f"read evaluation {eval_id}",
                           lambda: self._api.evaluation.get_evaluation(eval_id))
 
     def evaluations(self, job_id: str) -> list[dict[str, Any]]:
         """A job's evaluations (FailedTGAllocs, BlockedEval, Status), in no set order."""
-        return self._call(f"read evaluations of {job_id}",
+        return self._call(NOMAD_READ_JOB, f"read evaluations of {job_id}",
                           lambda: self._api.job.get_evaluations(job_id))
 
     def current_index(self) -> int:
         """Nomad's latest Raft index (X-Nomad-Index of a cheap list call)."""
-        response = self._call("read index", lambda: self._api.jobs.request(
+        response = self._call(NOMAD_LIST_JOBS, "read index", lambda: self._api.jobs.request(
             method="get", params={"prefix": "\x00"}))
         return int(response.headers.get("X-Nomad-Index", 0))
 
@@ -239,9 +319,17 @@ class NomadClient:
         """The last `size` bytes a task wrote to stderr, through the client filesystem
         API (/v1/client/fs/logs). Empty when the allocation's files are gone."""
         try:
-            return self._call(f"read stderr of {alloc_id[:8]}/{task}",
+            return self._call(NOMAD_READ_LOGS, f"read stderr of {alloc_id[:8]}/{task}",
                               lambda: self._api.client.stream_logs.stream(
                                   alloc_id, task, "stderr", offset=size, origin="end",
                                   plain=True))
         except (NomadRejected, NomadUnavailable):
+            return ""
+        except PermissionDenied as exc:
+            # The one capability the checks before acting cannot ask (it needs an
+            # allocation): said here, once per process, and the last error goes on
+            # without llama.cpp's lines.
+            if not self._logs_denied:
+                log.error("%s; last errors will lack the task's stderr", exc)
+                self._logs_denied = True
             return ""

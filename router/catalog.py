@@ -28,6 +28,12 @@ string and has no per-call timeout, and the router needs a few GETs. Every
 aiohttp, timeout and decoding failure leaves this module as
 :class:`router.errors.CatalogUnavailable`.
 
+ACLs: the token (``CONSUL_HTTP_TOKEN``) needs the rules of acl/consul/router.hcl.
+Consul filters a read those rules do not allow down to nothing, so
+:meth:`ConsulCatalog.denied` asks Consul first (``/v1/internal/acl/authorize``,
+:mod:`llmgw_contract.acl`; ``router serve`` refuses to start without them), and
+a 403 met later (a token deleted meanwhile) is :class:`CatalogDenied` naming the rule.
+
 TLS: for an ``https`` Consul the session verifies it and presents the client
 certificate through the ``ssl.SSLContext`` that
 :meth:`router.settings.RouterSettings.consul_ssl_context` builds; a failed
@@ -62,8 +68,17 @@ from llmgw_contract import (
     model_from_service,
     service_name,
 )
+from llmgw_contract.acl import (
+    CONSUL_KV_READ,
+    CONSUL_SERVICES_READ,
+    ROUTER_POLICIES,
+    Agent,
+    Permission,
+    TokenStatus,
+    denial,
+)
 from llmgw_contract.documents import Document
-from router.errors import CatalogUnavailable
+from router.errors import CatalogDenied, CatalogUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +201,7 @@ class ConsulCatalog:
     ) -> None:
         headers = {"X-Consul-Token": token} if token else {}
         self.base_url = base_url
+        self._token = token
         # Separate from the upstream pool: different timeouts, and it must
         # survive until the watches are cancelled during shutdown.
         self._session = aiohttp.ClientSession(
@@ -228,6 +244,38 @@ class ConsulCatalog:
         """Blocking read of the admin addresses of the passing ``llmgw-planner`` instances."""
         return await self._passing(PLANNER_SERVICE, index, wait_s)
 
+    async def denied(self, needs: tuple[Permission, ...]) -> str | None:
+        """Which of ``needs`` the token is denied, asked of Consul's
+        ``/v1/internal/acl/authorize`` (changes nothing): ``None`` when all are allowed
+        or Consul enforces no ACLs, else the sentence that names them. Raises
+        :class:`CatalogUnavailable` when Consul cannot be asked."""
+        body = [p.authorize_request() for p in needs]
+        path = "/v1/internal/acl/authorize"
+        try:
+            async with asyncio.timeout(10), self._session.post(path, json=body) as resp:
+                text = await resp.text()
+                if resp.status == 401:  # "ACL support disabled": everything is allowed
+                    return None
+                if resp.status == 403:
+                    return self._denial([p.rule for p in needs], text)
+                if resp.status != 200:
+                    raise CatalogUnavailable(f"POST {path}: HTTP {resp.status}: {text[:200]}")
+                answers = await resp.json(content_type=None)
+        except CatalogUnavailable:
+            raise
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise CatalogUnavailable(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        rules = [p.rule for p, a in zip(needs, answers or [], strict=False) if not a.get("Allow")]
+        return self._denial(rules, "") if rules else None
+
+    def _denial(self, rules: list[str], detail: str, action: str = "") -> str:
+        """The sentence for `rules` denied; Consul says "ACL not found" for a token it
+        does not know."""
+        token = (TokenStatus.UNKNOWN if "ACL not found" in detail
+                 else TokenStatus.VALID if self._token else TokenStatus.EMPTY)
+        return denial(Agent.CONSUL, rules, token, ROUTER_POLICIES[Agent.CONSUL], action,
+                      detail.strip() if token is TokenStatus.UNKNOWN else "")
+
     async def _passing(
         self, service: str, index: int, wait_s: float
     ) -> tuple[int, list[ServiceAddress]]:
@@ -254,11 +302,15 @@ class ConsulCatalog:
                 new_index = int(resp.headers.get("X-Consul-Index", "0"))
                 if resp.status == 404:
                     return new_index, None
+                if resp.status == 403:
+                    needs = CONSUL_KV_READ if path.startswith("/v1/kv/") else CONSUL_SERVICES_READ
+                    raise CatalogDenied(self._denial([needs.rule], await resp.text(),
+                                                     f"GET {path}"))
                 if resp.status != 200:
                     text = (await resp.text())[:200]
                     raise CatalogUnavailable(f"GET {path}: HTTP {resp.status}: {text}")
                 return new_index, await resp.json(content_type=None)
-        except CatalogUnavailable:
+        except (CatalogUnavailable, CatalogDenied):
             raise
         except aiohttp.ClientSSLError as exc:
             raise CatalogUnavailable(

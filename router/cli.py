@@ -8,7 +8,11 @@ stdout.
 Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM), 1 if the router could
 not start (port in use, a failed startup), 2 for invalid settings (named on
 stderr: a bad number, a TLS file that does not exist, a key without its
-certificate) or a usage error.
+certificate) or a usage error, 3 when Consul denies its ACL token
+(``CONSUL_HTTP_TOKEN``) a rule of acl/consul/router.hcl: the message names the
+rule. The router asks Consul before it starts (:meth:`ConsulCatalog.denied`);
+a Consul it cannot reach then is no reason not to start (the watches retry, and
+a 403 they meet later is logged naming the rule).
 
 TLS: ``--tls-cert``/``--tls-key`` (``LLMGW_TLS_CERT``/``LLMGW_TLS_KEY``) serve
 HTTPS (uvicorn's ``ssl_certfile``/``ssl_keyfile``); the Consul and planner
@@ -29,6 +33,7 @@ shows in the process list. The per-replica limit and the wait for a free slot
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -39,15 +44,25 @@ from typing import Annotated
 import typer
 import uvicorn
 
+from llmgw_contract.acl import ROUTER_CONSUL_NEEDS
 from router.app import create_app
+from router.catalog import ConsulCatalog
+from router.errors import CatalogUnavailable
 from router.settings import RouterSettings
 
 log = logging.getLogger("router")
 
+EXIT_CODES = (
+    "Exit codes: 0 clean shutdown; 1 could not start; 2 invalid settings or usage; "
+    "3 Consul denied the ACL token (CONSUL_HTTP_TOKEN) a rule the router needs "
+    "(acl/consul/router.hcl; the message names it)."
+)
+
 cli = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="llmgw router: OpenAI-compatible proxy to llama-server replicas found in Consul.",
+    help="llmgw router: OpenAI-compatible proxy to llama-server replicas found in Consul."
+    f"\n\n{EXIT_CODES}",
 )
 
 
@@ -153,7 +168,9 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API until SIGINT/SIGTERM.
 
-    Exit codes: 0 clean shutdown, 1 could not start, 2 invalid settings or usage.
+    Exit codes: 0 clean shutdown, 1 could not start, 2 invalid settings or usage,
+    3 Consul denied the ACL token (CONSUL_HTTP_TOKEN) a rule the router needs
+    (acl/consul/router.hcl; the message names it).
     """
     configure_logging(log_level)
     try:
@@ -180,6 +197,14 @@ def serve(
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
         raise typer.Exit(2) from None
+    try:
+        denied = asyncio.run(_denied(settings))
+    except CatalogUnavailable as exc:
+        log.warning("could not check the Consul ACL token yet: %s; starting anyway", exc)
+        denied = None
+    if denied is not None:
+        log.error("%s", denied)
+        raise typer.Exit(3)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -210,6 +235,18 @@ def serve(
     # returning with started still False.
     if not server.started:
         raise typer.Exit(1)
+
+
+async def _denied(settings: RouterSettings) -> str | None:
+    """What Consul denies the router's token of acl/consul/router.hcl (None: nothing)."""
+    scheme, host, port = settings.consul_location()
+    catalog = ConsulCatalog(
+        f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
+    )
+    try:
+        return await catalog.denied(ROUTER_CONSUL_NEEDS)
+    finally:
+        await catalog.close()
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:

@@ -26,7 +26,10 @@ The tree, split by what the caller can do::
         └── UpstreamTimeout        504 upstream_timeout
 
     CatalogError                   reading Consul failed; never reaches a client,
-    └── CatalogUnavailable         the watch loops back off and retry
+    ├── CatalogUnavailable         the watch loops back off and retry
+    └── CatalogDenied              Consul denied the router's ACL token a rule it
+                                   needs (the message names it and the policy file);
+                                   ``router serve`` checks before it starts (exit 3)
 
 Raised by :mod:`router.proxy`, :mod:`router.catalog`, :mod:`router.plannerapi`
 and :mod:`router.activation`; rendered by
@@ -280,6 +283,11 @@ class CatalogError(Exception):
 
 class CatalogUnavailable(CatalogError):
     """Consul could not be reached or answered with an error status."""
+
+
+class CatalogDenied(CatalogError):
+    """Consul denied the router's token a rule of acl/consul/router.hcl; the message is
+    :func:`llmgw_contract.acl.denial`'s, naming the rule and the policy file."""
 
 
 def error_body(

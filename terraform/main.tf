@@ -61,6 +61,8 @@ locals {
 }
 
 # --- ACL policies and tokens ---------------------------------------------------------
+# The router never calls Nomad (it reads Consul only), so it has no Nomad policy or
+# token: acl/README.md.
 
 resource "nomad_acl_policy" "planner" {
   count       = var.acl_enabled ? 1 : 0
@@ -69,25 +71,11 @@ resource "nomad_acl_policy" "planner" {
   rules_hcl   = file("${local.policy_dir}/nomad/planner.hcl")
 }
 
-resource "nomad_acl_policy" "router" {
-  count       = var.acl_enabled ? 1 : 0
-  name        = local.router_job
-  description = "llmgw router"
-  rules_hcl   = file("${local.policy_dir}/nomad/router.hcl")
-}
-
 resource "nomad_acl_token" "planner" {
   count    = var.acl_enabled ? 1 : 0
   name     = local.planner_job
   type     = "client"
   policies = [nomad_acl_policy.planner[0].name]
-}
-
-resource "nomad_acl_token" "router" {
-  count    = var.acl_enabled ? 1 : 0
-  name     = local.router_job
-  type     = "client"
-  policies = [nomad_acl_policy.router[0].name]
 }
 
 resource "consul_acl_policy" "planner" {
@@ -150,7 +138,6 @@ resource "nomad_variable" "router" {
   path = "nomad/jobs/${local.router_job}"
   items = merge(
     { LLMGW_PLANNER_TOKEN = random_password.admin_token.result },
-    { for token in nomad_acl_token.router : "NOMAD_TOKEN" => token.secret_id },
     { for token in data.consul_acl_token_secret_id.router : "CONSUL_HTTP_TOKEN" => token.secret_id },
   )
 }

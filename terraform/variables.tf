@@ -160,7 +160,7 @@ variable "acl_enabled" {
 variable "policy_dir" {
   type        = string
   default     = null
-  description = "Folder holding nomad/planner.hcl, nomad/router.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
+  description = "Folder holding nomad/planner.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
 }
 
 variable "jobspec_dir" {

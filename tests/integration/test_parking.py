@@ -13,11 +13,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from devcluster.cluster import Cluster
+from devcluster.demo import llmgw_meta, meta_lines, nomad_ui_available
 from tests.conftest import (
     ADMIN_TOKEN,
     STABLE_AFTER_S,
@@ -103,6 +105,20 @@ def test_c05_c06_kev_model_is_parked_after_exactly_five_starts(
     assert 0 < park_seconds < 5
     assert job["Meta"]["llmgw_parked_reason"] == "5 consecutive start failures"
     assert KEV_ERROR in job["Meta"]["llmgw_parked_last_error"]
+    # What an operator sees in the Nomad UI's job page: its Meta table, read from
+    # /v1/job/<id> (with ?namespace=, as the UI asks). This Nomad has no UI, so the
+    # demo prints the same lines (devcluster.demo.meta_lines).
+    ui_job = nomad_get(cluster, "/v1/job/c05-kev?namespace=default")
+    meta = llmgw_meta(ui_job)
+    assert meta["llmgw_parked_reason"] == "5 consecutive start failures"
+    assert KEV_ERROR in meta["llmgw_parked_last_error"]
+    parked_since = datetime.fromisoformat(meta["llmgw_parked_since"])
+    assert abs((datetime.now(UTC) - parked_since).total_seconds()) < 60
+    lines = meta_lines(meta)
+    assert "llmgw_parked_reason = 5 consecutive start failures" in lines
+    assert any(line.startswith("llmgw_parked_last_error = ") for line in lines)
+    assert any(KEV_ERROR in line for line in lines)
+    assert not nomad_ui_available(cluster.nomad_addr)  # what the demo says of this Nomad
     print(f"parked {time.monotonic() - parked_at:.1f} s ago")
 
     status = planner("status")

@@ -46,3 +46,29 @@ def test_a_wrong_setting_is_exit_2_in_json(command: list[str]) -> None:
     assert code == 2
     assert answer["error"]["kind"] == "InvalidSettings"
     assert "/nonexistent/ca.pem" in answer["error"]["message"]
+
+
+def test_detailed_exitcode_turns_every_error_into_1_and_says_it_in_markdown(
+        tmp_path: Path) -> None:
+    """terraform plan -detailed-exitcode's codes: an invalid file is 1, not 2 (2 would
+    read as "changes"); the merge request gets the problems as a Markdown table."""
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: abc\n")
+    result = CliRunner().invoke(app, ["apply", str(tmp_path), "--dry-run",
+                                      "--detailed-exitcode", "--output", "markdown"],
+                                env=UNREACHABLE)
+    assert result.exit_code == 1
+    assert result.stdout.startswith("### llmgw plan failed\n")
+    assert f"| `{tmp_path / 'a.yaml'}` | `profile.context` |" in result.stdout
+    # Unreachable agents: also 1 (3 without the flag).
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: 512\n")
+    result = CliRunner().invoke(app, ["apply", str(tmp_path), "--dry-run",
+                                      "--detailed-exitcode"], env=UNREACHABLE)
+    assert result.exit_code == 1
+
+
+def test_detailed_exitcode_needs_dry_run(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["apply", str(tmp_path), "--detailed-exitcode"],
+                                env=UNREACHABLE)
+    assert result.exit_code == 1 and "goes with --dry-run" in result.stderr

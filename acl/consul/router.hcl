@@ -1,0 +1,32 @@
+# Consul ACL policy of the llmgw router (`router serve`): it only reads.
+#
+#   consul acl policy create -name llmgw-router -rules @acl/consul/router.hcl
+#   consul acl token create -description "llmgw router" -policy-name llmgw-router
+#
+# Give the token's secret to the router as CONSUL_HTTP_TOKEN. What each rule is for:
+#
+#   key_prefix "llmgw/" read      model records (llmgw/models/), the parked and
+#                                 unplaceable states (llmgw/state/), the leading planner
+#                                 (llmgw/leader)
+#   service_prefix "llmgw-" read  the passing replicas of llmgw-<model>, the passing
+#                                 planners (llmgw-planner), the catalog's service list
+#   node_prefix "" read           Consul hides a service instance on a node the token
+#                                 cannot read: without it no replica ever passes
+#
+# The router needs no Nomad token: it never calls Nomad (it finds replicas in Consul
+# and asks the planner's admin API, with LLMGW_PLANNER_TOKEN, to start a model).
+# Reads Consul filters by these rules answer "nothing" rather than "denied", so the
+# router asks Consul first (/v1/internal/acl/authorize) and refuses to start when a
+# rule is missing, naming it.
+
+key_prefix "llmgw/" {
+  policy = "read"
+}
+
+service_prefix "llmgw-" {
+  policy = "read"
+}
+
+node_prefix "" {
+  policy = "read"
+}

@@ -41,6 +41,7 @@ from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
 from router.plannerapi import PlannerAPI
 from router.planners import PlannerCandidates
+from router.prefix import PrefixChooser
 from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
 from router.settings import RouterSettings
@@ -146,6 +147,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         queue_timeout_s=settings.queue_timeout_s,
         busy_retry_after_s=settings.busy_retry_after_s,
         no_endpoint=no_endpoint,
+        prefix=PrefixChooser(settings.prefix_load_factor, prefix_chars=settings.prefix_chars)
+        if settings.routing == "prefix"
+        else None,
     )
 
     @asynccontextmanager
@@ -169,7 +173,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             usage.start()
         log.info(
             "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss; "
-            "per replica %s in flight, queue timeout %gs; %s",
+            "per replica %s in flight, queue timeout %gs; routing %s; %s",
             scheme,
             host,
             port,
@@ -178,6 +182,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             settings.replica_concurrency
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
+            settings.routing,
             f"activation through the planner leader (Consul), then {settings.planner_url}, "
             f"then the other passing planners (window {settings.activation_window_s:g} s, "
             f"usage every {settings.usage_interval_s:g} s)"

@@ -141,6 +141,14 @@ def serve(
             "limit, then 503 replicas_busy (env LLMGW_QUEUE_TIMEOUT, default 30)."
         ),
     ] = None,
+    routing: Annotated[
+        str | None,
+        typer.Option(
+            help="How a replica is chosen (env LLMGW_ROUTING): least-outstanding (the "
+            "default), or prefix: requests sharing a prompt prefix go to the same replica, "
+            "within a bounded load (llama-server reuses its prompt cache)."
+        ),
+    ] = None,
     tls_cert: Annotated[
         str | None,
         typer.Option(help="Serve HTTPS with this PEM certificate (env LLMGW_TLS_CERT)."),
@@ -171,6 +179,7 @@ def serve(
             activation=activation,
             replica_concurrency=replica_concurrency,
             queue_timeout_s=queue_timeout,
+            routing=routing,
             tls_cert=tls_cert,
             tls_key=tls_key,
             access_log=access_log,

@@ -5,16 +5,19 @@ Starts, all on 127.0.0.1 and all stopped at exit (SIGTERM and Ctrl-C included):
 - a Consul dev agent, and 2 real llama-server replicas of a small random-weight
   model (tests/support/tiny_gguf.py, ``--width`` 256 x ``--layers`` 4, byte
   tokens: a 1,000-character conversation is 1,000 tokens to process), each
-  with 4 slots and its own prompt cache (``cache_prompt`` is on by default),
+  with 4 slots of 4,096 tokens and its own prompt cache (``cache_prompt`` is on by default),
   registered as ``llmgw-prefix-bench`` with an HTTP check on ``/health``;
-- for each strategy in turn, a router (``LLMGW_ROUTING=least-outstanding``,
-  then ``prefix``; activation off; each replica's limit from its ``/props``).
+- for each run, fresh replicas (empty caches) and a router
+  (``LLMGW_ROUTING=least-outstanding`` or ``prefix``; activation off; each
+  replica's limit from its ``/props``); ``--rounds`` (2) runs per strategy, in
+  the order A B, B A, ... so the machine's drifting load falls on both alike.
 
-The workload, once per strategy: ``--conversations`` (6) chats at once, each
-``--turns`` (5) turns long, each turn resending the whole conversation (a
-system prompt shared by all, the chat's own first message, then every turn
-so far) with ``stream: true``. Each strategy gets its own texts (a new system
-prompt and new conversations), so nothing the previous run cached helps it.
+The workload, once per run: ``--conversations`` (8: as many as the two
+replicas have slots) chats at once, each ``--turns`` (6) turns long, each
+turn resending the whole conversation (a short system prompt shared by all,
+the chat's own first message of ``--document-words`` (120) words, a document
+to talk about, then every turn so far) with ``stream: true``. Each run gets
+its own texts, so nothing a previous run cached helps it.
 
 Per strategy it reports the prompt tokens sent, those llama-server took from
 its cache (``timings.cache_n`` of the last chunk, the figure behind
@@ -24,7 +27,8 @@ ones a cache can serve).
 
 Usage::
 
-    python bench/prefix_routing.py [--conversations 6] [--turns 5] [--output json]
+    python bench/prefix_routing.py [--conversations 8] [--turns 6] [--rounds 2]
+                                   [--output json]
 
 Exit codes: 0 prefix routing cached more tokens and had a lower mean time to
 first token than least-outstanding, 1 it did not, 2 setup failed.
@@ -38,6 +42,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,34 +74,47 @@ def sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + ". "
 
 
-class Replicas:
-    """Two llama-servers of one model, registered in Consul with an HTTP check."""
+class Run:
+    """One strategy's run: two fresh llama-servers of the model (empty caches),
+    registered in Consul with an HTTP check, and a router; :meth:`stop` ends them."""
 
-    def __init__(self, children: Children, consul: str, model: Path) -> None:
+    def __init__(self, children: Children, consul: str, model: Path, name: str) -> None:
+        self.consul = consul
         self.ports = [free_port(), free_port()]
-        for i, port in enumerate(self.ports):
+        self.ids = [f"{name}-{i}" for i in range(2)]
+        self.procs: list[subprocess.Popen] = [
             children.spawn(
                 [str(BIN / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
-                 str(port), "-c", "8192", "--parallel", "4", "--threads", "1"],
-                f"llama-server-{i}",
+                 str(port), "-c", "16384", "--parallel", "4", "--threads", "1"],
+                f"llama-server-{service_id}",
             )
-        for i, port in enumerate(self.ports):
+            for port, service_id in zip(self.ports, self.ids, strict=True)
+        ]
+        for port, service_id in zip(self.ports, self.ids, strict=True):
             wait_for(lambda p=port: http("GET", f"http://127.0.0.1:{p}/health") != b"", 60,
-                     f"llama-server {i}")
-            service = {"ID": f"{MODEL}-{i}", "Name": f"llmgw-{MODEL}", "Address": "127.0.0.1",
+                     f"llama-server {service_id}")
+            service = {"ID": service_id, "Name": f"llmgw-{MODEL}", "Address": "127.0.0.1",
                        "Port": port,
                        "Check": {"HTTP": f"http://127.0.0.1:{port}/health", "Interval": "1s"}}
             http("PUT", f"{consul}/v1/agent/service/register", json.dumps(service).encode())
         define_model(consul, MODEL)
 
+    def stop(self) -> None:
+        for service_id in self.ids:
+            http("PUT", f"{self.consul}/v1/agent/service/deregister/{service_id}")
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(10)
 
-def start_router(children: Children, consul_port: int, strategy: str) -> str:
+
+def start_router(children: Children, consul_port: int, strategy: str, name: str
+                 ) -> tuple[str, subprocess.Popen]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLMGW_ACTIVATION": "0",
            "LLMGW_ROUTING": strategy}
-    children.spawn([sys.executable, "-m", "router", "serve", "--port", str(port),
-                    "--consul-addr", f"127.0.0.1:{consul_port}", "--log-level", "warning"],
-                   f"router-{strategy}", cwd=REPO, env=env)
+    proc = children.spawn([sys.executable, "-m", "router", "serve", "--port", str(port),
+                           "--consul-addr", f"127.0.0.1:{consul_port}", "--log-level",
+                           "warning"], f"router-{name}", cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
 
     def routes() -> bool:
@@ -106,7 +124,7 @@ def start_router(children: Children, consul_port: int, strategy: str) -> str:
     wait_for(routes, 60, f"the {strategy} router to see both replicas")
     # Let /props raise each replica's limit to its slot count (read once it joins).
     time.sleep(1.0)
-    return url
+    return url, proc
 
 
 async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> dict:
@@ -139,9 +157,10 @@ async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict]) -
 
 
 async def conversation(session: aiohttp.ClientSession, url: str, system: str, index: int,
-                       turns: int, rng: random.Random) -> list[dict]:
+                       turns: int, document_words: int, rng: random.Random) -> list[dict]:
     messages = [{"role": "system", "content": system},
-                {"role": "user", "content": f"Conversation {index}: " + sentence(rng, 40)}]
+                {"role": "user", "content": f"Conversation {index}. About this document: "
+                 + sentence(rng, document_words)}]
     results = []
     for n in range(turns):
         result = await turn(session, url, messages)
@@ -155,11 +174,12 @@ async def conversation(session: aiohttp.ClientSession, url: str, system: str, in
 
 async def workload(url: str, args: argparse.Namespace, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    system = f"Run {seed}. You answer questions about llmgw. " + sentence(rng, 80)
+    system = f"Run {seed}. You answer questions about documents. " + sentence(rng, 12)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         runs = await asyncio.gather(*(
-            conversation(session, url, system, i, args.turns, random.Random(seed * 1000 + i))
+            conversation(session, url, system, i, args.turns, args.document_words,
+                         random.Random(seed * 1000 + i))
             for i in range(args.conversations)))
     return [r for run in runs for r in run]
 
@@ -192,19 +212,35 @@ def measure(args: argparse.Namespace) -> dict:
                 consul = children.consul(consul_port)
                 model = write_tiny_gguf(Path(workdir) / "model.gguf", width=args.width,
                                         layers=args.layers)
-                Replicas(children, consul, model)
             except Exception as exc:
                 print(f"setup failed: {exc}", file=sys.stderr)
                 print(json.dumps(children.logs(), indent=1), file=sys.stderr)
                 sys.exit(2)
             result: dict = {"conversations": args.conversations, "turns": args.turns,
+                            "rounds": args.rounds,
                             "model": f"tiny {args.width}x{args.layers}", "replicas": 2,
                             "slots_per_replica": 4, "cpus": os.cpu_count()}
-            for seed, strategy in enumerate(STRATEGIES, start=1):
-                url = start_router(children, consul_port, strategy)
-                results = asyncio.run(workload(url, args, seed))
-                result[strategy] = summarize(results)
-                print(f"{strategy}: {result[strategy]}", file=sys.stderr)
+            results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+            # A B B A ...: the machine's load drifts, and each order gets it alike.
+            schedule = [STRATEGIES[::-1] if r % 2 else STRATEGIES for r in range(args.rounds)]
+            seed = 0
+            for strategies in schedule:
+                for strategy in strategies:
+                    seed += 1
+                    name = f"{strategy}-{seed}"
+                    run = Run(children, consul, model, name)
+                    url, router = start_router(children, consul_port, strategy, name)
+                    try:
+                        results[strategy] += asyncio.run(workload(url, args, seed))
+                    except Exception:
+                        print(json.dumps(children.logs(), indent=1), file=sys.stderr)
+                        raise
+                    router.terminate()
+                    router.wait(10)
+                    run.stop()
+                    print(f"{name}: {summarize(results[strategy])}", file=sys.stderr)
+            for strategy in STRATEGIES:
+                result[strategy] = summarize(results[strategy])
         finally:
             children.close()
     lo, px = result["least-outstanding"], result["prefix"]
@@ -214,8 +250,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['conversations']} chats x {r['turns']} turns, 2 replicas of {r['model']} "
-          f"({r['slots_per_replica']} slots each), {r['cpus']} CPUs")
+    print(f"{r['conversations']} chats x {r['turns']} turns, {r['rounds']} rounds per "
+          f"strategy, 2 replicas of {r['model']} ({r['slots_per_replica']} slots each), "
+          f"{r['cpus']} CPUs")
     print(f"{'':<34} {'least-outstanding':>18} {'prefix':>10}")
     lo, px = r["least-outstanding"], r["prefix"]
     rows = [
@@ -233,8 +270,12 @@ def print_table(r: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--document-words", type=int, default=120,
+                        help="length of each chat's first message (its own context)")
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of each strategy, alternating (A B, then B A, ...)")
     parser.add_argument("--width", type=int, default=256, help="model width")
     parser.add_argument("--layers", type=int, default=4, help="model layers")
     parser.add_argument("--output", choices=("table", "json"), default="table")

@@ -170,7 +170,13 @@ class Proxy:
             affinity: Affinity | None = None
             if self.prefix is not None and (key := self.prefix.key(doc)) is not None:
                 affinity = (self.prefix, key)
-            status = await self._forward(entry, scope, body, receive, send, affinity)
+            # llama-server closes the connection after a streamed answer while
+            # advertising keep-alive (no "Connection: close"); pooled, that
+            # connection takes the next request, which fails once written (502
+            # "Can not write request body", found by bench/prefix_routing.py).
+            # Saying "close" up front keeps it out of the pool.
+            close = doc.get("stream") is True
+            status = await self._forward(entry, scope, body, receive, send, affinity, close)
         except errors.RouterError as exc:
             if exc.refusal is not None:
                 bound.refused(exc.refusal)
@@ -216,6 +222,7 @@ class Proxy:
         receive: Receive,
         send: Send,
         affinity: Affinity | None = None,
+        close: bool = False,
     ) -> int:
         path = scope["path"]
         if scope.get("query_string"):
@@ -232,6 +239,8 @@ class Proxy:
             # body the client never asked to decompress. Setting it here rather
             # than via skip_auto_headers keeps aiohttp on its fast path.
             headers.append(("accept-encoding", "identity"))
+        if close:
+            headers.append(("connection", "close"))
         watch = DisconnectWatch(receive)
         try:
             return await self._attempts(

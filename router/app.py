@@ -12,7 +12,8 @@ Routes:
   :class:`router.proxy.Proxy`, a plain ASGI handler that :class:`RouterApp`
   calls before any of Starlette's middleware, routing or dependency injection.
 - ``GET /v1/models``: defined models (Consul KV records and ``llmgw-<model>``
-  services) in OpenAI's list shape.
+  services) in OpenAI's list shape; with router API keys (:mod:`router.keys`),
+  a key is needed and only its models are listed.
 - ``GET /health``: 200 once the model list was read from Consul, else 503.
 - ``GET /metrics``: Prometheus exposition, the certificate expiry series of every
   configured certificate file included (:mod:`llmgw_contract.certificates`).
@@ -38,6 +39,7 @@ from router.activation import Activator
 from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
+from router.keys import ApiKeys
 from router.metrics import RouterMetrics
 from router.plannerapi import PlannerAPI
 from router.planners import PlannerCandidates
@@ -139,6 +141,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         usage = UsageReporter(table, planner, settings.usage_interval_s)
     if no_endpoint is None:
         no_endpoint = activator if activator is not None else refuse_at_once
+    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
     proxy = Proxy(
         table,
         metrics,
@@ -150,6 +153,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         prefix=PrefixChooser(settings.prefix_load_factor, prefix_chars=settings.prefix_chars)
         if settings.routing == "prefix"
         else None,
+        keys=keys,
+        forward_authorization=settings.forward_authorization,
     )
 
     @asynccontextmanager
@@ -222,17 +227,24 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     app.state.usage = usage
     app.state.capacity = capacity
     app.proxy = proxy
-    _add_routes(app, table, metrics)
+    _add_routes(app, table, metrics, keys)
     _add_error_handlers(app)
     return app
 
 
-def _add_routes(app: FastAPI, table: EndpointTable, metrics: RouterMetrics) -> None:
+def _add_routes(
+    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: ApiKeys | None
+) -> None:
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
+    async def list_models(request: Request) -> JSONResponse:
+        names = table.names()
+        if keys is not None:
+            header = request.headers.get("authorization")
+            key = keys.authenticate(None if header is None else header.encode("latin-1"))
+            names = [name for name in names if key.allows(name)]
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in table.names()
+            for name in names
         ]
         return JSONResponse({"object": "list", "data": data})
 

@@ -149,6 +149,13 @@ def serve(
             "within a bounded load (llama-server reuses its prompt cache)."
         ),
     ] = None,
+    api_keys_file: Annotated[
+        str | None,
+        typer.Option(
+            help="YAML file of the router's API keys (SHA-256 digests and allowed models; "
+            "env LLMGW_API_KEYS_FILE). Unset: no key asked for."
+        ),
+    ] = None,
     tls_cert: Annotated[
         str | None,
         typer.Option(help="Serve HTTPS with this PEM certificate (env LLMGW_TLS_CERT)."),
@@ -180,6 +187,7 @@ def serve(
             replica_concurrency=replica_concurrency,
             queue_timeout_s=queue_timeout,
             routing=routing,
+            api_keys_file=api_keys_file,
             tls_cert=tls_cert,
             tls_key=tls_key,
             access_log=access_log,

@@ -49,6 +49,7 @@ from router import errors, refusals
 from router.admission import Held
 from router.balancer import Affinity, Endpoint
 from router.endpoints import EndpointTable, ModelEntry
+from router.keys import ApiKeys
 from router.metrics import RequestMetrics, RouterMetrics
 from router.prefix import PrefixChooser
 from router.streaming import (
@@ -119,6 +120,14 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     return model, doc
 
 
+def authorization(scope: Scope) -> bytes | None:
+    """The request's ``Authorization`` header value, or ``None``."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return value
+    return None
+
+
 class _ClientGone(Exception):
     """The client disconnected before its response started."""
 
@@ -137,6 +146,8 @@ class Proxy:
         busy_retry_after_s: int = 2,
         no_endpoint: NoEndpoint = refusals.refuse_at_once,
         prefix: PrefixChooser | None = None,
+        keys: ApiKeys | None = None,
+        forward_authorization: bool = False,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -147,6 +158,11 @@ class Proxy:
         self.no_endpoint = no_endpoint
         # Cache-aware routing (router.prefix); None: least-outstanding only.
         self.prefix = prefix
+        # Router API keys (router.keys); None: none asked for. The client's
+        # Authorization is the router's key, not the replica's: dropped
+        # unless the operator says to forward it.
+        self.keys = keys
+        self._drop = _DROP_REQUEST if forward_authorization else _DROP_REQUEST | {"authorization"}
         self.session: aiohttp.ClientSession | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -156,8 +172,11 @@ class Proxy:
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            key = None if self.keys is None else self.keys.authenticate(authorization(scope))
             body = await self._read_body(receive)
             model, doc = parse_request(body)
+            if key is not None and not key.allows(model):
+                raise errors.ModelNotAllowed(model)
             entry = self.table.get(model)
             if entry is None:
                 raise errors.ModelNotFound(model)
@@ -231,7 +250,7 @@ class Proxy:
         has_accept_encoding = False
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.decode("latin-1")
-            if name not in _DROP_REQUEST:
+            if name not in self._drop:
                 headers.append((name, raw_value.decode("latin-1")))
                 has_accept_encoding = has_accept_encoding or name == "accept-encoding"
         if not has_accept_encoding:

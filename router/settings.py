@@ -45,6 +45,10 @@ Environment variables (all optional):
 - ``LLMGW_PREFIX_CHARS``: characters of the prompt that make the prefix key (100)
 - ``LLMGW_PREFIX_LOAD_FACTOR``: how far above the mean load a replica may go
   before a prefix spills to the next one (1.25)
+- ``LLMGW_API_KEYS_FILE``: YAML file of the router's API keys (SHA-256 digests,
+  allowed models); unset: no keys asked for (:mod:`router.keys`)
+- ``LLMGW_FORWARD_AUTHORIZATION``: ``true`` sends the client's ``Authorization``
+  header on to the replica (default: dropped, it is the router's key)
 
 The Consul and TLS variables keep the names the ``consul`` CLI reads. Every
 configured certificate file (CAs, the client and the serving certificate; keys
@@ -63,6 +67,8 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from router.keys import ApiKeys
 
 DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
 DEFAULT_PLANNER_URL = "http://127.0.0.1:4650"
@@ -175,6 +181,9 @@ class RouterSettings:
     routing: str = "least-outstanding"
     prefix_chars: int = 100
     prefix_load_factor: float = 1.25
+    # Router API keys (router.keys); None: none asked for.
+    api_keys_file: str | None = None
+    forward_authorization: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -193,6 +202,10 @@ class RouterSettings:
             overrides["consul_ssl"] = _flag("CONSUL_HTTP_SSL", env["CONSUL_HTTP_SSL"])
         if env.get("LLMGW_PLANNER_TOKEN"):
             overrides["planner_token"] = env["LLMGW_PLANNER_TOKEN"]
+        if env.get("LLMGW_FORWARD_AUTHORIZATION"):
+            overrides["forward_authorization"] = _flag(
+                "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
+            )
         if env.get("LLMGW_ACTIVATION"):
             overrides["activation"] = _flag("LLMGW_ACTIVATION", env["LLMGW_ACTIVATION"])
         for var, name, kind in _ENV_FIELDS:
@@ -237,6 +250,8 @@ class RouterSettings:
             raise ValueError(
                 "LLMGW_PREFIX_CHARS must be >= 1 and LLMGW_PREFIX_LOAD_FACTOR >= 1.0"
             )
+        if self.api_keys_file:
+            ApiKeys.load(self.api_keys_file)
 
     @property
     def initial_replica_limit(self) -> int:
@@ -304,6 +319,7 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTING", "routing", str),
     ("LLMGW_PREFIX_CHARS", "prefix_chars", int),
     ("LLMGW_PREFIX_LOAD_FACTOR", "prefix_load_factor", float),
+    ("LLMGW_API_KEYS_FILE", "api_keys_file", str),
 )
 
 # Ours, and Go's strconv.ParseBool spellings (t/f), which the `consul` CLI applies.

@@ -2,9 +2,10 @@
 
 Called by :mod:`router.cli` (which runs it under uvicorn) and by tests. Nothing
 starts at import or at :func:`create_app`; the lifespan opens the upstream
-aiohttp pool, the Consul watches and the planner client (activation, usage
-reports) on startup and closes them, with the replicas' ``/props`` reads
-(:mod:`router.capacity`), in named steps, on shutdown.
+aiohttp pool, the Consul watches, the planner client (activation, usage
+reports) and, with API keys, the task that follows the keys file on startup,
+and closes them, with the replicas' ``/props`` reads (:mod:`router.capacity`),
+in named steps, on shutdown.
 
 Routes:
 
@@ -24,6 +25,7 @@ error-object shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,7 +41,7 @@ from router.activation import Activator
 from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
-from router.keys import ApiKeys
+from router.keys import KeysFile
 from router.metrics import RouterMetrics
 from router.plannerapi import PlannerAPI
 from router.planners import PlannerCandidates
@@ -141,7 +143,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         usage = UsageReporter(table, planner, settings.usage_interval_s)
     if no_endpoint is None:
         no_endpoint = activator if activator is not None else refuse_at_once
-    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
+    keys = KeysFile(settings.api_keys_file) if settings.api_keys_file else None
     proxy = Proxy(
         table,
         metrics,
@@ -173,6 +175,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         )
         app.state.watcher = watcher
         watcher.start()
+        following = None if keys is None else asyncio.ensure_future(keys.follow())
         if planner is not None and usage is not None:
             await planner.start()
             usage.start()
@@ -200,6 +203,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             # uvicorn has already stopped accepting and drained connections.
             log.info("shutdown: cancelling Consul watches")
             await watcher.stop()
+            if following is not None:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
             if planner is not None and usage is not None and activator is not None:
                 log.info("shutdown: stopping usage reports and activate calls")
                 await usage.stop()
@@ -233,7 +239,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
 
 
 def _add_routes(
-    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: ApiKeys | None
+    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeysFile | None
 ) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

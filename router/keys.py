@@ -26,16 +26,22 @@ The client's ``Authorization`` header is not forwarded to replicas (it is the
 router's key, not the replica's) unless ``LLMGW_FORWARD_AUTHORIZATION`` is
 on (:mod:`router.settings`), keys or not.
 
-Read once at start (:meth:`ApiKeys.load`, called by the app and by
+Read at start (:meth:`ApiKeys.load`, called by the app and by
 :meth:`router.settings.RouterSettings.validate`, so a bad file exits 2 naming
-the file, the entry's field and what was expected); a changed file takes
-effect when the router restarts.
+the file, the entry's field and what was expected), then followed by
+:class:`KeysFile`: a changed file (its modification time or size) is read
+again within :data:`RELOAD_INTERVAL_S`; one that no longer loads is logged
+and the keys read before stay in force, so a typo never locks every client
+out or lets everyone in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import hashlib
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +51,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from router import errors
 
+log = logging.getLogger(__name__)
+
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# How often the keys file is looked at for a change (a stat call).
+RELOAD_INTERVAL_S = 5.0
 BEARER = b"bearer "
 
 
@@ -149,6 +159,48 @@ class ApiKeys:
         if found is None:
             raise errors.InvalidApiKey(f"Incorrect API key provided: {_redact(key)}.")
         return found
+
+
+class KeysFile:
+    """The keys of ``path``, read again whenever the file changes (:meth:`follow`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp = self._stat()
+        self.keys = ApiKeys.load(path)
+
+    def authenticate(self, authorization: bytes | None) -> ApiKey:
+        """As :meth:`ApiKeys.authenticate`, with the keys read last."""
+        return self.keys.authenticate(authorization)
+
+    def reload_if_changed(self) -> bool:
+        """Read the file again if it changed; ``True`` when new keys took effect."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            keys = ApiKeys.load(self.path)
+        except ValueError as exc:
+            log.error("API keys not reloaded, the %d read before stay in force: %s",
+                      len(self.keys), exc)
+            return False
+        self.keys = keys
+        log.info("API keys reloaded from %s: %d keys", self.path, len(keys))
+        return True
+
+    async def follow(self, interval_s: float = RELOAD_INTERVAL_S) -> None:
+        """Look for a change every ``interval_s`` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.reload_if_changed()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
 
 
 def _redact(key: str) -> str:

@@ -49,7 +49,7 @@ from router import errors, refusals
 from router.admission import Held
 from router.balancer import Affinity, Endpoint
 from router.endpoints import EndpointTable, ModelEntry
-from router.keys import ApiKeys
+from router.keys import KeysFile
 from router.metrics import RequestMetrics, RouterMetrics
 from router.prefix import PrefixChooser
 from router.streaming import (
@@ -146,7 +146,7 @@ class Proxy:
         busy_retry_after_s: int = 2,
         no_endpoint: NoEndpoint = refusals.refuse_at_once,
         prefix: PrefixChooser | None = None,
-        keys: ApiKeys | None = None,
+        keys: KeysFile | None = None,
         forward_authorization: bool = False,
     ) -> None:
         self.table = table

@@ -10,7 +10,7 @@ from aiohttp import web
 from starlette.testclient import TestClient
 
 from router import errors
-from router.keys import ApiKeys, digest
+from router.keys import ApiKeys, KeysFile, digest
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -159,3 +159,21 @@ def test_without_keys_the_clients_authorization_is_still_not_forwarded() -> None
         assert replica.authorization == [None]
 
     run(scenario())
+
+
+def test_a_changed_keys_file_is_read_again_and_a_broken_one_ignored(tmp_path: Path) -> None:
+    path = keys_file(tmp_path)
+    followed = KeysFile(str(path))
+    team = f"Bearer {TEAM_KEY}".encode()
+    assert followed.authenticate(team).name == "team-a"
+    assert not followed.reload_if_changed()  # unchanged: not even read
+
+    path.write_text(f"keys:\n  - name: ops-only\n    sha256: {digest(OPS_KEY)}\n")
+    assert followed.reload_if_changed()
+    with pytest.raises(errors.InvalidApiKey):
+        followed.authenticate(team)
+    assert followed.authenticate(f"Bearer {OPS_KEY}".encode()).name == "ops-only"
+
+    path.write_text("keys:\n  - name: typo\n    sha256: not-a-digest-at-all\n")
+    assert not followed.reload_if_changed()  # logged; the keys read before stay
+    assert followed.authenticate(f"Bearer {OPS_KEY}".encode()).name == "ops-only"

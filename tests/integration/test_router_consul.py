@@ -688,6 +688,40 @@ def test_official_openai_client(cluster) -> None:
     assert err.value.code == "model_not_found"
 
 
+def test_router_api_keys_with_the_official_client(cluster, tmp_path: Path) -> None:
+    """Issue 10: the router's own keys (a file of SHA-256 digests with allowed
+    models); 401 in OpenAI's shape, and the replica never sees the key."""
+    import hashlib
+
+    openai = pytest.importorskip("openai")
+    consul, _, stub_a, _ = cluster
+    key = "sk-llmgw-test-0123456789"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {hashlib.sha256(key.encode()).hexdigest()}\n"
+        "    models: ['keyed-*']\n"
+    )
+    router = Router(consul, tmp_path, "keyed", "--api-keys-file", str(keys))
+    try:
+        define_serving(consul, router, "keyed-a", stub_a)
+        define_serving(consul, router, "unkeyed", stub_a)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0)
+        before = len(stub_a.requests)
+        answer = client.completions.create(model="keyed-a", prompt="hi", max_tokens=1)
+        assert answer.choices[0].text == "hi from a"
+        assert "Authorization" not in stub_a.requests[before]["headers"]
+        assert [m.id for m in client.models.list()] == ["keyed-a"]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="unkeyed", prompt="hi")
+        wrong = openai.OpenAI(base_url=router.url + "/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as denied:
+            wrong.completions.create(model="keyed-a", prompt="hi")
+        assert denied.value.code == "invalid_api_key"
+        assert len(stub_a.requests) == before + 1
+    finally:
+        router.stop()
+
+
 def test_metrics_series(cluster) -> None:
     consul, router, stub_a, _ = cluster
     define_serving(consul, router, "metered", stub_a)

@@ -566,6 +566,35 @@ def test_requests_spread_over_replicas_and_skip_dead_ones(cluster) -> None:
         assert status == 200
 
 
+def test_prefix_routing_keeps_a_conversation_on_one_replica(cluster, tmp_path: Path) -> None:
+    """--routing prefix (issue 10): every turn of a chat goes to the replica its
+    first user message hashes to; different chats spread over both."""
+    consul, _, stub_a, stub_b = cluster
+    router = Router(consul, tmp_path, "prefix", "--routing", "prefix")
+    try:
+        define_serving(consul, router, "cached", stub_a, stub_b)
+
+        def served(chat: int, turns: int) -> set[str]:
+            messages = [{"role": "system", "content": "shared"},
+                        {"role": "user", "content": f"chat {chat}: tell me a story"}]
+            replicas = set()
+            for turn in range(turns):
+                status, _, body = request("POST", f"{router.url}/v1/chat/completions",
+                                          {"model": "cached", "messages": messages})
+                assert status == 200
+                replicas.add(json.loads(body)["system_fingerprint"])
+                messages += [{"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": f"turn {turn}"}]
+            return replicas
+
+        # 16 chats: all on one replica by chance is 2 in 65,536 (ports change per run).
+        homes = [served(chat, 3) for chat in range(16)]
+        assert all(len(home) == 1 for home in homes)  # sequential turns: never spilled
+        assert set().union(*homes) == {"a", "b"}
+    finally:
+        router.stop()
+
+
 def read_stream(port: int, path: str, body: dict) -> tuple[list[tuple[float, bytes]], float]:
     """POST and read the chunked body piece by piece: ([(seconds, bytes)], total seconds)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

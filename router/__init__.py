@@ -5,12 +5,15 @@ unplaceable state and their passing endpoints, fed by Consul blocking-query
 watches (:mod:`router.watch`): a model is defined while it has a record under
 Consul KV ``llmgw/models/`` or an ``llmgw-<model>`` service in Consul's
 catalog, so wiping KV never turns a serving model into a 404; its state comes
-from ``llmgw/state/``, its endpoints from the health of its service. The
+from ``llmgw/state/``, its endpoints from the health of its service, all
+with a fixed number of queries however many models there are. The
 shapes of all of these (key and service names, documents, activation
 answers) are the shared contract, :mod:`llmgw_contract`.
 
 It forwards ``/v1/chat/completions``, ``/v1/completions`` and
-``/v1/embeddings`` to the least-loaded replica with a free slot: each replica
+``/v1/embeddings`` to the least-loaded replica with a free slot (or, with
+``--routing prefix``, to the replica its prompt's prefix hashes to, within a
+bounded load: :mod:`router.prefix`): each replica
 takes at most its llama-server slot count (``/props``) at once, and the rest
 wait in order for a bounded time (:mod:`router.admission`). A request is
 retried on another replica only when it provably never reached one. Parked,
@@ -23,6 +26,9 @@ planner leader through Consul (``llmgw/leader`` and the ``llmgw-planner``
 service; :mod:`router.planners`), with the configured ``--planner-url`` the
 first address tried while Consul names no leader, and move to another planner
 only when one could not be reached at all (:mod:`router.plannerapi`).
+
+Optional API keys (:mod:`router.keys`) gate every request and the model
+list; the client's ``Authorization`` is not passed to replicas.
 
 Entry points: the ``router`` console script (:mod:`router.cli`) and
 :func:`create_app` for embedding the ASGI app. The router never imports the

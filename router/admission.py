@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Collection
 from types import TracebackType
 
-from router.balancer import Endpoint, pick
+from router.balancer import Affinity, Endpoint, pick
 from router.metrics import ModelMetrics
 
 
@@ -77,13 +77,20 @@ class Slots:
         """Requests queued for a slot now."""
         return len(self._waiters)
 
-    def take(self, exclude: Collection[Endpoint] = (), *, first: bool = False) -> Endpoint | None:
-        """A slot on the least-loaded endpoint with room, counted; ``None`` if none has
-        room or (unless ``first``) other requests already wait: they go first."""
+    def take(
+        self,
+        exclude: Collection[Endpoint] = (),
+        *,
+        first: bool = False,
+        affinity: Affinity | None = None,
+    ) -> Endpoint | None:
+        """A slot on the least-loaded endpoint with room (or the one ``affinity``
+        prefers), counted; ``None`` if none has room or (unless ``first``) other
+        requests already wait: they go first, to whichever replica frees a slot."""
         if self._waiters and not first:
             return None
         self._turn += 1
-        endpoint = pick(self.endpoints, self._turn, exclude)
+        endpoint = pick(self.endpoints, self._turn, exclude, affinity)
         if endpoint is not None:
             endpoint.inflight += 1
             self._metrics.inflight.inc()

@@ -2,9 +2,10 @@
 
 Called by :mod:`router.cli` (which runs it under uvicorn) and by tests. Nothing
 starts at import or at :func:`create_app`; the lifespan opens the upstream
-aiohttp pool, the Consul watches and the planner client (activation, usage
-reports) on startup and closes them, with the replicas' ``/props`` reads
-(:mod:`router.capacity`), in named steps, on shutdown.
+aiohttp pool, the Consul watches, the planner client (activation, usage
+reports) and, with API keys, the task that follows the keys file on startup,
+and closes them, with the replicas' ``/props`` reads (:mod:`router.capacity`),
+in named steps, on shutdown.
 
 Routes:
 
@@ -12,7 +13,8 @@ Routes:
   :class:`router.proxy.Proxy`, a plain ASGI handler that :class:`RouterApp`
   calls before any of Starlette's middleware, routing or dependency injection.
 - ``GET /v1/models``: defined models (Consul KV records and ``llmgw-<model>``
-  services) in OpenAI's list shape.
+  services) in OpenAI's list shape; with router API keys (:mod:`router.keys`),
+  a key is needed and only its models are listed.
 - ``GET /health``: 200 once the model list was read from Consul, else 503.
 - ``GET /metrics``: Prometheus exposition, the certificate expiry series of every
   configured certificate file included (:mod:`llmgw_contract.certificates`).
@@ -23,6 +25,7 @@ error-object shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,9 +41,11 @@ from router.activation import Activator
 from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable
+from router.keys import KeysFile
 from router.metrics import RouterMetrics
 from router.plannerapi import PlannerAPI
 from router.planners import PlannerCandidates
+from router.prefix import PrefixChooser
 from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
 from router.settings import RouterSettings
@@ -138,6 +143,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         usage = UsageReporter(table, planner, settings.usage_interval_s)
     if no_endpoint is None:
         no_endpoint = activator if activator is not None else refuse_at_once
+    keys = KeysFile(settings.api_keys_file) if settings.api_keys_file else None
     proxy = Proxy(
         table,
         metrics,
@@ -146,6 +152,11 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         queue_timeout_s=settings.queue_timeout_s,
         busy_retry_after_s=settings.busy_retry_after_s,
         no_endpoint=no_endpoint,
+        prefix=PrefixChooser(settings.prefix_load_factor, prefix_chars=settings.prefix_chars)
+        if settings.routing == "prefix"
+        else None,
+        keys=keys,
+        forward_authorization=settings.forward_authorization,
     )
 
     @asynccontextmanager
@@ -164,12 +175,13 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         )
         app.state.watcher = watcher
         watcher.start()
+        following = None if keys is None else asyncio.ensure_future(keys.follow())
         if planner is not None and usage is not None:
             await planner.start()
             usage.start()
         log.info(
             "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss; "
-            "per replica %s in flight, queue timeout %gs; %s",
+            "per replica %s in flight, queue timeout %gs; routing %s; %s",
             scheme,
             host,
             port,
@@ -178,6 +190,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             settings.replica_concurrency
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
+            settings.routing,
             f"activation through the planner leader (Consul), then {settings.planner_url}, "
             f"then the other passing planners (window {settings.activation_window_s:g} s, "
             f"usage every {settings.usage_interval_s:g} s)"
@@ -190,6 +203,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             # uvicorn has already stopped accepting and drained connections.
             log.info("shutdown: cancelling Consul watches")
             await watcher.stop()
+            if following is not None:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
             if planner is not None and usage is not None and activator is not None:
                 log.info("shutdown: stopping usage reports and activate calls")
                 await usage.stop()
@@ -217,17 +233,24 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     app.state.usage = usage
     app.state.capacity = capacity
     app.proxy = proxy
-    _add_routes(app, table, metrics)
+    _add_routes(app, table, metrics, keys)
     _add_error_handlers(app)
     return app
 
 
-def _add_routes(app: FastAPI, table: EndpointTable, metrics: RouterMetrics) -> None:
+def _add_routes(
+    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeysFile | None
+) -> None:
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
+    async def list_models(request: Request) -> JSONResponse:
+        names = table.names()
+        if keys is not None:
+            header = request.headers.get("authorization")
+            key = keys.authenticate(None if header is None else header.encode("latin-1"))
+            names = [name for name in names if key.allows(name)]
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in table.names()
+            for name in names
         ]
         return JSONResponse({"object": "list", "data": data})
 

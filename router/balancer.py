@@ -5,16 +5,25 @@ limit and returns the least loaded endpoint that has a free slot, rotating the
 starting point so replicas with equal load take turns. The counts change only
 in :class:`router.admission.Slots`, which grants and releases slots in pairs.
 :class:`Endpoint` objects are created and retired by :mod:`router.endpoints`;
-their limit is set by :mod:`router.capacity`.
+their limit is set by :mod:`router.capacity`. With prefix routing on, an
+:data:`Affinity` is asked first (:mod:`router.prefix`); least-outstanding is
+the fallback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 from yarl import URL
 
 from router.catalog import ServiceAddress
+
+if TYPE_CHECKING:
+    from router.prefix import PrefixChooser
+
+Affinity = tuple["PrefixChooser", str]
+"""A request's preferred placement: the chooser and the request's prefix key."""
 
 
 class Endpoint:
@@ -48,16 +57,30 @@ class Endpoint:
         return f"Endpoint({self.base_url}, inflight={self.inflight}/{self.limit})"
 
 
+def usable(endpoint: Endpoint, exclude: Collection[Endpoint] = ()) -> bool:
+    """It has a free slot and has not failed this request already."""
+    return endpoint.inflight < endpoint.limit and not (exclude and endpoint in exclude)
+
+
 def pick(
-    endpoints: Sequence[Endpoint], start: int, exclude: Collection[Endpoint] = ()
+    endpoints: Sequence[Endpoint],
+    start: int,
+    exclude: Collection[Endpoint] = (),
+    affinity: Affinity | None = None,
 ) -> Endpoint | None:
     """Return the endpoint with the fewest requests in flight and a free slot, or ``None``.
 
     ``start`` rotates the scan (callers pass a per-model counter) so that
     ties go round-robin instead of always to the first replica; an idle
     endpoint ends the scan early. Endpoints at their limit, and those in
-    ``exclude`` (already failed for this request), are skipped.
+    ``exclude`` (already failed for this request), are skipped. Given an
+    ``affinity``, its choice comes first (:meth:`router.prefix.PrefixChooser.choose`).
     """
+    if affinity is not None:
+        chooser, key = affinity
+        chosen = chooser.choose(endpoints, key, lambda e: usable(e, exclude))
+        if chosen is not None:
+            return chosen
     n = len(endpoints)
     best: Endpoint | None = None
     for i in range(n):

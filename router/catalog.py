@@ -1,7 +1,7 @@
 """Reads what the router needs from Consul: models, their state, services, passing
 endpoints, and where the planners are.
 
-Six kinds of blocking query, nothing else:
+Six kinds of blocking query, and one plain read, nothing else:
 
 - the KV prefix ``llmgw/models/`` (one :class:`llmgw_contract.ModelRecord` per
   model, written by ``planner apply``);
@@ -11,7 +11,12 @@ Six kinds of blocking query, nothing else:
   ``llmgw-<model>`` service has an instance registered, so a model that serves
   stays known when its KV record vanishes (an operator's
   ``consul kv delete -recurse llmgw/``, a restored snapshot);
-- ``/v1/health/service/llmgw-<model>?passing`` per known model;
+- ``/v1/health/state/any`` filtered to the checks of ``llmgw-*`` services and
+  of nodes (:data:`HEALTH_FILTER`): one query for every model's health, whatever
+  the number of models (:func:`parse_check_states` sums it up per model);
+- ``/v1/health/service/llmgw-<model>?passing``, read at once (not blocking),
+  only for a model whose checks just changed and has one passing: where its
+  passing replicas listen;
 - the KV key ``llmgw/leader`` (the leading planner's
   :class:`llmgw_contract.LeaderRecord`, while a session holds it) and
   ``/v1/health/service/llmgw-planner?passing`` (every ``planner serve``
@@ -39,9 +44,18 @@ certificate through the ``ssl.SSLContext`` that
 :meth:`router.settings.RouterSettings.consul_ssl_context` builds; a failed
 handshake is a :class:`CatalogUnavailable` naming the ``CONSUL_*`` files to check.
 
+Why not one blocking ``/v1/health/service/llmgw-<model>`` per model: each holds
+a connection for its whole wait, so 500 models needed 500 connections (the
+client's cap of 100 starved the other watches: issue 10 found a router that
+knew 123 of 500 models and never recovered). Consul 1.8 has no documented
+query that returns every service's instances with their health, so the
+cluster-wide checks say *which* models changed and a plain read of those few
+says *where* their replicas are. The connections held are the six blocking
+queries plus at most :data:`REFRESH_CONCURRENCY` short reads.
+
 Parsing is split into pure functions (:func:`parse_models`,
 :func:`parse_states`, :func:`parse_services`, :func:`parse_endpoints`,
-:func:`parse_leader`) that unit tests drive with Consul's JSON shapes.
+:func:`parse_check_states`, :func:`parse_leader`) that unit tests drive with Consul's JSON shapes.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ import base64
 import binascii
 import logging
 import ssl
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -59,6 +74,7 @@ import aiohttp
 from llmgw_contract import (
     LEADER_KEY,
     PLANNER_SERVICE,
+    SERVICE_PREFIX,
     KVPrefix,
     LeaderRecord,
     ModelRecord,
@@ -83,6 +99,38 @@ from router.errors import CatalogDenied, CatalogUnavailable
 log = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=Document)
+
+# Every check of an llmgw-* service, and every node check (ServiceName empty:
+# Consul's serfHealth and the like), which /health/service?passing also
+# requires to pass. go-bexpr syntax; `matches` is in Consul 1.8's filter.
+HEALTH_FILTER = f'ServiceName matches "^{SERVICE_PREFIX}" or ServiceName == ""'
+
+# Short reads of /v1/health/service/... at once, at most: bounds the
+# connections to Consul when many models change together (a router start
+# with 1,000 serving models).
+REFRESH_CONCURRENCY = 8
+
+# The connection cap of the Consul client: the six blocking queries and the
+# refresh reads, with room to spare; above it aiohttp would queue a request
+# silently (the starvation issue 10 found).
+MAX_CONSUL_CONNECTIONS = 32
+
+CheckKey = tuple[str, str, str, str]
+"""One check as the health watch compares it: (node, service ID, check ID, status)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckState:
+    """What the cluster-wide checks say about one model's service.
+
+    ``checks`` are its instances' checks and the node checks of the nodes they
+    run on: when they are the same as last time, its passing instances are too.
+    ``any_passing``: some instance has every one of its checks and its node's
+    checks passing (only then is there an address worth reading).
+    """
+
+    checks: frozenset[CheckKey]
+    any_passing: bool
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -170,6 +218,37 @@ def parse_endpoints(entries: list[dict[str, Any]] | None) -> list[ServiceAddress
     return sorted(found)
 
 
+def parse_check_states(checks: list[dict[str, Any]] | None) -> dict[str, CheckState]:
+    """Sum up a ``/v1/health/state/any`` answer (Consul's check list) per model.
+
+    Models whose service has no check registered are absent: Consul counts an
+    instance with no check as passing, but every llmgw job registers one
+    (planner/jobspecs/model.nomad.hcl), so such an instance is none of ours.
+    """
+    node_checks: dict[str, set[CheckKey]] = defaultdict(set)
+    by_model: dict[str, set[CheckKey]] = defaultdict(set)
+    for check in checks or ():
+        node = check.get("Node") or ""
+        service = check.get("ServiceName") or ""
+        key = (node, check.get("ServiceID") or "", check.get("CheckID") or "",
+               check.get("Status") or "")  # fmt: skip
+        if not service:
+            node_checks[node].add(key)
+        elif (model := model_from_service(service)) is not None:
+            by_model[model].add(key)
+    states: dict[str, CheckState] = {}
+    for model, keys in by_model.items():
+        nodes = {key[0] for key in keys}
+        failing_nodes = {n for n in nodes if any(k[3] != "passing" for k in node_checks[n])}
+        failing = {(k[0], k[1]) for k in keys if k[3] != "passing"}
+        any_passing = any(
+            (k[0], k[1]) not in failing and k[0] not in failing_nodes for k in keys
+        )
+        every = keys.union(*(node_checks[n] for n in nodes))
+        states[model] = CheckState(frozenset(every), any_passing)
+    return states
+
+
 def parse_leader(entries: list[dict[str, Any]] | None) -> LeaderRecord | None:
     """The leading planner from a read of the KV key ``llmgw/leader``, or ``None``.
 
@@ -208,7 +287,7 @@ class ConsulCatalog:
             base_url=base_url,
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None),
-            connector=aiohttp.TCPConnector(ssl=ssl_context or True),
+            connector=aiohttp.TCPConnector(ssl=ssl_context or True, limit=MAX_CONSUL_CONNECTIONS),
         )
 
     async def close(self) -> None:
@@ -229,11 +308,16 @@ class ConsulCatalog:
         index, body = await self._get("/v1/catalog/services", {}, index, wait_s)
         return index, parse_services(body)
 
-    async def passing(
-        self, model: str, index: int, wait_s: float
-    ) -> tuple[int, list[ServiceAddress]]:
-        """Blocking read of the passing endpoints of ``model``'s service."""
-        return await self._passing(service_name(model), index, wait_s)
+    async def check_states(self, index: int, wait_s: float) -> tuple[int, dict[str, CheckState]]:
+        """Blocking read of every model's checks (``{model: state}``), in one query."""
+        index, body = await self._get(
+            "/v1/health/state/any", {"filter": HEALTH_FILTER}, index, wait_s
+        )
+        return index, parse_check_states(body)
+
+    async def passing(self, model: str) -> list[ServiceAddress]:
+        """The passing endpoints of ``model``'s service, read at once (not blocking)."""
+        return (await self._passing(service_name(model), 0, 0.0))[1]
 
     async def leader(self, index: int, wait_s: float) -> tuple[int, LeaderRecord | None]:
         """Blocking read of the planner that holds ``llmgw/leader`` (``None``: none does)."""

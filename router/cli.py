@@ -156,6 +156,21 @@ def serve(
             "limit, then 503 replicas_busy (env LLMGW_QUEUE_TIMEOUT, default 30)."
         ),
     ] = None,
+    routing: Annotated[
+        str | None,
+        typer.Option(
+            help="How a replica is chosen (env LLMGW_ROUTING): least-outstanding (the "
+            "default), or prefix: requests sharing a prompt prefix go to the same replica, "
+            "within a bounded load (llama-server reuses its prompt cache)."
+        ),
+    ] = None,
+    api_keys_file: Annotated[
+        str | None,
+        typer.Option(
+            help="YAML file of the router's API keys (SHA-256 digests and allowed models; "
+            "env LLMGW_API_KEYS_FILE). Unset: no key asked for."
+        ),
+    ] = None,
     tls_cert: Annotated[
         str | None,
         typer.Option(help="Serve HTTPS with this PEM certificate (env LLMGW_TLS_CERT)."),
@@ -188,6 +203,8 @@ def serve(
             activation=activation,
             replica_concurrency=replica_concurrency,
             queue_timeout_s=queue_timeout,
+            routing=routing,
+            api_keys_file=api_keys_file,
             tls_cert=tls_cert,
             tls_key=tls_key,
             access_log=access_log,

@@ -31,8 +31,10 @@ Requests waiting for a free slot are in the model's
 The planner's parked / unplaceable state (:class:`llmgw_contract.StateDocument`,
 read by :func:`router.catalog.parse_states`) is hung on each
 :class:`ModelEntry` as two attributes, so the proxy's check for a model that
-is fine is one attribute read. States of models not (yet) defined are kept
-and attached when the model appears: the watches race at startup.
+is fine is one attribute read. States and passing addresses of models not
+(yet) defined are kept and attached when the model appears: the watches race
+at startup, and the health watch reads each model's instances only when its
+checks change (:mod:`router.watch`).
 """
 
 from __future__ import annotations
@@ -226,6 +228,8 @@ class EndpointTable:
         self._records: dict[str, ModelRecord] = {}
         self._services: frozenset[str] = frozenset()
         self._states: dict[str, StateDocument] = {}
+        # Every model's passing addresses as last read, defined or not (empty: absent).
+        self._addresses: dict[str, tuple[ServiceAddress, ...]] = {}
         self._models_read = self._services_read = self._states_read = False
 
     @property
@@ -273,7 +277,13 @@ class EndpointTable:
         self._states_read = True
 
     def set_endpoints(self, model: str, addresses: Iterable[ServiceAddress]) -> EndpointDiff | None:
-        """Replace ``model``'s passing endpoints; ``None`` if the model is not defined."""
+        """Replace ``model``'s passing endpoints; ``None`` if the model is not defined
+        (the addresses are kept, and become its endpoints when it is)."""
+        addresses = tuple(addresses)
+        if addresses:
+            self._addresses[model] = addresses
+        else:
+            self._addresses.pop(model, None)
         entry = self._models.get(model)
         if entry is None:
             return None
@@ -309,6 +319,8 @@ class EndpointTable:
             metrics = self._metrics.model_defined(name)
             self._models[name] = ModelEntry(name, record, metrics, self._states.get(name))
             log.info("model %s defined (%s)", name, _describe(name, record))
+            if name in self._addresses:
+                self.set_endpoints(name, self._addresses[name])
         for name in diff.changed:
             entry = self._models[name]
             record = wanted[name]

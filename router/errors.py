@@ -6,7 +6,10 @@ The tree, split by what the caller can do::
     ├── RequestRefused             told no: fix the request, do not retry as-is
     │   ├── InvalidRequest         400 invalid_request_error (bad JSON, no model)
     │   ├── BodyTooLarge           413
-    │   └── ModelNotFound          404 model_not_found (no KV record, no Consul service)
+    │   ├── InvalidApiKey          401 invalid_api_key (router keys on: none, or unknown)
+    │   ├── ModelNotFound          404 model_not_found (no KV record, no Consul service)
+    │   └── ModelNotAllowed        404 model_not_found (the API key may not use it; as
+    │                              OpenAI, the answer does not say whether it exists)
     ├── ModelUnavailable           503: defined, but nothing can serve it now
     │   ├── ModelNotReady          503 model_not_ready (no passing endpoint; Retry-After)
     │   ├── ModelParked            503 model_parked (the planner gave up starting it)
@@ -67,6 +70,10 @@ class Refusal(StrEnum):
     REPLICAS_BUSY = "replicas_busy"
     PLANNER_UNAVAILABLE = "planner_unavailable"
     UNKNOWN_MODEL = "unknown_model"
+    # Router API keys (router.keys): counted under the unknown-model label, as
+    # the model is not the client's to learn about.
+    UNAUTHORIZED = "unauthorized"
+    NOT_ALLOWED = "not_allowed"
 
 
 class RouterError(Exception):
@@ -114,6 +121,27 @@ class ModelNotFound(RequestRefused):
         )
         super().__init__(f"The model `{model}` does not exist: {why}.", param="model")
         self.model = model
+
+
+class InvalidApiKey(RequestRefused):
+    status = 401
+    code = "invalid_api_key"
+    refusal = Refusal.UNAUTHORIZED
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"www-authenticate", b'Bearer realm="llmgw"')]
+
+
+class ModelNotAllowed(RequestRefused):
+    status = 404
+    code = "model_not_found"
+    refusal = Refusal.NOT_ALLOWED
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist or you do not have access to it.",
+            param="model",
+        )
 
 
 class ModelUnavailable(RouterError):

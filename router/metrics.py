@@ -47,7 +47,10 @@ from router.errors import Refusal
 UNKNOWN_MODEL = ""
 
 # Refusals a defined model can get; published at 0 so rate() sees the first one.
-_MODEL_REFUSALS = tuple(r for r in Refusal if r is not Refusal.UNKNOWN_MODEL)
+_MODEL_REFUSALS = tuple(
+    r for r in Refusal
+    if r not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED)
+)
 
 # Outcomes of an activate call: each answer the contract allows, or no usable answer.
 ACTIVATION_ERROR = "error"

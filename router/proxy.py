@@ -41,14 +41,17 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
 from router import errors, refusals
 from router.admission import Held
-from router.balancer import Endpoint
+from router.balancer import Affinity, Endpoint
 from router.endpoints import EndpointTable, ModelEntry
+from router.keys import KeysFile
 from router.metrics import RequestMetrics, RouterMetrics
+from router.prefix import PrefixChooser
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
     DisconnectWatch,
@@ -97,6 +100,12 @@ def extract_model(body: bytes) -> str:
     Raises :class:`router.errors.InvalidRequest` when the body is not a JSON
     object or ``model`` is missing or not a non-empty string.
     """
+    return parse_request(body)[0]
+
+
+def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
+    """The ``model`` field and the whole document of a JSON request body; raises
+    as :func:`extract_model`."""
     try:
         doc = json.loads(body)
     except ValueError as exc:
@@ -108,7 +117,15 @@ def extract_model(body: bytes) -> str:
         raise errors.InvalidRequest(
             "You must provide a model parameter (a non-empty string).", param="model"
         )
-    return model
+    return model, doc
+
+
+def authorization(scope: Scope) -> bytes | None:
+    """The request's ``Authorization`` header value, or ``None``."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return value
+    return None
 
 
 class _ClientGone(Exception):
@@ -128,6 +145,9 @@ class Proxy:
         queue_timeout_s: float = 30.0,
         busy_retry_after_s: int = 2,
         no_endpoint: NoEndpoint = refusals.refuse_at_once,
+        prefix: PrefixChooser | None = None,
+        keys: KeysFile | None = None,
+        forward_authorization: bool = False,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -136,6 +156,13 @@ class Proxy:
         self.queue_timeout_s = queue_timeout_s
         self.busy_retry_after_s = busy_retry_after_s
         self.no_endpoint = no_endpoint
+        # Cache-aware routing (router.prefix); None: least-outstanding only.
+        self.prefix = prefix
+        # Router API keys (router.keys); None: none asked for. The client's
+        # Authorization is the router's key, not the replica's: dropped
+        # unless the operator says to forward it.
+        self.keys = keys
+        self._drop = _DROP_REQUEST if forward_authorization else _DROP_REQUEST | {"authorization"}
         self.session: aiohttp.ClientSession | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -145,8 +172,11 @@ class Proxy:
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            key = None if self.keys is None else self.keys.authenticate(authorization(scope))
             body = await self._read_body(receive)
-            model = extract_model(body)
+            model, doc = parse_request(body)
+            if key is not None and not key.allows(model):
+                raise errors.ModelNotAllowed(model)
             entry = self.table.get(model)
             if entry is None:
                 raise errors.ModelNotFound(model)
@@ -156,7 +186,16 @@ class Proxy:
                 # Parked wins over passing endpoints: the planner stopped the
                 # job, and a replica still deregistering must not serve.
                 raise refusals.parked(entry.name, entry.parked)
-            status = await self._forward(entry, scope, body, receive, send)
+            affinity: Affinity | None = None
+            if self.prefix is not None and (key := self.prefix.key(doc)) is not None:
+                affinity = (self.prefix, key)
+            # llama-server closes the connection after a streamed answer while
+            # advertising keep-alive (no "Connection: close"); pooled, that
+            # connection takes the next request, which fails once written (502
+            # "Can not write request body", found by bench/prefix_routing.py).
+            # Saying "close" up front keeps it out of the pool.
+            close = doc.get("stream") is True
+            status = await self._forward(entry, scope, body, receive, send, affinity, close)
         except errors.RouterError as exc:
             if exc.refusal is not None:
                 bound.refused(exc.refusal)
@@ -195,7 +234,14 @@ class Proxy:
         return b"".join(parts)
 
     async def _forward(
-        self, entry: ModelEntry, scope: Scope, body: bytes, receive: Receive, send: Send
+        self,
+        entry: ModelEntry,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        affinity: Affinity | None = None,
+        close: bool = False,
     ) -> int:
         path = scope["path"]
         if scope.get("query_string"):
@@ -204,7 +250,7 @@ class Proxy:
         has_accept_encoding = False
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.decode("latin-1")
-            if name not in _DROP_REQUEST:
+            if name not in self._drop:
                 headers.append((name, raw_value.decode("latin-1")))
                 has_accept_encoding = has_accept_encoding or name == "accept-encoding"
         if not has_accept_encoding:
@@ -212,9 +258,13 @@ class Proxy:
             # body the client never asked to decompress. Setting it here rather
             # than via skip_auto_headers keeps aiohttp on its fast path.
             headers.append(("accept-encoding", "identity"))
+        if close:
+            headers.append(("connection", "close"))
         watch = DisconnectWatch(receive)
         try:
-            return await self._attempts(entry, path, headers, body, receive, send, watch)
+            return await self._attempts(
+                entry, path, headers, body, receive, send, watch, affinity
+            )
         except asyncio.CancelledError:
             if not watch.client_gone:
                 raise
@@ -234,11 +284,12 @@ class Proxy:
         receive: Receive,
         send: Send,
         watch: DisconnectWatch,
+        affinity: Affinity | None,
     ) -> int:
         tried: list[Endpoint] = []
         failure: BaseException | None = None
         for _ in range(self.max_attempts):
-            endpoint = await self._slot(entry, tried)
+            endpoint = await self._slot(entry, tried, affinity)
             if endpoint is None:
                 break
             with Held(entry.slots, endpoint):
@@ -279,7 +330,9 @@ class Proxy:
                     upstream.release()
         raise self._unreachable(entry, tried, failure)
 
-    async def _slot(self, entry: ModelEntry, tried: list[Endpoint]) -> Endpoint | None:
+    async def _slot(
+        self, entry: ModelEntry, tried: list[Endpoint], affinity: Affinity | None = None
+    ) -> Endpoint | None:
         """A granted slot on one of ``entry``'s endpoints not in ``tried``; ``None``
         when every endpoint already failed this request.
 
@@ -291,14 +344,14 @@ class Proxy:
         slots = entry.slots
         # A retry already waited its turn: it goes first.
         first = bool(tried)
-        endpoint = slots.take(tried, first=first)
+        endpoint = slots.take(tried, first=first, affinity=affinity)
         if endpoint is not None:
             return endpoint
         deadline: float | None = None
         while True:
             if not slots.endpoints:
                 await self.no_endpoint(entry)
-                endpoint = slots.take(tried, first=first)
+                endpoint = slots.take(tried, first=first, affinity=affinity)
                 if endpoint is not None:
                     return endpoint
                 continue

@@ -39,6 +39,16 @@ Environment variables (all optional):
   (:mod:`router.capacity`)
 - ``LLMGW_QUEUE_TIMEOUT``: seconds a request waits for a free slot when every
   replica of its model is at its limit, before 503 ``replicas_busy`` (30)
+- ``LLMGW_ROUTING``: ``least-outstanding`` (default) or ``prefix``: requests whose
+  prompts start alike go to the same replica, within a bounded load
+  (:mod:`router.prefix`)
+- ``LLMGW_PREFIX_CHARS``: characters of the prompt that make the prefix key (100)
+- ``LLMGW_PREFIX_LOAD_FACTOR``: how far above the mean load a replica may go
+  before a prefix spills to the next one (1.25)
+- ``LLMGW_API_KEYS_FILE``: YAML file of the router's API keys (SHA-256 digests,
+  allowed models); unset: no keys asked for (:mod:`router.keys`)
+- ``LLMGW_FORWARD_AUTHORIZATION``: ``true`` sends the client's ``Authorization``
+  header on to the replica (default: dropped, it is the router's key)
 
 The Consul and TLS variables keep the names the ``consul`` CLI reads. Every
 configured certificate file (CAs, the client and the serving certificate; keys
@@ -58,8 +68,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.keys import ApiKeys
+
 DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
 DEFAULT_PLANNER_URL = "http://127.0.0.1:4650"
+# The replica choices: router.balancer's least-outstanding, router.prefix's prefix.
+ROUTINGS = ("least-outstanding", "prefix")
 
 CONSUL_TLS_VARS = ("CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY")
 PLANNER_TLS_VARS = ("LLMGW_PLANNER_CACERT", "", "")
@@ -162,6 +176,14 @@ class RouterSettings:
     queue_timeout_s: float = 30.0
     # Retry-After of a replicas_busy refusal.
     busy_retry_after_s: int = 2
+    # How a replica is chosen: ROUTINGS. The prefix defaults are KubeAI's
+    # PrefixHash ones (prefixCharLength 100, meanLoadPercentage 125).
+    routing: str = "least-outstanding"
+    prefix_chars: int = 100
+    prefix_load_factor: float = 1.25
+    # Router API keys (router.keys); None: none asked for.
+    api_keys_file: str | None = None
+    forward_authorization: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -180,6 +202,10 @@ class RouterSettings:
             overrides["consul_ssl"] = _flag("CONSUL_HTTP_SSL", env["CONSUL_HTTP_SSL"])
         if env.get("LLMGW_PLANNER_TOKEN"):
             overrides["planner_token"] = env["LLMGW_PLANNER_TOKEN"]
+        if env.get("LLMGW_FORWARD_AUTHORIZATION"):
+            overrides["forward_authorization"] = _flag(
+                "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
+            )
         if env.get("LLMGW_ACTIVATION"):
             overrides["activation"] = _flag("LLMGW_ACTIVATION", env["LLMGW_ACTIVATION"])
         for var, name, kind in _ENV_FIELDS:
@@ -216,6 +242,16 @@ class RouterSettings:
             )
         if self.queue_timeout_s < 0:
             raise ValueError("the queue timeout must be >= 0 s")
+        if self.routing not in ROUTINGS:
+            raise ValueError(
+                f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)} (LLMGW_ROUTING)"
+            )
+        if self.prefix_chars < 1 or self.prefix_load_factor < 1.0:
+            raise ValueError(
+                "LLMGW_PREFIX_CHARS must be >= 1 and LLMGW_PREFIX_LOAD_FACTOR >= 1.0"
+            )
+        if self.api_keys_file:
+            ApiKeys.load(self.api_keys_file)
 
     @property
     def initial_replica_limit(self) -> int:
@@ -280,6 +316,10 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_USAGE_INTERVAL", "usage_interval_s", float),
     ("LLMGW_REPLICA_CONCURRENCY", "replica_concurrency", int),
     ("LLMGW_QUEUE_TIMEOUT", "queue_timeout_s", float),
+    ("LLMGW_ROUTING", "routing", str),
+    ("LLMGW_PREFIX_CHARS", "prefix_chars", int),
+    ("LLMGW_PREFIX_LOAD_FACTOR", "prefix_load_factor", float),
+    ("LLMGW_API_KEYS_FILE", "api_keys_file", str),
 )
 
 # Ours, and Go's strconv.ParseBool spellings (t/f), which the `consul` CLI applies.

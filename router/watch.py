@@ -1,17 +1,27 @@
 """Consul watches that keep the :class:`~router.endpoints.EndpointTable` fresh.
 
-Three watches cover every model at once, and one more follows each model:
+A fixed set of watches covers every model, however many are defined (a
+connection each, held for its blocking query; nothing per model):
 
 - the KV prefix ``llmgw/models/`` (model records) and ``/v1/catalog/services``
   (which models have an ``llmgw-<model>`` service registered): the table's
   models are the union of the two (:meth:`EndpointTable.set_models`,
   :meth:`EndpointTable.set_services`), so a model that serves stays defined
-  when its KV record vanishes. Whenever that union gains a model, a task that
-  follows ``health/service/llmgw-<model>?passing`` starts; when the model
-  leaves both, its task is cancelled;
+  when its KV record vanishes;
+- the checks of every ``llmgw-*`` service and every node, in one query
+  (:meth:`ConsulCatalog.check_states`). A model whose checks changed since the
+  table last took its endpoints is read again (its passing instances, one
+  plain read, at most :data:`router.catalog.REFRESH_CONCURRENCY` at once),
+  unless none of its instances passes (then it has none, and nothing is
+  read). Endpoints of a model the table does not define yet wait in the table
+  until it does (the watches race at startup);
 - the KV prefix ``llmgw/state/`` (the planner's parked / unplaceable records),
   so a parked model is refused within one blocking-query round trip of the
   planner's write.
+
+Why not one health watch per model: issue 10 (500 on-demand models; the
+router held a long poll per model on a client capped at 100 connections,
+knew 123 models and never recovered after a prune).
 
 With on-demand activation on, two more follow the planners into
 :class:`router.planners.PlannerCandidates`: the KV key ``llmgw/leader`` (who
@@ -40,6 +50,7 @@ endpoints we last saw passing beats refusing every request.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -47,16 +58,16 @@ from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, KVPrefix, service_name
-from router.catalog import ConsulCatalog
-from router.endpoints import EndpointTable, ModelsDiff
+from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, KVPrefix
+from router.catalog import REFRESH_CONCURRENCY, CheckState, ConsulCatalog
+from router.endpoints import EndpointTable
 from router.errors import CatalogError
 from router.planners import PlannerCandidates
 
 log = logging.getLogger(__name__)
 
 Read = Callable[[int], Awaitable[tuple[int, Any]]]
-Apply = Callable[[Any], None]
+Apply = Callable[[Any], Awaitable[None] | None]
 
 # Floor between two reads of one watch: a Consul that answers at once (index
 # bug, flapping service) costs at most this many requests per second.
@@ -85,7 +96,9 @@ async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]
         returned, value = await read(index)
         on_read()
         if first or returned != index:
-            apply(value)
+            applied = apply(value)
+            if inspect.isawaitable(applied):
+                await applied
         first = False
         index = next_index(index, returned)
         elapsed = time.monotonic() - started
@@ -94,9 +107,8 @@ async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]
 
 
 class ConsulWatcher:
-    """Owns the models, services and states watch tasks, one health watch task
-    per defined model, and, given ``planners``, the leader and planner-instance
-    watch tasks."""
+    """Owns the models, services, health and states watch tasks and, given
+    ``planners``, the leader and planner-instance watch tasks."""
 
     def __init__(
         self,
@@ -113,15 +125,16 @@ class ConsulWatcher:
         self._wait_s = wait_s
         self._backoff_max_s = backoff_max_s
         self._tasks: list[asyncio.Task[None]] = []
-        self._health_tasks: dict[str, asyncio.Task[None]] = {}
+        # Per model, the checks its endpoints in the table were read under.
+        self._applied: dict[str, CheckState] = {}
 
     def start(self) -> None:
-        """Start the models, services and states watches; health watches follow
-        from the models those define."""
+        """Start every watch (a fixed number of tasks, whatever the number of models)."""
         if not self._tasks:
             self._tasks = [
                 self._spawn("kv", self._watch_models()),
                 self._spawn("services", self._watch_services()),
+                self._spawn("health", self._watch_health()),
                 self._spawn("state", self._watch_states()),
             ]
             if self._planners is not None:
@@ -132,16 +145,16 @@ class ConsulWatcher:
 
     async def stop(self) -> None:
         """Cancel every watch and wait for them to finish."""
-        tasks = [*self._health_tasks.values(), *self._tasks]
+        tasks = self._tasks
         self._tasks = []
-        self._health_tasks.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def watched_models(self) -> list[str]:
-        """Models with a running health watch, sorted (for status and tests)."""
-        return sorted(self._health_tasks)
+    @property
+    def task_count(self) -> int:
+        """Watch tasks running (each holds at most one blocking query)."""
+        return len(self._tasks)
 
     def _spawn(self, name: str, coro: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -149,33 +162,55 @@ class ConsulWatcher:
         task.add_done_callback(_report_unexpected_end)
         return task
 
-    def _follow(self, diff: ModelsDiff) -> None:
-        """Start and stop health watches as models come and go."""
-        for name in diff.removed:
-            task = self._health_tasks.pop(name, None)
-            if task is not None:
-                task.cancel()
-        for name in diff.added:
-            if name not in self._health_tasks:
-                self._health_tasks[name] = self._spawn(f"health-{name}", self._watch_health(name))
-
     async def _watch_models(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
             return self._catalog.models(index, self._wait_s)
 
-        def apply(models: Any) -> None:
-            self._follow(self._table.set_models(models))
-
-        await self._forever(f"Consul KV {KVPrefix.MODELS}", read, apply)
+        await self._forever(f"Consul KV {KVPrefix.MODELS}", read, self._table.set_models)
 
     async def _watch_services(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
             return self._catalog.services(index, self._wait_s)
 
-        def apply(models: Any) -> None:
-            self._follow(self._table.set_services(models))
+        await self._forever("Consul catalog services", read, self._table.set_services)
 
-        await self._forever("Consul catalog services", read, apply)
+    async def _watch_health(self) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.check_states(index, self._wait_s)
+
+        await self._forever("Consul health of llmgw-* services", read, self._refresh)
+
+    async def _refresh(self, states: dict[str, CheckState]) -> None:
+        """Bring the table's endpoints in line with ``states``: read again only the
+        models whose checks changed. A read that fails leaves that model's
+        check state unrecorded, so the next round reads it again; the failure
+        is raised once every read ended."""
+        changed = [
+            model
+            for model in self._applied.keys() | states.keys()
+            if states.get(model) != self._applied.get(model)
+        ]
+        if not changed:
+            return
+        gate = asyncio.Semaphore(REFRESH_CONCURRENCY)
+
+        async def one(model: str) -> None:
+            state = states.get(model)
+            if state is None or not state.any_passing:
+                addresses = []
+            else:
+                async with gate:
+                    addresses = await self._catalog.passing(model)
+            self._table.set_endpoints(model, addresses)
+            if state is None:
+                self._applied.pop(model, None)
+            else:
+                self._applied[model] = state
+
+        results = await asyncio.gather(*(one(m) for m in changed), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _watch_states(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
@@ -194,15 +229,6 @@ class ConsulWatcher:
             return self._catalog.planners(index, self._wait_s)
 
         await self._forever(f"Consul health of {PLANNER_SERVICE}", read, planners.set_instances)
-
-    async def _watch_health(self, model: str) -> None:
-        def read(index: int) -> Awaitable[tuple[int, Any]]:
-            return self._catalog.passing(model, index, self._wait_s)
-
-        def apply(addresses: Any) -> None:
-            self._table.set_endpoints(model, addresses)
-
-        await self._forever(f"Consul health of {service_name(model)}", read, apply)
 
     async def _forever(self, what: str, read: Read, apply: Apply) -> None:
         """Run the watch forever. A watch that fails before any read worked backs off;

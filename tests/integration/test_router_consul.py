@@ -566,6 +566,35 @@ def test_requests_spread_over_replicas_and_skip_dead_ones(cluster) -> None:
         assert status == 200
 
 
+def test_prefix_routing_keeps_a_conversation_on_one_replica(cluster, tmp_path: Path) -> None:
+    """--routing prefix (issue 10): every turn of a chat goes to the replica its
+    first user message hashes to; different chats spread over both."""
+    consul, _, stub_a, stub_b = cluster
+    router = Router(consul, tmp_path, "prefix", "--routing", "prefix")
+    try:
+        define_serving(consul, router, "cached", stub_a, stub_b)
+
+        def served(chat: int, turns: int) -> set[str]:
+            messages = [{"role": "system", "content": "shared"},
+                        {"role": "user", "content": f"chat {chat}: tell me a story"}]
+            replicas = set()
+            for turn in range(turns):
+                status, _, body = request("POST", f"{router.url}/v1/chat/completions",
+                                          {"model": "cached", "messages": messages})
+                assert status == 200
+                replicas.add(json.loads(body)["system_fingerprint"])
+                messages += [{"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": f"turn {turn}"}]
+            return replicas
+
+        # 16 chats: all on one replica by chance is 2 in 65,536 (ports change per run).
+        homes = [served(chat, 3) for chat in range(16)]
+        assert all(len(home) == 1 for home in homes)  # sequential turns: never spilled
+        assert set().union(*homes) == {"a", "b"}
+    finally:
+        router.stop()
+
+
 def read_stream(port: int, path: str, body: dict) -> tuple[list[tuple[float, bytes]], float]:
     """POST and read the chunked body piece by piece: ([(seconds, bytes)], total seconds)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -686,6 +715,40 @@ def test_official_openai_client(cluster) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="missing", prompt="x")
     assert err.value.code == "model_not_found"
+
+
+def test_router_api_keys_with_the_official_client(cluster, tmp_path: Path) -> None:
+    """Issue 10: the router's own keys (a file of SHA-256 digests with allowed
+    models); 401 in OpenAI's shape, and the replica never sees the key."""
+    import hashlib
+
+    openai = pytest.importorskip("openai")
+    consul, _, stub_a, _ = cluster
+    key = "sk-llmgw-test-0123456789"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {hashlib.sha256(key.encode()).hexdigest()}\n"
+        "    models: ['keyed-*']\n"
+    )
+    router = Router(consul, tmp_path, "keyed", "--api-keys-file", str(keys))
+    try:
+        define_serving(consul, router, "keyed-a", stub_a)
+        define_serving(consul, router, "unkeyed", stub_a)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0)
+        before = len(stub_a.requests)
+        answer = client.completions.create(model="keyed-a", prompt="hi", max_tokens=1)
+        assert answer.choices[0].text == "hi from a"
+        assert "Authorization" not in stub_a.requests[before]["headers"]
+        assert [m.id for m in client.models.list()] == ["keyed-a"]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="unkeyed", prompt="hi")
+        wrong = openai.OpenAI(base_url=router.url + "/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as denied:
+            wrong.completions.create(model="keyed-a", prompt="hi")
+        assert denied.value.code == "invalid_api_key"
+        assert len(stub_a.requests) == before + 1
+    finally:
+        router.stop()
 
 
 def test_metrics_series(cluster) -> None:

@@ -139,6 +139,43 @@ def test_c03_stream_same_bytes_as_direct(router: str, serving: str) -> None:
     assert len([1 for _, line in routed if line.startswith(b"data: {")]) > 3
 
 
+def test_streams_back_to_back_never_reuse_a_connection_llama_server_closed(
+    router: str, serving: str
+) -> None:
+    """llama-server closes the connection after a streamed answer without saying
+    so (keep-alive advertised, no Connection: close). Found by
+    bench/prefix_routing.py: a chat's next turn taken by that pooled connection
+    got 502 ("Can not write request body"). Streams, then plain requests, back to back
+    from a few clients: every one answered 200, whole."""
+    import asyncio
+
+    import aiohttp
+
+    errors: list[str] = []
+
+    async def client(session: aiohttp.ClientSession, i: int) -> list[int]:
+        statuses = []
+        for n in range(12):
+            body = {"model": "main-tiny", "prompt": f"client {i} turn {n}", "max_tokens": 2,
+                    "stream": n % 3 != 2}
+            async with session.post(f"{router}/v1/completions", json=body) as resp:
+                text = await resp.text()
+                statuses.append(resp.status)
+                if resp.status != 200:
+                    errors.append(text[:300])
+                if body["stream"] and resp.status == 200:
+                    assert text.rstrip().endswith("data: [DONE]"), text[-200:]
+        return statuses
+
+    async def run() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.gather(*(client(session, i) for i in range(4)))
+        return [s for r in results for s in r]
+
+    statuses = asyncio.run(run())
+    assert statuses == [200] * len(statuses), errors
+
+
 def test_openai_client_with_and_without_stream(router: str, serving: str) -> None:
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused")
     answer = client.completions.create(model="main-tiny", prompt="hi", max_tokens=6)

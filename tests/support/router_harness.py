@@ -123,13 +123,17 @@ class RouterUnderTest:
 
 
 async def asgi_post(
-    app: Any, body: dict, leave_after_s: float | None = None
+    app: Any,
+    body: dict,
+    leave_after_s: float | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
 ) -> tuple[int | None, dict[str, str], dict]:
     """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection.
 
     Returns (status, headers, JSON body); (None, {}, {}) when the app sent
-    nothing. The client stays connected until the app answers, or leaves
-    (``http.disconnect``) `leave_after_s` s after sending the body.
+    nothing. ``headers`` are sent besides the JSON content type. The client
+    stays connected until the app answers, or leaves (``http.disconnect``)
+    `leave_after_s` s after sending the body.
     """
     sent: list[dict] = []
     payload = json.dumps(body).encode()
@@ -153,10 +157,10 @@ async def asgi_post(
         "method": "POST",
         "path": "/v1/completions",
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *(headers or [])],
     }
     await app(scope, receive, send)
     if not sent:
         return None, {}, {}
-    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-    return sent[0]["status"], headers, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    answer = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], answer, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))

@@ -8,7 +8,13 @@ import json
 
 from llmgw_contract import PLANNER_SERVICE, ROUTER_SERVICE, ModelRecord, encode
 from router.balancer import Endpoint
-from router.catalog import ServiceAddress, parse_endpoints, parse_models, parse_services
+from router.catalog import (
+    ServiceAddress,
+    parse_check_states,
+    parse_endpoints,
+    parse_models,
+    parse_services,
+)
 from router.endpoints import EndpointTable, diff_endpoints, diff_models
 from router.metrics import RouterMetrics
 
@@ -71,6 +77,36 @@ def test_parse_endpoints_falls_back_to_node_address() -> None:
     found = parse_endpoints([health("10.0.0.2", 80), health(None, 81), health("10.0.0.2", 80)])
     assert found == [ServiceAddress("10.0.0.2", 80), ServiceAddress("10.9.9.9", 81)]
     assert parse_endpoints([{"Service": {"Address": "x"}}]) == []
+
+
+def check(node: str, service: str, sid: str, cid: str, status: str = "passing") -> dict:
+    return {"Node": node, "ServiceName": service, "ServiceID": sid, "CheckID": cid,
+            "Status": status, "Output": "ignored"}
+
+
+def test_parse_check_states_per_model_with_node_checks() -> None:
+    checks = [
+        check("n1", "", "", "serfHealth"),
+        check("n2", "", "", "serfHealth", "critical"),
+        check("n1", "llmgw-a", "a1", "a1-http"),
+        check("n2", "llmgw-a", "a2", "a2-http"),
+        check("n1", "llmgw-b", "b1", "b1-http", "critical"),
+        check("n2", "llmgw-c", "c2", "c2-http"),  # passing, on a failing node
+        check("n1", PLANNER_SERVICE, "p", "p-ttl"),
+        check("n1", "other", "o", "o-http"),
+    ]
+    states = parse_check_states(checks)
+    assert sorted(states) == ["a", "b", "c"]
+    assert states["a"].any_passing and not states["b"].any_passing
+    assert not states["c"].any_passing
+    assert ("n2", "", "serfHealth", "critical") in states["a"].checks
+    # Output changes alone (HTTP check bodies) are not changes.
+    again = parse_check_states([{**c, "Output": "other"} for c in checks])
+    assert again == states
+    # A node recovering changes the state of every model on it.
+    healed = parse_check_states([checks[0], check("n2", "", "", "serfHealth"), *checks[2:]])
+    assert healed["c"].any_passing and healed["a"] != states["a"] and healed["b"] == states["b"]
+    assert parse_check_states(None) == {}
 
 
 def test_diff_models() -> None:

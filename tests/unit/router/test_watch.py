@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 
 from llmgw_contract import LeaderRecord, ModelRecord, Parked, StateDocument
-from router.catalog import ServiceAddress
+from router.catalog import CheckState, ServiceAddress
 from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
 from router.metrics import RouterMetrics
@@ -74,10 +74,23 @@ class FakeCatalog:
         await self._block(index, wait_s)
         return self.index, list(self.planner_instances)
 
-    async def passing(self, model: str, index: int, wait_s: float):
-        self.health_reads[model] = self.health_reads.get(model, 0) + 1
+    async def check_states(self, index: int, wait_s: float):
         await self._block(index, wait_s)
-        return self.index, list(self.healthy.get(model, []))
+        # A check per address (its port in the check ID), so a new address is a
+        # new check, as it is in Consul; a model with an empty list has one failing.
+        states = {}
+        for model, addresses in self.healthy.items():
+            keys = frozenset(("n", f"s-{a.port}", f"c-{a.port}", "passing") for a in addresses)
+            states[model] = CheckState(keys or frozenset({("n", "s", "c", "critical")}),
+                                       bool(addresses))
+        return self.index, states
+
+    async def passing(self, model: str):
+        self.health_reads[model] = self.health_reads.get(model, 0) + 1
+        if self.fail_next:
+            self.fail_next -= 1
+            raise CatalogUnavailable("scripted failure")
+        return list(self.healthy.get(model, []))
 
 
 async def settle() -> None:
@@ -93,7 +106,7 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
         catalog.healthy = {"a": [ServiceAddress("h", 1)]}
         watcher.start()
         await settle()
-        assert watcher.watched_models() == ["a"]
+        assert watcher.task_count == 4
         assert [e.address.port for e in table.get("a").endpoints] == [1]
 
         catalog.fail_next = 2
@@ -110,7 +123,7 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
         catalog.defined = {"b": record("b")}
         catalog.bump()
         await settle()
-        assert watcher.watched_models() == ["b"]
+        assert table.names() == ["b"]
         assert table.get("a") is None
 
         parked = Parked(reason="5 consecutive start failures")
@@ -124,7 +137,7 @@ def test_watcher_follows_models_and_endpoints_and_survives_errors() -> None:
         assert table.get("b").parked is None
 
         await watcher.stop()
-        assert watcher.watched_models() == []
+        assert watcher.task_count == 0
 
     asyncio.run(scenario())
 
@@ -140,19 +153,19 @@ def test_a_serving_model_outlives_its_kv_record() -> None:
         watcher.start()
         await settle()
         assert table.synced
-        assert watcher.watched_models() == ["gemma", "kev", "planned-by-hand"]
+        assert table.names() == ["gemma", "kev", "planned-by-hand"]
 
         catalog.defined = {}  # consul kv delete -recurse llmgw/
         catalog.bump()
         await settle()
-        assert watcher.watched_models() == ["gemma", "planned-by-hand"]
+        assert table.names() == ["gemma", "planned-by-hand"]
         gemma = table.get("gemma")
         assert gemma.record is None and [e.address.port for e in gemma.endpoints] == [1]
 
         catalog.registered = set()  # its job is stopped too: now it is gone
         catalog.bump()
         await settle()
-        assert watcher.watched_models() == [] and table.get("gemma") is None
+        assert table.names() == [] and table.get("gemma") is None
         await watcher.stop()
 
     asyncio.run(scenario())
@@ -200,6 +213,54 @@ def test_the_planner_watches_follow_the_leader_and_the_instances() -> None:
         catalog.bump()
         await settle()
         assert planners.ordered() == ["http://10.0.0.2:4650", "http://10.0.0.1:4650"]
+        await watcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_only_models_whose_checks_changed_are_read_again() -> None:
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        catalog.defined = {f"m{i}": record(f"m{i}") for i in range(300)}
+        catalog.healthy = {"m1": [ServiceAddress("h", 1)], "m2": []}
+        watcher.start()
+        await settle()
+        # Read once: the one with a passing check; m2 (failing) and the rest: no read.
+        assert catalog.health_reads == {"m1": 1}
+        assert len(table.get("m1").endpoints) == 1 and len(table.names()) == 300
+
+        catalog.healthy["m2"] = [ServiceAddress("h", 2)]
+        catalog.bump()
+        await settle()
+        assert catalog.health_reads == {"m1": 1, "m2": 1}
+        assert len(table.get("m2").endpoints) == 1
+
+        del catalog.healthy["m1"]  # deregistered: no read, no endpoint
+        catalog.bump()
+        await settle()
+        assert catalog.health_reads == {"m1": 1, "m2": 1}
+        assert table.get("m1").endpoints == ()
+        await watcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_endpoints_read_before_their_model_is_defined_are_kept() -> None:
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        catalog.healthy = {"late": [ServiceAddress("h", 7)]}
+        watcher.start()
+        await settle()
+        assert table.get("late") is None
+        catalog.defined = {"late": record("late")}
+        catalog.bump()
+        await settle()
+        assert [e.address.port for e in table.get("late").endpoints] == [7]
+        assert catalog.health_reads == {"late": 1}
         await watcher.stop()
 
     asyncio.run(scenario())

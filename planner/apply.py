@@ -25,7 +25,7 @@ from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.definitions import ModelDefinition, load_definitions
 from planner.engines.install import engine_refs
-from planner.errors import DefinitionError, InvalidDefinitions, PermissionDenied, Unavailable
+from planner.errors import DefinitionError, InvalidDefinitions
 from planner.fit import Fit, check_models
 from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
 from planner.nomad_client import Job, NomadClient
@@ -226,13 +226,12 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     Nomad refuses) or Unavailable."""
     # The engines a model may name: defined ones (their install jobs in Nomad) and
     # LLMGW_ENGINES'; a defined engine's version is what the model's job constrains on.
-    try:
-        engines = engine_refs(nomad, settings)
-    except (Unavailable, PermissionDenied):
-        load_definitions(paths)  # bad files are exit 2 whatever the agents
-        raise
-    models = load_definitions(paths, engines)
+    # The files alone first (bad files are exit 2 whatever the agents), then the tokens
+    # (one message naming every permission lacking), then the files against the engines.
+    load_definitions(paths)
     access.check(nomad, consul, needs)
+    engines = engine_refs(nomad, settings)
+    models = load_definitions(paths, engines)
     fits = check_models(models)
     template = settings.jobspec.read_text()
     rendered = {name: render(d, settings, nomad, template, engines[d.profile.engine])

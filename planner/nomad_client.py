@@ -293,7 +293,7 @@ class NomadClient:
         """One node in full (Meta: static and dynamic metadata merged), or None when
         Nomad no longer has it."""
         try:
-            return self._call(f"read node {node_id[:8]}",
+            return self._call(NOMAD_NODE_READ, f"read node {node_id[:8]}",
                               lambda: self._api.node.get_node(node_id))
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):

@@ -15,6 +15,10 @@ from collections.abc import Collection, Sequence
 from yarl import URL
 
 from router.catalog import ServiceAddress
+from router.outliers import ReplicaHealth, usable
+
+# URLs cached per endpoint: the model routes (router.routes), with room to spare.
+URL_CACHE_SIZE = 64
 
 
 class Endpoint:
@@ -25,7 +29,7 @@ class Endpoint:
     it and releases its own slot even after the replica left.
     """
 
-    __slots__ = ("_urls", "address", "base_url", "inflight", "limit")
+    __slots__ = ("_urls", "address", "base_url", "health", "inflight", "limit")
 
     def __init__(self, address: ServiceAddress, limit: int) -> None:
         self.address = address
@@ -33,6 +37,8 @@ class Endpoint:
         self.base_url = f"http://{host}:{address.port}"
         self.inflight = 0
         self.limit = limit
+        # Passive outlier ejection (router.outliers).
+        self.health = ReplicaHealth()
         self._urls: dict[str, URL] = {}
 
     def url(self, path: str) -> URL:
@@ -40,8 +46,11 @@ class Endpoint:
         url = self._urls.get(path)
         if url is None:
             # One URL object per path, reused: yarl caches host and port on the
-            # object, which aiohttp reads several times per request.
-            url = self._urls[path] = URL(self.base_url + path)
+            # object, which aiohttp reads several times per request. Bounded:
+            # paths (query strings included) are the client's to choose.
+            url = URL(self.base_url + path)
+            if len(self._urls) < URL_CACHE_SIZE:
+                self._urls[path] = url
         return url
 
     def __repr__(self) -> str:
@@ -56,8 +65,10 @@ def pick(
     ``start`` rotates the scan (callers pass a per-model counter) so that
     ties go round-robin instead of always to the first replica; an idle
     endpoint ends the scan early. Endpoints at their limit, and those in
-    ``exclude`` (already failed for this request), are skipped.
+    ``exclude`` (already failed for this request), are skipped, and so are
+    ejected ones while another can be tried (:func:`router.outliers.usable`).
     """
+    endpoints = usable(endpoints, exclude)
     n = len(endpoints)
     best: Endpoint | None = None
     for i in range(n):

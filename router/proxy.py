@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -47,8 +46,11 @@ import aiohttp
 from router import errors, refusals
 from router.admission import Held
 from router.balancer import Endpoint
+from router.bodies import BodyParser, extract_model
 from router.endpoints import EndpointTable, ModelEntry
+from router.firstbyte import FirstByteWatch
 from router.metrics import RequestMetrics, RouterMetrics
+from router.outliers import Failure, OutlierDetector
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
     DisconnectWatch,
@@ -65,7 +67,7 @@ NoEndpoint = Callable[[ModelEntry], Awaitable[None]]
 """Called when ``entry`` has no passing endpoint: return once it has one, or
 raise a :class:`router.errors.ModelUnavailable` explaining why not."""
 
-PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+__all__ = ["NoEndpoint", "Proxy", "extract_model", "send_error"]
 
 # Connection-scoped (RFC 9110 7.6.1) or recomputed by us / by uvicorn.
 _DROP_REQUEST = frozenset(
@@ -91,26 +93,6 @@ _DROP_REQUEST = frozenset(
 _NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
-def extract_model(body: bytes) -> str:
-    """Return the ``model`` field of a JSON request body.
-
-    Raises :class:`router.errors.InvalidRequest` when the body is not a JSON
-    object or ``model`` is missing or not a non-empty string.
-    """
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise errors.InvalidRequest(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise errors.InvalidRequest("The request body must be a JSON object.")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.InvalidRequest(
-            "You must provide a model parameter (a non-empty string).", param="model"
-        )
-    return model
-
-
 class _ClientGone(Exception):
     """The client disconnected before its response started."""
 
@@ -128,6 +110,10 @@ class Proxy:
         queue_timeout_s: float = 30.0,
         busy_retry_after_s: int = 2,
         no_endpoint: NoEndpoint = refusals.refuse_at_once,
+        first_byte_timeout_s: float = 60.0,
+        max_requests: int = 0,
+        outliers: OutlierDetector | None = None,
+        bodies: BodyParser | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -136,19 +122,40 @@ class Proxy:
         self.queue_timeout_s = queue_timeout_s
         self.busy_retry_after_s = busy_retry_after_s
         self.no_endpoint = no_endpoint
+        self.first_byte_timeout_s = first_byte_timeout_s
+        # Requests in the router at once (waiting for a slot included); 0: no limit.
+        self.max_requests = max_requests
+        self.active = 0
+        self.outliers = outliers or OutlierDetector()
+        self.bodies = bodies or BodyParser()
+        # Set by the lifespan: requests go on ``session``; liveness probes
+        # (router.firstbyte) on ``control``, so a replica's full pool never
+        # delays the question whether it is alive.
         self.session: aiohttp.ClientSession | None = None
+        self.control: aiohttp.ClientSession | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         bound: RequestMetrics = self.metrics.unknown
         status = 500
+        self.active += 1
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            if self.max_requests and self.active > self.max_requests:
+                raise errors.RouterOverloaded(
+                    f"The router holds its limit of {self.max_requests} requests (in flight "
+                    f"and waiting for a replica) already. Retry in {self.busy_retry_after_s} s.",
+                    self.busy_retry_after_s,
+                )
             body = await self._read_body(receive)
-            model = extract_model(body)
+            model = await self.bodies.find_model(body)
             entry = self.table.get(model)
             if entry is None:
+                if not self.table.synced:
+                    raise errors.RouterStarting(
+                        "The router has not read its models from Consul yet. Retry in 1 s.", 1
+                    )
                 raise errors.ModelNotFound(model)
             bound = entry.metrics
             entry.used = True  # for the usage report (router.usage)
@@ -170,6 +177,7 @@ class Proxy:
             with contextlib.suppress(Exception):
                 await send_error(send, errors.RouterError("The router failed unexpectedly."))
         finally:
+            self.active -= 1
             bound.observe(status, time.perf_counter() - started)
 
     async def _read_body(self, receive: Receive) -> bytes:
@@ -237,16 +245,36 @@ class Proxy:
     ) -> int:
         tried: list[Endpoint] = []
         failure: BaseException | None = None
+        outliers = self.outliers
         for _ in range(self.max_attempts):
             endpoint = await self._slot(entry, tried)
             if endpoint is None:
                 break
             with Held(entry.slots, endpoint):
                 assert self.session is not None, "Proxy used outside the app lifespan"
+                first_byte = FirstByteWatch(self._control, endpoint, self.first_byte_timeout_s)
                 try:
                     upstream = await self.session.request(
                         "POST", endpoint.url(path), data=body, headers=headers
                     )
+                except asyncio.CancelledError:
+                    if not first_byte.expired or watch.client_gone:
+                        raise
+                    # Our own cancellation: no first byte, and the replica did
+                    # not answer its liveness probe. Nothing went to the client.
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    tried.append(endpoint)
+                    failure = errors.UpstreamTimeout(
+                        f"The model `{entry.name}` replica at {endpoint.base_url} sent no "
+                        f"first byte within {self.first_byte_timeout_s:g} s and did not "
+                        f"answer a liveness probe."
+                    )
+                    log.warning("model %s: %s", entry.name, failure.message)
+                    outliers.failed(
+                        entry.name, entry.metrics, entry.slots, endpoint,
+                        Failure.FIRST_BYTE_TIMEOUT,
+                    )  # fmt: skip
+                    continue
                 except aiohttp.SocketTimeoutError:
                     # Connected, sent, and the replica stayed silent for the
                     # whole read timeout: trying another one would double that.
@@ -258,6 +286,9 @@ class Proxy:
                     tried.append(endpoint)
                     failure = exc
                     log.debug("model %s: could not connect to %s: %r", entry.name, endpoint, exc)
+                    outliers.failed(
+                        entry.name, entry.metrics, entry.slots, endpoint, Failure.CONNECT
+                    )
                     continue
                 except aiohttp.ClientError as exc:
                     raise errors.UpstreamUnavailable(
@@ -265,6 +296,9 @@ class Proxy:
                         f"the request was sent ({exc!r}). It was not retried on another "
                         f"replica: it may have run there."
                     ) from None
+                finally:
+                    first_byte.disarm()
+                outliers.answered(entry.name, entry.metrics, entry.slots, endpoint, upstream.status)
                 try:
                     if upstream.content_type == "text/event-stream":
                         watch.disarm()
@@ -277,7 +311,12 @@ class Proxy:
                     raise
                 finally:
                     upstream.release()
+        if isinstance(failure, errors.UpstreamTimeout):
+            raise failure
         raise self._unreachable(entry, tried, failure)
+
+    def _control(self) -> aiohttp.ClientSession | None:
+        return self.control
 
     async def _slot(self, entry: ModelEntry, tried: list[Endpoint]) -> Endpoint | None:
         """A granted slot on one of ``entry``'s endpoints not in ``tried``; ``None``

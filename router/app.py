@@ -266,7 +266,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
                 await capacity.close()
             await proxy.session.close()
             await proxy.control.close()
-            proxy.bodies.close()
+            await proxy.bodies.close()
             await catalog.close()
             log.info("shutdown: done")
 

@@ -9,8 +9,10 @@ help (the C decoder never releases the GIL), so :func:`find_model`:
 - for a larger one, first reads the model from the body's start when
   ``model`` is its first key (curl and most hand-written clients), a bounded
   match on the first bytes;
-- else parses it in a worker process (one, started on first use and shared;
-  huge bodies queue there, not on the loop), which sends back only the model.
+- else parses it in a worker process (one bare ``python -I``, started on first
+  use and shared; huge bodies queue there, not on the loop), which sends back
+  only the model. A plain subprocess rather than ``multiprocessing``: spawn
+  would re-import the router's main module in the child.
 
 Errors are the same whichever way: :class:`router.errors.InvalidRequest` for a
 body that is not a JSON object with a non-empty string ``model``. Used by
@@ -21,9 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
+import sys
 
 from router import errors
 
@@ -74,12 +75,42 @@ def _checked(found: str, body: bytes) -> str:
     )
 
 
+# The worker: a bare interpreter (nothing of the router imported, inherited or
+# re-run) reading length-prefixed bodies on stdin and writing one line back,
+# the model or the marker of what is wrong.
+_WORKER = r"""
+import json, sys
+read, write = sys.stdin.buffer.read, sys.stdout.buffer
+while header := read(10):
+    body = read(int(header))
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        found = "\0json" + str(exc)
+    else:
+        model = doc.get("model") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):
+            found = "\0object"
+        elif not isinstance(model, str) or not model:
+            found = "\0model"
+        else:
+            found = model
+    write.write(json.dumps(found).encode() + b"\n")
+    write.flush()
+"""
+
+
 class BodyParser:
-    """:func:`find_model` with its worker process, started on first use."""
+    """:func:`find_model` with its worker process, started on first use.
+
+    One body at a time goes to the worker; a request cancelled during the
+    exchange (its client left) ends the worker, and the next starts another.
+    """
 
     def __init__(self, inline_bytes: int = INLINE_PARSE_BYTES) -> None:
         self.inline_bytes = inline_bytes
-        self._pool: ProcessPoolExecutor | None = None
+        self._worker: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
 
     async def find_model(self, body: bytes) -> str:
         """The body's ``model``; raises :class:`router.errors.InvalidRequest`."""
@@ -91,15 +122,35 @@ class BodyParser:
                 return first.group(1).decode()
             except UnicodeDecodeError:
                 pass  # the full parse says what is wrong
-        if self._pool is None:
-            # spawn: a fresh interpreter, nothing of the router's threads or
-            # sockets inherited.
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        loop = asyncio.get_running_loop()
-        return _checked(await loop.run_in_executor(self._pool, _model_of, body), body)
+        async with self._lock:
+            return _checked(await self._ask_worker(body), body)
 
-    def close(self) -> None:
-        """Stop the worker, if one was started."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+    async def _ask_worker(self, body: bytes) -> str:
+        worker = self._worker
+        if worker is None or worker.returncode is not None:
+            worker = self._worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-c", _WORKER,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        assert worker.stdin is not None and worker.stdout is not None
+        try:
+            worker.stdin.write(b"%010d" % len(body))
+            worker.stdin.write(body)
+            await worker.stdin.drain()
+            line = await worker.stdout.readline()
+            if not line:
+                raise ConnectionError("the body parser process ended")
+            found: str = json.loads(line)
+        except BaseException:
+            self._worker = None
+            if worker.returncode is None:
+                worker.kill()  # reaped by asyncio's child watcher
+            raise
+        return found
+
+    async def close(self) -> None:
+        """End the worker, if one runs, and wait for it."""
+        worker, self._worker = self._worker, None
+        if worker is not None and worker.returncode is None:
+            worker.kill()
+            await worker.wait()

@@ -161,7 +161,7 @@ def serve(
     ] = None,
     max_body_bytes: Annotated[
         int | None,
-        typer.Option(help="Largest request body (env LLMGW_ROUTER_MAX_BODY_BYTES, 32 MiB)."),
+        typer.Option(help="Largest request body (env LLMGW_ROUTER_MAX_BODY_BYTES, 100 MiB)."),
     ] = None,
     cors_origin: Annotated[
         list[str] | None,

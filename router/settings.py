@@ -30,7 +30,8 @@ Environment variables (all optional):
   (0, the default: no cap beyond each replica's)
 - ``LLMGW_ROUTER_MAX_REQUESTS``: requests the router holds at once, in flight
   and waiting for a slot, before it answers 503 ``router_overloaded`` (4096; 0: none)
-- ``LLMGW_ROUTER_MAX_BODY_BYTES``: largest request body (32 MiB)
+- ``LLMGW_ROUTER_MAX_BODY_BYTES``: largest request body (100 MiB, what
+  llama-server accepts; larger is 413 ``request_too_large``)
 - ``LLMGW_ROUTER_CORS_ORIGINS``: comma-separated origins browsers may call the
   router from (``*`` for any; default none: no CORS headers, no preflight)
 - ``LLMGW_ROUTER_EJECT_AFTER_FAILURES`` / ``LLMGW_ROUTER_EJECT_AFTER_5XX``:
@@ -156,7 +157,9 @@ class RouterSettings:
     max_connections_per_replica: int = 64
     max_connections: int = 0
     max_requests: int = 4096
-    max_body_bytes: int = 32 * 1024 * 1024
+    # What llama-server accepts: cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH,
+    # measured on the bootstrap's build (100 MiB answered, 1 byte more 413).
+    max_body_bytes: int = 100 * 1024 * 1024
     # Browser origins allowed (CORS); "*" for any.
     cors_origins: tuple[str, ...] = ()
     # Passive outlier ejection (router.outliers; Envoy's defaults but the first).

@@ -105,7 +105,7 @@ async def in_process_router(
             await state.capacity.close()
         await state.proxy.session.close()
         await state.proxy.control.close()
-        state.proxy.bodies.close()
+        await state.proxy.bodies.close()
 
 
 class RouterUnderTest:

@@ -1,10 +1,12 @@
 """The request hot path: read the body, pick a replica, forward, relay the answer.
 
 :class:`Proxy` is a plain ASGI callable that :mod:`router.app` puts in front
-of FastAPI's routing for ``POST /v1/chat/completions``, ``/v1/completions``
-and ``/v1/embeddings``. Per request it does no Consul call, no pydantic
-parsing and no body rewriting: ``json.loads`` finds ``model``, the raw bytes
-go upstream unchanged over one shared aiohttp keep-alive pool.
+of FastAPI's routing for every model-addressed ``POST`` (:mod:`router.routes`).
+Per request it does no Consul call, no pydantic parsing and no body
+rewriting: :mod:`router.bodies` finds ``model`` (off the event loop for a
+large body), the raw bytes go upstream unchanged over a keep-alive pool per
+replica. Before the first Consul read it answers 503 ``router_starting``;
+past ``max_requests`` held at once, 503 ``router_overloaded``.
 
 - Non-streaming answers are read whole and returned with a Content-Length.
 - ``text/event-stream`` answers are relayed chunk by chunk as they arrive
@@ -16,9 +18,12 @@ go upstream unchanged over one shared aiohttp keep-alive pool.
 - Each replica takes at most its limit of requests at once; the rest wait,
   in order, for a bounded time (:mod:`router.admission`), then 503
   ``replicas_busy``.
-- No request runs twice. A request is retried on another replica only when
-  it provably never reached one: the connection could not be made
-  (:data:`_NEVER_SENT`). A connection that breaks after the request went out
+- No request runs twice, except on a replica that proves dead. A request is
+  retried on another replica when it provably never reached one: the
+  connection could not be made (:data:`_NEVER_SENT`); or when the replica sent
+  no first byte in time and then failed its liveness probe
+  (:mod:`router.firstbyte`). Both, and 5xx answers, count towards ejecting the
+  replica (:mod:`router.outliers`). A connection that breaks after the request went out
   (closed, reset) may have run it, so that is 502 ``upstream_unavailable``,
   and the client decides.
 

@@ -169,7 +169,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     metrics.registry.register(CertificateCollector(settings.certificate_files))
     capacity: CapacityReader | None = None
     if not settings.replica_concurrency:
-        capacity = CapacityReader(lambda: proxy.control, settings.props_timeout_s)
+        capacity = CapacityReader(
+            lambda: proxy.control, settings.props_timeout_s, settings.max_connections_per_replica
+        )
     table = EndpointTable(
         metrics,
         default_limit=settings.initial_replica_limit,

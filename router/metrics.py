@@ -28,7 +28,7 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_replica_ejections_total{model,reason}``: replicas ejected by
   passive outlier detection (:mod:`router.outliers`), by what they did
   (connect_error, first_byte_timeout, http_5xx); published at 0
-- ``llmgw_router_ejected_replicas{model}``: replicas ejected now
+- ``llmgw_router_ejected_replicas{model}``: passing replicas ejected now
 - ``llmgw_router_planner_switches_total``: times the planner that answers this
   router's calls changed (a failover, or the lead handed over;
   :mod:`router.planners`); published at 0
@@ -229,7 +229,6 @@ class RouterMetrics:
         bound.endpoints.set(0)
         bound.inflight.inc(0)
         bound.queued.inc(0)
-        bound.ejected.inc(0)
         return bound
 
     def model_removed(self, model: str) -> None:

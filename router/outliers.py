@@ -31,7 +31,8 @@ clean record):
 
 Each ejection is one log line and one increment of
 ``llmgw_router_replica_ejections_total{model,reason}``;
-``llmgw_router_ejected_replicas{model}`` counts those ejected now.
+``llmgw_router_ejected_replicas{model}`` counts the passing replicas ejected
+now (read at scrape time by :class:`router.admission.Slots`).
 
 Called by :mod:`router.proxy` (:meth:`OutlierDetector.answered`,
 :meth:`~OutlierDetector.failed`); everything runs on the one event loop.
@@ -175,7 +176,6 @@ class OutlierDetector:
         health.probation = False
         health.consecutive = health.consecutive_5xx = 0
         metrics.ejections[failure].inc()
-        metrics.ejected.inc()
         log.warning(
             "model %s: replica %s ejected for %g s (%s; ejection %d in a row); "
             "its Consul check still decides whether it exists",
@@ -186,16 +186,13 @@ class OutlierDetector:
             health.ejections,
         )
         loop = asyncio.get_running_loop()
-        health.timer = loop.call_later(duration, self._return, model, metrics, slots, endpoint)
+        health.timer = loop.call_later(duration, self._return, model, slots, endpoint)
 
-    def _return(
-        self, model: str, metrics: ModelMetrics, slots: Capacity, endpoint: Endpoint
-    ) -> None:
+    def _return(self, model: str, slots: Capacity, endpoint: Endpoint) -> None:
         health = endpoint.health
         health.ejected = False
         health.probation = True
         health.timer = None
-        metrics.ejected.dec()
         log.info(
             "model %s: replica %s back on probation (its next failure ejects it again)",
             model,

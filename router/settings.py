@@ -274,7 +274,9 @@ class RouterSettings:
     def initial_replica_limit(self) -> int:
         """The limit a replica starts with: the operator's, else the default until
         its ``/props`` answers."""
-        return self.replica_concurrency or self.default_replica_concurrency
+        limit = self.replica_concurrency or self.default_replica_concurrency
+        # More in flight than connections would queue in aiohttp's pool, unbounded.
+        return min(limit, self.max_connections_per_replica)
 
     def consul_location(self) -> tuple[str, str, int]:
         """Split ``consul_addr`` into ``(scheme, host, port)``; the scheme is ``https``

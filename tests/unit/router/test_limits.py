@@ -79,3 +79,9 @@ def test_a_body_over_the_limit_is_413() -> None:
             assert sent[0]["status"] == 413
 
     run(scenario())
+
+
+def test_a_replica_never_gets_more_in_flight_than_its_connections() -> None:
+    settings = RouterSettings(replica_concurrency=1024, max_connections_per_replica=64)
+    assert settings.initial_replica_limit == 64
+    assert RouterSettings(replica_concurrency=8).initial_replica_limit == 8

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
+from llmgw_contract import ModelRecord
 from router.admission import Slots
 from router.balancer import Endpoint, pick
 from router.catalog import ServiceAddress
+from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
 from router.outliers import Failure, OutlierDetector, OutlierPolicy, usable
 from tests.support.router_harness import run
@@ -130,5 +132,29 @@ def test_a_returning_replica_serves_waiters() -> None:
         assert slots.take() is None
         granted = await slots.wait(2)
         assert granted is a  # handed over when its ejection ended
+
+    run(scenario())
+
+
+def test_consul_stays_the_authority_a_re_registered_replica_starts_clean() -> None:
+    async def scenario() -> None:
+        metrics = RouterMetrics()
+        table = EndpointTable(metrics)
+        table.set_models({"m": ModelRecord(name="m", definition_hash="h", replicas=2)})
+        a, b = ServiceAddress("10.0.0.1", 9000), ServiceAddress("10.0.0.2", 9000)
+        table.set_endpoints("m", [a, b])
+        entry = table.get("m")
+        assert entry is not None
+        detector = OutlierDetector()
+        first = entry.endpoints[0]
+        for _ in range(2):
+            detector.failed("m", entry.metrics, entry.slots, first, Failure.CONNECT)
+        assert first.health.ejected and ejected_now(metrics) == 1
+        # Consul drops it from the passing list, then it passes again.
+        table.set_endpoints("m", [b])
+        assert ejected_now(metrics) == 0
+        table.set_endpoints("m", [a, b])
+        back = entry.endpoints[0]
+        assert back.address == a and back is not first and not back.health.ejected
 
     run(scenario())

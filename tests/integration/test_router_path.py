@@ -47,17 +47,17 @@ ORIGIN = "https://app.example.com"
 
 
 class LlamaServer:
-    """A real llama-server on the tiny model, 2 slots, on 127.0.0.1."""
+    """A real llama-server on the tiny model, 2 slots, on 127.0.0.1; ``args`` added."""
 
-    def __init__(self, model: Path, workdir: Path) -> None:
+    def __init__(self, model: Path, workdir: Path, *args: str, name: str = "llama") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(workdir / "llama-server.log", "wb")  # noqa: SIM115
+        self.log = open(workdir / f"{name}-server.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
                 str(BIN / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
                 "--port", str(self.port), "--threads", "1", "--ctx-size", "1024",
-                "--parallel", "2",
+                "--parallel", "2", *args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -82,10 +82,13 @@ class LlamaServer:
 
 
 class Parts:
-    def __init__(self, consul: Consul, router: Router, llama: LlamaServer) -> None:
+    def __init__(
+        self, consul: Consul, router: Router, llama: LlamaServer, reranker: LlamaServer
+    ) -> None:
         self.consul = consul
         self.router = router
         self.llama = llama
+        self.reranker = reranker
 
     def serve(self, model: str, **replicas: int) -> None:
         """Define ``model`` with the given replicas (instance name -> port), passing."""
@@ -106,9 +109,11 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
     workdir = tmp_path_factory.mktemp("router-path")
     model = write_tiny_gguf(workdir / "tiny.gguf")
     consul = Consul(binary, workdir)
-    llama = router = None
+    llama = reranker = router = None
     try:
         llama = LlamaServer(model, workdir)
+        # A reranker model: the model definition's `args: ["--reranking"]`.
+        reranker = LlamaServer(model, workdir, "--reranking", name="reranker")
         router = Router(
             consul, workdir, "router",
             "--first-byte-timeout", str(FIRST_BYTE_TIMEOUT_S),
@@ -117,12 +122,13 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
             "--max-connections-per-replica", "2",
             "--queue-timeout", "1",
         )  # fmt: skip
-        yield Parts(consul, router, llama)
+        yield Parts(consul, router, llama, reranker)
     finally:
         if router is not None:
             router.stop()
-        if llama is not None:
-            llama.stop()
+        for server in (llama, reranker):
+            if server is not None:
+                server.stop()
         consul.stop()
 
 
@@ -219,24 +225,34 @@ LLAMA_ROUTES = (
     ("/infill", {"input_prefix": "def f(", "input_suffix": ")", "n_predict": 2}),
     ("/v1/rerank", {"query": "q", "documents": ["a", "b"]}),
     ("/v1/embeddings", {"input": "x"}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
 )
 
 
 def test_c22_every_model_route_reaches_the_replica(parts: Parts) -> None:
     parts.serve("routes", real=parts.llama.port)
     router, llama = parts.router, parts.llama
+    seen = {}
     for path, body in LLAMA_ROUTES:
         via = request("POST", router.url + path, {"model": "routes", **body})
         direct = request("POST", llama.url + path, {"model": "routes", **body})
         assert via[0] == direct[0], (path, via, direct)
-        assert via[0] in (200, 400, 501), (path, via)
         if path in ("/tokenize", "/detokenize", "/apply-template"):
-            assert via[2] == direct[2], path
+            assert via[0] == 200 and via[2] == direct[2], path
         else:
             assert json.loads(via[2]).keys() == json.loads(direct[2]).keys(), path
+        seen[path] = via[0]
     # Served by the replica, not answered by the router: llama-server's own 501.
     status, _, data = request("POST", router.url + "/v1/rerank", {"model": "routes", "query": "q"})
     assert status == 501 and "rerank" in data.decode().lower()
+    # A reranker model's replica ranks.
+    parts.serve("reranker", real=parts.reranker.port)
+    body = {"model": "reranker", "query": "q", "documents": ["a", "b"]}
+    for path in ("/v1/rerank", "/rerank"):
+        via = request("POST", router.url + path, body)
+        direct = request("POST", parts.reranker.url + path, body)
+        assert via[0] == 200 and via[2] == direct[2], (path, via)
+        assert len(json.loads(via[2])["results"]) == 2
     status, _, data = request("POST", router.url + "/tokenize", {"model": "nope", "content": "x"})
     assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found"
     status, _, data = request("GET", f"{router.url}/v1/models/routes")

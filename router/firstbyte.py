@@ -100,7 +100,8 @@ class FirstByteWatch:
     async def _check(self) -> None:
         session = self._session()
         if session is not None and await alive(session, self._endpoint, self._window_s):
-            log.info(
+            # Debug: a long non-streaming generation is asked once a timeout.
+            log.debug(
                 "replica %s: no first byte after %g s, but it answers %s: still waiting",
                 self._endpoint.base_url,
                 self._timeout_s - self._window_s,

@@ -166,6 +166,20 @@ def test_c21_wedged_replica_is_ejected_and_requests_succeed(parts: Parts) -> Non
     assert json.loads(body)["llmgw"]["ejected_replicas"] == 1
 
 
+def test_c21_a_stream_is_retried_on_the_real_replica_too(parts: Parts) -> None:
+    wedged = WedgedReplica()
+    try:
+        parts.serve("wedge-stream", real=parts.llama.port, wedged=wedged.port)
+        body = {"model": "wedge-stream", "prompt": "hi", "max_tokens": 4, "stream": True}
+        for _ in range(4):
+            pieces, seconds = read_stream(parts.router.port, "/v1/completions", body)
+            assert b"".join(p for _, p in pieces).rstrip().endswith(b"data: [DONE]")
+            assert seconds < FIRST_BYTE_TIMEOUT_S + 1.5, seconds
+        assert wedged.accepted >= 1  # it was tried, and given up on in time
+    finally:
+        wedged.stop()
+
+
 def test_a_slow_replica_that_answers_its_probe_is_not_cut(parts: Parts) -> None:
     slow = Stub("slow-alive")
     try:

@@ -72,11 +72,17 @@ class RouterApp(FastAPI):
     """
 
     proxy: Proxy
-    # What a request meets first: _route, or CORS in front of it (create_app).
-    entry: ASGIApp
+    # What a request meets first when CORS is configured (create_app): the
+    # CORS gate, in front of route.
+    entry: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.entry(scope, receive, send)
+        if self.entry is not None:
+            await self.entry(scope, receive, send)
+        elif scope["type"] == "http" and proxied(scope["method"], scope["path"]):
+            await self.proxy(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Model-addressed requests (:mod:`router.routes`) to the proxy, the rest to FastAPI."""
@@ -285,7 +291,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
                 await usage.stop()
                 await activator.close()
                 await planner.close()
-            log.info("shutdown: closing upstream connection pool")
+            log.info("shutdown: closing upstream connection pools")
+            await proxy.first_byte.close()
             if capacity is not None:
                 await capacity.close()
             await proxy.session.close()
@@ -309,7 +316,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     app.state.usage = usage
     app.state.capacity = capacity
     app.proxy = proxy
-    app.entry = with_cors(app.route, settings.cors_origins)
+    if settings.cors_origins:
+        app.entry = with_cors(app.route, settings.cors_origins)
     _add_routes(app, table, metrics)
     _add_error_handlers(app)
     return app

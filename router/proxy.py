@@ -22,10 +22,10 @@ past ``max_requests`` held at once, 503 ``router_overloaded``.
   retried on another replica when it provably never reached one: the
   connection could not be made (:data:`_NEVER_SENT`); or when the replica sent
   no first byte in time and then failed its liveness probe
-  (:mod:`router.firstbyte`). Both, and 5xx answers, count towards ejecting the
-  replica (:mod:`router.outliers`). A connection that breaks after the request went out
-  (closed, reset) may have run it, so that is 502 ``upstream_unavailable``,
-  and the client decides.
+  (:mod:`router.firstbyte`). Both, and 5xx answers, count towards ejecting
+  the replica (:mod:`router.outliers`). A connection that breaks after the
+  request went out (closed, reset) may have run it, so that is 502
+  ``upstream_unavailable``, and the client decides.
 
 A parked model is refused at once (:func:`router.refusals.gate`), before its
 endpoints are looked at. When a defined model has no passing endpoint the
@@ -128,6 +128,7 @@ class Proxy:
         self.busy_retry_after_s = busy_retry_after_s
         self.no_endpoint = no_endpoint
         self.first_byte_timeout_s = first_byte_timeout_s
+        self.first_byte = FirstByteWatch(self._control, first_byte_timeout_s)
         # Requests in the router at once (waiting for a slot included); 0: no limit.
         self.max_requests = max_requests
         self.active = 0
@@ -154,7 +155,10 @@ class Proxy:
                     self.busy_retry_after_s,
                 )
             body = await self._read_body(receive)
-            model = await self.bodies.find_model(body)
+            if len(body) <= self.bodies.inline_bytes:
+                model = extract_model(body)  # the common case, without a coroutine
+            else:
+                model = await self.bodies.find_model(body)
             entry = self.table.get(model)
             if entry is None:
                 if not self.table.synced:
@@ -251,13 +255,14 @@ class Proxy:
         tried: list[Endpoint] = []
         failure: BaseException | None = None
         outliers = self.outliers
+        first_bytes = self.first_byte
         for _ in range(self.max_attempts):
             endpoint = await self._slot(entry, tried)
             if endpoint is None:
                 break
             with Held(entry.slots, endpoint):
                 assert self.session is not None, "Proxy used outside the app lifespan"
-                first_byte = FirstByteWatch(self._control, endpoint, self.first_byte_timeout_s)
+                first_byte = first_bytes.start(endpoint)
                 try:
                     upstream = await self.session.request(
                         "POST", endpoint.url(path), data=body, headers=headers
@@ -302,7 +307,7 @@ class Proxy:
                         f"replica: it may have run there."
                     ) from None
                 finally:
-                    first_byte.disarm()
+                    first_bytes.stop(first_byte)
                 outliers.answered(entry.name, entry.metrics, entry.slots, endpoint, upstream.status)
                 try:
                     if upstream.content_type == "text/event-stream":

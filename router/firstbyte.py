@@ -14,9 +14,10 @@ thread answers even when the loop is stuck. So:
   window as its timeout;
 - any HTTP answer (``200``; ``501`` from a server started with ``--no-slots``;
   ``401`` behind an API key) proves the replica is alive: the request keeps
-  waiting, and the replica is asked again one first-byte timeout later, until
-  the headers come or the long silence timeout
-  (``upstream_read_timeout_s``) ends it;
+  waiting, with a new first-byte deadline from the answer (so the replica is
+  asked again every timeout minus the window), until the headers come or the
+  long silence timeout (``upstream_read_timeout_s``) ends it; requests
+  waiting on the same replica share one question;
 - no answer within the window: the request is cancelled at the first-byte
   deadline (:attr:`FirstByteWatch.expired`), the proxy counts it against the
   replica (:mod:`router.outliers`) and, since nothing went to the client yet,
@@ -107,6 +108,8 @@ class FirstByteWatch:
         self._waiting: dict[Attempt, None] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._probes: set[asyncio.Task[None]] = set()
+        # One liveness question per replica at a time, however many requests wait on it.
+        self._asking: dict[Endpoint, asyncio.Task[bool]] = {}
 
     def start(self, endpoint: Endpoint) -> Attempt:
         """Watch the current task's attempt on ``endpoint``."""
@@ -137,9 +140,21 @@ class FirstByteWatch:
                 probe.add_done_callback(self._probes.discard)
         self._timer = loop.call_later(self._tick_s, self._sweep)
 
+    async def _alive(self, endpoint: Endpoint, timeout_s: float) -> bool:
+        asking = self._asking.get(endpoint)
+        if asking is None:
+            session = self._session()
+            if session is None:
+                return False
+            asking = self._asking[endpoint] = asyncio.ensure_future(
+                alive(session, endpoint, timeout_s)
+            )
+            asking.add_done_callback(lambda _: self._asking.pop(endpoint, None))
+        # Shielded: one waiter cancelled must not cancel the others' answer.
+        return await asyncio.shield(asking)
+
     async def _probe(self, attempt: Attempt, timeout_s: float) -> None:
-        session = self._session()
-        if session is not None and await alive(session, attempt.endpoint, timeout_s):
+        if await self._alive(attempt.endpoint, timeout_s):
             if attempt in self._waiting:
                 # Debug: a long non-streaming generation is asked once a timeout.
                 log.debug(
@@ -162,7 +177,7 @@ class FirstByteWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        probes = list(self._probes)
+        probes = [*self._probes, *self._asking.values()]
         for probe in probes:
             probe.cancel()
         await asyncio.gather(*probes, return_exceptions=True)

@@ -135,7 +135,11 @@ class FirstByteWatch:
         for attempt in self._waiting:
             if not attempt.probing and now >= attempt.probe_at:
                 attempt.probing = True
-                probe = loop.create_task(self._probe(attempt, max(attempt.deadline - now, 0.05)))
+                # What is left to the deadline, but never less than half the
+                # window: a sweep that ran late must not make an alive replica
+                # look dead.
+                timeout_s = max(attempt.deadline - now, self._window_s / 2)
+                probe = loop.create_task(self._probe(attempt, timeout_s))
                 self._probes.add(probe)
                 probe.add_done_callback(self._probes.discard)
         self._timer = loop.call_later(self._tick_s, self._sweep)

@@ -92,7 +92,8 @@ def test_a_stuck_replica_is_given_up_at_the_deadline_and_another_answers() -> No
                 status, _, body = await asgi_post(app, {"model": "m"})
                 # The only replica: nothing else to try, 504 at the deadline.
                 assert status == 504 and body["error"]["code"] == "upstream_timeout"
-                assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 0.4
+                # The deadline, plus at most a late sweep on a loaded machine.
+                assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 1.0
                 app.state.table.set_endpoints(
                     "m",
                     [

@@ -17,7 +17,8 @@ thread answers even when the loop is stuck. So:
   waiting, with a new first-byte deadline from the answer (so the replica is
   asked again every timeout minus the window), until the headers come or the
   long silence timeout (``upstream_read_timeout_s``) ends it; requests
-  waiting on the same replica share one question;
+  waiting on the same replica share one question, and an answer younger than
+  the window serves them all;
 - no answer within the window: the request is cancelled at the first-byte
   deadline (:attr:`FirstByteWatch.expired`), the proxy counts it against the
   replica (:mod:`router.outliers`) and, since nothing went to the client yet,
@@ -108,8 +109,10 @@ class FirstByteWatch:
         self._waiting: dict[Attempt, None] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._probes: set[asyncio.Task[None]] = set()
-        # One liveness question per replica at a time, however many requests wait on it.
+        # One liveness question per replica at a time, however many requests wait
+        # on it; an answer younger than the window serves every request's turn.
         self._asking: dict[Endpoint, asyncio.Task[bool]] = {}
+        self._answered: dict[Endpoint, float] = {}
 
     def start(self, endpoint: Endpoint) -> Attempt:
         """Watch the current task's attempt on ``endpoint``."""
@@ -128,10 +131,14 @@ class FirstByteWatch:
 
     def _sweep(self) -> None:
         self._timer = None
-        if not self._waiting:
-            return
         loop = asyncio.get_running_loop()
         now = loop.time()
+        if self._answered:
+            stale = [e for e, at in self._answered.items() if now - at >= self._window_s]
+            for endpoint in stale:
+                del self._answered[endpoint]
+        if not self._waiting:
+            return
         for attempt in self._waiting:
             if not attempt.probing and now >= attempt.probe_at:
                 attempt.probing = True
@@ -158,7 +165,15 @@ class FirstByteWatch:
         return await asyncio.shield(asking)
 
     async def _probe(self, attempt: Attempt, timeout_s: float) -> None:
-        if await self._alive(attempt.endpoint, timeout_s):
+        loop = asyncio.get_running_loop()
+        answered = self._answered.get(attempt.endpoint)
+        if answered is not None and loop.time() - answered < self._window_s:
+            alive = True
+        else:
+            alive = await self._alive(attempt.endpoint, timeout_s)
+            if alive:
+                self._answered[attempt.endpoint] = loop.time()
+        if alive:
             if attempt in self._waiting:
                 # Debug: a long non-streaming generation is asked once a timeout.
                 log.debug(
@@ -166,7 +181,7 @@ class FirstByteWatch:
                     attempt.endpoint.base_url,
                     PROBE_PATH,
                 )
-                now = asyncio.get_running_loop().time()
+                now = loop.time()
                 attempt.deadline = now + self.timeout_s
                 attempt.probe_at = attempt.deadline - self._window_s
                 attempt.probing = False

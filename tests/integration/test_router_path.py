@@ -232,6 +232,18 @@ def test_a_busy_model_never_delays_another(parts: Parts) -> None:
         idle.stop()
 
 
+def test_a_huge_body_naming_its_model_last_is_routed(parts: Parts) -> None:
+    # The OpenAI SDK's order: messages first, model after them. Over 256 KiB the
+    # router hands the parse to its worker process (router.bodies), under uvloop;
+    # llama-server ignores the extra field.
+    parts.serve("huge", real=parts.llama.port)
+    padding = [{"role": "user", "content": "x" * 1000}] * 20_000
+    body = {"content": "hi", "messages": padding, "model": "huge"}
+    via = request("POST", f"{parts.router.url}/tokenize", body, timeout=60)
+    direct = request("POST", f"{parts.llama.url}/tokenize", body, timeout=60)
+    assert via[0] == 200 and via[2] == direct[2], via
+
+
 LLAMA_ROUTES = (
     ("/tokenize", {"content": "hello"}),
     ("/detokenize", {"tokens": [104, 105]}),

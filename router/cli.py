@@ -150,7 +150,10 @@ def serve(
     ] = None,
     max_connections_per_replica: Annotated[
         int | None,
-        typer.Option(help="Upstream connections per replica (env ..._PER_REPLICA, 64)."),
+        typer.Option(
+            help="Upstream connections per replica "
+            "(env LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA, 64)."
+        ),
     ] = None,
     max_requests: Annotated[
         int | None,

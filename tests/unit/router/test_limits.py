@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp import web
 
 from router.settings import RouterSettings
@@ -85,3 +86,26 @@ def test_a_replica_never_gets_more_in_flight_than_its_connections() -> None:
     settings = RouterSettings(replica_concurrency=1024, max_connections_per_replica=64)
     assert settings.initial_replica_limit == 64
     assert RouterSettings(replica_concurrency=8).initial_replica_limit == 8
+
+
+def test_request_path_settings_from_env_and_their_errors() -> None:
+    settings = RouterSettings.from_env(
+        {
+            "LLMGW_ROUTER_CORS_ORIGINS": "https://a.example.com/, http://b.example.com:8080",
+            "LLMGW_ROUTER_FIRST_BYTE_TIMEOUT": "15",
+            "LLMGW_ROUTER_MAX_REQUESTS": "100",
+            "LLMGW_ROUTER_EJECTION_BASE": "10",
+        }
+    )
+    assert settings.cors_origins == ("https://a.example.com", "http://b.example.com:8080")
+    assert (settings.first_byte_timeout_s, settings.max_requests) == (15.0, 100)
+    assert settings.ejection_base_s == 10.0 and settings.max_body_bytes == 100 * 1024 * 1024
+    settings.validate()
+    for bad, words in (
+        ({"cors_origins": ("app.example.com",)}, "CORS origin 'app.example.com'"),
+        ({"first_byte_timeout_s": 0}, "first-byte timeout"),
+        ({"ejection_base_s": 400.0}, "base <= max"),
+        ({"max_connections_per_replica": 0}, "per replica"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            settings.with_overrides(**bad).validate()

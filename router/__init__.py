@@ -10,13 +10,15 @@ with a fixed number of queries however many models there are. The
 shapes of all of these (key and service names, documents, activation
 answers) are the shared contract, :mod:`llmgw_contract`.
 
-It forwards ``/v1/chat/completions``, ``/v1/completions`` and
-``/v1/embeddings`` to the least-loaded replica with a free slot (or, with
-``--routing prefix``, to the replica its prompt's prefix hashes to, within a
-bounded load: :mod:`router.prefix`): each replica
+It forwards every model-addressed ``POST`` (anything under ``/v1/`` and
+llama-server's own model routes, :mod:`router.routes`) to the least-loaded
+replica with a free slot (or, with ``--routing prefix``, to the replica its
+prompt's prefix hashes to, within a bounded load: :mod:`router.prefix`),
+skipping replicas ejected for failing (:mod:`router.outliers`): each replica
 takes at most its llama-server slot count (``/props``) at once, and the rest
 wait in order for a bounded time (:mod:`router.admission`). A request is
-retried on another replica only when it provably never reached one. Parked,
+retried on another replica only when it provably never reached one, or the
+one it reached sent nothing and proved dead (:mod:`router.firstbyte`). Parked,
 unplaceable and stopped models are refused at once with the reason
 (:mod:`router.refusals`); a model with no passing endpoint is activated
 through the planner's API and the request held, for a bounded time, until a

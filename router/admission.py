@@ -71,6 +71,11 @@ class Slots:
         self._waiters: deque[_Waiter] = deque()
         # Read at scrape time: nothing to count on the path every waiter takes.
         metrics.queued.set_function(self._waiters.__len__)
+        metrics.ejected.set_function(self._ejected)
+
+    def _ejected(self) -> int:
+        """Passing endpoints ejected now (router.outliers), for the gauge."""
+        return sum(1 for e in self.endpoints if e.health.ejected)
 
     @property
     def waiting(self) -> int:

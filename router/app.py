@@ -9,12 +9,20 @@ in named steps, on shutdown.
 
 Routes:
 
-- ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``:
-  :class:`router.proxy.Proxy`, a plain ASGI handler that :class:`RouterApp`
-  calls before any of Starlette's middleware, routing or dependency injection.
+- every model-addressed ``POST`` (any path under ``/v1/`` and llama-server's
+  own model routes, :mod:`router.routes`): :class:`router.proxy.Proxy`, a
+  plain ASGI handler that :class:`RouterApp` calls before any of Starlette's
+  middleware, routing or dependency injection.
 - ``GET /v1/models``: defined models (Consul KV records and ``llmgw-<model>``
-  services) in OpenAI's list shape; with router API keys (:mod:`router.keys`),
-  a key is needed and only its models are listed.
+  services) in OpenAI's list shape; ``GET /v1/models/{id}``: one, in OpenAI's
+  shape, with the router's view of it under ``llmgw``. Both 503
+  ``router_starting`` until Consul was read; an undefined model is 404
+  ``model_not_found``. With router API keys (:mod:`router.keys`), a key is
+  needed and only its models are listed or described.
+
+With ``cors_origins`` set, Starlette's CORS middleware stands in front of
+everything (:func:`with_cors`): preflights are answered there, and every
+answer to an allowed origin, errors and streams included, carries the headers.
 - ``GET /health``: 200 once the model list was read from Consul, else 503.
 - ``GET /metrics``: Prometheus exposition, the certificate expiry series of every
   configured certificate file included (:mod:`llmgw_contract.certificates`).
@@ -27,27 +35,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 from llmgw_contract.certificates import CertificateCollector
 from router import errors
 from router.activation import Activator
 from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
-from router.endpoints import EndpointTable
+from router.endpoints import EndpointTable, ModelEntry
 from router.keys import KeysFile
 from router.metrics import RouterMetrics
+from router.outliers import OutlierDetector, OutlierPolicy
 from router.plannerapi import PlannerAPI
 from router.planners import PlannerCandidates
 from router.prefix import PrefixChooser
-from router.proxy import PROXY_PATHS, NoEndpoint, Proxy, Receive, Scope, Send
+from router.proxy import NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
+from router.routes import proxied
 from router.settings import RouterSettings
 from router.usage import UsageReporter
 from router.watch import ConsulWatcher
@@ -65,16 +77,74 @@ class RouterApp(FastAPI):
     """
 
     proxy: Proxy
+    # What a request meets first when CORS is configured (create_app): the
+    # CORS gate, in front of route.
+    entry: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in PROXY_PATHS:
+        if self.entry is not None:
+            await self.entry(scope, receive, send)
+        elif scope["type"] == "http" and proxied(scope["method"], scope["path"]):
+            await self.proxy(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Model-addressed requests (:mod:`router.routes`) to the proxy, the rest to FastAPI."""
+        if scope["type"] == "http" and proxied(scope["method"], scope["path"]):
             await self.proxy(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
 
+def with_cors(app: ASGIApp, origins: tuple[str, ...]) -> ASGIApp:
+    """``app`` behind Starlette's CORS middleware for ``origins`` (none: ``app`` itself).
+
+    The middleware answers preflights itself and adds the CORS headers to the
+    ``http.response.start`` of every answer, errors and streams included
+    (it wraps ``send``). Only requests with an ``Origin`` header reach it
+    (:class:`_OriginGate`).
+    """
+    if not origins:
+        return app
+    cors = CORSMiddleware(
+        app,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["*"],
+        # What a browser client needs to read from an answer: when to retry,
+        # and the OpenAI SDK's own retry hint.
+        expose_headers=["Retry-After", "x-should-retry"],
+        max_age=600,
+    )
+    return _OriginGate(app, cors)
+
+
+class _OriginGate:
+    """Sends requests that carry an ``Origin`` header through ``cors``, the rest
+    straight to ``app``. Measured: Starlette's middleware costs 5-6 us per request
+    even without an ``Origin`` (it builds a ``Headers`` view first); this scan,
+    well under 1 us. Servers lowercase header names (ASGI)."""
+
+    __slots__ = ("app", "cors")
+
+    def __init__(self, app: ASGIApp, cors: ASGIApp) -> None:
+        self.app = app
+        self.cors = cors
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, _ in scope["headers"]:
+                if name == b"origin":
+                    await self.cors(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 def upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
-    """The one aiohttp session every proxied request shares.
+    """The aiohttp session every proxied request shares: a keep-alive pool per
+    replica (``max_connections_per_replica``), not one for all, so one model's
+    long streams never hold the connections another model's request needs.
 
     Relays bytes verbatim (no decompression, no cookies; the proxy sets
     Accept-Encoding itself) and times out on connect and on silence, never on total
@@ -82,7 +152,7 @@ def upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
     """
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections,
-        limit_per_host=0,
+        limit_per_host=settings.max_connections_per_replica,
         # Under llama-server's own 5 s (cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND):
         # a request is never sent on a connection the replica is closing, which
         # would fail after the request went out and so could not be retried.
@@ -97,6 +167,17 @@ def upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
             sock_read=settings.upstream_read_timeout_s,
         ),
         auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+def control_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    """The session for the router's own small calls to replicas (``/props``, the
+    first-byte liveness probe): a pool of its own, so a replica whose request
+    pool is full is still asked."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=4),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.upstream_connect_timeout_s),
         cookie_jar=aiohttp.DummyCookieJar(),
     )
 
@@ -121,7 +202,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     metrics.registry.register(CertificateCollector(settings.certificate_files))
     capacity: CapacityReader | None = None
     if not settings.replica_concurrency:
-        capacity = CapacityReader(lambda: proxy.session, settings.props_timeout_s)
+        capacity = CapacityReader(
+            lambda: proxy.control, settings.props_timeout_s, settings.max_connections_per_replica
+        )
     table = EndpointTable(
         metrics,
         default_limit=settings.initial_replica_limit,
@@ -157,6 +240,16 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         else None,
         keys=keys,
         forward_authorization=settings.forward_authorization,
+        first_byte_timeout_s=settings.first_byte_timeout_s,
+        max_requests=settings.max_requests,
+        outliers=OutlierDetector(
+            OutlierPolicy(
+                consecutive_failures=settings.eject_after_failures,
+                consecutive_5xx=settings.eject_after_5xx,
+                base_ejection_s=settings.ejection_base_s,
+                max_ejection_s=settings.ejection_max_s,
+            )
+        ),
     )
 
     @asynccontextmanager
@@ -166,6 +259,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
         )
         proxy.session = upstream_session(settings)
+        proxy.control = control_session(settings)
         watcher = ConsulWatcher(
             catalog,
             table,
@@ -180,13 +274,16 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             await planner.start()
             usage.start()
         log.info(
-            "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, silence %ss; "
-            "per replica %s in flight, queue timeout %gs; routing %s; %s",
+            "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, first byte "
+            "%ss, silence %ss; CORS origins: %s; per replica %s in flight, queue timeout %gs; "
+            "routing %s; %s",
             scheme,
             host,
             port,
             settings.upstream_connect_timeout_s,
+            settings.first_byte_timeout_s,
             settings.upstream_read_timeout_s,
+            ", ".join(settings.cors_origins) or "none",
             settings.replica_concurrency
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
@@ -211,10 +308,13 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
                 await usage.stop()
                 await activator.close()
                 await planner.close()
-            log.info("shutdown: closing upstream connection pool")
+            log.info("shutdown: closing upstream connection pools")
+            await proxy.first_byte.close()
             if capacity is not None:
                 await capacity.close()
             await proxy.session.close()
+            await proxy.control.close()
+            await proxy.bodies.close()
             await catalog.close()
             log.info("shutdown: done")
 
@@ -233,6 +333,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     app.state.usage = usage
     app.state.capacity = capacity
     app.proxy = proxy
+    if settings.cors_origins:
+        app.entry = with_cors(app.route, settings.cors_origins)
     _add_routes(app, table, metrics, keys)
     _add_error_handlers(app)
     return app
@@ -241,18 +343,35 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
 def _add_routes(
     app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeysFile | None
 ) -> None:
+    def allowed(request: Request) -> Callable[[str], bool]:
+        """Which models the request's key may see (every one without router keys);
+        raises InvalidApiKey (401)."""
+        if keys is None:
+            return lambda _: True
+        header = request.headers.get("authorization")
+        return keys.authenticate(None if header is None else header.encode("latin-1")).allows
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        names = table.names()
-        if keys is not None:
-            header = request.headers.get("authorization")
-            key = keys.authenticate(None if header is None else header.encode("latin-1"))
-            names = [name for name in names if key.allows(name)]
+        may_see = allowed(request)
+        _synced(table)
+        names = [name for name in table.names() if may_see(name)]
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
             for name in names
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, request: Request) -> JSONResponse:
+        may_see = allowed(request)
+        entry = table.get(model)
+        # A model the key may not use is not the client's to learn about: 404, as
+        # the proxied routes answer it (router.keys).
+        if entry is None or not may_see(model):
+            _synced(table)
+            raise errors.ModelNotFound(model)
+        return JSONResponse(_model_object(entry))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -267,6 +386,36 @@ def _add_routes(
     async def prometheus() -> Response:
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
+
+
+def _synced(table: EndpointTable) -> None:
+    """Raise 503 ``router_starting`` until the models were read from Consul."""
+    if not table.synced:
+        raise errors.RouterStarting(
+            "The router has not read its models from Consul yet. Retry in 1 s.", 1
+        )
+
+
+def _model_object(entry: ModelEntry) -> dict[str, object]:
+    """OpenAI's model object, with what this router knows of it under ``llmgw``:
+    replicas desired (``None`` when only its Consul service is known), passing,
+    ejected (:mod:`router.outliers`), and the planner's parked / unplaceable record."""
+    ejected = sum(1 for e in entry.endpoints if e.health.ejected)
+    return {
+        "id": entry.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "llmgw",
+        "llmgw": {
+            "desired_replicas": entry.replicas,
+            "passing_replicas": len(entry.endpoints),
+            "ejected_replicas": ejected,
+            "parked": None if entry.parked is None else entry.parked.model_dump(mode="json"),
+            "unplaceable": None
+            if entry.unplaceable is None
+            else entry.unplaceable.model_dump(mode="json"),
+        },
+    }
 
 
 def _openai_error(status: int, message: str, type_: str, code: str | None) -> JSONResponse:

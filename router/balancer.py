@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING
 from yarl import URL
 
 from router.catalog import ServiceAddress
+from router.outliers import ReplicaHealth, not_ejected
+
+# URLs cached per endpoint: the model routes (router.routes), with room to spare.
+URL_CACHE_SIZE = 64
 
 if TYPE_CHECKING:
     from router.prefix import PrefixChooser
@@ -34,7 +38,7 @@ class Endpoint:
     it and releases its own slot even after the replica left.
     """
 
-    __slots__ = ("_urls", "address", "base_url", "inflight", "limit")
+    __slots__ = ("_urls", "address", "base_url", "health", "inflight", "limit")
 
     def __init__(self, address: ServiceAddress, limit: int) -> None:
         self.address = address
@@ -42,6 +46,8 @@ class Endpoint:
         self.base_url = f"http://{host}:{address.port}"
         self.inflight = 0
         self.limit = limit
+        # Passive outlier ejection (router.outliers).
+        self.health = ReplicaHealth()
         self._urls: dict[str, URL] = {}
 
     def url(self, path: str) -> URL:
@@ -49,8 +55,11 @@ class Endpoint:
         url = self._urls.get(path)
         if url is None:
             # One URL object per path, reused: yarl caches host and port on the
-            # object, which aiohttp reads several times per request.
-            url = self._urls[path] = URL(self.base_url + path)
+            # object, which aiohttp reads several times per request. Bounded:
+            # paths (query strings included) are the client's to choose.
+            url = URL(self.base_url + path)
+            if len(self._urls) < URL_CACHE_SIZE:
+                self._urls[path] = url
         return url
 
     def __repr__(self) -> str:
@@ -73,9 +82,12 @@ def pick(
     ``start`` rotates the scan (callers pass a per-model counter) so that
     ties go round-robin instead of always to the first replica; an idle
     endpoint ends the scan early. Endpoints at their limit, and those in
-    ``exclude`` (already failed for this request), are skipped. Given an
-    ``affinity``, its choice comes first (:meth:`router.prefix.PrefixChooser.choose`).
+    ``exclude`` (already failed for this request), are skipped, and so are
+    ejected ones while another can be tried (:func:`router.outliers.not_ejected`).
+    Given an ``affinity``, its choice among those comes first
+    (:meth:`router.prefix.PrefixChooser.choose`).
     """
+    endpoints = not_ejected(endpoints, exclude)
     if affinity is not None:
         chooser, key = affinity
         chosen = chooser.choose(endpoints, key, lambda e: usable(e, exclude))

@@ -48,9 +48,15 @@ class CapacityReader:
     """
 
     def __init__(
-        self, session: Callable[[], aiohttp.ClientSession | None], timeout_s: float
+        self,
+        session: Callable[[], aiohttp.ClientSession | None],
+        timeout_s: float,
+        max_limit: int = 1 << 30,
     ) -> None:
         self._session = session
+        # The connections the router may open to one replica: more in flight
+        # would wait in aiohttp's pool, outside the bounded queue.
+        self._max_limit = max_limit
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -75,7 +81,7 @@ class CapacityReader:
             async with session.get(endpoint.url(PROPS_PATH), timeout=self._timeout) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
-                limit = total_slots(await resp.json(content_type=None))
+                limit = min(total_slots(await resp.json(content_type=None)), self._max_limit)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.info(
                 "%s: no slot count from %s (%s); limit stays %d requests in flight",

@@ -171,6 +171,38 @@ def serve(
             "env LLMGW_API_KEYS_FILE). Unset: no key asked for."
         ),
     ] = None,
+    first_byte_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to a replica's first byte before it is probed and, silent, "
+            "the request goes to another replica (env LLMGW_ROUTER_FIRST_BYTE_TIMEOUT, 60)."
+        ),
+    ] = None,
+    max_connections_per_replica: Annotated[
+        int | None,
+        typer.Option(
+            help="Upstream connections per replica "
+            "(env LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA, 64)."
+        ),
+    ] = None,
+    max_requests: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests held at once before 503 router_overloaded "
+            "(env LLMGW_ROUTER_MAX_REQUESTS, 4096; 0: no limit)."
+        ),
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None,
+        typer.Option(help="Largest request body (env LLMGW_ROUTER_MAX_BODY_BYTES, 100 MiB)."),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A browser origin allowed to call the router, e.g. https://app.example.com "
+            "or '*'; repeat for more (env LLMGW_ROUTER_CORS_ORIGINS, comma-separated)."
+        ),
+    ] = None,
     tls_cert: Annotated[
         str | None,
         typer.Option(help="Serve HTTPS with this PEM certificate (env LLMGW_TLS_CERT)."),
@@ -205,6 +237,11 @@ def serve(
             queue_timeout_s=queue_timeout,
             routing=routing,
             api_keys_file=api_keys_file,
+            first_byte_timeout_s=first_byte_timeout,
+            max_connections_per_replica=max_connections_per_replica,
+            max_requests=max_requests,
+            max_body_bytes=max_body_bytes,
+            cors_origins=tuple(o.rstrip("/") for o in cors_origin) if cors_origin else None,
             tls_cert=tls_cert,
             tls_key=tls_key,
             access_log=access_log,

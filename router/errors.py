@@ -23,10 +23,15 @@ The tree, split by what the caller can do::
     │   │                          limit for the whole queue timeout; Retry-After)
     │   └── PlannerUnavailable     503 planner_unavailable (the activator API did not
     │                              answer usefully; the model's state is unknown)
+    ├── RouterUnavailable          503: the router itself cannot take the request now
+    │   ├── RouterStarting         503 router_starting (Consul not read yet; Retry-After)
+    │   └── RouterOverloaded       503 router_overloaded (its overall admission limit;
+    │                              Retry-After)
     └── UpstreamError              the chosen replica failed us
         ├── UpstreamUnavailable    502 upstream_unavailable (connect refused, or the
         │                          connection broke after the request went out)
-        └── UpstreamTimeout        504 upstream_timeout
+        └── UpstreamTimeout        504 upstream_timeout (silent past the read timeout,
+                                   or no first byte from any replica tried)
 
     CatalogError                   reading Consul failed; never reaches a client,
     ├── CatalogUnavailable         the watch loops back off and retry
@@ -74,6 +79,12 @@ class Refusal(StrEnum):
     # the model is not the client's to learn about.
     UNAUTHORIZED = "unauthorized"
     NOT_ALLOWED = "not_allowed"
+    # Router-wide, counted under model="": no model was looked at.
+    ROUTER_STARTING = "router_starting"
+    ROUTER_OVERLOADED = "router_overloaded"
+
+
+ROUTER_REFUSALS = frozenset({Refusal.ROUTER_STARTING, Refusal.ROUTER_OVERLOADED})
 
 
 class RouterError(Exception):
@@ -288,6 +299,35 @@ class PlannerUnavailable(ModelUnavailable):
 
     def __init__(self, message: str, retry_after_s: int | None = 5) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
+
+
+class RouterUnavailable(RouterError):
+    """The router cannot take any request now; it says when to try again."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.retry_after_s).encode())]
+
+
+class RouterStarting(RouterUnavailable):
+    """The router has not read its models from Consul yet: it cannot tell a model
+    that does not exist (404) from one it has not learned about."""
+
+    code = "router_starting"
+    refusal = Refusal.ROUTER_STARTING
+
+
+class RouterOverloaded(RouterUnavailable):
+    """The router holds its limit of requests (in flight and queued) already."""
+
+    code = "router_overloaded"
+    refusal = Refusal.ROUTER_OVERLOADED
 
 
 class UpstreamError(RouterError):

@@ -6,7 +6,8 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_refusals_total{model,reason}``: requests the router answered
   itself instead of proxying, by :class:`router.errors.Refusal` (parked,
   unplaceable, stopped, not_ready, loading, replicas_busy, planner_unavailable;
-  unknown_model under ``model=""``); published at 0
+  unknown_model, router_starting and router_overloaded under ``model=""``);
+  published at 0
 - ``llmgw_router_activations_total{model,outcome}``: activate calls this router
   made to the planner (one per call, however many requests shared it), by the
   planner's answer (every :class:`llmgw_contract.ActivationStatus`) or
@@ -24,6 +25,10 @@ Series (names and labels are part of the alerting contract):
   not observed, so the hot path never touches it
 - ``llmgw_router_endpoints{model}``: passing endpoints; published at 0 for every
   defined model so "desired > 0 and ready == 0" can alert
+- ``llmgw_router_replica_ejections_total{model,reason}``: replicas ejected by
+  passive outlier detection (:mod:`router.outliers`), by what they did
+  (connect_error, first_byte_timeout, http_5xx); published at 0
+- ``llmgw_router_ejected_replicas{model}``: passing replicas ejected now
 - ``llmgw_router_planner_switches_total``: times the planner that answers this
   router's calls changed (a failover, or the lead handed over;
   :mod:`router.planners`); published at 0
@@ -42,7 +47,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw_contract import ActivationStatus
-from router.errors import Refusal
+from router.errors import ROUTER_REFUSALS, Refusal
+from router.outliers import Failure
 
 UNKNOWN_MODEL = ""
 
@@ -50,6 +56,7 @@ UNKNOWN_MODEL = ""
 _MODEL_REFUSALS = tuple(
     r for r in Refusal
     if r not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED)
+    and r not in ROUTER_REFUSALS
 )
 
 # Outcomes of an activate call: each answer the contract allows, or no usable answer.
@@ -100,7 +107,10 @@ class RequestMetrics:
 class ModelMetrics(RequestMetrics):
     """All label children of one defined model, bound once and reused."""
 
-    __slots__ = ("activation_wait", "activations", "endpoints", "inflight", "queue_wait", "queued")
+    __slots__ = (
+        "activation_wait", "activations", "ejected", "ejections", "endpoints", "inflight",
+        "queue_wait", "queued",
+    )  # fmt: skip
 
     def __init__(self, owner: RouterMetrics, model: str) -> None:
         super().__init__(owner, model, _MODEL_REFUSALS)
@@ -112,6 +122,8 @@ class ModelMetrics(RequestMetrics):
             o: owner.activations.labels(model=model, outcome=o) for o in ACTIVATION_OUTCOMES
         }
         self.activation_wait = owner.activation_wait.labels(model=model)
+        self.ejections = {f: owner.ejections.labels(model=model, reason=f) for f in Failure}
+        self.ejected = owner.ejected.labels(model=model)
 
 
 class RouterMetrics:
@@ -178,6 +190,18 @@ class RouterMetrics:
             buckets=_WAIT_BUCKETS,
             registry=self.registry,
         )
+        self.ejections = Counter(
+            "llmgw_router_replica_ejections_total",
+            "Replicas ejected by passive outlier detection, by model and what they did.",
+            ("model", "reason"),
+            registry=self.registry,
+        )
+        self.ejected = Gauge(
+            "llmgw_router_ejected_replicas",
+            "Replicas of the model ejected by passive outlier detection now.",
+            ("model",),
+            registry=self.registry,
+        )
         self.planner_switches = Counter(
             "llmgw_router_planner_switches_total",
             "Times the planner answering this router's activate and usage calls changed.",
@@ -185,7 +209,9 @@ class RouterMetrics:
         )
         self._models: dict[str, ModelMetrics] = {}
         # Only request counters: "0 endpoints for model ''" would be noise.
-        self.unknown = RequestMetrics(self, UNKNOWN_MODEL, (Refusal.UNKNOWN_MODEL,))
+        self.unknown = RequestMetrics(
+            self, UNKNOWN_MODEL, (Refusal.UNKNOWN_MODEL, *sorted(ROUTER_REFUSALS))
+        )
 
     def for_model(self, model: str) -> ModelMetrics:
         """Bound children for a defined ``model`` (created on first use).
@@ -214,10 +240,12 @@ class RouterMetrics:
             return
         families = (
             self.duration, self.inflight, self.queued, self.queue_wait, self.endpoints,
-            self.activation_wait,
+            self.activation_wait, self.ejected,
         )  # fmt: skip
         for family in families:
             family.remove(model)
+        for failure in bound.ejections:
+            self.ejections.remove(model, failure)
         for outcome in bound.activations:
             self.activations.remove(model, outcome)
         for status in bound._codes:

@@ -1,10 +1,12 @@
 """The request hot path: read the body, pick a replica, forward, relay the answer.
 
 :class:`Proxy` is a plain ASGI callable that :mod:`router.app` puts in front
-of FastAPI's routing for ``POST /v1/chat/completions``, ``/v1/completions``
-and ``/v1/embeddings``. Per request it does no Consul call, no pydantic
-parsing and no body rewriting: ``json.loads`` finds ``model``, the raw bytes
-go upstream unchanged over one shared aiohttp keep-alive pool.
+of FastAPI's routing for every model-addressed ``POST`` (:mod:`router.routes`).
+Per request it does no Consul call, no pydantic parsing and no body
+rewriting: :mod:`router.bodies` finds ``model`` (off the event loop for a
+large body), the raw bytes go upstream unchanged over a keep-alive pool per
+replica. Before the first Consul read it answers 503 ``router_starting``;
+past ``max_requests`` held at once, 503 ``router_overloaded``.
 
 - Non-streaming answers are read whole and returned with a Content-Length.
 - ``text/event-stream`` answers are relayed chunk by chunk as they arrive
@@ -16,11 +18,14 @@ go upstream unchanged over one shared aiohttp keep-alive pool.
 - Each replica takes at most its limit of requests at once; the rest wait,
   in order, for a bounded time (:mod:`router.admission`), then 503
   ``replicas_busy``.
-- No request runs twice. A request is retried on another replica only when
-  it provably never reached one: the connection could not be made
-  (:data:`_NEVER_SENT`). A connection that breaks after the request went out
-  (closed, reset) may have run it, so that is 502 ``upstream_unavailable``,
-  and the client decides.
+- No request runs twice, except on a replica that proves dead. A request is
+  retried on another replica when it provably never reached one: the
+  connection could not be made (:data:`_NEVER_SENT`); or when the replica sent
+  no first byte in time and then failed its liveness probe
+  (:mod:`router.firstbyte`). Both, and 5xx answers, count towards ejecting
+  the replica (:mod:`router.outliers`). A connection that breaks after the
+  request went out (closed, reset) may have run it, so that is 502
+  ``upstream_unavailable``, and the client decides.
 
 A parked model is refused at once (:func:`router.refusals.gate`), before its
 endpoints are looked at. When a defined model has no passing endpoint the
@@ -37,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -48,9 +52,12 @@ import aiohttp
 from router import errors, refusals
 from router.admission import Held
 from router.balancer import Affinity, Endpoint
+from router.bodies import BodyParser, parse_request
 from router.endpoints import EndpointTable, ModelEntry
+from router.firstbyte import FirstByteWatch
 from router.keys import KeysFile
 from router.metrics import RequestMetrics, RouterMetrics
+from router.outliers import Failure, OutlierDetector
 from router.prefix import PrefixChooser
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
@@ -68,7 +75,7 @@ NoEndpoint = Callable[[ModelEntry], Awaitable[None]]
 """Called when ``entry`` has no passing endpoint: return once it has one, or
 raise a :class:`router.errors.ModelUnavailable` explaining why not."""
 
-PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+__all__ = ["NoEndpoint", "Proxy", "extract_model", "send_error"]
 
 # Connection-scoped (RFC 9110 7.6.1) or recomputed by us / by uvicorn.
 _DROP_REQUEST = frozenset(
@@ -95,29 +102,12 @@ _NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def extract_model(body: bytes) -> str:
-    """Return the ``model`` field of a JSON request body.
+    """Return the ``model`` field of a JSON request body (:mod:`router.bodies`).
 
     Raises :class:`router.errors.InvalidRequest` when the body is not a JSON
     object or ``model`` is missing or not a non-empty string.
     """
     return parse_request(body)[0]
-
-
-def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
-    """The ``model`` field and the whole document of a JSON request body; raises
-    as :func:`extract_model`."""
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise errors.InvalidRequest(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise errors.InvalidRequest("The request body must be a JSON object.")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.InvalidRequest(
-            "You must provide a model parameter (a non-empty string).", param="model"
-        )
-    return model, doc
 
 
 def authorization(scope: Scope) -> bytes | None:
@@ -148,6 +138,10 @@ class Proxy:
         prefix: PrefixChooser | None = None,
         keys: KeysFile | None = None,
         forward_authorization: bool = False,
+        first_byte_timeout_s: float = 60.0,
+        max_requests: int = 0,
+        outliers: OutlierDetector | None = None,
+        bodies: BodyParser | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -163,22 +157,50 @@ class Proxy:
         # unless the operator says to forward it.
         self.keys = keys
         self._drop = _DROP_REQUEST if forward_authorization else _DROP_REQUEST | {"authorization"}
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.first_byte = FirstByteWatch(self._control, first_byte_timeout_s)
+        # Requests in the router at once (waiting for a slot included); 0: no limit.
+        self.max_requests = max_requests
+        self.active = 0
+        self.outliers = outliers or OutlierDetector()
+        self.bodies = bodies or BodyParser()
+        # Set by the lifespan: requests go on ``session``; liveness probes
+        # (router.firstbyte) on ``control``, so a replica's full pool never
+        # delays the question whether it is alive.
         self.session: aiohttp.ClientSession | None = None
+        self.control: aiohttp.ClientSession | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         bound: RequestMetrics = self.metrics.unknown
         status = 500
+        self.active += 1
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            if self.max_requests and self.active > self.max_requests:
+                raise errors.RouterOverloaded(
+                    f"The router holds its limit of {self.max_requests} requests (in flight "
+                    f"and waiting for a replica) already. Retry in {self.busy_retry_after_s} s.",
+                    self.busy_retry_after_s,
+                )
             key = None if self.keys is None else self.keys.authenticate(authorization(scope))
             body = await self._read_body(receive)
-            model, doc = parse_request(body)
+            doc: dict[str, Any] | None = None
+            if len(body) <= self.bodies.inline_bytes:
+                model, doc = parse_request(body)  # the common case, without a coroutine
+            else:
+                # A huge body: only its model is found, off the loop (router.bodies);
+                # it gets no prefix affinity, and its connection is not reused.
+                model = await self.bodies.find_model(body)
             if key is not None and not key.allows(model):
                 raise errors.ModelNotAllowed(model)
             entry = self.table.get(model)
             if entry is None:
+                if not self.table.synced:
+                    raise errors.RouterStarting(
+                        "The router has not read its models from Consul yet. Retry in 1 s.", 1
+                    )
                 raise errors.ModelNotFound(model)
             bound = entry.metrics
             entry.used = True  # for the usage report (router.usage)
@@ -187,14 +209,18 @@ class Proxy:
                 # job, and a replica still deregistering must not serve.
                 raise refusals.parked(entry.name, entry.parked)
             affinity: Affinity | None = None
-            if self.prefix is not None and (key := self.prefix.key(doc)) is not None:
-                affinity = (self.prefix, key)
+            if (
+                self.prefix is not None
+                and doc is not None
+                and (prefix_key := self.prefix.key(doc)) is not None
+            ):
+                affinity = (self.prefix, prefix_key)
             # llama-server closes the connection after a streamed answer while
             # advertising keep-alive (no "Connection: close"); pooled, that
             # connection takes the next request, which fails once written (502
             # "Can not write request body", found by bench/prefix_routing.py).
             # Saying "close" up front keeps it out of the pool.
-            close = doc.get("stream") is True
+            close = doc is None or doc.get("stream") is True
             status = await self._forward(entry, scope, body, receive, send, affinity, close)
         except errors.RouterError as exc:
             if exc.refusal is not None:
@@ -209,6 +235,7 @@ class Proxy:
             with contextlib.suppress(Exception):
                 await send_error(send, errors.RouterError("The router failed unexpectedly."))
         finally:
+            self.active -= 1
             bound.observe(status, time.perf_counter() - started)
 
     async def _read_body(self, receive: Receive) -> bytes:
@@ -288,16 +315,37 @@ class Proxy:
     ) -> int:
         tried: list[Endpoint] = []
         failure: BaseException | None = None
+        outliers = self.outliers
+        first_bytes = self.first_byte
         for _ in range(self.max_attempts):
             endpoint = await self._slot(entry, tried, affinity)
             if endpoint is None:
                 break
             with Held(entry.slots, endpoint):
                 assert self.session is not None, "Proxy used outside the app lifespan"
+                first_byte = first_bytes.start(endpoint)
                 try:
                     upstream = await self.session.request(
                         "POST", endpoint.url(path), data=body, headers=headers
                     )
+                except asyncio.CancelledError:
+                    if not first_byte.expired or watch.client_gone:
+                        raise
+                    # Our own cancellation: no first byte, and the replica did
+                    # not answer its liveness probe. Nothing went to the client.
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    tried.append(endpoint)
+                    failure = errors.UpstreamTimeout(
+                        f"The model `{entry.name}` replica at {endpoint.base_url} sent no "
+                        f"first byte within {self.first_byte_timeout_s:g} s and did not "
+                        f"answer a liveness probe."
+                    )
+                    log.warning("model %s: %s", entry.name, failure.message)
+                    outliers.failed(
+                        entry.name, entry.metrics, entry.slots, endpoint,
+                        Failure.FIRST_BYTE_TIMEOUT,
+                    )  # fmt: skip
+                    continue
                 except aiohttp.SocketTimeoutError:
                     # Connected, sent, and the replica stayed silent for the
                     # whole read timeout: trying another one would double that.
@@ -309,6 +357,9 @@ class Proxy:
                     tried.append(endpoint)
                     failure = exc
                     log.debug("model %s: could not connect to %s: %r", entry.name, endpoint, exc)
+                    outliers.failed(
+                        entry.name, entry.metrics, entry.slots, endpoint, Failure.CONNECT
+                    )
                     continue
                 except aiohttp.ClientError as exc:
                     raise errors.UpstreamUnavailable(
@@ -316,6 +367,9 @@ class Proxy:
                         f"the request was sent ({exc!r}). It was not retried on another "
                         f"replica: it may have run there."
                     ) from None
+                finally:
+                    first_bytes.stop(first_byte)
+                outliers.answered(entry.name, entry.metrics, entry.slots, endpoint, upstream.status)
                 try:
                     if upstream.content_type == "text/event-stream":
                         watch.disarm()
@@ -328,7 +382,12 @@ class Proxy:
                     raise
                 finally:
                     upstream.release()
+        if isinstance(failure, errors.UpstreamTimeout):
+            raise failure
         raise self._unreachable(entry, tried, failure)
+
+    def _control(self) -> aiohttp.ClientSession | None:
+        return self.control
 
     async def _slot(
         self, entry: ModelEntry, tried: list[Endpoint], affinity: Affinity | None = None

@@ -22,7 +22,22 @@ Environment variables (all optional):
 - ``LLMGW_ROUTER_HOST`` / ``LLMGW_ROUTER_PORT``: listen address (default ``127.0.0.1:8080``)
 - ``LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT``: seconds to open a connection to a replica (5)
 - ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``: seconds without a byte from a replica (600)
-- ``LLMGW_ROUTER_MAX_CONNECTIONS``: size of the upstream keep-alive pool (256)
+- ``LLMGW_ROUTER_FIRST_BYTE_TIMEOUT``: seconds a replica may take to its first
+  byte (streaming or not) unless it answers a liveness probe (60;
+  :mod:`router.firstbyte`); then the request goes to another replica
+- ``LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA``: upstream connections per replica (64)
+- ``LLMGW_ROUTER_MAX_CONNECTIONS``: upstream connections to all replicas together
+  (0, the default: no cap beyond each replica's)
+- ``LLMGW_ROUTER_MAX_REQUESTS``: requests the router holds at once, in flight
+  and waiting for a slot, before it answers 503 ``router_overloaded`` (4096; 0: none)
+- ``LLMGW_ROUTER_MAX_BODY_BYTES``: largest request body (100 MiB, what
+  llama-server accepts; larger is 413 ``request_too_large``)
+- ``LLMGW_ROUTER_CORS_ORIGINS``: comma-separated origins browsers may call the
+  router from (``*`` for any; default none: no CORS headers, no preflight)
+- ``LLMGW_ROUTER_EJECT_AFTER_FAILURES`` / ``LLMGW_ROUTER_EJECT_AFTER_5XX``:
+  consecutive connect errors or first-byte timeouts (2) / 5xx answers (5) that
+  eject a replica; ``LLMGW_ROUTER_EJECTION_BASE`` / ``LLMGW_ROUTER_EJECTION_MAX``:
+  seconds of the first ejection and the longest (30 / 300; :mod:`router.outliers`)
 - ``LLMGW_ROUTER_DRAIN_TIMEOUT``: seconds to let in-flight requests finish on shutdown (30)
 - ``LLMGW_PLANNER_URL``: a planner's admin API, for on-demand activation and
   usage reports (default ``http://127.0.0.1:4650``): tried after the leader
@@ -147,8 +162,25 @@ class RouterSettings:
     # A non-streaming completion sends nothing until generation ends, so this is
     # "longest generation we tolerate", not a network timeout.
     upstream_read_timeout_s: float = 600.0
-    max_connections: int = 256
-    max_body_bytes: int = 32 * 1024 * 1024
+    # Bounds a non-streaming request until its first byte (its whole
+    # generation) only when the replica also fails a liveness probe.
+    first_byte_timeout_s: float = 60.0
+    # Per replica, not one pool for all: one busy model's connections never
+    # keep another's requests waiting. Above any replica's slot count, so the
+    # per-replica limit (router.admission) binds first.
+    max_connections_per_replica: int = 64
+    max_connections: int = 0
+    max_requests: int = 4096
+    # What llama-server accepts: cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH,
+    # measured on the bootstrap's build (100 MiB answered, 1 byte more 413).
+    max_body_bytes: int = 100 * 1024 * 1024
+    # Browser origins allowed (CORS); "*" for any.
+    cors_origins: tuple[str, ...] = ()
+    # Passive outlier ejection (router.outliers; Envoy's defaults but the first).
+    eject_after_failures: int = 2
+    eject_after_5xx: int = 5
+    ejection_base_s: float = 30.0
+    ejection_max_s: float = 300.0
     # Replicas tried per request when a connection fails before any byte went out.
     max_attempts: int = 3
     drain_timeout_s: float = 30.0
@@ -206,6 +238,8 @@ class RouterSettings:
             overrides["forward_authorization"] = _flag(
                 "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
             )
+        if env.get("LLMGW_ROUTER_CORS_ORIGINS"):
+            overrides["cors_origins"] = _origins(env["LLMGW_ROUTER_CORS_ORIGINS"])
         if env.get("LLMGW_ACTIVATION"):
             overrides["activation"] = _flag("LLMGW_ACTIVATION", env["LLMGW_ACTIVATION"])
         for var, name, kind in _ENV_FIELDS:
@@ -252,12 +286,33 @@ class RouterSettings:
             )
         if self.api_keys_file:
             ApiKeys.load(self.api_keys_file)
+        if self.first_byte_timeout_s <= 0:
+            raise ValueError("the first-byte timeout must be > 0 s")
+        if self.max_connections_per_replica < 1 or self.max_connections < 0:
+            raise ValueError(
+                "max connections per replica must be >= 1 and max connections >= 0 (0: no cap)"
+            )
+        if self.max_requests < 0 or self.max_body_bytes < 1:
+            raise ValueError("max requests must be >= 0 (0: no limit) and max body bytes >= 1")
+        if self.eject_after_failures < 1 or self.eject_after_5xx < 1:
+            raise ValueError("the ejection thresholds must be >= 1")
+        if not 0 < self.ejection_base_s <= self.ejection_max_s:
+            raise ValueError("ejection times must satisfy 0 < base <= max")
+        for origin in self.cors_origins:
+            parsed = urllib.parse.urlsplit(origin)
+            if origin != "*" and (parsed.scheme not in ("http", "https") or not parsed.netloc):
+                raise ValueError(
+                    f"CORS origin {origin!r} is not '*' or scheme://host[:port] "
+                    f"(e.g. https://app.example.com)"
+                )
 
     @property
     def initial_replica_limit(self) -> int:
         """The limit a replica starts with: the operator's, else the default until
         its ``/props`` answers."""
-        return self.replica_concurrency or self.default_replica_concurrency
+        limit = self.replica_concurrency or self.default_replica_concurrency
+        # More in flight than connections would queue in aiohttp's pool, unbounded.
+        return min(limit, self.max_connections_per_replica)
 
     def consul_location(self) -> tuple[str, str, int]:
         """Split ``consul_addr`` into ``(scheme, host, port)``; the scheme is ``https``
@@ -310,6 +365,14 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT", "upstream_connect_timeout_s", float),
     ("LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT", "upstream_read_timeout_s", float),
     ("LLMGW_ROUTER_MAX_CONNECTIONS", "max_connections", int),
+    ("LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA", "max_connections_per_replica", int),
+    ("LLMGW_ROUTER_FIRST_BYTE_TIMEOUT", "first_byte_timeout_s", float),
+    ("LLMGW_ROUTER_MAX_REQUESTS", "max_requests", int),
+    ("LLMGW_ROUTER_MAX_BODY_BYTES", "max_body_bytes", int),
+    ("LLMGW_ROUTER_EJECT_AFTER_FAILURES", "eject_after_failures", int),
+    ("LLMGW_ROUTER_EJECT_AFTER_5XX", "eject_after_5xx", int),
+    ("LLMGW_ROUTER_EJECTION_BASE", "ejection_base_s", float),
+    ("LLMGW_ROUTER_EJECTION_MAX", "ejection_max_s", float),
     ("LLMGW_ROUTER_DRAIN_TIMEOUT", "drain_timeout_s", float),
     ("LLMGW_PLANNER_URL", "planner_url", str),
     ("LLMGW_ACTIVATION_WINDOW", "activation_window_s", float),
@@ -325,6 +388,10 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
 # Ours, and Go's strconv.ParseBool spellings (t/f), which the `consul` CLI applies.
 _TRUE = frozenset({"1", "true", "yes", "on", "t"})
 _FALSE = frozenset({"0", "false", "no", "off", "f"})
+
+
+def _origins(raw: str) -> tuple[str, ...]:
+    return tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
 
 
 def _flag(var: str, raw: str) -> bool:

@@ -23,7 +23,7 @@ from aiohttp import web
 from fastapi import FastAPI
 
 from llmgw_contract import ModelRecord
-from router.app import create_app, upstream_session
+from router.app import control_session, create_app, upstream_session
 from router.catalog import ServiceAddress
 from router.endpoints import EndpointTable
 from router.settings import RouterSettings
@@ -85,13 +85,14 @@ async def in_process_router(
     """:func:`router_app` with the clients its lifespan would open: the planner
     client (when ``settings.activation`` is on) and the upstream session. They
     are closed on the way out in the lifespan's order (usage reports, activate
-    calls, planner client, ``/props`` reads, upstream pool). The usage loop is
+    calls, planner client, ``/props`` reads, upstream pools, body parser). The usage loop is
     not started: a test starts it when it wants reports."""
     app = router_app(settings, models, replicas)
     state = app.state
     if state.activator is not None:
         await state.activator.api.start()
     state.proxy.session = upstream_session(settings)
+    state.proxy.control = control_session(settings)
     try:
         yield app
     finally:
@@ -102,7 +103,10 @@ async def in_process_router(
             await state.activator.api.close()
         if state.capacity is not None:
             await state.capacity.close()
+        await state.proxy.first_byte.close()
         await state.proxy.session.close()
+        await state.proxy.control.close()
+        await state.proxy.bodies.close()
 
 
 class RouterUnderTest:

@@ -1,0 +1,203 @@
+"""Passive outlier ejection: a replica that keeps failing gets no new requests for a while.
+
+Why: a replica can pass its Consul health check and still never answer (a
+wedged llama-server whose HTTP thread serves ``/health``), or refuse every
+connection for the second before Consul notices it died. Consul is the
+authority on which replicas exist; this module only adds what the request
+path itself observes, as Envoy's outlier detection does
+(envoyproxy.io, "Outlier detection": consecutive 5xx, consecutive
+local-origin failures, ejection time = base x times ejected, capped).
+
+The rules, per replica (:class:`ReplicaHealth`, one per
+:class:`router.balancer.Endpoint`, so it ends with the endpoint: a replica
+that leaves Consul's passing list and comes back is a new endpoint, with a
+clean record):
+
+- a **local failure** is a connection that could not be made or a first byte
+  that did not come within the first-byte timeout (:mod:`router.firstbyte`);
+  ``consecutive_failures`` of them in a row (default 2) eject it;
+- an answer with a **5xx status** other than 501 (llama-server's "not
+  supported by this server", a property of the route, not of the replica)
+  counts separately; ``consecutive_5xx`` in a row (default 5, Envoy's) eject it;
+- any other answer resets both counts;
+- an ejection lasts ``base_ejection_s`` x the times it was ejected in a row
+  (30 s, 60 s, 90 s ..., at most ``max_ejection_s``, 300 s); then the replica
+  returns **on probation**: its first failure ejects it again for longer, its
+  first good answer clears its record;
+- an ejected replica gets no new request while any other replica of the model,
+  not ejected and not already failed for that request, passes
+  (:func:`usable`, the filter :func:`router.balancer.pick` applies); when every
+  replica is ejected, all of them are used, as Envoy's panic mode does.
+
+Each ejection is one log line and one increment of
+``llmgw_router_replica_ejections_total{model,reason}``;
+``llmgw_router_ejected_replicas{model}`` counts the passing replicas ejected
+now (read at scrape time by :class:`router.admission.Slots`).
+
+Called by :mod:`router.proxy` (:meth:`OutlierDetector.answered`,
+:meth:`~OutlierDetector.failed`); everything runs on the one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from router.balancer import Endpoint
+    from router.metrics import ModelMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Failure(StrEnum):
+    """What a replica did wrong (the ``reason`` label of the ejection counter)."""
+
+    CONNECT = "connect_error"
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    HTTP_5XX = "http_5xx"
+
+
+# llama-server answers 501 for a route its flags turned off (--embeddings,
+# --reranking): the request's fault, never the replica's.
+_NOT_A_FAILURE_5XX = frozenset({501})
+
+
+class Capacity(Protocol):
+    """What the detector tells when an ejected replica returns
+    (:class:`router.admission.Slots`)."""
+
+    def capacity_changed(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierPolicy:
+    """The thresholds and durations; seconds throughout."""
+
+    consecutive_failures: int = 2
+    consecutive_5xx: int = 5
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+
+    def ejection_s(self, times: int) -> float:
+        """How long the ``times``-th ejection in a row lasts."""
+        return min(self.base_ejection_s * times, self.max_ejection_s)
+
+
+class ReplicaHealth:
+    """One replica's record. ``ejected`` is the only field the hot path reads."""
+
+    __slots__ = ("consecutive", "consecutive_5xx", "ejected", "ejections", "probation", "timer")
+
+    def __init__(self) -> None:
+        self.consecutive = 0
+        self.consecutive_5xx = 0
+        self.ejected = False
+        # Ejections in a row, without a good answer in between: the back-off multiplier.
+        self.ejections = 0
+        self.probation = False
+        self.timer: asyncio.TimerHandle | None = None
+
+
+def not_ejected(
+    endpoints: Sequence[Endpoint], exclude: Collection[Endpoint] = ()
+) -> Sequence[Endpoint]:
+    """``endpoints`` without the ejected ones, unless that leaves none outside
+    ``exclude`` (then all of them). Returns ``endpoints`` itself when none is
+    ejected: no allocation on the common path."""
+    for endpoint in endpoints:
+        if endpoint.health.ejected:
+            break
+    else:
+        return endpoints
+    kept = tuple(e for e in endpoints if not e.health.ejected)
+    if any(e not in exclude for e in kept):
+        return kept
+    return endpoints
+
+
+class OutlierDetector:
+    """Applies :class:`OutlierPolicy` to what the proxy observes."""
+
+    def __init__(self, policy: OutlierPolicy | None = None) -> None:
+        self.policy = policy or OutlierPolicy()
+
+    def answered(
+        self,
+        model: str,
+        metrics: ModelMetrics,
+        slots: Capacity,
+        endpoint: Endpoint,
+        status: int,
+    ) -> None:
+        """The replica sent its response headers with ``status``."""
+        health = endpoint.health
+        if status >= 500 and status not in _NOT_A_FAILURE_5XX:
+            health.consecutive_5xx += 1
+            if health.probation or health.consecutive_5xx >= self.policy.consecutive_5xx:
+                self._eject(model, metrics, slots, endpoint, Failure.HTTP_5XX)
+            return
+        if health.consecutive or health.consecutive_5xx or health.probation or health.ejections:
+            health.consecutive = health.consecutive_5xx = health.ejections = 0
+            if health.probation:
+                health.probation = False
+                log.info("model %s: replica %s answers again", model, endpoint.base_url)
+
+    def failed(
+        self,
+        model: str,
+        metrics: ModelMetrics,
+        slots: Capacity,
+        endpoint: Endpoint,
+        failure: Failure,
+    ) -> None:
+        """The connection could not be made, or no first byte came in time."""
+        health = endpoint.health
+        health.consecutive += 1
+        if health.probation or health.consecutive >= self.policy.consecutive_failures:
+            self._eject(model, metrics, slots, endpoint, failure)
+
+    def _eject(
+        self,
+        model: str,
+        metrics: ModelMetrics,
+        slots: Capacity,
+        endpoint: Endpoint,
+        failure: Failure,
+    ) -> None:
+        health = endpoint.health
+        if health.ejected:
+            return  # requests that were in flight when it was ejected
+        health.ejections += 1
+        duration = self.policy.ejection_s(health.ejections)
+        health.ejected = True
+        health.probation = False
+        health.consecutive = health.consecutive_5xx = 0
+        metrics.ejections[failure].inc()
+        log.warning(
+            "model %s: replica %s ejected for %g s (%s; ejection %d in a row); "
+            "its Consul check still decides whether it exists",
+            model,
+            endpoint.base_url,
+            duration,
+            failure,
+            health.ejections,
+        )
+        loop = asyncio.get_running_loop()
+        health.timer = loop.call_later(duration, self._return, model, slots, endpoint)
+
+    def _return(self, model: str, slots: Capacity, endpoint: Endpoint) -> None:
+        health = endpoint.health
+        health.ejected = False
+        health.probation = True
+        health.timer = None
+        log.info(
+            "model %s: replica %s back on probation (its next failure ejects it again)",
+            model,
+            endpoint.base_url,
+        )
+        slots.capacity_changed()

@@ -1,0 +1,100 @@
+"""Finding the model in a request body (router.bodies), and the bounded URL cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from router import errors
+from router.balancer import URL_CACHE_SIZE, Endpoint
+from router.bodies import BodyParser, extract_model
+from router.catalog import ServiceAddress
+from router.routes import proxied
+from tests.support.router_harness import run
+
+
+def test_small_bodies_are_parsed_inline_with_clear_errors() -> None:
+    async def scenario() -> None:
+        parser = BodyParser()
+        assert await parser.find_model(b'{"prompt": "x", "model": "m"}') == "m"
+        for bad, param in (
+            (b"{", None),
+            (b"[]", None),
+            (b"{}", "model"),
+            (b'{"model": 3}', "model"),
+        ):
+            with pytest.raises(errors.InvalidRequest) as err:
+                await parser.find_model(bad)
+            assert err.value.param == param
+
+    run(scenario())
+
+
+def test_a_huge_body_never_stalls_the_loop() -> None:
+    # The OpenAI SDK puts `messages` before `model`: the model is at the end.
+    messages = [{"role": "user", "content": "x" * 1000}] * 30_000
+    body = json.dumps({"messages": messages, "model": "late"}).encode()
+    first = json.dumps({"model": "early", "messages": messages}).encode()
+    assert len(body) > 30_000_000
+
+    async def scenario() -> None:
+        parser = BodyParser()
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.ensure_future(ticker())
+        try:
+            assert await parser.find_model(first) == "early"  # first key: no parse
+            assert await parser.find_model(body) == "late"  # in the worker process
+            with pytest.raises(errors.InvalidRequest):
+                await parser.find_model(body[:-1])
+        finally:
+            stop.set()
+            await tick
+            await parser.close()
+        # json.loads of this body on the loop takes ~0.8 s; handing it to the
+        # worker is a copy.
+        assert max(gaps) < 0.3, max(gaps)
+
+    run(scenario(), timeout=60)
+
+
+def test_extract_model_is_the_inline_parse() -> None:
+    assert extract_model(b'{"model": "m"}') == "m"
+
+
+def test_the_url_cache_is_bounded() -> None:
+    endpoint = Endpoint(ServiceAddress("10.0.0.1", 9000), 4)
+    for i in range(1000):
+        assert str(endpoint.url(f"/v1/completions?nonce={i}")).endswith(f"nonce={i}")
+    assert len(endpoint._urls) == URL_CACHE_SIZE
+
+
+def test_model_addressed_routes() -> None:
+    for path in (
+        "/v1/completions",
+        "/v1/rerank",
+        "/v1/responses",
+        "/v1/anything",
+        "/tokenize",
+        "/detokenize",
+        "/infill",
+        "/apply-template",
+        "/rerank",
+    ):
+        assert proxied("POST", path), path
+    assert not proxied("POST", "/health") and not proxied("POST", "/metrics")
+    assert not proxied("GET", "/v1/models") and not proxied("GET", "/v1/models/x")
+    assert proxied("GET", "/v1/completions")  # the proxy's 405
+    assert not proxied("OPTIONS", "/v1/anything")

@@ -13,7 +13,10 @@ demo:
 	$(PY) -m devcluster.bootstrap --with-demo-model
 	$(VENV)/python -m devcluster demo
 
-test: bootstrap lint
+# The tests also format-check terraform/ with OpenTofu (built once, ~5 min).
+test:
+	$(PY) -m devcluster.bootstrap --with-demo-model --with-tofu
+	$(MAKE) lint
 	$(VENV)/python -m pytest
 
 # Unit tests only: seconds, no agents, no binaries (only the .venv is built).

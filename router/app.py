@@ -366,9 +366,11 @@ def _add_routes(
     async def retrieve_model(model: str, request: Request) -> JSONResponse:
         may_see = allowed(request)
         entry = table.get(model)
-        # A model the key may not use is not the client's to learn about: 404, as
-        # the proxied routes answer it (router.keys).
-        if entry is None or not may_see(model):
+        # A model the key may not use is not the client's to learn about: the 404
+        # the proxied routes answer (router.keys), whether it is defined or not.
+        if not may_see(model):
+            raise errors.ModelNotAllowed(model)
+        if entry is None:
             _synced(table)
             raise errors.ModelNotFound(model)
         return JSONResponse(_model_object(entry))

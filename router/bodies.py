@@ -119,7 +119,10 @@ class BodyParser:
         if len(body) <= self.inline_bytes:
             return extract_model(body)
         first = _FIRST_KEY_MODEL.match(body, 0, 512)
-        if first is not None:
+        # Only when "model" is the body's one key of that name: JSON's last one wins
+        # in the full parse, and a body must not name one model when small and
+        # another when large (found by a new user). A scan at memchr speed.
+        if first is not None and body.count(b'"model"') == 1:
             try:
                 return first.group(1).decode()
             except UnicodeDecodeError:

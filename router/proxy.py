@@ -91,6 +91,8 @@ _DROP_REQUEST = frozenset(
         "proxy-authorization",
         "proxy-connection",
         "expect",
+        # CORS is the router's (router.app.with_cors): the replica is not asked.
+        "origin",
     }
 )
 # The only failures after which the request provably never reached a replica:

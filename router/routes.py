@@ -39,7 +39,14 @@ NAMED_PATHS = frozenset(
 
 
 def proxied(method: str, path: str) -> bool:
-    """``True`` when the proxy answers ``method path`` (forwarding it, or 405)."""
+    """``True`` when the proxy answers ``method path`` (forwarding it, or 405).
+
+    A path with a dot segment (``/v1/../slots``, however encoded: ASGI's path is
+    percent-decoded, ``%2e%2e`` included) is never proxied: the upstream URL would
+    resolve it to a route outside ``/v1/``, such as llama-server's slot actions
+    (found by a new user, issue 10). It gets the app's 404."""
     if method == "POST":
+        if "/." in path:
+            return False
         return path.startswith(V1_PREFIX) or path in LLAMA_SERVER_ROUTES
     return path in NAMED_PATHS

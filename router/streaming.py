@@ -45,9 +45,20 @@ _DROP_RESPONSE = frozenset(
 )  # fmt: skip
 
 
+# CORS is the router's alone (router.app.with_cors, its allowed origins): llama-server
+# answers every Origin with itself, which would both double the router's header
+# (browsers refuse two values) and allow any origin the router does not (found by a
+# new user, issue 10).
+_CORS_PREFIX = b"access-control-"
+
+
 def response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    """The replica's response headers minus hop-by-hop ones, as ASGI pairs."""
-    return [(k, v) for k, v in upstream.raw_headers if k.lower() not in _DROP_RESPONSE]
+    """The replica's response headers minus hop-by-hop and CORS ones, as ASGI pairs."""
+    return [
+        (k, v)
+        for k, v in upstream.raw_headers
+        if (name := k.lower()) not in _DROP_RESPONSE and not name.startswith(_CORS_PREFIX)
+    ]
 
 
 async def wait_disconnect(receive: Receive) -> None:

@@ -301,6 +301,10 @@ def cors_request(
     resp = conn.getresponse()
     data = resp.read()
     conn.close()
+    # Browsers refuse an answer whose Allow-Origin has two values (the replica's
+    # own beside the router's): a dict of the headers would hide the second.
+    allow = [v for k, v in resp.getheaders() if k.lower() == "access-control-allow-origin"]
+    assert len(allow) <= 1, f"{method} {path}: Access-Control-Allow-Origin {allow}"
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
 
 
@@ -345,6 +349,21 @@ def test_c22_cors_preflight_and_headers_on_every_answer(parts: Parts) -> None:
     # No Origin header: no CORS headers.
     plain = cors_request(router, "POST", "/v1/completions", {}, {"model": "nope"})
     assert "access-control-allow-origin" not in plain[1]
+    # A simple request (no preflight) from an origin not allowed: served, but nothing
+    # lets that page's script read it (llama-server would allow every origin).
+    status, headers, _ = cors_request(
+        router, "POST", "/v1/completions",
+        {"Origin": "https://evil.example.com", "Content-Type": "text/plain"},
+        {"model": "browser", "prompt": "hi", "max_tokens": 2},
+    )  # fmt: skip
+    assert status == 200 and "access-control-allow-origin" not in headers
+    # Dot segments never reach a replica's routes outside /v1/ (its slot actions).
+    for path in ("/v1/../slots/0?action=erase", "/v1/%2e%2e/slots/0?action=erase",
+                 "/v1/..%2fslots/0?action=erase"):  # fmt: skip
+        status, _, body = cors_request(router, "POST", path, {}, {"model": "browser"})
+        # The router's own 404, not llama-server's slot handler (its 501 names
+        # --slot-save-path).
+        assert status == 404 and json.loads(body)["error"]["code"] == "not_found", (path, body)
 
 
 def test_before_its_first_consul_read_the_router_says_503_retry_after(tmp_path: Path) -> None:

@@ -98,3 +98,27 @@ def test_model_addressed_routes() -> None:
     assert not proxied("GET", "/v1/models") and not proxied("GET", "/v1/models/x")
     assert proxied("GET", "/v1/completions")  # the proxy's 405
     assert not proxied("OPTIONS", "/v1/anything")
+
+
+def test_dot_segments_are_never_proxied() -> None:
+    # ASGI's path is percent-decoded: /v1/%2e%2e/slots arrives as /v1/../slots.
+    for path in ("/v1/../slots/0", "/v1/./completions", "/v1/a/../../props"):
+        assert not proxied("POST", path), path
+
+
+def test_a_huge_body_names_the_model_a_small_one_would() -> None:
+    # JSON's last "model" wins in the full parse; the first-key shortcut must agree.
+    padding = "x" * 300_000
+    body = json.dumps({"model": "first", "prompt": padding}).encode()
+    twice = body[:-1] + b', "model": "last"}'
+
+    async def scenario() -> None:
+        parser = BodyParser()
+        try:
+            assert await parser.find_model(body) == "first"
+            assert await parser.find_model(twice) == "last"
+            assert extract_model(twice) == "last"
+        finally:
+            await parser.close()
+
+    run(scenario())

@@ -46,6 +46,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -202,34 +203,37 @@ class ModelDefinition(BaseModel):
     @field_validator("source")
     @classmethod
     def _source_is_supported(cls, source: str) -> str:
-        resolve_source(source)
-        return source
-
-    @model_validator(mode="after")
-    def _sha256_needs_download(self) -> ModelDefinition:
-        if self.sha256 and resolve_source(self.source).download_url is None:
-            raise ValueError("sha256 is checked when Nomad downloads the source; "
-                             "a file:// source is not downloaded")
-        return self
-
-    @model_validator(mode="after")
-    def _split_names_its_first_shard(self) -> ModelDefinition:
-        resolved = resolve_source(self.source)
+        resolved = resolve_source(source)
         split = split_of(source_name(resolved.local_path, resolved.download_url))
         if split is not None and split.number != 1:
             raise ValueError(
                 f"source names shard {split.number} of a {split.count}-file split model; name "
                 f"its first, {split.name(1)} (llama-server opens the others from it)")
-        if isinstance(self.sha256, tuple) and (split is None
-                                               or len(self.sha256) != split.count):
+        return source
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha256_fits_the_source(cls, sha256: str | tuple[str, ...] | None,
+                                info: ValidationInfo) -> str | tuple[str, ...] | None:
+        # Judged against a valid source only (fields are validated in order); an invalid
+        # one has its own error.
+        source = info.data.get("source")
+        if sha256 is None or source is None:
+            return sha256
+        resolved = resolve_source(source)
+        if resolved.download_url is None:
+            raise ValueError("sha256 is checked when Nomad downloads the source; "
+                             "a file:// source is not downloaded")
+        split = split_of(source_name(resolved.local_path, resolved.download_url))
+        if isinstance(sha256, tuple) and (split is None or len(sha256) != split.count):
             raise ValueError(
-                f"sha256 is a list of {len(self.sha256)}: a list is one sha256 per shard of a "
+                f"sha256 is a list of {len(sha256)}: a list is one sha256 per shard of a "
                 f"split source ({split.count} here)" if split else
                 "sha256 is a list, but the source is one file: give its sha256 alone")
-        if isinstance(self.sha256, str) and split is not None:
+        if isinstance(sha256, str) and split is not None:
             raise ValueError(f"the source is split in {split.count} files: give sha256 as a "
                              f"list of {split.count}, one per shard in order")
-        return self
+        return sha256
 
     @property
     def shards(self) -> list[Shard]:

@@ -69,9 +69,17 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 # llama-server flags the job template sets itself (planner/jobspecs/model.nomad.hcl),
 # with their short forms (llama.cpp common/arg.cpp), and where an operator says it
 # instead: a second copy would fight the template's.
+# The model-source flags are those of the cached build's `llama-server --help`: each
+# would load weights other than `source`'s (unverified, not fitted, not on the node).
+_MODEL_SOURCES = ("-m", "--model", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff",
+                  "--hf-file", "-dr", "--docker-repo", "--models-dir", "--models-preset")
+# Its presets that download a model of their own ("can download weights from the internet").
+_MODEL_PRESETS = ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default",
+                  "--fim-qwen-7b-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec",
+                  "--fim-qwen-30b-default", "--gpt-oss-20b-default", "--gpt-oss-120b-default",
+                  "--vision-gemma-4b-default", "--vision-gemma-12b-default")
 RESERVED_ARGS: dict[str, str] = {
-    **dict.fromkeys(("-m", "--model", "-hf", "--hf-repo", "-mu", "--model-url"),
-                    "the model file comes from `source`"),
+    **dict.fromkeys(_MODEL_SOURCES + _MODEL_PRESETS, "the model file comes from `source`"),
     **dict.fromkeys(("-c", "--ctx-size"), "set `profile.context` instead"),
     **dict.fromkeys(("--host", "--port"),
                     "Nomad gives each replica its address and a dynamic port"),
@@ -112,9 +120,17 @@ def check_arg(arg: str) -> str:
     """One element of `profile.args`, as llama-server's parser will read it: it takes
     each argv element whole, so `--threads=1` and `--threads 1` are unknown flags to it
     (llama.cpp common/arg.cpp looks the element up as given; llama-server exits with
-    "invalid argument: --threads=1"). Raises ValueError saying the right form."""
+    "invalid argument: --threads=1"), and so are "" and " --threads". Raises ValueError
+    saying the right form."""
     if "\0" in arg or "\n" in arg:
         raise ValueError(f"argument {arg!r} contains a NUL or newline")
+    if not arg.strip():
+        raise ValueError(f"argument {arg!r} is empty; llama-server rejects it as an invalid "
+                         "argument: remove it")
+    if arg != arg.strip() and _is_flag(arg.strip()):
+        # llama-server looks a flag up as given: " --threads" is "invalid argument".
+        raise ValueError(f"argument {arg!r} has spaces around the flag; write "
+                         f"{arg.strip()!r}")
     if "${" in arg:
         # Nomad interpolates ${...} in task args at run time; there is no escape.
         raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")

@@ -37,7 +37,7 @@ rest plus the overhead. The share is by layer count: llama.cpp puts whole repeat
 layers on the GPU (llama-model.cpp, n_gpu_layers), and the token embeddings and the
 output layer, which are not repeating layers, are counted at the same share. A
 file:// source this machine does not have (a node's path) is not judged either, and
-says so.
+says so; but a split one whose first shard is here and another is not is refused.
 """
 
 from __future__ import annotations
@@ -230,10 +230,20 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
     reader = read or read_shard
     fits, problems = {}, []
     for name, (file, definition) in models.items():
+        headers: list[GgufHeader] = []
         try:
-            headers = [reader(shard) for shard in definition.shards]
+            for shard in definition.shards:
+                headers.append(reader(shard))
         except FileNotFoundError as exc:
-            fits[name] = Fit(None, f"not checked: {exc.filename} is not on this machine")
+            if headers:
+                # Its first shard is here, so this is the nodes' folder (or a copy of it)
+                # and a shard is missing: llama-server would fail at every start.
+                problems.append(DefinitionError(file, "source", (
+                    f"{exc.filename} is missing: the first shard of this split model is on "
+                    f"this machine but shard {len(headers) + 1} of "
+                    f"{len(definition.shards)} is not")))
+            else:
+                fits[name] = Fit(None, f"not checked: {exc.filename} is not on this machine")
             continue
         except SourceError as exc:
             problems.append(DefinitionError(file, "source", str(exc)))

@@ -175,3 +175,20 @@ def test_check_models_reads_the_args_and_names_a_bad_value(tmp_path: Path) -> No
     with pytest.raises(InvalidDefinitions) as info:
         check_models({"m": (Path("m.yaml"), bad)})
     assert [e.field for e in info.value.errors] == ["profile.args.3"]
+
+
+def test_a_local_split_missing_a_later_shard_is_refused(tmp_path: Path) -> None:
+    first = write_tiny_gguf(tmp_path / "t.gguf", split_max_tensors=8)
+    model = definition(f"file://{first}", context=512, memory="256MiB")
+    assert check_models({"m": (Path("m.yaml"), model)})["m"].estimate is not None
+    (tmp_path / "t-00002-of-00003.gguf").unlink()
+    with pytest.raises(InvalidDefinitions) as info:
+        check_models({"m": (Path("m.yaml"), model)})
+    [problem] = info.value.errors
+    assert (problem.field, problem.message) == ("source", (
+        f"{tmp_path}/t-00002-of-00003.gguf is missing: the first shard of this split model "
+        "is on this machine but shard 2 of 3 is not"))
+    # None of it here: a node's path, noted and not judged.
+    elsewhere = definition("file:///nodes/t-00001-of-00003.gguf", context=512)
+    assert check_models({"m": (Path("m.yaml"), elsewhere)})["m"].note == \
+        "not checked: /nodes/t-00001-of-00003.gguf is not on this machine"

@@ -298,13 +298,19 @@ def _deploying(nomad: NomadClient, row: ModelStatus) -> bool:
 
 
 def _rollout(row: ModelStatus) -> str:
-    """While a new version rolls out beside the old: how far it got."""
-    if row.rolled_out:
+    """While a new version rolls out beside the old: how far it got. Nothing for a
+    model that is parked or unplaceable (no rollout runs: its state says why), and
+    only the old replicas that do serve are counted as serving."""
+    if row.rolled_out or row.state in (ModelState.PARKED, ModelState.UNPLACEABLE):
         return ""
     new = [r for r in row.replicas if r.job_version == row.job_version]
     healthy = sum(1 for r in new if r.state == ReplicaState.SERVING)
-    return (f"; rolling out version {row.job_version}: {healthy} of {len(new)} new "
-            f"replica(s) healthy, {len(row.replicas) - len(new)} old serving meanwhile")
+    serving_old = sum(1 for r in row.replicas
+                      if r.job_version != row.job_version and r.state == ReplicaState.SERVING)
+    progress = (f"{healthy} of {len(new)} new replica(s) healthy" if new
+                else "no new replica placed yet")
+    return (f"; rolling out version {row.job_version}: {progress}, {serving_old} old "
+            "serving meanwhile")
 
 
 def _rows(output: Output | ReportOutput) -> list[ModelStatus]:

@@ -46,6 +46,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -68,9 +69,17 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 # llama-server flags the job template sets itself (planner/jobspecs/model.nomad.hcl),
 # with their short forms (llama.cpp common/arg.cpp), and where an operator says it
 # instead: a second copy would fight the template's.
+# The model-source flags are those of the cached build's `llama-server --help`: each
+# would load weights other than `source`'s (unverified, not fitted, not on the node).
+_MODEL_SOURCES = ("-m", "--model", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff",
+                  "--hf-file", "-dr", "--docker-repo", "--models-dir", "--models-preset")
+# Its presets that download a model of their own ("can download weights from the internet").
+_MODEL_PRESETS = ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default",
+                  "--fim-qwen-7b-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec",
+                  "--fim-qwen-30b-default", "--gpt-oss-20b-default", "--gpt-oss-120b-default",
+                  "--vision-gemma-4b-default", "--vision-gemma-12b-default")
 RESERVED_ARGS: dict[str, str] = {
-    **dict.fromkeys(("-m", "--model", "-hf", "--hf-repo", "-mu", "--model-url"),
-                    "the model file comes from `source`"),
+    **dict.fromkeys(_MODEL_SOURCES + _MODEL_PRESETS, "the model file comes from `source`"),
     **dict.fromkeys(("-c", "--ctx-size"), "set `profile.context` instead"),
     **dict.fromkeys(("--host", "--port"),
                     "Nomad gives each replica its address and a dynamic port"),
@@ -111,9 +120,17 @@ def check_arg(arg: str) -> str:
     """One element of `profile.args`, as llama-server's parser will read it: it takes
     each argv element whole, so `--threads=1` and `--threads 1` are unknown flags to it
     (llama.cpp common/arg.cpp looks the element up as given; llama-server exits with
-    "invalid argument: --threads=1"). Raises ValueError saying the right form."""
+    "invalid argument: --threads=1"), and so are "" and " --threads". Raises ValueError
+    saying the right form."""
     if "\0" in arg or "\n" in arg:
         raise ValueError(f"argument {arg!r} contains a NUL or newline")
+    if not arg.strip():
+        raise ValueError(f"argument {arg!r} is empty; llama-server rejects it as an invalid "
+                         "argument: remove it")
+    if arg != arg.strip() and _is_flag(arg.strip()):
+        # llama-server looks a flag up as given: " --threads" is "invalid argument".
+        raise ValueError(f"argument {arg!r} has spaces around the flag; write "
+                         f"{arg.strip()!r}")
     if "${" in arg:
         # Nomad interpolates ${...} in task args at run time; there is no escape.
         raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
@@ -202,34 +219,37 @@ class ModelDefinition(BaseModel):
     @field_validator("source")
     @classmethod
     def _source_is_supported(cls, source: str) -> str:
-        resolve_source(source)
-        return source
-
-    @model_validator(mode="after")
-    def _sha256_needs_download(self) -> ModelDefinition:
-        if self.sha256 and resolve_source(self.source).download_url is None:
-            raise ValueError("sha256 is checked when Nomad downloads the source; "
-                             "a file:// source is not downloaded")
-        return self
-
-    @model_validator(mode="after")
-    def _split_names_its_first_shard(self) -> ModelDefinition:
-        resolved = resolve_source(self.source)
+        resolved = resolve_source(source)
         split = split_of(source_name(resolved.local_path, resolved.download_url))
         if split is not None and split.number != 1:
             raise ValueError(
                 f"source names shard {split.number} of a {split.count}-file split model; name "
                 f"its first, {split.name(1)} (llama-server opens the others from it)")
-        if isinstance(self.sha256, tuple) and (split is None
-                                               or len(self.sha256) != split.count):
+        return source
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha256_fits_the_source(cls, sha256: str | tuple[str, ...] | None,
+                                info: ValidationInfo) -> str | tuple[str, ...] | None:
+        # Judged against a valid source only (fields are validated in order); an invalid
+        # one has its own error.
+        source = info.data.get("source")
+        if sha256 is None or source is None:
+            return sha256
+        resolved = resolve_source(source)
+        if resolved.download_url is None:
+            raise ValueError("sha256 is checked when Nomad downloads the source; "
+                             "a file:// source is not downloaded")
+        split = split_of(source_name(resolved.local_path, resolved.download_url))
+        if isinstance(sha256, tuple) and (split is None or len(sha256) != split.count):
             raise ValueError(
-                f"sha256 is a list of {len(self.sha256)}: a list is one sha256 per shard of a "
+                f"sha256 is a list of {len(sha256)}: a list is one sha256 per shard of a "
                 f"split source ({split.count} here)" if split else
                 "sha256 is a list, but the source is one file: give its sha256 alone")
-        if isinstance(self.sha256, str) and split is not None:
+        if isinstance(sha256, str) and split is not None:
             raise ValueError(f"the source is split in {split.count} files: give sha256 as a "
                              f"list of {split.count}, one per shard in order")
-        return self
+        return sha256
 
     @property
     def shards(self) -> list[Shard]:

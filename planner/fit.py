@@ -6,18 +6,21 @@ with the figures, as is a context longer than the model was trained for, or a
 source that cannot be read. `--dry-run` prints each estimate.
 
 The estimate, in bytes, of what llama-server allocates at its defaults (4
-parallel sequences sharing one KV cache, f16 cache, n_ubatch 512):
+parallel sequences sharing one KV cache, f16 cache, n_ubatch 512), or at what the
+profile's `args` set instead (`planner.fitargs`: -ngl, -ctk/-ctv, -np, -ub):
 
   weights   the tensors' sizes (every shard of a split model)
-  KV cache  context x layers x KV heads x (key + value head dim) x 2 bytes, from
+  KV cache  context x layers x KV heads x (key x K bytes + value head dim x V bytes)
+            (2 bytes each for f16; a quantized cache type's bytes per element from its
+            block size), from
             <arch>.block_count, .attention.head_count_kv, .attention.key_length /
             .value_length (else embedding_length / head_count); per-layer arrays
             summed. Every layer is counted at the full context, so a model with
             sliding-window layers (Gemma 3: 15 of 18) gets an upper bound.
   compute   llama.cpp's graph buffer: n_ubatch x 4 bytes x (3 x feed_forward_length
             + 4 x embedding_length + head_count x key_length) for the activations,
-            n_ubatch x context x 2 bytes for the attention mask, and the logits of 4
-            sequences (vocabulary x 4 x 4 bytes). Fitted to llama-server's own
+            n_ubatch x context x 2 bytes for the attention mask, and the logits of the
+            slots (vocabulary x slots x 4 bytes; 4 slots by default). Fitted to llama-server's own
             "compute buffer size" lines: Gemma 3 270M 19.3 / 24.8 / 52.8 MiB at 512 /
             4096 / 32768 tokens (slope 1 KiB a token = 512 x 2 bytes).
   overhead  64 MiB: the process, its tokenizer tables and CPU repacked weights,
@@ -27,14 +30,20 @@ parallel sequences sharing one KV cache, f16 cache, n_ubatch 512):
 
 The limit compared is `gpus x gpu_memory` for a GPU profile (llama.cpp spreads the
 layers over its GPUs), `memory` for a CPU one; a GPU profile without gpu_memory
-is estimated, not judged. A file:// source this machine does not have (a node's
-path) is not judged either, and says so.
+is estimated, not judged against its GPUs. A GPU profile whose args keep only N of
+the model's L layers on the GPUs (-ngl N < L) is judged in two parts: the GPUs hold
+N/L of the weights and of the KV cache plus the compute buffer; `memory` holds the
+rest plus the overhead. The share is by layer count: llama.cpp puts whole repeating
+layers on the GPU (llama-model.cpp, n_gpu_layers), and the token embeddings and the
+output layer, which are not repeating layers, are counted at the same share. A
+file:// source this machine does not have (a node's path) is not judged either, and
+says so; but a split one whose first shard is here and another is not is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +51,10 @@ from gguf import Keys
 
 from planner.definitions import ModelDefinition
 from planner.errors import DefinitionError, InvalidDefinitions
+from planner.fitargs import DEFAULT, ServerArgs, server_args
 from planner.ggufhead import ArrayLength, GgufHeader, SourceError
 from planner.sources import Shard, read_shard
 
-N_UBATCH = 512
-N_SEQUENCES = 4
-KV_BYTES = 2  # f16, llama.cpp's default cache type
 OVERHEAD = 64 * 2**20
 # Arguments that stretch the trained context on purpose (RoPE scaling).
 CONTEXT_STRETCHERS = ("--rope-scaling", "--rope-scale", "--yarn-orig-ctx")
@@ -70,15 +77,44 @@ class Estimate:
     compute: int
     overhead: int = OVERHEAD
     trained_context: int | None = None
+    layers: int = 0  # the model's repeating layers (block_count)
+    gpu_layers: int | None = None  # how many of them -ngl keeps on a GPU; None: all
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.compute + self.overhead
 
+    @property
+    def offload(self) -> float:
+        """The share of the layers on the GPUs (of a GPU profile): 1.0 for all."""
+        if self.gpu_layers is None or self.layers <= 0 or self.gpu_layers >= self.layers:
+            return 1.0
+        return self.gpu_layers / self.layers
+
+    @property
+    def gpu_bytes(self) -> int:
+        """What the GPUs hold: everything (`total`, as a full offload has always been
+        judged), else their share of weights and KV cache plus the compute buffer."""
+        if self.offload >= 1.0:
+            return self.total
+        if self.offload <= 0:
+            return 0
+        return round(self.offload * (self.weights + self.kv_cache)) + self.compute
+
+    @property
+    def host_bytes(self) -> int:
+        """What a partial offload leaves in host memory (with the overhead)."""
+        return self.total - self.gpu_bytes
+
     def parts(self) -> str:
-        return (f"weights {size_text(self.weights)} + KV cache {size_text(self.kv_cache)} "
+        text = (f"weights {size_text(self.weights)} + KV cache {size_text(self.kv_cache)} "
                 f"for {self.context} tokens + compute {size_text(self.compute)} + overhead "
                 f"{size_text(self.overhead)}")
+        if self.offload < 1.0:
+            text += (f"; {self.gpu_layers} of {self.layers} layers on the GPU: "
+                     f"{size_text(self.gpu_bytes)} there, {size_text(self.host_bytes)} in "
+                     "host memory")
+        return text
 
     def text(self) -> str:
         return f"≈ {size_text(self.total)} ({self.parts()})"
@@ -86,7 +122,10 @@ class Estimate:
     def as_dict(self) -> dict[str, Any]:
         return {"bytes": self.total, "context": self.context, "weights": self.weights,
                 "kv_cache": self.kv_cache, "compute": self.compute,
-                "overhead": self.overhead, "trained_context": self.trained_context}
+                "overhead": self.overhead, "trained_context": self.trained_context,
+                **({"gpu_layers": self.gpu_layers, "layers": self.layers,
+                    "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes}
+                   if self.offload < 1.0 else {})}
 
 
 def _ints(value: Any, layers: int) -> list[int]:
@@ -102,9 +141,11 @@ def _scalar(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) else None
 
 
-def estimate(headers: list[GgufHeader], context: int) -> Estimate:
-    """Pure: the estimate from a model's headers (every shard; metadata from the first).
-    Missing keys count as 0 (an architecture without them is llama-server's to refuse)."""
+def estimate(headers: list[GgufHeader], context: int,
+             args: ServerArgs = DEFAULT) -> Estimate:
+    """Pure: the estimate from a model's headers (every shard; metadata from the first)
+    for llama-server run with `args`. Missing keys count as 0 (an architecture without
+    them is llama-server's to refuse)."""
     first = headers[0]
     layers = _scalar(first.arch_key(Keys.LLM.BLOCK_COUNT)) or 0
     embed = _scalar(first.arch_key(Keys.LLM.EMBEDDING_LENGTH)) or 0
@@ -118,11 +159,13 @@ def estimate(headers: list[GgufHeader], context: int) -> Estimate:
     tokens = first.metadata.get(Keys.Tokenizer.LIST)
     vocab = tokens.length if isinstance(tokens, ArrayLength) else \
         len(tokens) if isinstance(tokens, list) else _scalar(first.arch_key(Keys.LLM.VOCAB_SIZE))
-    kv = context * sum(kv_heads[:layers]) * (key + value) * KV_BYTES
-    compute = (N_UBATCH * 4 * (3 * ffn + 4 * embed + heads * key)
-               + N_UBATCH * context * 2 + (vocab or 0) * N_SEQUENCES * 4)
+    kv = round(context * sum(kv_heads[:layers])
+               * (key * args.kv_bytes_k + value * args.kv_bytes_v))
+    compute = (args.ubatch * 4 * (3 * ffn + 4 * embed + heads * key)
+               + args.ubatch * context * 2 + (vocab or 0) * args.parallel * 4)
     return Estimate(context, sum(h.tensor_bytes for h in headers), kv, compute,
-                    trained_context=_scalar(first.arch_key(Keys.LLM.CONTEXT_LENGTH)))
+                    trained_context=_scalar(first.arch_key(Keys.LLM.CONTEXT_LENGTH)),
+                    layers=layers, gpu_layers=args.gpu_layers)
 
 
 def judge(definition: ModelDefinition, file: Path, est: Estimate) -> list[DefinitionError]:
@@ -135,19 +178,31 @@ def judge(definition: ModelDefinition, file: Path, est: Estimate) -> list[Defini
             f"{profile.context} tokens is more than the model was trained for "
             f"({trained}, its context_length); ask for at most {trained}, or stretch it "
             "on purpose with --rope-scaling in args")))
-    if profile.gpus and profile.gpu_memory:
-        limit, where = profile.gpus * profile.gpu_memory, "profile.gpu_memory"
+    if not profile.gpus:
+        return problems + _over(file, "profile.memory", est.total, profile.memory,
+                                size_text(profile.memory), profile.context, est)
+    if profile.gpu_memory and est.offload > 0:
         gives = (f"{profile.gpus} x {size_text(profile.gpu_memory)}" if profile.gpus > 1
                  else size_text(profile.gpu_memory))
-    elif profile.gpus:
-        return problems
-    else:
-        limit, where, gives = profile.memory, "profile.memory", size_text(profile.memory)
-    if est.total > limit:
-        problems.append(DefinitionError(file, where, (
-            f"the model needs ≈ {size_text(est.total)} for {profile.context} tokens of "
-            f"context; profile gives {gives} ({est.parts()}; from the GGUF header)")))
+        problems += _over(file, "profile.gpu_memory", est.gpu_bytes,
+                          profile.gpus * profile.gpu_memory, gives, profile.context, est)
+    if est.offload < 1.0:
+        problems += _over(file, "profile.memory", est.host_bytes, profile.memory,
+                          size_text(profile.memory), profile.context, est)
     return problems
+
+
+def _over(file: Path, where: str, need: int, limit: int, gives: str, context: int,
+          est: Estimate) -> list[DefinitionError]:
+    if need <= limit:
+        return []
+    what = "the model needs" if est.offload >= 1.0 else (
+        f"with {est.gpu_layers} of {est.layers} layers on the GPU (--n-gpu-layers), "
+        + ("the GPU share needs" if where == "profile.gpu_memory" else
+           "the rest needs"))
+    return [DefinitionError(file, where, (
+        f"{what} ≈ {size_text(need)} for {context} tokens of context; profile gives "
+        f"{gives} ({est.parts()}; from the GGUF header)"))]
 
 
 @dataclass(frozen=True)
@@ -175,10 +230,20 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
     reader = read or read_shard
     fits, problems = {}, []
     for name, (file, definition) in models.items():
+        headers: list[GgufHeader] = []
         try:
-            headers = [reader(shard) for shard in definition.shards]
+            for shard in definition.shards:
+                headers.append(reader(shard))
         except FileNotFoundError as exc:
-            fits[name] = Fit(None, f"not checked: {exc.filename} is not on this machine")
+            if headers:
+                # Its first shard is here, so this is the nodes' folder (or a copy of it)
+                # and a shard is missing: llama-server would fail at every start.
+                problems.append(DefinitionError(file, "source", (
+                    f"{exc.filename} is missing: the first shard of this split model is on "
+                    f"this machine but shard {len(headers) + 1} of "
+                    f"{len(definition.shards)} is not")))
+            else:
+                fits[name] = Fit(None, f"not checked: {exc.filename} is not on this machine")
             continue
         except SourceError as exc:
             problems.append(DefinitionError(file, "source", str(exc)))
@@ -191,7 +256,12 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
             fits[name] = Fit(None, f"not checked: ggml tensor type(s) {unknown} unknown "
                                    "to this planner's gguf package")
             continue
-        est = estimate(headers, definition.profile.context)
+        args, arg_problems = server_args(definition.profile.args)
+        problems += [DefinitionError(file, f"profile.args.{i}", message)
+                     for i, message in arg_problems]
+        if not definition.profile.gpus:
+            args = replace(args, gpu_layers=None)  # a CPU profile holds every layer
+        est = estimate(headers, definition.profile.context, args)
         problems += judge(definition, file, est)
         fits[name] = Fit(est)
     if problems:

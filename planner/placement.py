@@ -206,7 +206,14 @@ def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
         same_class = 0
     parts = []
     if engine is not None and engine.constraint in constraints:
-        parts.append(_missing_engine(constraints.pop(engine.constraint), total, engine))
+        without = constraints.pop(engine.constraint)
+        parts.append(_missing_engine(without, total, engine))
+        if MISSING_DEVICES in constraints and _engine_somewhere(without, total, engine):
+            # The nodes with the engine lack the devices and those with the devices lack
+            # the engine: each part alone reads as if the other would do.
+            asked = f"{need.count} {GPU}{_at_least(need)}" if need else "the devices asked for"
+            parts.insert(0, f"no node has both engine {engine.name} {engine.version} and "
+                            f"{asked}")
     if MISSING_DEVICES in constraints:
         parts.append(_missing_devices(constraints.pop(MISSING_DEVICES), total, need, gpus))
     for constraint, count in sorted(constraints.items()):
@@ -252,6 +259,11 @@ def _lacking_gpus(need: GpuNeed | None, gpus: Sequence[NodeGpus]) -> int | None:
     if need is None or need.count < 1 or not gpus:
         return None
     return sum(1 for node in gpus if _fitting(node, need) < need.count)
+
+
+def _engine_somewhere(filtered: int, total: int, engine: EngineNeed) -> bool:
+    """Some node has the engine (the metadata count, else the scheduler's)."""
+    return (engine.installed if engine.installed is not None else total - filtered) > 0
 
 
 def _missing_engine(filtered: int, total: int, engine: EngineNeed) -> str:

@@ -34,6 +34,8 @@ with `nomad` and `consul` works with `planner`):
                       node, neither installed nor checked.
   LLMGW_ENGINE_ROOT   where `planner engines apply` installs artifact engines on the
                       nodes: <root>/<engine>/<version>/; default /opt/llmgw/engines
+                      (model jobs run the command the install recorded, whatever
+                      `planner apply`'s root)
   LLMGW_ENGINE_NOMAD_ADDR
                       the agent address engine installs record node metadata through
                       (Nomad forwards ?node_id= to the node); default empty: each

@@ -66,10 +66,14 @@ def meta_key(name: str) -> str:
 
 
 def _version_text(value: object) -> object:
-    if isinstance(value, float):
-        raise ValueError(f"YAML read this version as the number {value!r}: quote it, "
-                         "e.g. version: \"1.10\"")
-    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    """Only a YAML string is a version: YAML 1.1 reads 0011434 as the octal number 4892,
+    1.10 as 1.1 and 2024-01-02 as a date, so any other scalar was already rewritten."""
+    if value is None or isinstance(value, str | list | dict):
+        return value  # pydantic says what is wrong with these
+    kind = "number" if isinstance(value, int | float) and not isinstance(value, bool) else \
+        type(value).__name__
+    raise ValueError(f"YAML read this version as the {kind} {value!r}, not as written: "
+                     "quote it, e.g. version: \"11434\"")
 
 
 def _hex_text(value: object) -> object:
@@ -84,8 +88,7 @@ class EngineDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=ENGINE_NAME_PATTERN, max_length=48)
-    # YAML reads 11434 as a number: a version is a string either way (1.10 is refused:
-    # YAML made it 1.1 already).
+    # Quoted: YAML rewrites an unquoted 0011434 (octal 4892) or 1.10 (1.1).
     version: Annotated[str, BeforeValidator(_version_text)] = Field(pattern=VERSION_PATTERN)
     kind: str = DEFAULT_KIND
     artifact: str | None = None

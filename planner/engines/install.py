@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from planner.engines.definitions import (
     meta_key,
     unmanaged,
 )
+from planner.errors import DefinitionError, InvalidDefinitions
 from planner.jobspec import variable_file
 from planner.nomad_client import Job, NomadClient
 from planner.placement import schedulable
@@ -52,6 +53,12 @@ META_VERSION = "llmgw_engine_version"
 META_RECORD = "llmgw_engine_record"  # the EngineDefinition as JSON
 META_ROUND = "llmgw_engine_round"  # raised to run the install again where it failed
 META_SPEC_HASH = "llmgw_spec_hash"
+# The program's path on the nodes as this install wrote it (`path`, or under the
+# LLMGW_ENGINE_ROOT of `planner engines apply`): model jobs run this, so `planner apply`
+# needs no engine root of its own.
+META_COMMAND = "llmgw_engine_command"
+# What makes a build: changed under a registered version, it is refused (`changed_builds`).
+BUILD_FIELDS = ("artifact", "path", "sha256")
 
 
 class EngineAction(StrEnum):
@@ -124,7 +131,8 @@ def render(definition: EngineDefinition, settings: Settings, nomad: NomadClient,
     hcl = template if template is not None else TEMPLATE.read_text()
     job = nomad.parse(hcl, variable_file(variables(definition, settings)))
     job["Meta"] = {**(job.get("Meta") or {}),
-                   META_RECORD: definition.model_dump_json(), META_ROUND: "0"}
+                   META_RECORD: definition.model_dump_json(), META_ROUND: "0",
+                   META_COMMAND: definition.command(settings.engine_root)}
     job["Meta"][META_SPEC_HASH] = spec_hash(job)
     return job
 
@@ -157,11 +165,41 @@ def definitions_of(jobs: Mapping[str, Job]) -> dict[str, EngineDefinition]:
     return found
 
 
+def refs_of(jobs: Mapping[str, Job], root: str) -> dict[str, EngineRef]:
+    """The engines the install jobs carry as references, each with the command its install
+    job recorded (META_COMMAND); `root` places the command only for a job registered
+    before that record existed."""
+    refs = managed(definitions_of(jobs), root)
+    return {name: replace(ref, command=(jobs[name].get("Meta") or {}).get(META_COMMAND)
+                          or ref.command)
+            for name, ref in refs.items()}
+
+
 def engine_refs(nomad: NomadClient, settings: Settings) -> dict[str, EngineRef]:
     """Every engine a model may name: LLMGW_ENGINES' (unchecked), then the defined
-    engines registered in Nomad, which win over a name in both."""
-    return {**unmanaged(settings.engines),
-            **managed(definitions_of(registered(nomad)), settings.engine_root)}
+    engines registered in Nomad, which win over a name in both. A defined engine's
+    command is where its install put it, whatever this process's LLMGW_ENGINE_ROOT."""
+    return {**unmanaged(settings.engines), **refs_of(registered(nomad), settings.engine_root)}
+
+
+def changed_builds(engines: Mapping[str, tuple[Path, EngineDefinition]],
+                   installed: Mapping[str, EngineDefinition]) -> list[DefinitionError]:
+    """Pure: an engine whose artifact, path or sha256 changed while its version stayed.
+    Nodes record only the version (node meta `llmgw_engine_<name>`) and model jobs
+    constrain on it, so a new build under an old version would leave every model job as
+    it was (Nomad sees no change), running a command the new install may not have."""
+    problems = []
+    for name, (file, new) in sorted(engines.items()):
+        old = installed.get(name)
+        if old is None or old.version != new.version:
+            continue
+        changed = [f"{field} {getattr(old, field)!r} -> {getattr(new, field)!r}"
+                   for field in BUILD_FIELDS if getattr(old, field) != getattr(new, field)]
+        if changed:
+            problems.append(DefinitionError(file, "version", (
+                f"a changed build needs a new version: {'; '.join(changed)}, but version "
+                f"{new.version!r} is already registered; give the build a new version")))
+    return problems
 
 
 def failed_nodes(job: Job, allocations: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -199,12 +237,16 @@ def decide(rendered: Mapping[str, Job], jobs: Mapping[str, Job],
 
 def prepare_engines(paths: list[Path], settings: Settings,
                     nomad: NomadClient) -> list[EngineChange]:
-    """Validate every file and render every job, then decide; changes nothing. Raises
+    """Validate every file (and refuse a changed build under a registered version,
+    `changed_builds`) and render every job, then decide; changes nothing. Raises
     InvalidDefinitions, NomadRejected or NomadUnavailable."""
     engines = load_engines(paths)
+    jobs = registered(nomad)
+    problems = changed_builds(engines, definitions_of(jobs))
+    if problems:
+        raise InvalidDefinitions(problems)
     template = TEMPLATE.read_text()
     rendered = {name: render(d, settings, nomad, template) for name, (_, d) in engines.items()}
-    jobs = registered(nomad)
     failed = {name: failed_nodes(job, nomad.allocations(job["ID"]))
               for name, job in jobs.items() if name in rendered}
     return decide(rendered, jobs, failed)

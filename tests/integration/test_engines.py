@@ -4,7 +4,8 @@ An engine defined in YAML is installed by its sysbatch job on every node, which 
 it in the node's dynamic metadata (`llmgw_engine_<name> = <version>`, set by the install
 task itself through its Task API socket and workload identity); a model's job
 constrains on it. A model whose engine is on no node is unplaceable at once with the
-reason, never started; once the engine installs, Nomad places it by itself.
+reason, never started; once the engine installs, Nomad places it by itself. A new build
+needs a new version, and a model's job runs the command its engine's install recorded.
 
 The cluster lives under a short folder in /tmp: the Task API socket is
 `<alloc dir>/<task>/secrets/api.sock`, and a unix socket path is at most 107 bytes
@@ -34,7 +35,7 @@ from tests.support.tls import TlsCA, serve_https
 
 pytestmark = pytest.mark.integration
 
-ENGINE, VERSION = "llama.cpp", "11434"
+ENGINE, VERSION, VERSION2 = "llama.cpp", "11434", "11435"
 META_KEY = f"llmgw_engine_{ENGINE}"
 
 
@@ -95,13 +96,19 @@ def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_w
         nodes: Cluster, planner: Callable, daemon: PlannerDaemon, binaries: Path,
         tiny_model: Path, test_ca: TlsCA, env: dict[str, str], tmp_path: Path) -> None:
     server_binary = (binaries / "llama-server").resolve()
-    # 1. An engine whose check fails on every node (its sha256 is not the file's).
-    bad = write_engine(tmp_path / "bad", path=str(server_binary), sha256="0" * 64)
+    # 1. An engine whose check fails on every node: the file at its path is not the build
+    # its sha256 names (the nodes have the wrong file).
+    node_binary = tmp_path / "node-bin" / "llama-server"
+    node_binary.parent.mkdir()
+    node_binary.write_text("#!/bin/sh\nexit 1\n")
+    node_binary.chmod(0o755)
+    bad = write_engine(tmp_path / "bad", path=str(node_binary), sha256=sha256(server_binary))
     installed = planner("engines", "apply", str(bad), "--wait", "--timeout", "120")
     assert installed.returncode == 1, installed.stderr
     for node in nodes.node_names:
         assert f"failed to install on {node}" in installed.stderr, installed.stderr
-    assert f"sha256 is {sha256(server_binary)}, expected {'0' * 64}" in installed.stderr
+    assert f"sha256 is {sha256(node_binary)}, expected {sha256(server_binary)}" in \
+        installed.stderr
     listed = planner("status", "--nodes", "--output", "json")
     assert listed.returncode == 1
     rows = json.loads(listed.stdout)
@@ -128,35 +135,53 @@ def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_w
     assert {"LTarget": f"${{meta.{META_KEY}}}", "Operand": "=", "RTarget": VERSION} in \
         job["TaskGroups"][0]["Constraints"]
 
-    # 3. The engine fixed (an artifact every node downloads and checks): it installs
-    # on both nodes, and Nomad places the waiting model by itself.
+    # 3. The nodes fixed (the right build at the path): the same definition applied again
+    # runs the install again where it failed, and Nomad places the waiting model by itself.
+    shutil.copy(server_binary, node_binary)
+    installed = planner("engines", "apply", str(bad), "--wait", "--timeout", "120")
+    assert installed.returncode == 0, installed.stderr
+    assert node_meta(nodes) == dict.fromkeys(nodes.node_names, VERSION)
+    model = wait_for(lambda: (m := daemon.model("eng-tiny"))["state"] == "serving" and m,
+                     90, "eng-tiny placed and serving once its engine is installed")
+    assert (model["consecutive_failures"], model["start_failures_total"]) == (0, 0)
+
+    # 4. Another build (an artifact every node downloads and checks) under the version
+    # the nodes already record is refused: the model's job would keep the old command.
     site = tmp_path / "site"
     site.mkdir()
     shutil.copy(server_binary, site / "llama-server")
     server = serve_https(site, test_ca)
     try:
-        good = write_engine(tmp_path / "good", artifact=f"{server.url}/llama-server",
-                            sha256=sha256(server_binary))
+        fields = {"artifact": f"{server.url}/llama-server", "sha256": sha256(server_binary)}
+        same = write_engine(tmp_path / "same", **fields)
+        refused = planner("engines", "apply", str(same), "--output", "json")
+        assert refused.returncode == 2, refused.stderr
+        [problem] = json.loads(refused.stdout)["error"]["problems"]
+        assert (problem["file"], problem["field"]) == (str(same / "engine.yaml"), "version")
+        assert problem["message"].startswith(
+            "a changed build needs a new version: artifact None -> "), problem
+        good = write_engine(tmp_path / "good", version=VERSION2, **fields)
         installed = planner("engines", "apply", str(good), "--wait", "--timeout", "180")
         assert installed.returncode == 0, installed.stderr
     finally:
         server.close()
-    assert node_meta(nodes) == dict.fromkeys(nodes.node_names, VERSION)
-    command = Path(env["LLMGW_ENGINE_ROOT"]) / ENGINE / VERSION / "llama-server"
+    assert node_meta(nodes) == dict.fromkeys(nodes.node_names, VERSION2)
+    command = Path(env["LLMGW_ENGINE_ROOT"]) / ENGINE / VERSION2 / "llama-server"
     assert sha256(command) == sha256(server_binary) and os.access(command, os.X_OK)
     listed = planner("status", "--nodes", "--output", "json")
     assert listed.returncode == 0, listed.stdout
     assert {(r["node"], r["installed"], r["ok"]) for r in json.loads(listed.stdout)} == {
-        (node, VERSION, True) for node in nodes.node_names}
+        (node, VERSION2, True) for node in nodes.node_names}
     again = planner("engines", "apply", str(good), "--output", "json")
     assert [c["action"] for c in json.loads(again.stdout)["changes"]] == ["unchanged"]
 
-    # The metadata reached the servers: Nomad's blocked evaluation placed the model.
-    model = wait_for(lambda: (m := daemon.model("eng-tiny"))["state"] == "serving" and m,
-                     90, "eng-tiny placed and serving once its engine is installed")
-    assert (model["consecutive_failures"], model["start_failures_total"]) == (0, 0)
-    # Re-applied, its job runs the installed artifact (the command changed: a rollout).
-    assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+    # Re-applied, its job runs the installed artifact (the command changed: a rollout),
+    # where the install put it, whatever LLMGW_ENGINE_ROOT this `planner apply` has.
+    elsewhere = {**env, "LLMGW_ENGINE_ROOT": str(tmp_path / "not-the-install-root")}
+    reapplied = subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(folder),
+                                "--wait", "--timeout", "120"], env=elsewhere,
+                               capture_output=True, text=True, timeout=300)
+    assert reapplied.returncode == 0, reapplied.stderr
     [alloc] = [a for a in nomad_get(nodes, "/v1/job/eng-tiny/allocations")
                if (a["DesiredStatus"], a["ClientStatus"]) == ("run", "running")]
     full = nomad_get(nodes, f"/v1/allocation/{alloc['ID']}")
@@ -165,7 +190,7 @@ def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_w
     metrics = urllib.request.urlopen(f"{daemon.url}/metrics", timeout=10).read().decode()
     for node in nodes.node_names:
         assert (f'llmgw_engine_installed{{engine="{ENGINE}",node="{node}",'
-                f'version="{VERSION}"}} 1.0') in metrics, metrics
+                f'version="{VERSION2}"}} 1.0') in metrics, metrics
 
 
 def test_a_node_that_turns_eligible_later_gets_the_engine(

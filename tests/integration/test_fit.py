@@ -44,6 +44,13 @@ def registered(cluster: Cluster, name: str) -> bool:
     ("c23-ctx", '["--threads", "1", "-c", "8192"]', "profile.args.2",
      "-c is set by the planner's job template; remove it and its value (set "
      "`profile.context` instead)"),
+    ("c23-blank", '["--parallel", "1", " --threads", "1"]', "profile.args.2",
+     "argument ' --threads' has spaces around the flag; write '--threads'"),
+    ("c23-hff", '["-hff", "other.gguf"]', "profile.args.0",
+     "-hff is set by the planner's job template; remove it and its value (the model file "
+     "comes from `source`)"),
+    ("c23-ctk", '["-ctk", "q3_k"]', "profile.args.1",
+     "expected a cache type, one of f32, f16, bf16, q8_0"),
 ])
 def test_c23_args_llama_server_rejects_are_refused_at_apply(
         cluster: Cluster, planner: Callable, model_files: Callable[..., Path],
@@ -73,6 +80,11 @@ def test_a_profile_too_small_for_the_header_is_refused_reading_header_bytes_only
                              profile="context: 8192\n  memory: 8GiB")
         model_files("fit-gpu", source=source,
                     profile="context: 8192\n  gpus: 2\n  gpu_memory: 24GiB\n  memory: 8GiB")
+        # 8 of its 80 layers on the GPU: 13.3 GiB of weights, KV cache and compute there, the
+        # rest (117.9 GiB) in host memory.
+        model_files("fit-partial", source=source,
+                    profile='context: 8192\n  gpus: 1\n  gpu_memory: 24GiB\n  memory: 8GiB\n'
+                            '  args: ["-ngl", "8"]')
 
         result = planner("apply", str(folder))
 
@@ -82,6 +94,10 @@ def test_a_profile_too_small_for_the_header_is_refused_reading_header_bytes_only
             "KV cache 2.5 GiB for 8192 tokens + " in result.stderr
         assert f"{folder}/fit-gpu.yaml: profile.gpu_memory: {needs} 2 x 24 GiB (" \
             in result.stderr
+        assert f"{folder}/fit-partial.yaml: profile.memory: with 8 of 80 layers on the GPU " \
+            "(--n-gpu-layers), the rest needs ≈ 117.9 GiB for 8192 tokens of context; profile " \
+            "gives 8 GiB" in result.stderr
+        assert "fit-partial.yaml: profile.gpu_memory" not in result.stderr
         assert not registered(cluster, "fit-cpu") and not registered(cluster, "fit-gpu")
         assert server.requests == []  # no whole-file GET: nothing of the weights
         assert server.ranges and all(first < header for _, first, _ in server.ranges)

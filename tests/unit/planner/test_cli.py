@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner.cli import app
+from llmgw_contract import ModelState
+from planner.cli import _rollout, app
+from planner.status import ModelStatus, ReplicaState, ReplicaStatus
 
 # Nothing listens here: validation must fail before any agent is asked.
 UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9"}
@@ -72,3 +74,25 @@ def test_detailed_exitcode_needs_dry_run(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["apply", str(tmp_path), "--detailed-exitcode"],
                                 env=UNREACHABLE)
     assert result.exit_code == 1 and "goes with --dry-run" in result.stderr
+
+
+def _replica(version: int, state: str) -> ReplicaStatus:
+    return ReplicaStatus(replica="server[0]", alloc_id="a", node="n", state=state,
+                         consecutive_failures=0, last_error=None, last_error_at=None,
+                         job_version=version)
+
+
+def _row(state: ModelState, *replicas: ReplicaStatus) -> ModelStatus:
+    return ModelStatus(name="m", state=state, desired=1, running=1, ready=0,
+                       consecutive_failures=0, start_failures_total=0, reason="r",
+                       last_error=None, since=None, replicas=replicas, job_version=1)
+
+
+def test_wait_progress_says_a_rollout_only_while_one_runs() -> None:
+    old_failing = _replica(0, ReplicaState.FAILING)
+    assert _rollout(_row(ModelState.PARKED, old_failing)) == ""
+    assert _rollout(_row(ModelState.LOADING, old_failing)) == \
+        "; rolling out version 1: no new replica placed yet, 0 old serving meanwhile"
+    assert _rollout(_row(ModelState.LOADING, _replica(0, ReplicaState.SERVING),
+                         _replica(1, ReplicaState.LOADING))) == \
+        "; rolling out version 1: 0 of 1 new replica(s) healthy, 1 old serving meanwhile"

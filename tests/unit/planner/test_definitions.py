@@ -148,6 +148,18 @@ def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: P
     ('["--parallel", "1", "--threads 1"]',
      "profile.args.2: '--threads 1' is one element; write the flag and its value as "
      'separate elements: ["--threads", "1"] (each element is one argv element'),
+    # llama-server: "error: invalid argument:  --threads" and "invalid argument: ".
+    ('["--parallel", "1", " --threads", "2"]', "profile.args.2: argument ' --threads' has "
+                                                "spaces around the flag; write '--threads'"),
+    ('["--threads\t", "2"]', "profile.args.0: argument '--threads\\t' has spaces"),
+    ('["--threads", "2", ""]', "profile.args.2: argument '' is empty; llama-server rejects"),
+    ('["--threads", "2", " "]', "profile.args.2: argument ' ' is empty"),
+    # Model sources of llama-server --help, which would bypass `source`.
+    ('["-hfr", "org/repo"]', "profile.args.0: -hfr is set by the planner"),
+    ('["--hf-file", "x.gguf"]', "profile.args.0: --hf-file is set by the planner"),
+    ('["-hff", "x.gguf"]', "profile.args.0: -hff is set by the planner"),
+    ('["--docker-repo", "ai/x"]', "profile.args.0: --docker-repo is set by the planner"),
+    ('["--gpt-oss-20b-default"]', "profile.args.0: --gpt-oss-20b-default is set by the"),
 ])
 def test_args_llama_server_would_reject_name_the_element(tmp_path: Path, args: str,
                                                          expected: str) -> None:
@@ -161,6 +173,7 @@ def test_args_llama_server_would_reject_name_the_element(tmp_path: Path, args: s
     '["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]',  # a value may hold "="
     '["--chat-template-kwargs", "{\\"a b\\": 1}"]',  # and spaces
     '["-ngl", "20", "--metrics"]',
+    '["--threads", " 2"]',  # a value is read by stoi, which skips the space
 ])
 def test_args_llama_server_accepts_pass(tmp_path: Path, args: str) -> None:
     write(tmp_path, "a.yaml", VALID.format(name="a").replace('["--threads", "2"]', args))

@@ -11,6 +11,7 @@ import pytest
 from planner.definitions import ModelDefinition, load_definitions
 from planner.errors import InvalidDefinitions
 from planner.fit import OVERHEAD, Estimate, check_models, estimate, judge, size_text
+from planner.fitargs import server_args
 from planner.ggufhead import SourceError, read_local
 from planner.sources import Shard
 from tests.support.sparse_gguf import write_sparse_gguf
@@ -124,3 +125,70 @@ def test_a_quantization_newer_than_the_gguf_package_is_noted_not_judged(
     assert fit.estimate is None
     assert fit.note == "not checked: ggml tensor type(s) [99] unknown to this planner's gguf " \
         "package"
+
+
+def test_cache_type_slots_and_ubatch_change_the_estimate(tmp_path: Path) -> None:
+    header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    base = estimate([header], 512)
+    args, _ = server_args(["-ctk", "q8_0", "-ctv", "q4_0", "-np", "1", "-ub", "256"])
+    est = estimate([header], 512, args)
+    # 2 layers x 4 KV heads x (16 x 34/32 + 16 x 18/32) bytes per token.
+    assert est.kv_cache == round(512 * 2 * 4 * (16 * 34 / 32 + 16 * 18 / 32))
+    assert est.kv_cache < base.kv_cache / 2
+    assert est.compute == 256 * 4 * (3 * 128 + 4 * 64 + 4 * 16) + 256 * 512 * 2 + 259 * 1 * 4
+
+
+def partial(gpu_layers: int) -> Estimate:
+    return Estimate(4096, 8 * 2**30, 2 * 2**30, 2**30, trained_context=8192, layers=40,
+                    gpu_layers=gpu_layers)
+
+
+def test_a_partial_offload_is_judged_on_the_gpu_and_in_host_memory() -> None:
+    est = partial(20)  # half the layers: 5 GiB of weights and KV + 1 GiB compute on the GPU
+    assert (est.gpu_bytes, est.host_bytes) == (6 * 2**30, 5 * 2**30 + OVERHEAD)
+    roomy = definition("file:///m.gguf", gpus=1, gpu_memory="8GiB", memory="6GiB",
+                       args=["-ngl", "20"])
+    assert judge(roomy, Path("m.yaml"), est) == []  # 11 GiB in all would not fit 8 GiB
+    tight = definition("file:///m.gguf", gpus=1, gpu_memory="4GiB", memory="2GiB",
+                       args=["-ngl", "20"])
+    gpu, host = judge(tight, Path("m.yaml"), est)
+    assert gpu.field == "profile.gpu_memory" and gpu.message.startswith(
+        "with 20 of 40 layers on the GPU (--n-gpu-layers), the GPU share needs ≈ 6 GiB")
+    assert host.field == "profile.memory" and host.message.startswith(
+        "with 20 of 40 layers on the GPU (--n-gpu-layers), the rest needs ≈ 5.1 GiB for "
+        "4096 tokens of context; profile gives 2 GiB")
+    # No layer on the GPU: everything is host memory, whatever gpu_memory says.
+    [cpu] = judge(tight, Path("m.yaml"), partial(0))
+    assert cpu.field == "profile.memory" and "needs ≈ 11.1 GiB" in cpu.message
+
+
+def test_check_models_reads_the_args_and_names_a_bad_value(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    gpu = definition(f"file://{tiny}", context=512, gpus=1, gpu_memory="1GiB",
+                     memory="256MiB", args=["-ngl", "1"])
+    fit = check_models({"m": (Path("m.yaml"), gpu)})["m"]
+    assert (fit.estimate.gpu_layers, fit.estimate.layers, fit.estimate.offload) == (1, 2, 0.5)
+    cpu = definition(f"file://{tiny}", context=512, memory="256MiB", args=["-ngl", "1"])
+    assert check_models({"m": (Path("m.yaml"), cpu)})["m"].estimate.offload == 1.0
+    bad = definition(f"file://{tiny}", context=512, memory="256MiB",
+                     args=["--threads", "1", "-ctv", "q2"])
+    with pytest.raises(InvalidDefinitions) as info:
+        check_models({"m": (Path("m.yaml"), bad)})
+    assert [e.field for e in info.value.errors] == ["profile.args.3"]
+
+
+def test_a_local_split_missing_a_later_shard_is_refused(tmp_path: Path) -> None:
+    first = write_tiny_gguf(tmp_path / "t.gguf", split_max_tensors=8)
+    model = definition(f"file://{first}", context=512, memory="256MiB")
+    assert check_models({"m": (Path("m.yaml"), model)})["m"].estimate is not None
+    (tmp_path / "t-00002-of-00003.gguf").unlink()
+    with pytest.raises(InvalidDefinitions) as info:
+        check_models({"m": (Path("m.yaml"), model)})
+    [problem] = info.value.errors
+    assert (problem.field, problem.message) == ("source", (
+        f"{tmp_path}/t-00002-of-00003.gguf is missing: the first shard of this split model "
+        "is on this machine but shard 2 of 3 is not"))
+    # None of it here: a node's path, noted and not judged.
+    elsewhere = definition("file:///nodes/t-00001-of-00003.gguf", context=512)
+    assert check_models({"m": (Path("m.yaml"), elsewhere)})["m"].note == \
+        "not checked: /nodes/t-00001-of-00003.gguf is not on this machine"

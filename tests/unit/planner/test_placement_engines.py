@@ -5,7 +5,7 @@ Uses the canonical AllocMetric and evaluation factories of test_placement."""
 
 from __future__ import annotations
 
-from planner.placement import EngineNeed, evaluation_shortfall
+from planner.placement import EngineNeed, GpuNeed, evaluation_shortfall
 from planner.unplaceable import engine_need
 from tests.unit.planner.test_placement import evaluation, exhausted, filtered
 
@@ -54,3 +54,21 @@ def test_the_engine_need_is_read_from_the_jobs_constraint() -> None:
     assert engine_need(job) == NEED
     assert engine_need({"TaskGroups": [{"Constraints": None}]}) is None
     assert engine_need(None) is None
+
+
+def test_an_engine_only_where_the_gpus_are_not_says_no_node_has_both() -> None:
+    # Two nodes: the GPU node lacks the engine, the node with the engine lacks GPUs.
+    metric = filtered(2, {CONSTRAINT: 1, "missing devices": 1})
+    counted = EngineNeed("llama.cpp", "11434", installed=1, nodes=2)
+    shortfall = evaluation_shortfall(evaluation(metric), 1, GpuNeed(1, 24 * 2**30),
+                                     engine=counted)
+    assert shortfall is not None
+    assert shortfall.reason.startswith(
+        "no node has both engine llama.cpp 11434 and 1 nvidia/gpu with ≥ 24 GiB; "
+        "engine llama.cpp 11434 is installed on 1 of 2 nodes; needs 1 nvidia/gpu"), \
+        shortfall.reason
+    # On no node at all: the engine alone is the reason, told as before.
+    nowhere = EngineNeed("llama.cpp", "11434", installed=0, nodes=2)
+    assert "no node has both" not in evaluation_shortfall(
+        evaluation(filtered(2, {CONSTRAINT: 1, "missing devices": 1})), 1,
+        GpuNeed(1, None), engine=nowhere).reason

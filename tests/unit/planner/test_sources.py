@@ -5,11 +5,13 @@ length, is refused with what to write instead."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from planner.definitions import ModelDefinition
+from planner.definitions import ModelDefinition, parse_file
 from planner.sources import Shard, split_of
 
 SUMS = [f"{i:x}" * 64 for i in range(1, 4)]
@@ -71,3 +73,19 @@ def test_a_sha256_list_is_kept_in_the_record_and_the_hash() -> None:
     assert split.record().sha256 == SUMS
     other = definition("https://h/t-00001-of-00003.gguf", [*SUMS[:2], SUMS[0]])
     assert split.definition_hash != other.definition_hash
+
+
+@pytest.mark.parametrize(("source", "sha256", "field", "got"), [
+    ("https://h/t-00002-of-00003.gguf", None, "source", "'https://h/t-00002-of-00003.gguf'"),
+    ("https://h/t-00001-of-00003.gguf", SUMS[:2], "sha256", repr(SUMS[:2])),
+    ("https://h/t.gguf", SUMS, "sha256", repr(SUMS)),
+    ("file:///m/t.gguf", SUMS[0], "sha256", repr(SUMS[0])),
+])
+def test_a_split_or_sha256_error_names_its_field_and_only_its_value(
+        tmp_path: Path, source: str, sha256: object, field: str, got: str) -> None:
+    file = tmp_path / "m.yaml"
+    file.write_text(yaml.safe_dump({"name": "m", "source": source, "sha256": sha256,
+                                    "profile": {"memory": "1GiB"}}))
+    _, [problem] = parse_file(file)
+    assert problem.field == field
+    assert problem.message.endswith(f"(got {got})") and "profile" not in problem.message

@@ -25,7 +25,7 @@ def problems(tmp_path: Path) -> list[str]:
 
 
 def test_an_artifact_engine_and_a_path_engine_load(tmp_path: Path) -> None:
-    write(tmp_path, "a.yaml", f"name: llama.cpp\nversion: 11434\n"
+    write(tmp_path, "a.yaml", f"name: llama.cpp\nversion: \"11434\"\n"
                               f"artifact: https://h/b/llama-server\nsha256: {SHA.upper()}\n")
     write(tmp_path, "b.yml", "name: old-llama.cpp\nversion: b4500\npath: /opt/b/llama-server\n")
     engines = {name: d for name, (_, d) in load_engines([tmp_path]).items()}
@@ -49,6 +49,8 @@ def test_every_problem_names_file_field_and_expectation(tmp_path: Path) -> None:
     write(tmp_path, "extra.yaml", "name: e\nversion: '1'\npath: /x\nurl: y\n")
     write(tmp_path, "rel.yaml", "name: f\nversion: 'a b'\npath: bin/x\n")
     write(tmp_path, "num.yaml", f"name: g\nversion: 1.10\npath: /x\nsha256: {'1' * 64}\n")
+    write(tmp_path, "oct.yaml", "name: h\nversion: 0011434\npath: /x\n")
+    write(tmp_path, "yes.yaml", "name: i\nversion: yes\npath: /x\n")
     found = problems(tmp_path)
     expected = [
         "both.yaml: (top level): give exactly one of artifact",
@@ -59,9 +61,13 @@ def test_every_problem_names_file_field_and_expectation(tmp_path: Path) -> None:
         "nosha.yaml: (top level): an artifact needs its sha256: nodes run what they "
         "download",
         "num.yaml: sha256: YAML read this sha256 as a number: quote it",
-        "num.yaml: version: YAML read this version as the number 1.1: quote it",
+        "num.yaml: version: YAML read this version as the number 1.1, not as written: "
+        "quote it",
+        "oct.yaml: version: YAML read this version as the number 4892, not as written: "
+        "quote it, e.g. version: \"11434\"",
         "rel.yaml: path: expected an absolute path on the nodes, got 'bin/x'",
         "rel.yaml: version: expected a version such as 11434",
+        "yes.yaml: version: YAML read this version as the bool True, not as written",
     ]
     assert len(found) == len(expected), found
     for line, start in zip(found, expected, strict=True):

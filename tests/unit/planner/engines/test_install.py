@@ -3,17 +3,22 @@ failed, what the template gets; and the per-node rows' verdict."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from planner.engines.definitions import EngineDefinition
+from planner.engines.definitions import EngineDefinition, EngineRef
 from planner.engines.install import (
+    META_COMMAND,
+    META_RECORD,
     META_ROUND,
     META_SPEC_HASH,
     META_VERSION,
     EngineAction,
     NodeInstall,
+    changed_builds,
     decide,
     failed_nodes,
+    refs_of,
     variables,
 )
 from planner.settings import Settings
@@ -75,3 +80,33 @@ def test_a_node_is_ok_only_with_the_defined_version() -> None:
     assert NodeInstall("a", "e", "2", None, "failed", "boom").as_dict() == {
         "node": "a", "engine": "e", "wanted": "2", "installed": None, "install": "failed",
         "error": "boom", "ok": False}
+
+
+def test_a_changed_build_under_a_registered_version_is_refused_naming_version() -> None:
+    old = EngineDefinition(name="llama.cpp", version="11434", path="/opt/a/llama-server")
+    file = Path("engines/llama.cpp.yaml")
+    moved = {"llama.cpp": (file, old.model_copy(update={"path": "/opt/b/llama-server"}))}
+    (problem,) = changed_builds(moved, {"llama.cpp": old})
+    assert (problem.file, problem.field) == (file, "version")
+    assert problem.message.startswith("a changed build needs a new version: path "
+                                      "'/opt/a/llama-server' -> '/opt/b/llama-server'")
+    resummed = {"llama.cpp": (file, old.model_copy(update={"sha256": SHA}))}
+    assert "sha256 None -> " in changed_builds(resummed, {"llama.cpp": old})[0].message
+    bumped = {"llama.cpp": (file, old.model_copy(update={"path": "/opt/b/x",
+                                                         "version": "11500"}))}
+    assert changed_builds(bumped, {"llama.cpp": old}) == []
+    assert changed_builds({"llama.cpp": (file, old)}, {"llama.cpp": old}) == []
+    assert changed_builds(moved, {}) == []
+
+
+def test_a_models_command_is_the_one_its_engines_install_recorded() -> None:
+    art = EngineDefinition(name="llama.cpp", version="11434",
+                           artifact="https://h/x/llama-server", sha256=SHA)
+    meta = {META_RECORD: art.model_dump_json()}
+    recorded = {"llama.cpp": {"Meta": {**meta, META_COMMAND: "/srv/e/llama.cpp/11434/"
+                                                             "llama-server"}}}
+    assert refs_of(recorded, "/elsewhere")["llama.cpp"] == EngineRef(
+        "llama.cpp", "llama.cpp", "/srv/e/llama.cpp/11434/llama-server", "11434")
+    # A job registered before the command was recorded: the local root places it.
+    assert refs_of({"llama.cpp": {"Meta": meta}}, "/opt/e")["llama.cpp"].command == \
+        "/opt/e/llama.cpp/11434/llama-server"

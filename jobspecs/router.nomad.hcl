@@ -95,6 +95,40 @@ variable "consul_addr" {
   description = "Consul HTTP API, host:port or http(s)://host:port (CONSUL_HTTP_ADDR), as seen from the node."
 }
 
+# TLS to Consul and to the planners: the variables the router reads
+# (router/settings.py), under the `consul` CLI's names. Paths of PEM files on the
+# node; empty: not set.
+
+variable "consul_ssl" {
+  type        = bool
+  default     = false
+  description = "CONSUL_HTTP_SSL: https to Consul even when consul_addr has no scheme."
+}
+
+variable "consul_cacert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CACERT: CA file (PEM, a path on the node) that verifies an https Consul's certificate; empty: the system's CAs."
+}
+
+variable "consul_client_cert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_CERT: client certificate (PEM, a path on the node) for a Consul with verify_incoming_https; with consul_client_key."
+}
+
+variable "consul_client_key" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_KEY: the client certificate's private key (PEM, a path on the node)."
+}
+
+variable "planner_cacert" {
+  type        = string
+  default     = ""
+  description = "LLMGW_PLANNER_CACERT: CA file (PEM, a path on the node) that verifies planners serving HTTPS; set, the llmgw-planner instances Consul lists are called over https."
+}
+
 variable "planner_url" {
   type        = string
   default     = ""
@@ -161,6 +195,12 @@ variable "memory_mb" {
   description = "MiB for the router task."
 }
 
+variable "install_cpu" {
+  type        = number
+  default     = 200
+  description = "MHz for the install task (pip), which runs before the router task and frees its share when done."
+}
+
 variable "install_memory_mb" {
   type        = number
   default     = 512
@@ -196,7 +236,18 @@ locals {
   "$venv/bin/python" -m pip install --disable-pip-version-check --no-compile --quiet "$@" local/dist/*.whl
   EOT
 
-  planner_env = var.planner_url != "" ? { LLMGW_PLANNER_URL = var.planner_url } : {}
+  # Consul's address and TLS files and the planners', as the router reads them; an
+  # empty one is left out (the router's default). No planner_url: "none", the router's
+  # word for no fixed planner (only the leader and the instances Consul lists).
+  agent_env = { for name, value in {
+    CONSUL_HTTP_ADDR     = var.consul_addr
+    CONSUL_HTTP_SSL      = var.consul_ssl ? "true" : ""
+    CONSUL_CACERT        = var.consul_cacert
+    CONSUL_CLIENT_CERT   = var.consul_client_cert
+    CONSUL_CLIENT_KEY    = var.consul_client_key
+    LLMGW_PLANNER_CACERT = var.planner_cacert
+    LLMGW_PLANNER_URL    = var.planner_url != "" ? var.planner_url : "none"
+  } : name => value if value != "" }
 }
 
 job "router" {
@@ -267,7 +318,7 @@ job "router" {
       }
 
       resources {
-        cpu    = 500
+        cpu    = var.install_cpu
         memory = var.install_memory_mb
       }
     }
@@ -292,7 +343,7 @@ job "router" {
         ], var.args)
       }
 
-      env = merge({ CONSUL_HTTP_ADDR = var.consul_addr }, local.planner_env)
+      env = local.agent_env
 
       # In the task, so Nomad deregisters it when the task stops (before the
       # shutdown delay) and registers it again at each start. The name is

@@ -477,12 +477,22 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
         err.print(f"{model}: {done} (now {row.state}: {row.reason})")
 
 
+def advertised_url(advertise: str, serves_tls: bool) -> str:
+    """`--advertise` as a URL: one with a scheme as given; `host:port` gets https when
+    the admin API serves TLS, else http (so a jobspec need not know whether TLS is on)."""
+    if "://" in advertise:
+        return advertise
+    return f"{'https' if serves_tls else 'http'}://{advertise}"
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="admin API listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="admin API port")] = 4650,
     advertise: Annotated[str, typer.Option(help="the admin API's URL as other planners "
-                                                "reach it (default http://HOST:PORT)")] = "",
+                                                "reach it; HOST:PORT without a scheme takes "
+                                                "https when serving TLS, else http "
+                                                "(default HOST:PORT of --host, --port)")] = "",
     park_after: Annotated[int, typer.Option(help="consecutive start failures that park a "
                                                  "model")] = PARK_AFTER,
     stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
@@ -510,8 +520,8 @@ def serve(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
-    scheme = "https" if settings.serves_tls else "http"
-    node = PlannerNode(nomad, consul, advertise or f"{scheme}://{host}:{port}", rules,
+    node = PlannerNode(nomad, consul, advertised_url(advertise or f"{host}:{port}",
+                                                     settings.serves_tls), rules,
                        settings.datacenters, certificate_paths=settings.certificate_files)
     forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
     admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,

@@ -24,39 +24,53 @@ locals {
 
   # Each job's variables (`nomad_job` takes strings: numbers and lists as HCL text).
   planner_vars = {
-    datacenters      = jsonencode(var.datacenters)
-    node_pool        = var.node_pool
-    driver           = var.driver
-    instances        = tostring(var.planner_instances)
-    cpu              = tostring(var.planner_cpu)
-    memory_mb        = tostring(var.planner_memory_mb)
-    wheel_url        = var.wheel_url
-    wheel_sha256     = var.wheel_sha256
-    pip_index_url    = var.pip_index_url
-    wheelhouse_url   = var.wheelhouse_url
-    python           = var.python
-    nomad_addr       = var.nomad_addr
-    consul_addr      = var.consul_addr
-    config_prefix    = var.config_prefix
-    settings_version = local.settings_version
+    datacenters        = jsonencode(var.datacenters)
+    node_pool          = var.node_pool
+    driver             = var.driver
+    instances          = tostring(var.planner_instances)
+    cpu                = tostring(var.planner_cpu)
+    memory_mb          = tostring(var.planner_memory_mb)
+    install_cpu        = tostring(var.install_cpu)
+    wheel_url          = var.wheel_url
+    wheel_sha256       = var.wheel_sha256
+    pip_index_url      = var.pip_index_url
+    wheelhouse_url     = var.wheelhouse_url
+    python             = var.python
+    nomad_addr         = var.nomad_addr
+    consul_addr        = var.consul_addr
+    config_prefix      = var.config_prefix
+    settings_version   = local.settings_version
+    nomad_cacert       = var.nomad_cacert
+    nomad_client_cert  = var.nomad_client_cert
+    nomad_client_key   = var.nomad_client_key
+    consul_ssl         = tostring(var.consul_ssl)
+    consul_cacert      = var.consul_cacert
+    consul_client_cert = var.consul_client_cert
+    consul_client_key  = var.consul_client_key
   }
 
   router_vars = {
-    datacenters      = jsonencode(var.datacenters)
-    node_pool        = var.node_pool
-    driver           = var.driver
-    instances        = tostring(var.router_instances)
-    port             = tostring(var.router_port)
-    cpu              = tostring(var.router_cpu)
-    memory_mb        = tostring(var.router_memory_mb)
-    wheel_url        = var.wheel_url
-    wheel_sha256     = var.wheel_sha256
-    pip_index_url    = var.pip_index_url
-    wheelhouse_url   = var.wheelhouse_url
-    python           = var.python
-    consul_addr      = var.consul_addr
-    config_prefix    = var.config_prefix
-    settings_version = local.settings_version
+    datacenters        = jsonencode(var.datacenters)
+    node_pool          = var.node_pool
+    driver             = var.driver
+    instances          = tostring(var.router_instances)
+    port               = tostring(var.router_port)
+    cpu                = tostring(var.router_cpu)
+    memory_mb          = tostring(var.router_memory_mb)
+    install_cpu        = tostring(var.install_cpu)
+    wheel_url          = var.wheel_url
+    wheel_sha256       = var.wheel_sha256
+    pip_index_url      = var.pip_index_url
+    wheelhouse_url     = var.wheelhouse_url
+    python             = var.python
+    consul_addr        = var.consul_addr
+    config_prefix      = var.config_prefix
+    settings_version   = local.settings_version
+    planner_cacert     = var.planner_cacert
+    consul_ssl         = tostring(var.consul_ssl)
+    consul_cacert      = var.consul_cacert
+    consul_client_cert = var.consul_client_cert
+    consul_client_key  = var.consul_client_key
   }
 }
 

@@ -12,6 +12,58 @@ variable "consul_addr" {
   description = "Consul HTTP API as the planner and router reach it from their node (CONSUL_HTTP_ADDR): host:port or http(s)://host:port."
 }
 
+# TLS to the agents and the planners, for agents that serve https: paths of PEM files
+# on the nodes (the jobs' tasks read them there), as the `nomad` and `consul` CLIs name
+# them. Empty: not set.
+
+variable "nomad_cacert" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CACERT of the planner: CA file (PEM, a path on the nodes) that verifies an https nomad_addr; empty: the system's CAs."
+}
+
+variable "nomad_client_cert" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CLIENT_CERT of the planner: client certificate (PEM, a path on the nodes) for Nomad agents with verify_https_client; with nomad_client_key."
+}
+
+variable "nomad_client_key" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CLIENT_KEY of the planner: the client certificate's key (PEM, a path on the nodes)."
+}
+
+variable "consul_ssl" {
+  type        = bool
+  default     = false
+  description = "CONSUL_HTTP_SSL of both jobs: https to Consul even when consul_addr has no scheme."
+}
+
+variable "consul_cacert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CACERT of both jobs: CA file (PEM, a path on the nodes) that verifies an https Consul; empty: the system's CAs."
+}
+
+variable "consul_client_cert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_CERT of both jobs: client certificate (PEM, a path on the nodes) for a Consul with verify_incoming_https; with consul_client_key."
+}
+
+variable "consul_client_key" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_KEY of both jobs: the client certificate's key (PEM, a path on the nodes)."
+}
+
+variable "planner_cacert" {
+  type        = string
+  default     = ""
+  description = "LLMGW_PLANNER_CACERT of the router: CA file (PEM, a path on the nodes) for planners serving HTTPS (LLMGW_TLS_CERT in planner_settings); set, the router calls them over https."
+}
+
 # Where and how the jobs run.
 
 variable "datacenters" {
@@ -62,7 +114,7 @@ variable "router_port" {
 
 variable "planner_cpu" {
   type        = number
-  default     = 500
+  default     = 200
   description = "MHz for each planner instance."
 }
 
@@ -70,6 +122,12 @@ variable "planner_memory_mb" {
   type        = number
   default     = 512
   description = "MiB for each planner instance."
+}
+
+variable "install_cpu" {
+  type        = number
+  default     = 200
+  description = "MHz for each allocation's install task (pip, before the planner or router starts; its share is freed when it ends)."
 }
 
 variable "router_cpu" {

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner.cli import app
+from planner.cli import advertised_url, app
 
 # Nothing listens here: validation must fail before any agent is asked.
 UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9"}
@@ -72,3 +72,11 @@ def test_detailed_exitcode_needs_dry_run(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["apply", str(tmp_path), "--detailed-exitcode"],
                                 env=UNREACHABLE)
     assert result.exit_code == 1 and "goes with --dry-run" in result.stderr
+
+
+def test_advertise_without_a_scheme_follows_the_admin_apis_tls() -> None:
+    """The planner job passes --advertise HOST:PORT: https when LLMGW_TLS_CERT (maybe
+    from KV) makes the admin API serve TLS, else http (QA on issue 11)."""
+    assert advertised_url("10.0.0.1:4650", serves_tls=True) == "https://10.0.0.1:4650"
+    assert advertised_url("10.0.0.1:4650", serves_tls=False) == "http://10.0.0.1:4650"
+    assert advertised_url("http://lb:4650", serves_tls=True) == "http://lb:4650"

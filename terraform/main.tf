@@ -92,6 +92,21 @@ resource "nomad_acl_token" "planner" {
   policies = [nomad_acl_policy.planner[0].name]
 }
 
+# Each engine's install job (llmgw-engine-<name>, `planner engines apply`) records the
+# engine in its node's metadata with its workload identity, which needs node write: the
+# policy is attached to that job (one policy per job; names allow letters, digits, "-").
+resource "nomad_acl_policy" "engine_install" {
+  for_each    = var.acl_enabled ? toset(var.engines) : toset([])
+  name        = "llmgw-engine-install-${replace(each.key, "/[^A-Za-z0-9-]/", "-")}"
+  description = "llmgw engine install job llmgw-engine-${each.key}: its node's metadata"
+  rules_hcl   = file("${local.policy_dir}/nomad/engine-install.hcl")
+
+  job_acl {
+    namespace = "default"
+    job_id    = "llmgw-engine-${each.key}"
+  }
+}
+
 resource "consul_acl_policy" "planner" {
   count       = var.acl_enabled ? 1 : 0
   name        = local.planner_job

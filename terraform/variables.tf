@@ -209,6 +209,12 @@ variable "settings_revision" {
   description = "Change it to roll both jobs (a deployment) with the current settings and tokens, e.g. after replacing a token."
 }
 
+variable "engines" {
+  type        = list(string)
+  default     = ["llama.cpp"]
+  description = "Names of the engines `planner engines apply` installs (engines/*.yaml): each install job llmgw-engine-<name> gets acl/nomad/engine-install.hcl attached (node write, for the node metadata it records)."
+}
+
 variable "acl_enabled" {
   type        = bool
   default     = true
@@ -218,7 +224,7 @@ variable "acl_enabled" {
 variable "policy_dir" {
   type        = string
   default     = null
-  description = "Folder holding nomad/planner.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
+  description = "Folder holding nomad/planner.hcl, nomad/engine-install.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
 }
 
 variable "jobspec_dir" {

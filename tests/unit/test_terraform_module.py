@@ -105,12 +105,12 @@ def test_the_module_passes_each_job_only_its_variables_and_every_required_one() 
 
 
 # The router never calls Nomad, so it has no Nomad policy (acl/README.md).
-POLICIES = ("nomad/planner", "consul/planner", "consul/router")
+POLICIES = ("nomad/planner", "nomad/engine-install", "consul/planner", "consul/router")
 
 
 def test_the_module_reads_the_acl_policy_files() -> None:
     main = (MODULE / "main.tf").read_text()
-    referenced = set(re.findall(r'file\("\$\{local.policy_dir\}/(\w+/\w+)\.hcl"\)', main))
+    referenced = set(re.findall(r'file\("\$\{local.policy_dir\}/(\w+/[\w-]+)\.hcl"\)', main))
     assert referenced == set(POLICIES)
     assert '"${path.module}/../acl"' in main
     for policy in POLICIES:

@@ -80,3 +80,22 @@ def test_advertise_without_a_scheme_follows_the_admin_apis_tls() -> None:
     assert advertised_url("10.0.0.1:4650", serves_tls=True) == "https://10.0.0.1:4650"
     assert advertised_url("10.0.0.1:4650", serves_tls=False) == "http://10.0.0.1:4650"
     assert advertised_url("http://lb:4650", serves_tls=True) == "http://lb:4650"
+
+
+def test_under_detailed_exitcode_the_json_error_says_the_exit_code_the_process_exits_with(
+        tmp_path: Path) -> None:
+    """QA on issue 11: the body said 2 (or 3) while the process exited 1."""
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: abc\n")
+    flags = ("--dry-run", "--detailed-exitcode", "--output", "json")
+    code, answer = run("apply", str(tmp_path), *flags)
+    assert (code, answer["error"]["exit_code"]) == (1, 1)
+    assert answer["error"]["kind"] == "InvalidDefinitions"
+    # An agent that does not answer: 3 without the flag, 1 with it, in both places.
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: 512\n  cpu: 100\n  memory: 256MiB\n")
+    code, answer = run("apply", str(tmp_path), *flags)
+    assert (code, answer["error"]["exit_code"]) == (1, 1)
+    assert answer["error"]["kind"].endswith("Unavailable")
+    code, answer = run("apply", str(tmp_path), "--output", "json")
+    assert (code, answer["error"]["exit_code"]) == (3, 3)

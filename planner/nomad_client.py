@@ -40,7 +40,7 @@ from planner.access import (
     PROBE_JOB,
     denied_error,
 )
-from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied
+from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied, no_answer
 from planner.settings import NOMAD_TLS_VARS, ClientTLS
 
 Job = dict[str, Any]
@@ -63,8 +63,10 @@ def _response_text(exc: nomad_exc.BaseNomadException) -> str:
 
 
 @contextmanager
-def _translated(action: str, tls_failure: Callable[[BaseException], str | None]) \
-        -> Iterator[None]:
+def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
+                address: str = "") -> Iterator[None]:
+    """Nomad's and requests' errors as the planner's; `action` ("" for none) prefixes
+    the message, `address` names the agent a connection failed to (NOMAD_ADDR)."""
     try:
         yield
     except nomad_exc.URLNotFoundNomadException as exc:
@@ -75,8 +77,13 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None])
     except (nomad_exc.BaseNomadException, requests.RequestException) as exc:
         if failure := tls_failure(exc):
             raise NomadUnavailable(f"{action}: {failure}") from exc
-        detail = _response_text(exc) if isinstance(exc, nomad_exc.BaseNomadException) else exc
-        raise NomadUnavailable(f"{action}: Nomad did not answer ({detail})") from exc
+        prefix = f"{action}: " if action else ""
+        # python-nomad wraps a failed connection in its own exception, as `nomad_resp`.
+        failed = exc.nomad_resp if isinstance(exc, nomad_exc.BaseNomadException) else exc
+        if isinstance(failed, requests.RequestException):
+            raise NomadUnavailable(
+                prefix + no_answer("Nomad", "NOMAD_ADDR", address, failed)) from exc
+        raise NomadUnavailable(f"{prefix}Nomad failed ({_response_text(exc)})") from exc
 
 
 class NomadClient:
@@ -102,7 +109,8 @@ class NomadClient:
         """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
         the ACL capability Nomad checks for this call."""
         try:
-            with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc),
+                             self.address):
                 return fn()
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
@@ -148,8 +156,9 @@ class NomadClient:
             if (ask := probes.get(permission)) is None:
                 continue
             try:
-                with _translated(f"check {permission.rule}",
-                                 lambda exc: self.tls.failure(self.address, exc)):
+                # No action in a message: an agent that does not answer is no ACL matter.
+                with _translated("", lambda exc: self.tls.failure(self.address, exc),
+                                 self.address):
                     ask()
             except NomadRejected as exc:
                 if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):

@@ -19,6 +19,7 @@ API shapes: https://developer.hashicorp.com/nomad/api-docs/jobs (Nomad 1.6).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -86,6 +87,16 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
         raise NomadUnavailable(f"{prefix}Nomad failed ({_response_text(exc)})") from exc
 
 
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.I)
+_JWT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
+
+
+def _token_shaped(token: str) -> bool:
+    """Whether `token` can be a Nomad token at all: an ACL token's secret ID (a UUID)
+    or a workload identity (a JWT), nomad/structs ACLToken and IdentityClaims."""
+    return bool(_UUID.match(token) or _JWT.match(token))
+
+
 class NomadClient:
     """Thin, typed wrapper over python-nomad for the calls the planner makes."""
 
@@ -125,12 +136,17 @@ class NomadClient:
         whether or not it knows the token; /v1/acl/token/self tells them apart."""
         if not self.token:
             return TokenStatus.EMPTY, ""
+        if not _token_shaped(self.token):
+            return TokenStatus.UNKNOWN, ("not a valid token: Nomad's ACL secret IDs are "
+                                         "UUIDs (workload identities JWTs)")
         try:
             self._api.acl.get_self_token()
-        except (nomad_exc.URLNotFoundNomadException,
-                nomad_exc.URLNotAuthorizedNomadException) as exc:
-            return TokenStatus.UNKNOWN, _response_text(exc)
-        except (nomad_exc.BaseNomadException, requests.RequestException):
+        except nomad_exc.BaseNomadException as exc:
+            # A 4xx to "who am I" is Nomad refusing the token itself (a 5xx says nothing).
+            resp = exc.nomad_resp
+            if isinstance(resp, requests.Response) and 400 <= resp.status_code < 500:
+                return TokenStatus.UNKNOWN, _response_text(exc)
+        except requests.RequestException:
             pass
         return TokenStatus.VALID, ""
 

@@ -213,6 +213,14 @@ def test_a_missing_permission_is_named_with_exit_3(
     assert run.returncode == 3 and "Traceback" not in run.stderr
     assert "Nomad does not know the token in NOMAD_TOKEN" in run.stderr
 
+    # A malformed one (not a UUID, as Nomad's secret IDs are): not a valid token either,
+    # not one that "lacks" permissions (QA on issue 11).
+    run = planner_cli(env_with(acl_cluster, binaries, "not-a-token", tokens.planner_consul),
+                      "apply", str(folder))
+    assert run.returncode == 3 and "Traceback" not in run.stderr
+    assert "Nomad does not know the token in NOMAD_TOKEN" in run.stderr, run.stderr
+    assert "lacks" not in run.stderr
+
     # A real token with too little: the router's may only read. Nothing is changed.
     weak = env_with(acl_cluster, binaries, tokens.planner_nomad, tokens.router_consul)
     run = planner_cli(weak, "apply", str(folder), "--output", "json")

@@ -211,7 +211,8 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
         print(json.dumps({"dry_run": dry_run,
                           "changes": [_outcome_json(o, shown) for o in outcomes]}, indent=2))
     elif output == ReportOutput.markdown:
-        print(outcomes_markdown(outcomes, dry_run), end="")
+        print(outcomes_markdown(outcomes, dry_run,
+                                {model: fit.text() for model, fit in shown.items()}), end="")
     else:
         _print_outcomes(outcomes, dry_run, shown)
     if not changed:

@@ -129,6 +129,12 @@ variable "planner_cacert" {
   description = "LLMGW_PLANNER_CACERT: CA file (PEM, a path on the node) that verifies planners serving HTTPS; set, the llmgw-planner instances Consul lists are called over https."
 }
 
+variable "serves_https" {
+  type        = bool
+  default     = false
+  description = "The router serves HTTPS (LLMGW_TLS_CERT and LLMGW_TLS_KEY in its settings): its Consul check asks /health over https."
+}
+
 variable "planner_url" {
   type        = string
   default     = ""
@@ -355,11 +361,15 @@ job "router" {
         provider = "consul"
         tags     = ["llmgw", "router"]
 
+        # Over https when the router serves it, without verifying the certificate: the
+        # check asks only whether it answers; clients verify it.
         check {
-          type     = "http"
-          path     = "/health"
-          interval = "2s"
-          timeout  = "2s"
+          type            = "http"
+          protocol        = var.serves_https ? "https" : "http"
+          tls_skip_verify = var.serves_https
+          path            = "/health"
+          interval        = "2s"
+          timeout         = "2s"
         }
       }
 

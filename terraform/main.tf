@@ -67,6 +67,7 @@ locals {
     config_prefix      = var.config_prefix
     settings_version   = local.settings_version
     planner_cacert     = var.planner_cacert
+    serves_https       = tostring(contains(keys(var.router_settings), "LLMGW_TLS_CERT"))
     consul_ssl         = tostring(var.consul_ssl)
     consul_cacert      = var.consul_cacert
     consul_client_cert = var.consul_client_cert

@@ -216,4 +216,13 @@ def test_the_module_passes_every_tls_setting_to_the_jobs_that_read_it() -> None:
                       if "planner_vars" in block]
     planner, router = (_keys(local_values[f"{job}_vars"]) for job in ("planner", "router"))
     assert {*NOMAD_TLS, *CONSUL_TLS, "install_cpu"} <= planner
-    assert {*CONSUL_TLS, "planner_cacert", "install_cpu"} <= router
+    assert {*CONSUL_TLS, "planner_cacert", "serves_https", "install_cpu"} <= router
+
+
+@needs_nomad
+def test_the_router_check_asks_over_https_when_the_router_serves_it() -> None:
+    [check] = rendered("router", serves_https="true")["router"]["Services"][0]["Checks"]
+    assert (check["Protocol"], check["TLSSkipVerify"], check["Path"]) == ("https", True,
+                                                                          "/health")
+    [check] = rendered("router")["router"]["Services"][0]["Checks"]
+    assert check["Protocol"] == "http"

@@ -18,6 +18,14 @@
 #   nomad var put nomad/jobs/llmgw-planner NOMAD_TOKEN=... CONSUL_HTTP_TOKEN=... \
 #     LLMGW_ADMIN_TOKEN=...
 #
+# PEM files can travel the same way, for nodes that do not hold them: an item
+# <VARIABLE>_PEM (one of NOMAD_CACERT_PEM, NOMAD_CLIENT_CERT_PEM, NOMAD_CLIENT_KEY_PEM,
+# ...; see `tls_files` below) holds the PEM text; the job writes it to
+# secrets/<variable>.pem and sets <VARIABLE> to that file. Give each file one way
+# only: a _PEM item or the path variable (or, for LLMGW_*, the KV setting).
+#
+#   nomad var put nomad/jobs/llmgw-planner CONSUL_CACERT_PEM=@consul-ca.pem ...
+#
 # The variable must exist (with at least one item) before the job starts: the
 # template waits for it. Other settings (LLMGW_ENGINES, LLMGW_TASK_DRIVER,
 # LLMGW_DATACENTERS...) are Consul KV keys under `<config_prefix>/<job_name>/`,
@@ -222,6 +230,10 @@ locals {
     CONSUL_CLIENT_KEY  = var.consul_client_key
   } : name => value if value != "" }
 
+  # The PEM files an item <VARIABLE>_PEM of the Nomad variable may carry (written to
+  # secrets/, the variable pointed at it); what the planner reads (planner/settings.py).
+  tls_files = ["NOMAD_CACERT", "NOMAD_CLIENT_CERT", "NOMAD_CLIENT_KEY", "CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"]
+
   install_script = <<-EOT
   set -eu
   python="$1"; shift
@@ -325,6 +337,30 @@ job "planner" {
       }
 
       env = local.agent_env
+
+      # A PEM file from an item <VARIABLE>_PEM, and <VARIABLE> pointing at it (only for
+      # the items there are: the files of the others stay empty and unnamed).
+      dynamic "template" {
+        for_each = local.tls_files
+        content {
+          destination = "secrets/${lower(template.value)}.pem"
+          perms       = "0600"
+          change_mode = "noop"
+          data        = <<-EOT
+          {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if eq .K "${template.value}_PEM" }}{{ .V }}{{ end }}{{ end }}{{ end }}
+          EOT
+        }
+      }
+
+      template {
+        destination = "secrets/tls.env"
+        env         = true
+        change_mode = "noop"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if .K | regexMatch "^(NOMAD_CACERT|NOMAD_CLIENT_CERT|NOMAD_CLIENT_KEY|CONSUL_CACERT|CONSUL_CLIENT_CERT|CONSUL_CLIENT_KEY|LLMGW_TLS_CERT|LLMGW_TLS_KEY|LLMGW_PLANNER_CACERT)_PEM$" }}
+        {{ .K | trimSuffix "_PEM" }}={{ env "NOMAD_SECRETS_DIR" }}/{{ .K | trimSuffix "_PEM" | toLower }}.pem{{ end }}{{ end }}{{ end }}
+        EOT
+      }
 
       template {
         destination = "secrets/tokens.env"

@@ -16,6 +16,9 @@
 # (tests/integration/test_deploy_jobs.py). A canary that never passes reverts
 # the job.
 #
+# PEM files may also come from the Nomad variable as items <VARIABLE>_PEM (see
+# planner.nomad.hcl and `tls_files` below).
+#
 # Install, tokens and settings work as in planner.nomad.hcl: the wheel is an
 # artifact pip-installed into a venv in the allocation; tokens are the items of
 # the Nomad variable nomad/jobs/<job_name> (CONSUL_HTTP_TOKEN, and
@@ -234,6 +237,10 @@ locals {
 
   # Run as `sh -c SCRIPT install PYTHON PIP-ARGS...`, so no value is quoted into
   # shell code. The venv lives in the allocation directory, shared by the tasks.
+  # The PEM files an item <VARIABLE>_PEM of the Nomad variable may carry (written to
+  # secrets/, the variable pointed at it); what the router reads (router/settings.py).
+  tls_files = ["CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"]
+
   install_script = <<-EOT
   set -eu
   python="$1"; shift
@@ -371,6 +378,30 @@ job "router" {
           interval        = "2s"
           timeout         = "2s"
         }
+      }
+
+      # A PEM file from an item <VARIABLE>_PEM, and <VARIABLE> pointing at it (only for
+      # the items there are: the files of the others stay empty and unnamed).
+      dynamic "template" {
+        for_each = local.tls_files
+        content {
+          destination = "secrets/${lower(template.value)}.pem"
+          perms       = "0600"
+          change_mode = "noop"
+          data        = <<-EOT
+          {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if eq .K "${template.value}_PEM" }}{{ .V }}{{ end }}{{ end }}{{ end }}
+          EOT
+        }
+      }
+
+      template {
+        destination = "secrets/tls.env"
+        env         = true
+        change_mode = "noop"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if .K | regexMatch "^(CONSUL_CACERT|CONSUL_CLIENT_CERT|CONSUL_CLIENT_KEY|LLMGW_TLS_CERT|LLMGW_TLS_KEY|LLMGW_PLANNER_CACERT)_PEM$" }}
+        {{ .K | trimSuffix "_PEM" }}={{ env "NOMAD_SECRETS_DIR" }}/{{ .K | trimSuffix "_PEM" | toLower }}.pem{{ end }}{{ end }}{{ end }}
+        EOT
       }
 
       template {

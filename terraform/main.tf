@@ -67,7 +67,7 @@ locals {
     config_prefix      = var.config_prefix
     settings_version   = local.settings_version
     planner_cacert     = var.planner_cacert
-    serves_https       = tostring(contains(keys(var.router_settings), "LLMGW_TLS_CERT"))
+    serves_https       = tostring(contains(concat(keys(var.router_settings), nonsensitive(keys(var.router_tls_pem))), "LLMGW_TLS_CERT"))
     consul_ssl         = tostring(var.consul_ssl)
     consul_cacert      = var.consul_cacert
     consul_client_cert = var.consul_client_cert
@@ -161,6 +161,7 @@ resource "nomad_variable" "planner" {
     { LLMGW_ADMIN_TOKEN = random_password.admin_token.result },
     { for token in nomad_acl_token.planner : "NOMAD_TOKEN" => token.secret_id },
     { for token in data.consul_acl_token_secret_id.planner : "CONSUL_HTTP_TOKEN" => token.secret_id },
+    { for name, pem in var.planner_tls_pem : "${name}_PEM" => pem },
   )
 }
 
@@ -169,6 +170,7 @@ resource "nomad_variable" "router" {
   items = merge(
     { LLMGW_PLANNER_TOKEN = random_password.admin_token.result },
     { for token in data.consul_acl_token_secret_id.router : "CONSUL_HTTP_TOKEN" => token.secret_id },
+    { for name, pem in var.router_tls_pem : "${name}_PEM" => pem },
   )
 }
 

@@ -64,6 +64,30 @@ variable "planner_cacert" {
   description = "LLMGW_PLANNER_CACERT of the router: CA file (PEM, a path on the nodes) for planners serving HTTPS (LLMGW_TLS_CERT in planner_settings); set, the router calls them over https."
 }
 
+variable "planner_tls_pem" {
+  type        = map(string)
+  default     = {}
+  sensitive   = true
+  description = "PEM text instead of paths on the nodes: {VARIABLE = PEM} for NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY, CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY, LLMGW_PLANNER_CACERT; stored as <VARIABLE>_PEM items of the planner's Nomad variable, written to the task's secrets/ and pointed at."
+
+  validation {
+    condition     = alltrue([for k in keys(var.planner_tls_pem) : contains(["NOMAD_CACERT", "NOMAD_CLIENT_CERT", "NOMAD_CLIENT_KEY", "CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"], k)])
+    error_message = "planner_tls_pem keys are NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY, CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY or LLMGW_PLANNER_CACERT."
+  }
+}
+
+variable "router_tls_pem" {
+  type        = map(string)
+  default     = {}
+  sensitive   = true
+  description = "As planner_tls_pem, for the router: CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY, LLMGW_PLANNER_CACERT."
+
+  validation {
+    condition     = alltrue([for k in keys(var.router_tls_pem) : contains(["CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"], k)])
+    error_message = "router_tls_pem keys are CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY or LLMGW_PLANNER_CACERT."
+  }
+}
+
 # Where and how the jobs run.
 
 variable "datacenters" {

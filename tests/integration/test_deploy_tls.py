@@ -8,8 +8,9 @@ the client certificate as paths on the node (`nomad_cacert`, `consul_ssl`,
 `consul_cacert`...), the address of Consul without a scheme (`consul_ssl` makes it
 https). The planner's serving certificate comes from the settings in Consul KV
 (LLMGW_TLS_CERT), which the jobspec does not see: the planner, given `--advertise
-HOST:PORT`, advertises https:// itself. The router calls the planners over https
-with `planner_cacert` (LLMGW_PLANNER_CACERT) and no fixed planner URL.
+HOST:PORT`, advertises https:// itself. The router's files come as PEM text in its
+Nomad variable instead (items CONSUL_CACERT_PEM...), which the job writes to its
+secrets/ folder.
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ def nomad_run(cluster: Cluster, jobspec: str, variables: dict[str, Any]) -> None
     cli(cluster, *argv, str(REPO / "jobspecs" / jobspec))
 
 
+def put_variable(cluster: Cluster, job: str, items: dict[str, str]) -> None:
+    """The Nomad variable nomad/jobs/<job>, over the agent's HTTPS API."""
+    body = json.dumps({"Namespace": "default", "Path": f"nomad/jobs/{job}", "Items": items})
+    request = urllib.request.Request(f"{cluster.nomad_addr}/v1/var/nomad/jobs/{job}",
+                                     data=body.encode(), method="PUT")
+    with urllib.request.urlopen(request, timeout=10, context=client_context(cluster)):
+        pass
+
+
 def agent_json(cluster: Cluster, url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10, context=client_context(cluster)) as answer:
         return json.load(answer)
@@ -122,8 +132,14 @@ def test_the_jobs_reach_tls_agents_and_the_planner_advertises_https(
         cli(tls_cluster, "consul", "kv", "put", f"{CONFIG_PREFIX}/{PLANNER_JOB}/{key}", value)
     cli(tls_cluster, "nomad", "var", "put", f"nomad/jobs/{PLANNER_JOB}",
         f"LLMGW_ADMIN_TOKEN={ADMIN_TOKEN}")
-    cli(tls_cluster, "nomad", "var", "put", f"nomad/jobs/{ROUTER_JOB}",
-        f"LLMGW_PLANNER_TOKEN={ADMIN_TOKEN}")
+    # The router's TLS files travel as PEM text in its Nomad variable instead (items
+    # <VARIABLE>_PEM): the job writes them to secrets/ and points the variables at them.
+    put_variable(tls_cluster, ROUTER_JOB, {
+        "LLMGW_PLANNER_TOKEN": ADMIN_TOKEN,
+        "CONSUL_CACERT_PEM": files.ca.read_text(),
+        "CONSUL_CLIENT_CERT_PEM": files.client_cert.read_text(),
+        "CONSUL_CLIENT_KEY_PEM": files.client_key.read_text(),
+        "LLMGW_PLANNER_CACERT_PEM": ca.ca_cert.read_text()})
 
     nomad_run(tls_cluster, "planner.nomad.hcl", {
         **install_vars, **tls_vars(tls_cluster), "instances": 1,
@@ -131,8 +147,8 @@ def test_the_jobs_reach_tls_agents_and_the_planner_advertises_https(
         "nomad_client_cert": str(files.client_cert),
         "nomad_client_key": str(files.client_key)})
     nomad_run(tls_cluster, "router.nomad.hcl", {
-        **install_vars, **tls_vars(tls_cluster), "instances": 1,
-        "planner_cacert": str(ca.ca_cert)})
+        **install_vars, "consul_addr": tls_cluster.env["CONSUL_HTTP_ADDR"],
+        "consul_ssl": "true", "instances": 1})
     deployed(tls_cluster, PLANNER_JOB)
     deployed(tls_cluster, ROUTER_JOB)
 

@@ -226,3 +226,14 @@ def test_the_router_check_asks_over_https_when_the_router_serves_it() -> None:
                                                                           "/health")
     [check] = rendered("router")["router"]["Services"][0]["Checks"]
     assert check["Protocol"] == "http"
+
+
+@needs_nomad
+@pytest.mark.parametrize("job", sorted(JOBSPECS))
+def test_pem_items_of_the_nomad_variable_become_files_in_secrets(job: str) -> None:
+    """The other way to give the TLS files (tests/integration/test_deploy_tls.py runs it)."""
+    templates = {t["DestPath"]: t for t in rendered(job)[job]["Templates"]}
+    assert templates["secrets/tls.env"]["Envvars"] is True
+    assert "CONSUL_CACERT_PEM" in templates["secrets/consul_cacert.pem"]["EmbeddedTmpl"]
+    assert templates["secrets/consul_client_key.pem"]["Perms"] == "0600"
+    assert ("secrets/nomad_cacert.pem" in templates) == (job == "planner")

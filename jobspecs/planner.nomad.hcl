@@ -9,7 +9,7 @@
 # Install: a prestart task fetches the llmgw wheel (an artifact) and pip-installs
 # it into a venv in the allocation directory, with its dependencies from the
 # package index (or only from a wheelhouse, `wheelhouse_url`); the planner runs
-# from that venv. So the node needs a Python >= 3.11 (`python`), nothing else.
+# from that venv. So the node needs a Python >= 3.11 (`python`, default `python3`), nothing else.
 #
 # Tokens never appear here. They are the items of the Nomad variable
 # `nomad/jobs/<job_name>` (which the job's tasks may read without any policy),
@@ -17,6 +17,14 @@
 #
 #   nomad var put nomad/jobs/llmgw-planner NOMAD_TOKEN=... CONSUL_HTTP_TOKEN=... \
 #     LLMGW_ADMIN_TOKEN=...
+#
+# PEM files can travel the same way, for nodes that do not hold them: an item
+# <VARIABLE>_PEM (one of NOMAD_CACERT_PEM, NOMAD_CLIENT_CERT_PEM, NOMAD_CLIENT_KEY_PEM,
+# ...; see `tls_files` below) holds the PEM text; the job writes it to
+# secrets/<variable>.pem and sets <VARIABLE> to that file. Give each file one way
+# only: a _PEM item or the path variable (or, for LLMGW_*, the KV setting).
+#
+#   nomad var put nomad/jobs/llmgw-planner CONSUL_CACERT_PEM=@consul-ca.pem ...
 #
 # The variable must exist (with at least one item) before the job starts: the
 # template waits for it. Other settings (LLMGW_ENGINES, LLMGW_TASK_DRIVER,
@@ -103,6 +111,54 @@ variable "consul_addr" {
   description = "Consul HTTP API, host:port or http(s)://host:port (CONSUL_HTTP_ADDR), as seen from the node: the agent the planner registers its service and leadership check with."
 }
 
+# TLS to the agents: the variables the planner reads (planner/settings.py), under the
+# names of the `nomad` and `consul` CLIs. Paths of PEM files on the node (e.g. the
+# client agent's own certificates, for an exec task mounted into the task's view);
+# empty: not set. With `verify_https_client`/`verify_incoming_https` on the agents,
+# give the client certificate and key too.
+
+variable "nomad_cacert" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CACERT: CA file (PEM, a path on the node) that verifies an https nomad_addr's certificate; empty: the system's CAs."
+}
+
+variable "nomad_client_cert" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CLIENT_CERT: client certificate (PEM, a path on the node) for a Nomad agent that asks for one; with nomad_client_key."
+}
+
+variable "nomad_client_key" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CLIENT_KEY: the client certificate's private key (PEM, a path on the node)."
+}
+
+variable "consul_ssl" {
+  type        = bool
+  default     = false
+  description = "CONSUL_HTTP_SSL: https to Consul even when consul_addr has no scheme."
+}
+
+variable "consul_cacert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CACERT: CA file (PEM, a path on the node) that verifies an https Consul's certificate; empty: the system's CAs."
+}
+
+variable "consul_client_cert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_CERT: client certificate (PEM, a path on the node) for a Consul with verify_incoming_https; with consul_client_key."
+}
+
+variable "consul_client_key" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_KEY: the client certificate's private key (PEM, a path on the node)."
+}
+
 variable "config_prefix" {
   type        = string
   default     = "llmgw-config"
@@ -117,14 +173,20 @@ variable "settings_version" {
 
 variable "cpu" {
   type        = number
-  default     = 500
-  description = "MHz for the planner task."
+  default     = 200
+  description = "MHz for the planner task (mostly waiting on the agents' HTTP APIs)."
 }
 
 variable "memory_mb" {
   type        = number
   default     = 512
   description = "MiB for the planner task."
+}
+
+variable "install_cpu" {
+  type        = number
+  default     = 200
+  description = "MHz for the install task (pip), which runs before the planner task and frees its share when done."
 }
 
 variable "install_memory_mb" {
@@ -154,6 +216,24 @@ locals {
 
   # Run as `sh -c SCRIPT install PYTHON PIP-ARGS...`, so no value is quoted into
   # shell code. The venv lives in the allocation directory, shared by the tasks.
+  # The agents' addresses and TLS files, as the planner reads them; an empty one is
+  # left out (the planner's default).
+  agent_env = { for name, value in {
+    NOMAD_ADDR         = var.nomad_addr
+    NOMAD_CACERT       = var.nomad_cacert
+    NOMAD_CLIENT_CERT  = var.nomad_client_cert
+    NOMAD_CLIENT_KEY   = var.nomad_client_key
+    CONSUL_HTTP_ADDR   = var.consul_addr
+    CONSUL_HTTP_SSL    = var.consul_ssl ? "true" : ""
+    CONSUL_CACERT      = var.consul_cacert
+    CONSUL_CLIENT_CERT = var.consul_client_cert
+    CONSUL_CLIENT_KEY  = var.consul_client_key
+  } : name => value if value != "" }
+
+  # The PEM files an item <VARIABLE>_PEM of the Nomad variable may carry (written to
+  # secrets/, the variable pointed at it); what the planner reads (planner/settings.py).
+  tls_files = ["NOMAD_CACERT", "NOMAD_CLIENT_CERT", "NOMAD_CLIENT_KEY", "CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"]
+
   install_script = <<-EOT
   set -eu
   python="$1"; shift
@@ -231,7 +311,7 @@ job "planner" {
       }
 
       resources {
-        cpu    = 500
+        cpu    = var.install_cpu
         memory = var.install_memory_mb
       }
     }
@@ -249,14 +329,37 @@ job "planner" {
           "serve",
           "--host", "$${NOMAD_IP_admin}",
           "--port", "$${NOMAD_PORT_admin}",
-          "--advertise", "http://$${NOMAD_ADDR_admin}",
+          # No scheme: the planner adds https when it serves TLS (LLMGW_TLS_CERT,
+          # maybe from the settings in KV), else http.
+          "--advertise", "$${NOMAD_ADDR_admin}",
           "--log-level", var.log_level,
         ], var.args)
       }
 
-      env {
-        NOMAD_ADDR       = var.nomad_addr
-        CONSUL_HTTP_ADDR = var.consul_addr
+      env = local.agent_env
+
+      # A PEM file from an item <VARIABLE>_PEM, and <VARIABLE> pointing at it (only for
+      # the items there are: the files of the others stay empty and unnamed).
+      dynamic "template" {
+        for_each = local.tls_files
+        content {
+          destination = "secrets/${lower(template.value)}.pem"
+          perms       = "0600"
+          change_mode = "noop"
+          data        = <<-EOT
+          {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if eq .K "${template.value}_PEM" }}{{ .V }}{{ end }}{{ end }}{{ end }}
+          EOT
+        }
+      }
+
+      template {
+        destination = "secrets/tls.env"
+        env         = true
+        change_mode = "noop"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if .K | regexMatch "^(NOMAD_CACERT|NOMAD_CLIENT_CERT|NOMAD_CLIENT_KEY|CONSUL_CACERT|CONSUL_CLIENT_CERT|CONSUL_CLIENT_KEY|LLMGW_TLS_CERT|LLMGW_TLS_KEY|LLMGW_PLANNER_CACERT)_PEM$" }}
+        {{ .K | trimSuffix "_PEM" }}={{ env "NOMAD_SECRETS_DIR" }}/{{ .K | trimSuffix "_PEM" | toLower }}.pem{{ end }}{{ end }}{{ end }}
+        EOT
       }
 
       template {

@@ -16,6 +16,9 @@
 # (tests/integration/test_deploy_jobs.py). A canary that never passes reverts
 # the job.
 #
+# PEM files may also come from the Nomad variable as items <VARIABLE>_PEM (see
+# planner.nomad.hcl and `tls_files` below).
+#
 # Install, tokens and settings work as in planner.nomad.hcl: the wheel is an
 # artifact pip-installed into a venv in the allocation; tokens are the items of
 # the Nomad variable nomad/jobs/<job_name> (CONSUL_HTTP_TOKEN, and
@@ -95,6 +98,46 @@ variable "consul_addr" {
   description = "Consul HTTP API, host:port or http(s)://host:port (CONSUL_HTTP_ADDR), as seen from the node."
 }
 
+# TLS to Consul and to the planners: the variables the router reads
+# (router/settings.py), under the `consul` CLI's names. Paths of PEM files on the
+# node; empty: not set.
+
+variable "consul_ssl" {
+  type        = bool
+  default     = false
+  description = "CONSUL_HTTP_SSL: https to Consul even when consul_addr has no scheme."
+}
+
+variable "consul_cacert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CACERT: CA file (PEM, a path on the node) that verifies an https Consul's certificate; empty: the system's CAs."
+}
+
+variable "consul_client_cert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_CERT: client certificate (PEM, a path on the node) for a Consul with verify_incoming_https; with consul_client_key."
+}
+
+variable "consul_client_key" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_KEY: the client certificate's private key (PEM, a path on the node)."
+}
+
+variable "planner_cacert" {
+  type        = string
+  default     = ""
+  description = "LLMGW_PLANNER_CACERT: CA file (PEM, a path on the node) that verifies planners serving HTTPS; set, the llmgw-planner instances Consul lists are called over https."
+}
+
+variable "serves_https" {
+  type        = bool
+  default     = false
+  description = "The router serves HTTPS (LLMGW_TLS_CERT and LLMGW_TLS_KEY in its settings): its Consul check asks /health over https."
+}
+
 variable "planner_url" {
   type        = string
   default     = ""
@@ -161,6 +204,12 @@ variable "memory_mb" {
   description = "MiB for the router task."
 }
 
+variable "install_cpu" {
+  type        = number
+  default     = 200
+  description = "MHz for the install task (pip), which runs before the router task and frees its share when done."
+}
+
 variable "install_memory_mb" {
   type        = number
   default     = 512
@@ -188,6 +237,10 @@ locals {
 
   # Run as `sh -c SCRIPT install PYTHON PIP-ARGS...`, so no value is quoted into
   # shell code. The venv lives in the allocation directory, shared by the tasks.
+  # The PEM files an item <VARIABLE>_PEM of the Nomad variable may carry (written to
+  # secrets/, the variable pointed at it); what the router reads (router/settings.py).
+  tls_files = ["CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"]
+
   install_script = <<-EOT
   set -eu
   python="$1"; shift
@@ -196,7 +249,18 @@ locals {
   "$venv/bin/python" -m pip install --disable-pip-version-check --no-compile --quiet "$@" local/dist/*.whl
   EOT
 
-  planner_env = var.planner_url != "" ? { LLMGW_PLANNER_URL = var.planner_url } : {}
+  # Consul's address and TLS files and the planners', as the router reads them; an
+  # empty one is left out (the router's default). No planner_url: "none", the router's
+  # word for no fixed planner (only the leader and the instances Consul lists).
+  agent_env = { for name, value in {
+    CONSUL_HTTP_ADDR     = var.consul_addr
+    CONSUL_HTTP_SSL      = var.consul_ssl ? "true" : ""
+    CONSUL_CACERT        = var.consul_cacert
+    CONSUL_CLIENT_CERT   = var.consul_client_cert
+    CONSUL_CLIENT_KEY    = var.consul_client_key
+    LLMGW_PLANNER_CACERT = var.planner_cacert
+    LLMGW_PLANNER_URL    = var.planner_url != "" ? var.planner_url : "none"
+  } : name => value if value != "" }
 }
 
 job "router" {
@@ -267,7 +331,7 @@ job "router" {
       }
 
       resources {
-        cpu    = 500
+        cpu    = var.install_cpu
         memory = var.install_memory_mb
       }
     }
@@ -292,7 +356,7 @@ job "router" {
         ], var.args)
       }
 
-      env = merge({ CONSUL_HTTP_ADDR = var.consul_addr }, local.planner_env)
+      env = local.agent_env
 
       # In the task, so Nomad deregisters it when the task stops (before the
       # shutdown delay) and registers it again at each start. The name is
@@ -304,12 +368,40 @@ job "router" {
         provider = "consul"
         tags     = ["llmgw", "router"]
 
+        # Over https when the router serves it, without verifying the certificate: the
+        # check asks only whether it answers; clients verify it.
         check {
-          type     = "http"
-          path     = "/health"
-          interval = "2s"
-          timeout  = "2s"
+          type            = "http"
+          protocol        = var.serves_https ? "https" : "http"
+          tls_skip_verify = var.serves_https
+          path            = "/health"
+          interval        = "2s"
+          timeout         = "2s"
         }
+      }
+
+      # A PEM file from an item <VARIABLE>_PEM, and <VARIABLE> pointing at it (only for
+      # the items there are: the files of the others stay empty and unnamed).
+      dynamic "template" {
+        for_each = local.tls_files
+        content {
+          destination = "secrets/${lower(template.value)}.pem"
+          perms       = "0600"
+          change_mode = "noop"
+          data        = <<-EOT
+          {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if eq .K "${template.value}_PEM" }}{{ .V }}{{ end }}{{ end }}{{ end }}
+          EOT
+        }
+      }
+
+      template {
+        destination = "secrets/tls.env"
+        env         = true
+        change_mode = "noop"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/${var.job_name}" }}{{ range .Tuples }}{{ if .K | regexMatch "^(CONSUL_CACERT|CONSUL_CLIENT_CERT|CONSUL_CLIENT_KEY|LLMGW_TLS_CERT|LLMGW_TLS_KEY|LLMGW_PLANNER_CACERT)_PEM$" }}
+        {{ .K | trimSuffix "_PEM" }}={{ env "NOMAD_SECRETS_DIR" }}/{{ .K | trimSuffix "_PEM" | toLower }}.pem{{ end }}{{ end }}{{ end }}
+        EOT
       }
 
       template {

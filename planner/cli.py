@@ -98,11 +98,12 @@ StatusOutputOption = Annotated[ReportOutput, typer.Option(
 
 
 def _clients(needs: tuple[Permission, ...], output: Output | ReportOutput = Output.table,
+             error_exit: int | None = None,
              **overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
     """Settings from the environment (with the options in `overrides` that were given),
     checked, and the two agents' clients, once the agents said the tokens allow
     `needs`; exit 2 naming the setting that is wrong, 3 naming what a token lacks (or
-    the agent that could not be asked)."""
+    the agent that could not be asked); `error_exit`, when given, instead of either."""
     try:
         settings = replace(Settings.from_env(),
                            **{k: v for k, v in overrides.items() if v is not None})
@@ -112,20 +113,24 @@ def _clients(needs: tuple[Permission, ...], output: Output | ReportOutput = Outp
                               tls=settings.consul_tls)
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)
+        code = 2 if error_exit is None else error_exit
         if output == Output.json:
-            _print_error(2, "InvalidSettings", str(exc))
-        raise typer.Exit(2) from None
+            _print_error(code, "InvalidSettings", str(exc))
+        raise typer.Exit(code) from None
     try:
         access.check(nomad, consul, needs)
     except PlannerError as exc:
-        raise _fail(exc, output) from None
+        raise _fail(exc, output, error_exit=error_exit) from None
     return settings, nomad, consul
 
 
 def _fail(exc: PlannerError, output: Output | ReportOutput = Output.table,
-          files: str = "model") -> typer.Exit:
-    """Report `exc` on stderr (and, with --output json or markdown, on stdout); the exit.
-    `files` says which definitions a list of problems is about."""
+          files: str = "model", error_exit: int | None = None) -> typer.Exit:
+    """Report `exc` on stderr (and, with --output json or markdown, on stdout); the exit,
+    `exc.exit_code` or `error_exit` when given (--detailed-exitcode's 1), which the JSON
+    error's `exit_code` repeats. `files` says which definitions a list of problems is
+    about."""
+    code = exc.exit_code if error_exit is None else error_exit
     problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
     if problems:
         err.print(f"error: {len(problems)} problem(s) in the {files} files; nothing was "
@@ -137,12 +142,12 @@ def _fail(exc: PlannerError, output: Output | ReportOutput = Output.table,
     listed = [{"file": str(p.file), "field": p.field, "message": p.message}
               for p in problems]
     if output == Output.json:
-        _print_error(exc.exit_code, type(exc).__name__, str(exc) if not problems else
+        _print_error(code, type(exc).__name__, str(exc) if not problems else
                      f"{len(problems)} problem(s) in the {files} files; nothing was changed",
                      listed)
     elif output == ReportOutput.markdown:
         print(error_markdown(str(exc), listed), end="")
-    return typer.Exit(exc.exit_code)
+    return typer.Exit(code)
 
 
 def _print_error(exit_code: int, kind: str, message: str,
@@ -171,12 +176,15 @@ def apply(
     With --dry-run --detailed-exitcode (for CI on a merge request): exit 0 when
     nothing would change, 2 when something would, 1 on any error (invalid files,
     an agent unreachable or refusing, a token lacking a permission; the message,
-    and with --output json the error's `exit_code`, say which)."""
+    and with --output json the error's `kind`, say which; its `exit_code` is the
+    process's, 1)."""
     if detailed_exitcode and not dry_run:
         err.print("error: --detailed-exitcode goes with --dry-run (it reports a plan)")
         raise typer.Exit(1)
+    # Every error exits 1 then, and the JSON error says so (its `kind` says which).
+    error_exit = 1 if detailed_exitcode else None
     try:
-        changed = _apply(paths, prune, dry_run, wait, timeout, output)
+        changed = _apply(paths, prune, dry_run, wait, timeout, output, error_exit)
     except typer.Exit as exc:
         if detailed_exitcode and exc.exit_code != 0:
             raise typer.Exit(1) from None
@@ -186,24 +194,25 @@ def apply(
 
 
 def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: float,
-           output: ReportOutput) -> bool:
+           output: ReportOutput, error_exit: int | None = None) -> bool:
     """`apply`'s work; whether anything changed (or would, in a dry run). Exits 1 when a
     definition Nomad rolled back was refused or --wait saw a model give up, 2 or 3 as
     the module says."""
-    settings, nomad, consul = _clients((), output)
+    settings, nomad, consul = _clients((), output, error_exit)
     try:
         definitions, changes, fits = prepare(paths, settings, nomad, consul, prune,
                                              access.APPLY_DRY_RUN if dry_run else access.APPLY)
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
-        raise _fail(exc, output) from exc
+        raise _fail(exc, output, error_exit=error_exit) from exc
     changed = [o for o in outcomes if o.change.action in MUTATIONS]
     shown = fits if dry_run else {}
     if output == Output.json:
         print(json.dumps({"dry_run": dry_run,
                           "changes": [_outcome_json(o, shown) for o in outcomes]}, indent=2))
     elif output == ReportOutput.markdown:
-        print(outcomes_markdown(outcomes, dry_run), end="")
+        print(outcomes_markdown(outcomes, dry_run,
+                                {model: fit.text() for model, fit in shown.items()}), end="")
     else:
         _print_outcomes(outcomes, dry_run, shown)
     if not changed:
@@ -483,12 +492,22 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
         err.print(f"{model}: {done} (now {row.state}: {row.reason})")
 
 
+def advertised_url(advertise: str, serves_tls: bool) -> str:
+    """`--advertise` as a URL: one with a scheme as given; `host:port` gets https when
+    the admin API serves TLS, else http (so a jobspec need not know whether TLS is on)."""
+    if "://" in advertise:
+        return advertise
+    return f"{'https' if serves_tls else 'http'}://{advertise}"
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="admin API listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="admin API port")] = 4650,
     advertise: Annotated[str, typer.Option(help="the admin API's URL as other planners "
-                                                "reach it (default http://HOST:PORT)")] = "",
+                                                "reach it; HOST:PORT without a scheme takes "
+                                                "https when serving TLS, else http "
+                                                "(default HOST:PORT of --host, --port)")] = "",
     park_after: Annotated[int, typer.Option(help="consecutive start failures that park a "
                                                  "model")] = PARK_AFTER,
     stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
@@ -516,8 +535,8 @@ def serve(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
-    scheme = "https" if settings.serves_tls else "http"
-    node = PlannerNode(nomad, consul, advertise or f"{scheme}://{host}:{port}", rules,
+    node = PlannerNode(nomad, consul, advertised_url(advertise or f"{host}:{port}",
+                                                     settings.serves_tls), rules,
                        settings.datacenters, certificate_paths=settings.certificate_files)
     forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
     admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,

@@ -55,7 +55,7 @@ from llmgw_contract.acl import (
 )
 from llmgw_contract.documents import Document
 from planner.access import denied_error
-from planner.errors import ConsulUnavailable, NotLeader, Rejected
+from planner.errors import ConsulUnavailable, NotLeader, Rejected, no_answer
 from planner.settings import CONSUL_TLS_VARS, ClientTLS
 
 D = TypeVar("D", bound=Document)
@@ -74,8 +74,10 @@ class ServiceHealth:
 
 
 @contextmanager
-def _translated(action: str, tls_failure: Callable[[BaseException], str | None]) \
-        -> Iterator[None]:
+def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
+                address: str = "") -> Iterator[None]:
+    """py-consul's and requests' errors as the planner's; `action` ("" for none) prefixes
+    the message, `address` names the agent a connection failed to (CONSUL_HTTP_ADDR)."""
     try:
         yield
     except (consul.exceptions.ACLPermissionDenied, consul.exceptions.BadRequest,
@@ -84,7 +86,11 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None])
     except (consul.exceptions.ConsulException, requests.RequestException, OSError) as exc:
         if failure := tls_failure(exc):
             raise ConsulUnavailable(f"{action}: {failure}") from exc
-        raise ConsulUnavailable(f"{action}: Consul did not answer ({exc})") from exc
+        prefix = f"{action}: " if action else ""
+        if isinstance(exc, (requests.RequestException, OSError)):
+            raise ConsulUnavailable(
+                prefix + no_answer("Consul", "CONSUL_HTTP_ADDR", address, exc)) from exc
+        raise ConsulUnavailable(f"{prefix}Consul failed ({exc})") from exc
 
 
 def _failed_ops(exc: Exception) -> set[int] | None:
@@ -119,7 +125,8 @@ class ConsulClient:
         """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
         the ACL rule Consul checks for this call."""
         try:
-            with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc),
+                             self.address):
                 return fn()
         except Rejected as exc:
             if isinstance(exc.__cause__, consul.exceptions.ACLPermissionDenied):
@@ -150,8 +157,9 @@ class ConsulClient:
                                        data=body, headers=self._api.prepare_headers())
 
         try:
-            with _translated("check ACL permissions",
-                             lambda exc: self.tls.failure(self.address, exc)):
+            # No action in a message: an agent that does not answer is no ACL matter.
+            with _translated("", lambda exc: self.tls.failure(self.address, exc),
+                             self.address):
                 answers = ask()
         except Rejected as exc:
             cause = exc.__cause__

@@ -67,6 +67,31 @@ class ConsulUnavailable(Unavailable):
     pass
 
 
+# What an operator reads for a connection that failed, from the words urllib3 and the
+# kernel put in requests' exception text (which also holds the pool's repr).
+_CONNECTION_FAILURES = (
+    ("Connection refused", "connection refused"),
+    ("Name or service not known", "the host name does not resolve"),
+    ("Temporary failure in name resolution", "the host name does not resolve"),
+    ("No route to host", "no route to host"),
+    ("Network is unreachable", "network unreachable"),
+    ("timed out", "timed out"),
+    ("Connection reset", "the connection was reset"),
+    ("RemoteDisconnected", "it closed the connection without answering"),
+)
+
+
+def no_answer(agent: str, variable: str, address: str, exc: BaseException) -> str:
+    """`Nomad at NOMAD_ADDR=http://127.0.0.1:4646 did not answer (connection refused)`:
+    the agent, the setting that points at it and the failure in a few words, without
+    the HTTP library's pool and exception names; `exc`'s class name when its text says
+    nothing known."""
+    text = str(exc)
+    why = next((said for words, said in _CONNECTION_FAILURES if words in text),
+               type(exc).__name__)
+    return f"{agent} at {variable}={address} did not answer ({why})"
+
+
 class PermissionDenied(PlannerError):
     """Nomad or Consul denied a permission to the planner's ACL token. Not a Rejected:
     no caller may take it for an answer about the job or the key (a 403 is never

@@ -19,6 +19,7 @@ API shapes: https://developer.hashicorp.com/nomad/api-docs/jobs (Nomad 1.6).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,7 +41,7 @@ from planner.access import (
     PROBE_JOB,
     denied_error,
 )
-from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied
+from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied, no_answer
 from planner.settings import NOMAD_TLS_VARS, ClientTLS
 
 Job = dict[str, Any]
@@ -63,8 +64,10 @@ def _response_text(exc: nomad_exc.BaseNomadException) -> str:
 
 
 @contextmanager
-def _translated(action: str, tls_failure: Callable[[BaseException], str | None]) \
-        -> Iterator[None]:
+def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
+                address: str = "") -> Iterator[None]:
+    """Nomad's and requests' errors as the planner's; `action` ("" for none) prefixes
+    the message, `address` names the agent a connection failed to (NOMAD_ADDR)."""
     try:
         yield
     except nomad_exc.URLNotFoundNomadException as exc:
@@ -75,8 +78,23 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None])
     except (nomad_exc.BaseNomadException, requests.RequestException) as exc:
         if failure := tls_failure(exc):
             raise NomadUnavailable(f"{action}: {failure}") from exc
-        detail = _response_text(exc) if isinstance(exc, nomad_exc.BaseNomadException) else exc
-        raise NomadUnavailable(f"{action}: Nomad did not answer ({detail})") from exc
+        prefix = f"{action}: " if action else ""
+        # python-nomad wraps a failed connection in its own exception, as `nomad_resp`.
+        failed = exc.nomad_resp if isinstance(exc, nomad_exc.BaseNomadException) else exc
+        if isinstance(failed, requests.RequestException):
+            raise NomadUnavailable(
+                prefix + no_answer("Nomad", "NOMAD_ADDR", address, failed)) from exc
+        raise NomadUnavailable(f"{prefix}Nomad failed ({_response_text(exc)})") from exc
+
+
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.I)
+_JWT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
+
+
+def _token_shaped(token: str) -> bool:
+    """Whether `token` can be a Nomad token at all: an ACL token's secret ID (a UUID)
+    or a workload identity (a JWT), nomad/structs ACLToken and IdentityClaims."""
+    return bool(_UUID.match(token) or _JWT.match(token))
 
 
 class NomadClient:
@@ -102,7 +120,8 @@ class NomadClient:
         """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
         the ACL capability Nomad checks for this call."""
         try:
-            with _translated(action, lambda exc: self.tls.failure(self.address, exc)):
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc),
+                             self.address):
                 return fn()
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
@@ -117,12 +136,17 @@ class NomadClient:
         whether or not it knows the token; /v1/acl/token/self tells them apart."""
         if not self.token:
             return TokenStatus.EMPTY, ""
+        if not _token_shaped(self.token):
+            return TokenStatus.UNKNOWN, ("not a valid token: Nomad's ACL secret IDs are "
+                                         "UUIDs (workload identities JWTs)")
         try:
             self._api.acl.get_self_token()
-        except (nomad_exc.URLNotFoundNomadException,
-                nomad_exc.URLNotAuthorizedNomadException) as exc:
-            return TokenStatus.UNKNOWN, _response_text(exc)
-        except (nomad_exc.BaseNomadException, requests.RequestException):
+        except nomad_exc.BaseNomadException as exc:
+            # A 4xx to "who am I" is Nomad refusing the token itself (a 5xx says nothing).
+            resp = exc.nomad_resp
+            if isinstance(resp, requests.Response) and 400 <= resp.status_code < 500:
+                return TokenStatus.UNKNOWN, _response_text(exc)
+        except requests.RequestException:
             pass
         return TokenStatus.VALID, ""
 
@@ -148,8 +172,9 @@ class NomadClient:
             if (ask := probes.get(permission)) is None:
                 continue
             try:
-                with _translated(f"check {permission.rule}",
-                                 lambda exc: self.tls.failure(self.address, exc)):
+                # No action in a message: an agent that does not answer is no ACL matter.
+                with _translated("", lambda exc: self.tls.failure(self.address, exc),
+                                 self.address):
                     ask()
             except NomadRejected as exc:
                 if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):

@@ -10,7 +10,7 @@ the changes, so a reviewer reads the verdict without opening anything.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from planner.apply import MUTATIONS, Action, Outcome
@@ -50,12 +50,17 @@ def heading(outcomes: list[Outcome], dry_run: bool) -> str:
     return f"llmgw {'plan' if dry_run else 'apply'}: {', '.join(parts) or 'no changes'}"
 
 
-def outcomes_markdown(outcomes: list[Outcome], dry_run: bool) -> str:
-    """The whole document for one `apply` run."""
+def outcomes_markdown(outcomes: list[Outcome], dry_run: bool,
+                      estimates: Mapping[str, str] | None = None) -> str:
+    """The whole document for one `apply` run. `estimates`: {model: its memory estimate
+    as the table shows it (`Fit.text()`)}, a column as in the plain table when given
+    (a dry run)."""
     lines = [f"### {heading(outcomes, dry_run)}", ""]
     if outcomes:
-        lines += _table(("model", "action", "reason"),
-                        ((f"`{o.change.model}`", _action(o), o.change.reason)
+        extra = ("memory estimate",) if estimates else ()
+        lines += _table(("model", "action", "reason", *extra),
+                        ((f"`{o.change.model}`", _action(o), o.change.reason,
+                          *((estimates.get(o.change.model, ""),) if estimates else ()))
                          for o in outcomes))
     else:
         lines.append("No model files, and no llmgw model in Nomad.")

@@ -215,7 +215,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     activator: Activator | None = None
     usage: UsageReporter | None = None
     if settings.activation:
-        planners = PlannerCandidates(settings.planner_url, metrics)
+        planners = PlannerCandidates(settings.fixed_planner_url, metrics,
+                                     settings.planner_scheme)
         planner = PlannerAPI(
             planners,
             settings.planner_token,
@@ -288,7 +289,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
             settings.routing,
-            f"activation through the planner leader (Consul), then {settings.planner_url}, "
+            f"activation through the planner leader (Consul), then "
+            f"{settings.fixed_planner_url or 'no fixed planner URL'}, "
             f"then the other passing planners (window {settings.activation_window_s:g} s, "
             f"usage every {settings.usage_interval_s:g} s)"
             if planner is not None

@@ -113,7 +113,7 @@ def serve(
         str | None,
         typer.Option(
             help="Planner admin API for activation, tried after the leader Consul names "
-            "and before the other planners (env LLMGW_PLANNER_URL)."
+            "and before the other planners; 'none': no fixed one (env LLMGW_PLANNER_URL)."
         ),
     ] = None,
     planner_token: Annotated[

@@ -206,6 +206,10 @@ def _refused(base: str, status: int, body: bytes, what: str) -> errors.PlannerUn
     )
 
 
+_NONE_KNOWN = ("none is known (no leader in Consul llmgw/leader, no passing llmgw-planner "
+               "instance, and LLMGW_PLANNER_URL is none)")
+
+
 def _unreached(
     unreached: list[tuple[str, aiohttp.ClientError]], what: str
 ) -> errors.PlannerUnavailable:
@@ -231,7 +235,7 @@ def _unreached(
             message = f"The planner at {base} could not be reached to {what} ({why})."
         return errors.PlannerUnavailable(message, retry_after_s=retry_after)
     tried = "; ".join(f"{base} ({type(exc).__name__}: {exc})" for base, exc in unreached)
-    message = f"No planner could be reached to {what}: {tried or 'none is known'}."
+    message = f"No planner could be reached to {what}: {tried or _NONE_KNOWN}."
     if tls:
         message += f" TLS failed with {', '.join(tls)}: check LLMGW_PLANNER_CACERT."
     return errors.PlannerUnavailable(message, retry_after_s=retry_after)

@@ -11,10 +11,12 @@ and read by :mod:`router.plannerapi` on every call:
    (:func:`router.catalog.parse_leader`; a record no session holds names a
    planner that lost the lead, maybe a dead one);
 2. the configured ``--planner-url`` (``LLMGW_PLANNER_URL``): the only source
-   before the watches' first reads, and the one an operator controls;
+   before the watches' first reads, and the one an operator controls (none
+   with ``LLMGW_PLANNER_URL=none``: the router job's way);
 3. the passing instances of the Consul service ``llmgw-planner`` (every
    ``planner serve`` registers its admin address with a 6 s TTL check), as
-   ``<scheme>://<address>:<port>`` with the configured URL's scheme.
+   ``<scheme>://<address>:<port>`` with the configured URL's scheme
+   (``RouterSettings.planner_scheme``).
 
 :meth:`PlannerCandidates.ordered` lists them in that order without repeats,
 except that the planner that answered last (:meth:`PlannerCandidates.answered`)
@@ -48,9 +50,12 @@ def base_url(url: str) -> str:
 class PlannerCandidates:
     """The planners a call may go to, best first."""
 
-    def __init__(self, configured_url: str, metrics: RouterMetrics) -> None:
-        self.configured = base_url(configured_url)
-        self._scheme = urllib.parse.urlsplit(self.configured).scheme or "http"
+    def __init__(self, configured_url: str | None, metrics: RouterMetrics,
+                 scheme: str | None = None) -> None:
+        """``configured_url``: None for no fixed planner; ``scheme``: the instances'
+        (default: the configured URL's, else http)."""
+        self.configured = base_url(configured_url) if configured_url else None
+        self._scheme = scheme or urllib.parse.urlsplit(configured_url or "").scheme or "http"
         self._metrics = metrics
         self.leader: str | None = None
         self.instances: tuple[str, ...] = ()

@@ -42,7 +42,9 @@ Environment variables (all optional):
 - ``LLMGW_PLANNER_URL``: a planner's admin API, for on-demand activation and
   usage reports (default ``http://127.0.0.1:4650``): tried after the leader
   Consul names, before the other passing ``llmgw-planner`` instances, which
-  are called with its scheme (:mod:`router.planners`)
+  are called with its scheme (:mod:`router.planners`). ``none``: no fixed
+  planner, only the leader and the instances Consul lists (called over https
+  when ``LLMGW_PLANNER_CACERT`` is set, else http): what the router job runs with
 - ``LLMGW_PLANNER_TOKEN``: bearer token for it (the planner's ``LLMGW_ADMIN_TOKEN``)
 - ``LLMGW_ACTIVATION_WINDOW``: seconds a request for a loading model is held
   before 503 ``model_loading`` (45)
@@ -87,6 +89,8 @@ from router.keys import ApiKeys
 
 DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
 DEFAULT_PLANNER_URL = "http://127.0.0.1:4650"
+# LLMGW_PLANNER_URL's word for "no fixed planner URL" (an empty variable is unset).
+NO_PLANNER_URL = "none"
 # The replica choices: router.balancer's least-outstanding, router.prefix's prefix.
 ROUTINGS = ("least-outstanding", "prefix")
 
@@ -265,9 +269,10 @@ class RouterSettings:
             self._planner_tls()
         if self.tls_cert or self.tls_key:
             tls_context(SERVING_TLS_VARS, None, self.tls_cert, self.tls_key, server=True)
-        planner = urllib.parse.urlsplit(self.planner_url)
+        planner = urllib.parse.urlsplit(self.fixed_planner_url or "http://consul")
         if self.activation and (planner.scheme not in ("http", "https") or not planner.hostname):
-            raise ValueError(f"planner URL {self.planner_url!r} is not an http(s):// URL")
+            raise ValueError(f"planner URL {self.planner_url!r} is not an http(s):// URL "
+                             f"or {NO_PLANNER_URL!r} (LLMGW_PLANNER_URL)")
         if self.activation_window_s < 0 or self.usage_interval_s <= 0:
             raise ValueError("the activation window must be >= 0 s and the usage interval > 0 s")
         if self.replica_concurrency < 0 or self.default_replica_concurrency < 1:
@@ -332,11 +337,25 @@ class RouterSettings:
         """The context for an https Consul (``None`` for plain HTTP)."""
         return self._consul_tls() if self.consul_location()[0] == "https" else None
 
+    @property
+    def fixed_planner_url(self) -> str | None:
+        """The configured planner URL; ``None`` for ``none`` (or empty): no fixed one."""
+        url = self.planner_url.strip()
+        return None if url.lower() in ("", NO_PLANNER_URL) else url
+
+    @property
+    def planner_scheme(self) -> str:
+        """The scheme the ``llmgw-planner`` instances Consul lists are called with: the
+        fixed URL's; without one https when ``LLMGW_PLANNER_CACERT`` is set, else http."""
+        if self.fixed_planner_url:
+            return urllib.parse.urlsplit(self.fixed_planner_url).scheme or "http"
+        return "https" if self.planner_cacert else "http"
+
     def planner_ssl_context(self) -> ssl.SSLContext | None:
         """The context for ``https://`` planners: for an https planner URL or a set
         ``LLMGW_PLANNER_CACERT`` (the leader's address comes from Consul and may be
         https while the URL is not); ``None``: the system's CAs, for any https one."""
-        https = urllib.parse.urlsplit(self.planner_url).scheme == "https"
+        https = self.planner_scheme == "https"
         return self._planner_tls() if https or self.planner_cacert else None
 
     def certificate_files(self) -> list[str]:

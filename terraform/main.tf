@@ -24,39 +24,54 @@ locals {
 
   # Each job's variables (`nomad_job` takes strings: numbers and lists as HCL text).
   planner_vars = {
-    datacenters      = jsonencode(var.datacenters)
-    node_pool        = var.node_pool
-    driver           = var.driver
-    instances        = tostring(var.planner_instances)
-    cpu              = tostring(var.planner_cpu)
-    memory_mb        = tostring(var.planner_memory_mb)
-    wheel_url        = var.wheel_url
-    wheel_sha256     = var.wheel_sha256
-    pip_index_url    = var.pip_index_url
-    wheelhouse_url   = var.wheelhouse_url
-    python           = var.python
-    nomad_addr       = var.nomad_addr
-    consul_addr      = var.consul_addr
-    config_prefix    = var.config_prefix
-    settings_version = local.settings_version
+    datacenters        = jsonencode(var.datacenters)
+    node_pool          = var.node_pool
+    driver             = var.driver
+    instances          = tostring(var.planner_instances)
+    cpu                = tostring(var.planner_cpu)
+    memory_mb          = tostring(var.planner_memory_mb)
+    install_cpu        = tostring(var.install_cpu)
+    wheel_url          = var.wheel_url
+    wheel_sha256       = var.wheel_sha256
+    pip_index_url      = var.pip_index_url
+    wheelhouse_url     = var.wheelhouse_url
+    python             = var.python
+    nomad_addr         = var.nomad_addr
+    consul_addr        = var.consul_addr
+    config_prefix      = var.config_prefix
+    settings_version   = local.settings_version
+    nomad_cacert       = var.nomad_cacert
+    nomad_client_cert  = var.nomad_client_cert
+    nomad_client_key   = var.nomad_client_key
+    consul_ssl         = tostring(var.consul_ssl)
+    consul_cacert      = var.consul_cacert
+    consul_client_cert = var.consul_client_cert
+    consul_client_key  = var.consul_client_key
   }
 
   router_vars = {
-    datacenters      = jsonencode(var.datacenters)
-    node_pool        = var.node_pool
-    driver           = var.driver
-    instances        = tostring(var.router_instances)
-    port             = tostring(var.router_port)
-    cpu              = tostring(var.router_cpu)
-    memory_mb        = tostring(var.router_memory_mb)
-    wheel_url        = var.wheel_url
-    wheel_sha256     = var.wheel_sha256
-    pip_index_url    = var.pip_index_url
-    wheelhouse_url   = var.wheelhouse_url
-    python           = var.python
-    consul_addr      = var.consul_addr
-    config_prefix    = var.config_prefix
-    settings_version = local.settings_version
+    datacenters        = jsonencode(var.datacenters)
+    node_pool          = var.node_pool
+    driver             = var.driver
+    instances          = tostring(var.router_instances)
+    port               = tostring(var.router_port)
+    cpu                = tostring(var.router_cpu)
+    memory_mb          = tostring(var.router_memory_mb)
+    install_cpu        = tostring(var.install_cpu)
+    wheel_url          = var.wheel_url
+    wheel_sha256       = var.wheel_sha256
+    pip_index_url      = var.pip_index_url
+    wheelhouse_url     = var.wheelhouse_url
+    python             = var.python
+    consul_addr        = var.consul_addr
+    config_prefix      = var.config_prefix
+    settings_version   = local.settings_version
+    planner_cacert     = var.planner_cacert
+    serves_https       = tostring(contains(concat(keys(var.router_settings), nonsensitive(keys(var.router_tls_pem))), "LLMGW_TLS_CERT"))
+    consul_ssl         = tostring(var.consul_ssl)
+    consul_cacert      = var.consul_cacert
+    consul_client_cert = var.consul_client_cert
+    consul_client_key  = var.consul_client_key
   }
 }
 
@@ -76,6 +91,21 @@ resource "nomad_acl_token" "planner" {
   name     = local.planner_job
   type     = "client"
   policies = [nomad_acl_policy.planner[0].name]
+}
+
+# Each engine's install job (llmgw-engine-<name>, `planner engines apply`) records the
+# engine in its node's metadata with its workload identity, which needs node write: the
+# policy is attached to that job (one policy per job; names allow letters, digits, "-").
+resource "nomad_acl_policy" "engine_install" {
+  for_each    = var.acl_enabled ? toset(var.engines) : toset([])
+  name        = "llmgw-engine-install-${replace(each.key, "/[^A-Za-z0-9-]/", "-")}"
+  description = "llmgw engine install job llmgw-engine-${each.key}: its node's metadata"
+  rules_hcl   = file("${local.policy_dir}/nomad/engine-install.hcl")
+
+  job_acl {
+    namespace = "default"
+    job_id    = "llmgw-engine-${each.key}"
+  }
 }
 
 resource "consul_acl_policy" "planner" {
@@ -131,6 +161,7 @@ resource "nomad_variable" "planner" {
     { LLMGW_ADMIN_TOKEN = random_password.admin_token.result },
     { for token in nomad_acl_token.planner : "NOMAD_TOKEN" => token.secret_id },
     { for token in data.consul_acl_token_secret_id.planner : "CONSUL_HTTP_TOKEN" => token.secret_id },
+    { for name, pem in var.planner_tls_pem : "${name}_PEM" => pem },
   )
 }
 
@@ -139,6 +170,7 @@ resource "nomad_variable" "router" {
   items = merge(
     { LLMGW_PLANNER_TOKEN = random_password.admin_token.result },
     { for token in data.consul_acl_token_secret_id.router : "CONSUL_HTTP_TOKEN" => token.secret_id },
+    { for name, pem in var.router_tls_pem : "${name}_PEM" => pem },
   )
 }
 

@@ -12,6 +12,82 @@ variable "consul_addr" {
   description = "Consul HTTP API as the planner and router reach it from their node (CONSUL_HTTP_ADDR): host:port or http(s)://host:port."
 }
 
+# TLS to the agents and the planners, for agents that serve https: paths of PEM files
+# on the nodes (the jobs' tasks read them there), as the `nomad` and `consul` CLIs name
+# them. Empty: not set.
+
+variable "nomad_cacert" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CACERT of the planner: CA file (PEM, a path on the nodes) that verifies an https nomad_addr; empty: the system's CAs."
+}
+
+variable "nomad_client_cert" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CLIENT_CERT of the planner: client certificate (PEM, a path on the nodes) for Nomad agents with verify_https_client; with nomad_client_key."
+}
+
+variable "nomad_client_key" {
+  type        = string
+  default     = ""
+  description = "NOMAD_CLIENT_KEY of the planner: the client certificate's key (PEM, a path on the nodes)."
+}
+
+variable "consul_ssl" {
+  type        = bool
+  default     = false
+  description = "CONSUL_HTTP_SSL of both jobs: https to Consul even when consul_addr has no scheme."
+}
+
+variable "consul_cacert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CACERT of both jobs: CA file (PEM, a path on the nodes) that verifies an https Consul; empty: the system's CAs."
+}
+
+variable "consul_client_cert" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_CERT of both jobs: client certificate (PEM, a path on the nodes) for a Consul with verify_incoming_https; with consul_client_key."
+}
+
+variable "consul_client_key" {
+  type        = string
+  default     = ""
+  description = "CONSUL_CLIENT_KEY of both jobs: the client certificate's key (PEM, a path on the nodes)."
+}
+
+variable "planner_cacert" {
+  type        = string
+  default     = ""
+  description = "LLMGW_PLANNER_CACERT of the router: CA file (PEM, a path on the nodes) for planners serving HTTPS (LLMGW_TLS_CERT in planner_settings); set, the router calls them over https."
+}
+
+variable "planner_tls_pem" {
+  type        = map(string)
+  default     = {}
+  sensitive   = true
+  description = "PEM text instead of paths on the nodes: {VARIABLE = PEM} for NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY, CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY, LLMGW_PLANNER_CACERT; stored as <VARIABLE>_PEM items of the planner's Nomad variable, written to the task's secrets/ and pointed at."
+
+  validation {
+    condition     = alltrue([for k in keys(var.planner_tls_pem) : contains(["NOMAD_CACERT", "NOMAD_CLIENT_CERT", "NOMAD_CLIENT_KEY", "CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"], k)])
+    error_message = "planner_tls_pem keys are NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY, CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY or LLMGW_PLANNER_CACERT."
+  }
+}
+
+variable "router_tls_pem" {
+  type        = map(string)
+  default     = {}
+  sensitive   = true
+  description = "As planner_tls_pem, for the router: CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY, LLMGW_PLANNER_CACERT."
+
+  validation {
+    condition     = alltrue([for k in keys(var.router_tls_pem) : contains(["CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"], k)])
+    error_message = "router_tls_pem keys are CONSUL_CACERT, CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, LLMGW_TLS_CERT, LLMGW_TLS_KEY or LLMGW_PLANNER_CACERT."
+  }
+}
+
 # Where and how the jobs run.
 
 variable "datacenters" {
@@ -62,7 +138,7 @@ variable "router_port" {
 
 variable "planner_cpu" {
   type        = number
-  default     = 500
+  default     = 200
   description = "MHz for each planner instance."
 }
 
@@ -70,6 +146,12 @@ variable "planner_memory_mb" {
   type        = number
   default     = 512
   description = "MiB for each planner instance."
+}
+
+variable "install_cpu" {
+  type        = number
+  default     = 200
+  description = "MHz for each allocation's install task (pip, before the planner or router starts; its share is freed when it ends)."
 }
 
 variable "router_cpu" {
@@ -151,6 +233,12 @@ variable "settings_revision" {
   description = "Change it to roll both jobs (a deployment) with the current settings and tokens, e.g. after replacing a token."
 }
 
+variable "engines" {
+  type        = list(string)
+  default     = ["llama.cpp"]
+  description = "Names of the engines `planner engines apply` installs (engines/*.yaml): each install job llmgw-engine-<name> gets acl/nomad/engine-install.hcl attached (node write, for the node metadata it records)."
+}
+
 variable "acl_enabled" {
   type        = bool
   default     = true
@@ -160,7 +248,7 @@ variable "acl_enabled" {
 variable "policy_dir" {
   type        = string
   default     = null
-  description = "Folder holding nomad/planner.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
+  description = "Folder holding nomad/planner.hcl, nomad/engine-install.hcl, consul/planner.hcl and consul/router.hcl; null: the repository's acl/ beside this module."
 }
 
 variable "jobspec_dir" {

@@ -119,8 +119,12 @@ locals {
     # No -w: Nomad reads the task's arguments as an HCL template, where a percent
     # sign before a brace starts a directive.
     answer=$(curl -sS -f --max-time 30 -X POST -H "X-Nomad-Token: $NOMAD_TOKEN" \
-      --data "$body" "$@" 2>&1) ||
+      --data "$body" "$@" 2>&1) || {
+      case "$answer" in
+        *403*) answer="$answer: Permission denied; this job's workload identity needs node write: attach acl/nomad/engine-install.hcl to job $NOMAD_JOB_ID (acl/README.md)" ;;
+      esac
       fail "could not record $META_KEY=$ENGINE_VERSION in the node's metadata: $answer"
+    }
     echo "llmgw engine install: $NODE_NAME: $ENGINE $ENGINE_VERSION at $target; node meta $META_KEY=$ENGINE_VERSION"
   EOT
 }

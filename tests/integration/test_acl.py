@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,6 +213,14 @@ def test_a_missing_permission_is_named_with_exit_3(
     assert run.returncode == 3 and "Traceback" not in run.stderr
     assert "Nomad does not know the token in NOMAD_TOKEN" in run.stderr
 
+    # A malformed one (not a UUID, as Nomad's secret IDs are): not a valid token either,
+    # not one that "lacks" permissions (QA on issue 11).
+    run = planner_cli(env_with(acl_cluster, binaries, "not-a-token", tokens.planner_consul),
+                      "apply", str(folder))
+    assert run.returncode == 3 and "Traceback" not in run.stderr
+    assert "Nomad does not know the token in NOMAD_TOKEN" in run.stderr, run.stderr
+    assert "lacks" not in run.stderr
+
     # A real token with too little: the router's may only read. Nothing is changed.
     weak = env_with(acl_cluster, binaries, tokens.planner_nomad, tokens.router_consul)
     run = planner_cli(weak, "apply", str(folder), "--output", "json")
@@ -259,8 +268,45 @@ def test_the_policy_files_are_the_agents_policies_and_the_router_has_no_nomad_on
     what the Terraform module reads: no Nomad policy for the router, which never calls
     Nomad (it finds replicas in Consul and asks the planner's admin API)."""
     assert sorted(str(p.relative_to(REPO)) for p in (REPO / "acl").rglob("*.hcl")) == [
-        "acl/consul/planner.hcl", "acl/consul/router.hcl", "acl/nomad/planner.hcl"]
+        "acl/consul/planner.hcl", "acl/consul/router.hcl", "acl/nomad/engine-install.hcl",
+        "acl/nomad/planner.hcl"]
     request = urllib.request.Request(f"{acl_cluster.nomad_addr}/v1/acl/policy/llmgw-planner",
                                      headers=acl_cluster.acl.headers)  # type: ignore[union-attr]
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.load(response)["Rules"] == (REPO / "acl/nomad/planner.hcl").read_text()
+
+
+def test_an_engine_installs_with_its_job_policy_attached_and_not_without(
+        acl_cluster: Cluster, binaries: Path, planner_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """acl/nomad/engine-install.hcl, attached to the engine's install job as acl/README.md
+    says, is what its workload identity needs to record the engine in the node's
+    metadata; without it the install fails with Nomad's refusal (QA on issue 11: the
+    policy was only written inline in docs/operations.md)."""
+    engine = tmp_path / "engines"
+    engine.mkdir()
+    (engine / "acl_engine.yaml").write_text(
+        f"name: acl_engine\nversion: \"1\"\npath: {(binaries / 'llama-server').resolve()}\n")
+    # The agent's HTTP API with ?node_id=: the Task API socket under pytest's deep
+    # temporary folder would pass the 107-byte limit of a unix socket path.
+    env = {**planner_env, "LLMGW_ENGINE_NOMAD_ADDR": acl_cluster.nomad_addr}
+    denied = planner_cli(env, "engines", "apply", str(engine), "--wait", "--timeout", "120")
+    assert denied.returncode == 1, denied.stderr
+    assert "403: Permission denied" in denied.stderr
+    assert "attach acl/nomad/engine-install.hcl to job llmgw-engine-acl_engine" in denied.stderr
+
+    _cli(acl_cluster, "nomad", "acl", "policy", "apply", "-namespace", "default", "-job",
+         "llmgw-engine-acl_engine", "-description", "llmgw engine install: acl_engine",
+         "llmgw-engine-install-acl-engine", "acl/nomad/engine-install.hcl")
+    installed = planner_cli(env, "engines", "apply", str(engine), "--wait", "--timeout", "120")
+    assert installed.returncode == 0, installed.stderr
+    management = acl_cluster.acl.headers  # type: ignore[union-attr]
+    [node] = _management_json(f"{acl_cluster.nomad_addr}/v1/nodes", management)
+    meta = _management_json(f"{acl_cluster.nomad_addr}/v1/node/{node['ID']}", management)["Meta"]
+    assert meta["llmgw_engine_acl_engine"] == "1"
+
+
+def _management_json(url: str, headers: dict[str, str]) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                timeout=10) as response:
+        return json.load(response)

@@ -8,6 +8,7 @@ built them (skipped otherwise)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -104,12 +105,12 @@ def test_the_module_passes_each_job_only_its_variables_and_every_required_one() 
 
 
 # The router never calls Nomad, so it has no Nomad policy (acl/README.md).
-POLICIES = ("nomad/planner", "consul/planner", "consul/router")
+POLICIES = ("nomad/planner", "nomad/engine-install", "consul/planner", "consul/router")
 
 
 def test_the_module_reads_the_acl_policy_files() -> None:
     main = (MODULE / "main.tf").read_text()
-    referenced = set(re.findall(r'file\("\$\{local.policy_dir\}/(\w+/\w+)\.hcl"\)', main))
+    referenced = set(re.findall(r'file\("\$\{local.policy_dir\}/(\w+/[\w-]+)\.hcl"\)', main))
     assert referenced == set(POLICIES)
     assert '"${path.module}/../acl"' in main
     for policy in POLICIES:
@@ -141,3 +142,98 @@ def test_nomad_fmt_of_the_jobspecs() -> None:
                            *map(str, JOBSPECS.values())], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, f"not formatted: {done.stdout}{done.stderr}"
+
+
+# --- the jobspecs as Nomad renders them (`nomad job run -output`: parsed locally) ----
+
+NOMAD_TLS = {"nomad_cacert": "/tls/nomad-ca.pem", "nomad_client_cert": "/tls/nomad.pem",
+             "nomad_client_key": "/tls/nomad-key.pem"}
+CONSUL_TLS = {"consul_ssl": "true", "consul_cacert": "/tls/consul-ca.pem",
+              "consul_client_cert": "/tls/consul.pem", "consul_client_key": "/tls/consul-key.pem"}
+
+
+def rendered(job: str, **variables: str) -> dict[str, dict[str, Any]]:
+    """{task name: task} of the job as `nomad job run -output` renders it, no agent asked."""
+    argv = [str(BIN / "nomad"), "job", "run", "-output", "-var", "wheel_url=http://x/l.whl"]
+    for name, value in variables.items():
+        argv += ["-var", f"{name}={value}"]
+    done = subprocess.run([*argv, str(JOBSPECS[job])], capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin",
+                                           "NOMAD_ADDR": "http://127.0.0.1:9"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    [group] = json.loads(done.stdout)["Job"]["TaskGroups"]
+    return {task["Name"]: task for task in group["Tasks"]}
+
+
+needs_nomad = pytest.mark.skipif(not (BIN / "nomad").exists(),
+                                 reason="the bootstrap built no nomad")
+
+
+@needs_nomad
+def test_the_planner_job_passes_the_agents_tls_files_and_advertises_without_a_scheme() -> None:
+    """QA on issue 11: the jobs could not be pointed at TLS agents, and the planner
+    advertised http:// even when serving TLS (LLMGW_TLS_CERT from KV)."""
+    tasks = rendered("planner", nomad_addr="https://127.0.0.1:4646", **NOMAD_TLS,
+                     **CONSUL_TLS)
+    env = tasks["planner"]["Env"]
+    assert env["NOMAD_ADDR"] == "https://127.0.0.1:4646"
+    assert env["NOMAD_CACERT"] == "/tls/nomad-ca.pem"
+    assert (env["NOMAD_CLIENT_CERT"], env["NOMAD_CLIENT_KEY"]) == ("/tls/nomad.pem",
+                                                                   "/tls/nomad-key.pem")
+    assert env["CONSUL_HTTP_SSL"] == "true" and env["CONSUL_CACERT"] == "/tls/consul-ca.pem"
+    assert (env["CONSUL_CLIENT_CERT"], env["CONSUL_CLIENT_KEY"]) == ("/tls/consul.pem",
+                                                                     "/tls/consul-key.pem")
+    args = tasks["planner"]["Config"]["args"]
+    assert args[args.index("--advertise") + 1] == "${NOMAD_ADDR_admin}"
+    # Without them, none is set (the planner's defaults: plain http, the system's CAs).
+    plain = rendered("planner")["planner"]["Env"]
+    assert set(plain) == {"NOMAD_ADDR", "CONSUL_HTTP_ADDR"}
+
+
+@needs_nomad
+def test_the_router_job_passes_consul_tls_and_no_fixed_planner_by_default() -> None:
+    tasks = rendered("router", planner_cacert="/tls/llmgw-ca.pem", **CONSUL_TLS)
+    env = tasks["router"]["Env"]
+    assert env["CONSUL_HTTP_SSL"] == "true" and env["CONSUL_CACERT"] == "/tls/consul-ca.pem"
+    assert env["CONSUL_CLIENT_KEY"] == "/tls/consul-key.pem"
+    assert env["LLMGW_PLANNER_CACERT"] == "/tls/llmgw-ca.pem"
+    # An empty planner_url: the router's "none", not its default http://127.0.0.1:4650.
+    assert env["LLMGW_PLANNER_URL"] == "none"
+    assert rendered("router", planner_url="http://p:4650")["router"]["Env"][
+        "LLMGW_PLANNER_URL"] == "http://p:4650"
+
+
+@needs_nomad
+@pytest.mark.parametrize("job", sorted(JOBSPECS))
+def test_the_install_task_cpu_is_a_variable(job: str) -> None:
+    """QA on issue 11: a hard-coded 500 MHz install left no CPU on the demo cluster."""
+    assert rendered(job)["install"]["Resources"]["CPU"] == 200
+    assert rendered(job, install_cpu="100")["install"]["Resources"]["CPU"] == 100
+
+
+def test_the_module_passes_every_tls_setting_to_the_jobs_that_read_it() -> None:
+    [local_values] = [block for block in parse(MODULE / "main.tf")["locals"]
+                      if "planner_vars" in block]
+    planner, router = (_keys(local_values[f"{job}_vars"]) for job in ("planner", "router"))
+    assert {*NOMAD_TLS, *CONSUL_TLS, "install_cpu"} <= planner
+    assert {*CONSUL_TLS, "planner_cacert", "serves_https", "install_cpu"} <= router
+
+
+@needs_nomad
+def test_the_router_check_asks_over_https_when_the_router_serves_it() -> None:
+    [check] = rendered("router", serves_https="true")["router"]["Services"][0]["Checks"]
+    assert (check["Protocol"], check["TLSSkipVerify"], check["Path"]) == ("https", True,
+                                                                          "/health")
+    [check] = rendered("router")["router"]["Services"][0]["Checks"]
+    assert check["Protocol"] == "http"
+
+
+@needs_nomad
+@pytest.mark.parametrize("job", sorted(JOBSPECS))
+def test_pem_items_of_the_nomad_variable_become_files_in_secrets(job: str) -> None:
+    """The other way to give the TLS files (tests/integration/test_deploy_tls.py runs it)."""
+    templates = {t["DestPath"]: t for t in rendered(job)[job]["Templates"]}
+    assert templates["secrets/tls.env"]["Envvars"] is True
+    assert "CONSUL_CACERT_PEM" in templates["secrets/consul_cacert.pem"]["EmbeddedTmpl"]
+    assert templates["secrets/consul_client_key.pem"]["Perms"] == "0600"
+    assert ("secrets/nomad_cacert.pem" in templates) == (job == "planner")

@@ -30,9 +30,14 @@ module "llmgw" {
   wheelhouse_url = "${var.dist_url}/wheelhouse/"
   acl_enabled    = false
 
-  # Two of each on one node: dynamic ports, found through Consul.
+  # Two of each on one node: dynamic ports, found through Consul. Small CPU shares,
+  # so a model's rolling update (the demo model asks 2000 MHz) still fits beside
+  # them on a two-core machine (README.md, "A small dev cluster").
   planner_instances = 2
   router_instances  = 2
+  planner_cpu       = 100
+  router_cpu        = 200
+  install_cpu       = 100
 
   planner_settings = {
     LLMGW_ENGINES = "llama.cpp=/opt/llmgw/bin/llama-server"

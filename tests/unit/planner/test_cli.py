@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw_contract import ModelState
-from planner.cli import _rollout, app
+from planner.cli import _rollout, advertised_url, app
 from planner.status import ModelStatus, ReplicaState, ReplicaStatus
 
 # Nothing listens here: validation must fail before any agent is asked.
@@ -96,3 +96,30 @@ def test_wait_progress_says_a_rollout_only_while_one_runs() -> None:
     assert _rollout(_row(ModelState.LOADING, _replica(0, ReplicaState.SERVING),
                          _replica(1, ReplicaState.LOADING))) == \
         "; rolling out version 1: 0 of 1 new replica(s) healthy, 1 old serving meanwhile"
+
+
+def test_advertise_without_a_scheme_follows_the_admin_apis_tls() -> None:
+    """The planner job passes --advertise HOST:PORT: https when LLMGW_TLS_CERT (maybe
+    from KV) makes the admin API serve TLS, else http (QA on issue 11)."""
+    assert advertised_url("10.0.0.1:4650", serves_tls=True) == "https://10.0.0.1:4650"
+    assert advertised_url("10.0.0.1:4650", serves_tls=False) == "http://10.0.0.1:4650"
+    assert advertised_url("http://lb:4650", serves_tls=True) == "http://lb:4650"
+
+
+def test_under_detailed_exitcode_the_json_error_says_the_exit_code_the_process_exits_with(
+        tmp_path: Path) -> None:
+    """QA on issue 11: the body said 2 (or 3) while the process exited 1."""
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: abc\n")
+    flags = ("--dry-run", "--detailed-exitcode", "--output", "json")
+    code, answer = run("apply", str(tmp_path), *flags)
+    assert (code, answer["error"]["exit_code"]) == (1, 1)
+    assert answer["error"]["kind"] == "InvalidDefinitions"
+    # An agent that does not answer: 3 without the flag, 1 with it, in both places.
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+                                     "  context: 512\n  cpu: 100\n  memory: 256MiB\n")
+    code, answer = run("apply", str(tmp_path), *flags)
+    assert (code, answer["error"]["exit_code"]) == (1, 1)
+    assert answer["error"]["kind"].endswith("Unavailable")
+    code, answer = run("apply", str(tmp_path), "--output", "json")
+    assert (code, answer["error"]["exit_code"]) == (3, 3)

@@ -36,6 +36,15 @@ def test_a_plan_lists_every_model_and_folds_nomads_diff_and_warns_of_no_placemen
     assert "> `a` would not be placed:" in text
 
 
+def test_a_dry_run_table_has_the_memory_estimate_column_the_plain_table_has() -> None:
+    """QA on issue 11: the Markdown plan lacked the plain table's memory estimate."""
+    text = outcomes_markdown([outcome("a", Action.CREATE), outcome("d", Action.UNCHANGED)],
+                             dry_run=True, estimates={"a": "1.2 GiB of 2 GiB: fits"})
+    assert "| model | action | reason | memory estimate |\n|---|---|---|---|\n" in text
+    assert "| `a` | **create** | why | 1.2 GiB of 2 GiB: fits |" in text
+    assert "| `d` | unchanged | why |  |" in text
+
+
 def test_cells_and_errors_stay_one_table_row_each() -> None:
     assert cell("a|b\nc") == "a\\|b<br>c"
     text = error_markdown("x", [{"file": "m/a.yaml", "field": "", "message": "empty file"}])

@@ -73,6 +73,22 @@ def test_leader_then_configured_then_instances_without_repeats() -> None:
     assert planners.ordered()[0] == "https://10.0.0.1:4650"
 
 
+def test_no_fixed_url_lists_only_the_leader_and_the_instances() -> None:
+    """LLMGW_PLANNER_URL=none (the router job's default): no 127.0.0.1:4650 fallback."""
+    settings = RouterSettings(planner_url="none")
+    planners = PlannerCandidates(settings.fixed_planner_url, RouterMetrics(),
+                                 settings.planner_scheme)
+    assert planners.ordered() == []
+    planners.set_instances([ServiceAddress("10.0.0.3", 4650)])
+    planners.set_leader(leader("https://10.0.0.2:4650"))
+    assert planners.ordered() == ["https://10.0.0.2:4650", "http://10.0.0.3:4650"]
+    # With the planners' CA the instances are called over https.
+    tls = RouterSettings(planner_url="none", planner_cacert="/ca.pem")
+    planners = PlannerCandidates(tls.fixed_planner_url, RouterMetrics(), tls.planner_scheme)
+    planners.set_instances([ServiceAddress("10.0.0.3", 4650)])
+    assert planners.ordered() == ["https://10.0.0.3:4650"]
+
+
 def test_the_planner_that_answered_comes_right_after_the_leader() -> None:
     metrics = RouterMetrics()
     planners = PlannerCandidates("http://a:4650", metrics)

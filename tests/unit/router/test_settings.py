@@ -61,6 +61,17 @@ def test_activation_settings_from_environment_and_flags() -> None:
         RouterSettings(planner_url="planner:4650").validate()
 
 
+def test_planner_url_none_means_no_fixed_planner() -> None:
+    """The router job's empty planner_url: only the leader and the instances Consul lists,
+    not the default http://127.0.0.1:4650 (found by QA on issue 11)."""
+    settings = RouterSettings.from_env({"LLMGW_PLANNER_URL": "none"})
+    settings.validate()
+    assert settings.fixed_planner_url is None and settings.planner_scheme == "http"
+    assert RouterSettings.from_env({}).fixed_planner_url == "http://127.0.0.1:4650"
+    https = RouterSettings.from_env({"LLMGW_PLANNER_URL": "https://p:4650"})
+    assert https.planner_scheme == "https"
+
+
 def test_concurrency_and_queue_settings() -> None:
     defaults = RouterSettings.from_env({})
     assert (defaults.replica_concurrency, defaults.default_replica_concurrency) == (0, 4)

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -224,3 +226,13 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def report(result: dict, output: str, print_table: Callable[[dict], None]) -> NoReturn:
+    """Print a bench's result (``output`` "json", else its table) and exit 0 when every
+    target in ``result["met"]`` was met, else 1."""
+    if output == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    sys.exit(0 if all(result["met"].values()) else 1)

@@ -57,6 +57,7 @@ from _support import (
     free_port,
     http,
     percentile,
+    report,
     wait_for,
 )
 
@@ -282,11 +283,7 @@ def main() -> None:
     args = parser.parse_args()
     exit_on_sigterm()
     result = measure(args)
-    if args.output == "json":
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    sys.exit(0 if all(result["met"].values()) else 1)
+    report(result, args.output, print_table)
 
 
 if __name__ == "__main__":

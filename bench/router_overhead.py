@@ -60,6 +60,7 @@ from _support import (
     free_port,
     http,
     percentile,
+    report,
     rss_mb,
     wait_for,
 )
@@ -378,11 +379,7 @@ def main() -> None:
         serve_stub(args.serve_stub)
         return
     result = measure(args)
-    if args.output == "json":
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    sys.exit(0 if all(result["met"].values()) else 1)
+    report(result, args.output, print_table)
 
 
 if __name__ == "__main__":

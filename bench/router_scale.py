@@ -51,7 +51,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from _support import REPO, Children, exit_on_sigterm, free_port, percentile, wait_for
+from _support import REPO, Children, exit_on_sigterm, free_port, percentile, report, wait_for
 
 sys.path.insert(0, str(REPO))
 
@@ -337,11 +337,7 @@ def main() -> None:
     args = parser.parse_args()
     exit_on_sigterm()
     result = measure(args)
-    if args.output == "json":
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    sys.exit(0 if all(result["met"].values()) else 1)
+    report(result, args.output, print_table)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ clean record):
 - an ejection lasts ``base_ejection_s`` x the times it was ejected in a row
   (30 s, 60 s, 90 s ..., at most ``max_ejection_s``, 300 s); then the replica
   returns **on probation**: its first failure ejects it again for longer, its
-  first good answer clears its record;
-- an ejected replica gets no new request while any other replica of the model,
-  not ejected and not already failed for that request, passes
-  (:func:`usable`, the filter :func:`router.balancer.pick` applies); when every
-  replica is ejected, all of them are used, as Envoy's panic mode does.
+  first good answer clears its record; meanwhile it takes one request at a
+  time (a circuit breaker's half-open state), so a burst does not all meet a
+  replica still wedged (a new user saw 4 of 10 do so);
+- an ejected replica, or one on probation with a request in flight, gets no
+  new request while any other replica of the model, not held back and not
+  already failed for that request, passes (:func:`not_ejected`, the filter
+  :func:`router.balancer.pick` applies); when every replica is held back, all
+  of them are used, as Envoy's panic mode does.
 
 Each ejection is one log line and one increment of
 ``llmgw_router_replica_ejections_total{model,reason}``;
@@ -106,18 +109,24 @@ class ReplicaHealth:
 def not_ejected(
     endpoints: Sequence[Endpoint], exclude: Collection[Endpoint] = ()
 ) -> Sequence[Endpoint]:
-    """``endpoints`` without the ejected ones, unless that leaves none outside
-    ``exclude`` (then all of them). Returns ``endpoints`` itself when none is
-    ejected: no allocation on the common path."""
+    """``endpoints`` without the ejected ones and those on probation with a request
+    in flight, unless that leaves none outside ``exclude`` (then all of them).
+    Returns ``endpoints`` itself when none is ejected or on probation: no
+    allocation on the common path."""
     for endpoint in endpoints:
-        if endpoint.health.ejected:
+        if endpoint.health.ejected or endpoint.health.probation:
             break
     else:
         return endpoints
-    kept = tuple(e for e in endpoints if not e.health.ejected)
+    kept = tuple(e for e in endpoints if not _held_back(e))
     if any(e not in exclude for e in kept):
         return kept
     return endpoints
+
+
+def _held_back(endpoint: Endpoint) -> bool:
+    health = endpoint.health
+    return health.ejected or (health.probation and endpoint.inflight > 0)
 
 
 class OutlierDetector:

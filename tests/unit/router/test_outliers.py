@@ -158,3 +158,24 @@ def test_consul_stays_the_authority_a_re_registered_replica_starts_clean() -> No
         assert back.address == a and back is not first and not back.health.ejected
 
     run(scenario())
+
+
+def test_on_probation_a_replica_takes_one_request_at_a_time() -> None:
+    # Half-open: a burst arriving as an ejection ends must not all meet a replica
+    # still wedged (a new user saw 4 of 10 streams do so).
+    async def scenario() -> None:
+        detector, slots, (a, b), metrics = setup(base_ejection_s=0.05)
+        bound = metrics.for_model("m")
+        detector.failed("m", bound, slots, a, Failure.CONNECT)
+        detector.failed("m", bound, slots, a, Failure.CONNECT)
+        await asyncio.sleep(0.1)
+        assert a.health.probation and not a.health.ejected
+        b.inflight = 1
+        assert pick(slots.endpoints, 0) is a  # the idle one: its probe
+        a.inflight = 1
+        assert not_ejected(slots.endpoints) == (b,)
+        assert {pick(slots.endpoints, turn) for turn in range(4)} == {b}
+        detector.answered("m", bound, slots, a, 200)  # the probe passed
+        assert not a.health.probation and not_ejected(slots.endpoints) == slots.endpoints
+
+    run(scenario())

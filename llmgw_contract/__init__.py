@@ -13,6 +13,8 @@ import-linter contracts in pyproject.toml check both). It holds:
 - `certificates`: the certificate series both publish, and their collector.
 - `acl`: the ACL rules both need from Consul (acl/), and the sentence that
   names a denied one.
+- `tlsfiles`: the one `ssl.SSLContext` builder both use, its errors naming the
+  setting.
 
 Two contract tests: tests/unit/contract/test_router_reads.py proves the router
 acts on every value these types allow, tests/unit/contract/test_planner_writes.py

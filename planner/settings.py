@@ -49,7 +49,7 @@ certificate; keys are not certificates) is published as expiry metrics
 (`llmgw_contract.certificates`). `Settings.validate` loads each configured file
 once at start, so a missing file, one that is not PEM, a key without its
 certificate or a key that does not match is a ValueError naming the variable
-(the CLI's exit 2), not a failure at the first request. `tls_context` is the one
+(the CLI's exit 2), not a failure at the first request. `llmgw_contract.tlsfiles` is the one
 place this process builds an `ssl.SSLContext`.
 """
 
@@ -60,6 +60,8 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from llmgw_contract.tlsfiles import tls_context
 
 # Package data (pyproject.toml): an installed wheel carries it too.
 DEFAULT_JOBSPEC = Path(__file__).resolve().parent / "jobspecs" / "model.nomad.hcl"
@@ -90,48 +92,6 @@ def _bool(name: str, text: str | None) -> bool:
     if text in _TRUE or text in _FALSE:
         return text in _TRUE
     raise ValueError(f"{name}={text!r} is not a boolean (true/false, 1/0)")
-
-
-def _readable(name: str, path: str) -> None:
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{name}={path}: {exc.strerror or exc}") from None
-
-
-def tls_context(names: tuple[str, str, str], cafile: str | None = None,
-                certfile: str | None = None, keyfile: str | None = None,
-                server: bool = False) -> ssl.SSLContext:
-    """An SSLContext from PEM files: as a client (`server=False`) it verifies the peer
-    with `cafile` (else the system's CAs) and presents `certfile`/`keyfile` when given;
-    as a server it presents them. `names` name the three settings in errors.
-
-    Raises ValueError naming the setting when a file cannot be read or parsed, when a
-    certificate or key is given without the other, or when the key does not match."""
-    ca_name, cert_name, key_name = names
-    if bool(certfile) != bool(keyfile):
-        given, missing = (cert_name, key_name) if certfile else (key_name, cert_name)
-        raise ValueError(f"{given} is set but {missing} is not: a certificate and its key "
-                         f"go together")
-    for name, path in ((ca_name, cafile), (cert_name, certfile), (key_name, keyfile)):
-        if path:
-            _readable(name, path)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if server \
-        else ssl.create_default_context()
-    if cafile:
-        try:
-            context.load_verify_locations(cafile=cafile)
-        except ssl.SSLError as exc:
-            raise ValueError(f"{ca_name}={cafile}: not a PEM CA certificate "
-                             f"({exc.reason or exc})") from None
-    if certfile and keyfile:
-        try:
-            context.load_cert_chain(certfile, keyfile)
-        except ssl.SSLError as exc:
-            raise ValueError(f"{cert_name}={certfile} and {key_name}={keyfile} do not load as "
-                             f"a PEM certificate and its key ({exc.reason or exc})") from None
-    return context
 
 
 def tls_reason(exc: BaseException) -> str | None:

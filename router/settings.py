@@ -73,7 +73,8 @@ are not certificates) is published as expiry metrics
 (:mod:`llmgw_contract.certificates`). :meth:`RouterSettings.validate` loads each
 configured file once, so a missing file, one that is not PEM, or a key without
 its certificate is a ``ValueError`` naming the variable at start;
-:func:`tls_context` is the one place the router builds an ``ssl.SSLContext``.
+:func:`llmgw_contract.tlsfiles.tls_context` is the one place the router builds an
+``ssl.SSLContext``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmgw_contract.tlsfiles import tls_context
 from router.keys import ApiKeys
 
 DEFAULT_CONSUL_ADDR = "127.0.0.1:8500"
@@ -97,48 +99,6 @@ ROUTINGS = ("least-outstanding", "prefix")
 CONSUL_TLS_VARS = ("CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY")
 PLANNER_TLS_VARS = ("LLMGW_PLANNER_CACERT", "", "")
 SERVING_TLS_VARS = ("", "--tls-cert (LLMGW_TLS_CERT)", "--tls-key (LLMGW_TLS_KEY)")
-
-
-def tls_context(
-    names: tuple[str, str, str],
-    cafile: str | None = None,
-    certfile: str | None = None,
-    keyfile: str | None = None,
-    *,
-    server: bool = False,
-) -> ssl.SSLContext:
-    """An SSLContext from PEM files: as a client it verifies the peer with ``cafile``
-    (else the system's CAs) and presents ``certfile``/``keyfile`` when given; as a
-    server it presents them. ``names`` name the three settings in errors.
-
-    Raises ``ValueError`` naming the setting for a file that cannot be read or parsed,
-    a certificate or key without the other, or a key that does not match.
-    """
-    ca_name, cert_name, key_name = names
-    if bool(certfile) != bool(keyfile):
-        given, missing = (cert_name, key_name) if certfile else (key_name, cert_name)
-        raise ValueError(
-            f"{given} is set but {missing} is not: a certificate and its key go together"
-        )
-    for name, path in ((ca_name, cafile), (cert_name, certfile), (key_name, keyfile)):
-        if path and not os.access(path, os.R_OK):
-            why = "no such file" if not os.path.exists(path) else "not readable"
-            raise ValueError(f"{name}={path}: {why}")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if server else ssl.create_default_context()
-    try:
-        if cafile:
-            context.load_verify_locations(cafile=cafile)
-    except ssl.SSLError as exc:
-        raise ValueError(f"{ca_name}={cafile}: not a PEM CA certificate ({exc.reason})") from None
-    try:
-        if certfile and keyfile:
-            context.load_cert_chain(certfile, keyfile)
-    except ssl.SSLError as exc:
-        raise ValueError(
-            f"{cert_name}={certfile} and {key_name}={keyfile} do not load as a PEM "
-            f"certificate and its key ({exc.reason})"
-        ) from None
-    return context
 
 
 @dataclass(frozen=True, slots=True)

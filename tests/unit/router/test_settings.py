@@ -125,7 +125,7 @@ def test_bad_tls_files_name_their_variable(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not PEM")
     cases = {
-        "CONSUL_CACERT=/nowhere.pem: no such file": {"consul_cacert": "/nowhere.pem"},
+        "CONSUL_CACERT=/nowhere.pem: No such file or directory": {"consul_cacert": "/nowhere.pem"},
         "CONSUL_CLIENT_KEY is set but CONSUL_CLIENT_CERT is not": {
             "consul_client_key": str(ca.key)
         },

@@ -75,15 +75,25 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TlsCA:
     return make_ca(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.fixture(scope="session")
-def cluster(binaries: Path, test_ca: TlsCA,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("cluster"), free_offset(TEST_PORT_OFFSETS))
+@contextlib.contextmanager
+def own_cluster(root: Path, offsets: range = TEST_PORT_OFFSETS,
+                extra_env: dict[str, str] | None = None, **options: Any) -> Iterator[Cluster]:
+    """A running cluster under `root` (`options`: `Cluster`'s, e.g. more client nodes,
+    TLS, ACLs) on the first free port offset of `offsets`; always brought down."""
+    cluster = Cluster(root, free_offset(offsets), **options)
     try:
-        up(cluster, extra_env={"SSL_CERT_FILE": str(test_ca.bundle)})
+        up(cluster, extra_env=extra_env)
         yield cluster
     finally:
         down(cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster(binaries: Path, test_ca: TlsCA,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with own_cluster(tmp_path_factory.mktemp("cluster"),
+                     extra_env={"SSL_CERT_FILE": str(test_ca.bundle)}) as cluster:
+        yield cluster
 
 
 

@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from devcluster.bootstrap import BIN, REPO
-from devcluster.cluster import AclTokens, Cluster, down, free_offset, up
-from tests.conftest import ADMIN_TOKEN, PlannerDaemon, http_json, run_router, wait_for
+from devcluster.cluster import AclTokens, Cluster
+from tests.conftest import ADMIN_TOKEN, PlannerDaemon, http_json, own_cluster, run_router, wait_for
 from tests.support.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.integration
@@ -54,13 +54,10 @@ class Tokens:
 
 @pytest.fixture(scope="module")
 def acl_cluster(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("acl-cluster"), free_offset(ACL_PORT_OFFSETS),
-                      acl=AclTokens(consul=str(uuid.uuid4()), nomad=str(uuid.uuid4())))
-    try:
-        up(cluster)
+    tokens = AclTokens(consul=str(uuid.uuid4()), nomad=str(uuid.uuid4()))
+    with own_cluster(tmp_path_factory.mktemp("acl-cluster"), ACL_PORT_OFFSETS,
+                     acl=tokens) as cluster:
         yield cluster
-    finally:
-        down(cluster)
 
 
 def _cli(cluster: Cluster, *argv: str) -> str:

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 
 from devcluster.bootstrap import BIN, REPO
-from devcluster.cluster import Cluster, TlsFiles, client_context, down, free_offset, up
+from devcluster.cluster import Cluster, TlsFiles, client_context
 from llmgw_contract import LEADER_KEY, ROUTER_SERVICE, LeaderRecord, decode
-from tests.conftest import ADMIN_TOKEN, TEST_PORT_OFFSETS, wait_for
+from tests.conftest import ADMIN_TOKEN, own_cluster, wait_for
 from tests.integration.test_deploy_jobs import CONFIG_PREFIX
 from tests.support.tls import TlsCA, issue, make_ca
 from tests.support.wheel import base_python, build_wheel, build_wheelhouse, serve_folder
@@ -49,13 +49,9 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> TlsCA:
 def tls_cluster(binaries: Path, ca: TlsCA) -> Iterator[Cluster]:
     folder = ca.ca_cert.parent
     client_cert, client_key = issue(ca, folder, "client", client=True)
-    cluster = Cluster(folder / "cluster", free_offset(TEST_PORT_OFFSETS),
-                      tls=TlsFiles(ca.ca_cert, ca.cert, ca.key, client_cert, client_key))
-    try:
-        up(cluster)
+    files = TlsFiles(ca.ca_cert, ca.cert, ca.key, client_cert, client_key)
+    with own_cluster(folder / "cluster", tls=files) as cluster:
         yield cluster
-    finally:
-        down(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.cluster import ClientNode, Cluster, down, free_offset, leftovers, status, up
-from tests.conftest import TEST_PORT_OFFSETS, http_json, nomad_get, wait_for
+from devcluster.cluster import ClientNode, Cluster, down, leftovers, status
+from tests.conftest import http_json, nomad_get, own_cluster, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,13 +26,8 @@ NODE_B = ClientNode("node-b", env={"LLMGW_FAKE_FAULT": "missing-model"},
 
 @pytest.fixture(scope="module")
 def two_nodes(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("two-nodes"), free_offset(TEST_PORT_OFFSETS),
-                      clients=(NODE_B,))
-    try:
-        up(cluster)
+    with own_cluster(tmp_path_factory.mktemp("two-nodes"), clients=(NODE_B,)) as cluster:
         yield cluster
-    finally:
-        down(cluster)
 
 
 def run_job(cluster: Cluster, hcl: str) -> str:

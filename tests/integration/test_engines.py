@@ -28,8 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.cluster import ClientNode, Cluster, down, free_offset, up
-from tests.conftest import TEST_PORT_OFFSETS, PlannerDaemon, http_json, nomad_get, wait_for
+from devcluster.cluster import ClientNode, Cluster
+from tests.conftest import (
+    PlannerDaemon,
+    http_json,
+    nomad_get,
+    own_cluster,
+    wait_for,
+)
 from tests.integration.test_parking import write_model
 from tests.support.tls import TlsCA, serve_https
 
@@ -42,13 +48,12 @@ META_KEY = f"llmgw_engine_{ENGINE}"
 @pytest.fixture(scope="module")
 def nodes(binaries: Path, test_ca: TlsCA) -> Iterator[Cluster]:
     root = Path(tempfile.mkdtemp(prefix="llmgw-e", dir="/tmp"))
-    cluster = Cluster(root, free_offset(TEST_PORT_OFFSETS), clients=(ClientNode("node-b"),))
     try:
         # The agents trust the test CA: the engine artifact is served over https.
-        up(cluster, extra_env={"SSL_CERT_FILE": str(test_ca.bundle)})
-        yield cluster
+        with own_cluster(root, extra_env={"SSL_CERT_FILE": str(test_ca.bundle)},
+                         clients=(ClientNode("node-b"),)) as cluster:
+            yield cluster
     finally:
-        down(cluster)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.cluster import ClientNode, Cluster, FakeGpus, down, free_offset, up
+from devcluster.cluster import ClientNode, Cluster, FakeGpus
 from tests.conftest import (
-    TEST_PORT_OFFSETS,
     PlannerDaemon,
     forget_models,
     nomad_get,
+    own_cluster,
     passing_endpoints,
     run_router,
     wait_for,
@@ -50,13 +50,8 @@ def gpu_profile(gpus: int, gpu_memory: str | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def gpu_cluster(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("gpus"), free_offset(TEST_PORT_OFFSETS),
-                      clients=(GPU_A, GPU_B))
-    try:
-        up(cluster)
+    with own_cluster(tmp_path_factory.mktemp("gpus"), clients=(GPU_A, GPU_B)) as cluster:
         yield cluster
-    finally:
-        down(cluster)
 
 
 @pytest.fixture(scope="module")

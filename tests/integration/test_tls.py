@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from devcluster.cluster import Cluster, TlsFiles, client_context, down, free_offset, up
+from devcluster.cluster import Cluster, TlsFiles, client_context
 from llmgw_contract.certificates import EXPIRY, READ_SUCCESS, not_after
-from tests.conftest import ADMIN_TOKEN, TEST_PORT_OFFSETS, free_port, wait_for
+from tests.conftest import ADMIN_TOKEN, free_port, own_cluster, wait_for
 from tests.support.tls import TlsCA, issue, make_ca
 
 pytestmark = pytest.mark.integration
@@ -71,13 +71,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def tls_cluster(binaries: Path, pki: Pki,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     files = TlsFiles(pki.ca.ca_cert, pki.ca.cert, pki.ca.key, pki.client_cert, pki.client_key)
-    cluster = Cluster(tmp_path_factory.mktemp("tls-cluster"), free_offset(TEST_PORT_OFFSETS),
-                      tls=files)
-    try:
-        up(cluster)
+    with own_cluster(tmp_path_factory.mktemp("tls-cluster"), tls=files) as cluster:
         yield cluster
-    finally:
-        down(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.cluster import ClientNode, Cluster, down, free_offset, up
-from tests.conftest import TEST_PORT_OFFSETS, PlannerDaemon, run_router, wait_for
+from devcluster.cluster import ClientNode, Cluster
+from tests.conftest import PlannerDaemon, own_cluster, run_router, wait_for
 from tests.integration.test_on_demand import complete
 from tests.integration.test_parking import write_model
 from tests.support.engines import write_engines
@@ -42,13 +42,8 @@ NODE_B = ClientNode("node-b", env={"LLMGW_FAKE_FAULT": "missing-model"},
 
 @pytest.fixture(scope="module")
 def two_nodes(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("c14"), free_offset(TEST_PORT_OFFSETS),
-                      clients=(NODE_B,))
-    try:
-        up(cluster)
+    with own_cluster(tmp_path_factory.mktemp("c14"), clients=(NODE_B,)) as cluster:
         yield cluster
-    finally:
-        down(cluster)
 
 
 @pytest.fixture(scope="module")

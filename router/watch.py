@@ -263,7 +263,11 @@ def _log_failure(what: str, state: RetryCallState | None, exc: BaseException | N
         exc = state.outcome.exception()
     delay = state.next_action.sleep if state is not None and state.next_action else 0.0
     if isinstance(exc, CatalogError):
-        log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
+        # Consul down is one fact, not one per retry of every watch (a new user saw
+        # about 7 warnings a second): attempts 1, 2, 4, 8 ... warn, the rest are debug.
+        attempt = state.attempt_number if state is not None else 1
+        level = logging.WARNING if attempt & (attempt - 1) == 0 else logging.DEBUG
+        log.log(level, "%s: %s; retrying in %.1fs (attempt %d)", what, exc, delay, attempt)
     else:
         log.error("%s: watch failed (%r); retrying in %.1fs", what, exc, delay, exc_info=exc)
 

@@ -32,10 +32,10 @@ import difflib
 import hashlib
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, TypeVar
 from urllib.parse import quote, urlparse
 
 import yaml
@@ -390,6 +390,39 @@ def expand_paths(paths: list[Path]) -> list[Path]:
     return files
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Named = TypeVar("Named", bound=_Named)
+
+
+def collect(paths: list[Path], parse: Callable[[Path], tuple[Named | None,
+                                                              list[DefinitionError]]],
+            kind: str) -> tuple[dict[str, tuple[Path, Named]], list[DefinitionError]]:
+    """Parse every file of `paths` with `parse`: ({name: (file, definition)}, every
+    problem), a file naming a `kind` another file named already being one of them.
+    Shared by model and engine files (`planner.engines.definitions`)."""
+    files = expand_paths(paths)
+    errors: list[DefinitionError] = []
+    if not files:
+        errors.append(DefinitionError(Path(" ".join(map(str, paths)) or "."), "",
+                                      f"no {kind} files (*.yaml, *.yml) found"))
+    found: dict[str, tuple[Path, Named]] = {}
+    for path in files:
+        definition, problems = parse(path)
+        errors.extend(problems)
+        if definition is None:
+            continue
+        if definition.name in found:
+            errors.append(DefinitionError(path, "name", (
+                f"{kind} {definition.name!r} is already defined in {found[definition.name][0]}")))
+            continue
+        found[definition.name] = (path, definition)
+    return found, errors
+
+
 def load_definitions(paths: list[Path], engines: Collection[str] | None = None
                      ) -> dict[str, tuple[Path, ModelDefinition]]:
     """Load every model from files and folders: {name: (file, definition)}.
@@ -399,22 +432,8 @@ def load_definitions(paths: list[Path], engines: Collection[str] | None = None
     when `engines` is given, an engine not among them); then the caller must
     change nothing.
     """
-    files = expand_paths(paths)
-    errors: list[DefinitionError] = []
-    if not files:
-        errors.append(DefinitionError(Path(" ".join(map(str, paths)) or "."), "",
-                                      "no model files (*.yaml, *.yml) found"))
-    models: dict[str, tuple[Path, ModelDefinition]] = {}
-    for path in files:
-        definition, problems = parse_file(path)
-        errors.extend(problems)
-        if definition is None:
-            continue
-        if definition.name in models:
-            errors.append(DefinitionError(path, "name", (
-                f"model {definition.name!r} is already defined in {models[definition.name][0]}")))
-            continue
-        models[definition.name] = (path, definition)
+    models, errors = collect(paths, parse_file, "model")
+    for path, definition in models.values():
         if engines is not None and definition.profile.engine not in engines:
             errors.append(DefinitionError(path, "profile.engine", (
                 f"unknown engine {definition.profile.engine!r} (this planner knows: "

@@ -45,7 +45,7 @@ from pydantic import (
     model_validator,
 )
 
-from planner.definitions import _UniqueKeyLoader, expand_paths
+from planner.definitions import _UniqueKeyLoader, collect
 from planner.engines import DEFAULT_KIND, KINDS
 from planner.errors import DefinitionError, InvalidDefinitions
 
@@ -230,23 +230,7 @@ def load_engines(paths: list[Path]) -> dict[str, tuple[Path, EngineDefinition]]:
     """Every engine in files and folders: {name: (file, definition)}. Raises
     InvalidDefinitions carrying every problem of every file; then the caller must
     change nothing."""
-    files = expand_paths(paths)
-    errors: list[DefinitionError] = []
-    if not files:
-        errors.append(DefinitionError(Path(" ".join(map(str, paths)) or "."), "",
-                                      "no engine files (*.yaml, *.yml) found"))
-    engines: dict[str, tuple[Path, EngineDefinition]] = {}
-    for path in files:
-        definition, problems = parse_engine_file(path)
-        errors.extend(problems)
-        if definition is None:
-            continue
-        if definition.name in engines:
-            errors.append(DefinitionError(path, "name", (
-                f"engine {definition.name!r} is already defined in "
-                f"{engines[definition.name][0]}")))
-            continue
-        engines[definition.name] = (path, definition)
+    engines, errors = collect(paths, parse_engine_file, "engine")
     if errors:
         raise InvalidDefinitions(errors)
     return engines

@@ -254,9 +254,17 @@ def nomad_module_copy(part: str, work: Path) -> None:
     say(f"{part}: github.com/hashicorp/nomad@{NOMAD_VERSION} from the Go proxy (or its cache)")
     src = go_download(f"github.com/hashicorp/nomad@{NOMAD_VERSION}")
     api = go_download(f"github.com/hashicorp/nomad/api@{NOMAD_API_VERSION}")
+    writable_copy(src, work)
+    shutil.copytree(api, work / "api")
+    for path in (work / "api", *(work / "api").rglob("*")):
+        path.chmod(path.stat().st_mode | 0o200)
+
+
+def writable_copy(src: Path, work: Path) -> None:
+    """`work` made afresh as a copy of the read-only module `src` that `go build` may
+    write into."""
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(src, work)
-    shutil.copytree(api, work / "api")
     for path in (work, *work.rglob("*")):
         path.chmod(path.stat().st_mode | 0o200)
 
@@ -330,10 +338,7 @@ def tofu_build() -> None:
     # which `go install module@version` refuses.
     src = go_download(f"github.com/opentofu/opentofu@{TOFU_VERSION}")
     work = CACHE / "build" / f"tofu-{TOFU_VERSION}"
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(src, work)
-    for path in (work, *work.rglob("*")):
-        path.chmod(path.stat().st_mode | 0o200)
+    writable_copy(src, work)
     say(f"tofu: go build (about 10 min on 2 cores; log in {CACHE / 'logs' / 'tofu.log'})")
     out = CACHE / "build" / "tofu.new"
     run(["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(out), "./cmd/tofu"],

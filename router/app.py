@@ -52,7 +52,7 @@ from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable, ModelEntry
 from router.intake import BodyBudget, default_budget
-from router.keys import KeysFile
+from router.keys import ConsulKeys, KeysFile, KeySource
 from router.metrics import RouterMetrics
 from router.outliers import OutlierDetector, OutlierPolicy
 from router.plannerapi import PlannerAPI
@@ -228,7 +228,11 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         usage = UsageReporter(table, planner, settings.usage_interval_s)
     if no_endpoint is None:
         no_endpoint = activator if activator is not None else refuse_at_once
-    keys = KeysFile(settings.api_keys_file) if settings.api_keys_file else None
+    keys: KeySource | None = None
+    if settings.api_keys_file:
+        keys = KeysFile(settings.api_keys_file)
+    elif settings.api_keys_consul:
+        keys = ConsulKeys()
     proxy = Proxy(
         table,
         metrics,
@@ -275,10 +279,11 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             wait_s=settings.watch_wait_s,
             backoff_max_s=settings.watch_backoff_max_s,
             planners=planners,
+            keys=keys if isinstance(keys, ConsulKeys) else None,
         )
         app.state.watcher = watcher
         watcher.start()
-        following = None if keys is None else asyncio.ensure_future(keys.follow())
+        following = asyncio.ensure_future(keys.follow()) if isinstance(keys, KeysFile) else None
         if planner is not None and usage is not None:
             await planner.start()
             usage.start()
@@ -352,7 +357,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
 
 
 def _add_routes(
-    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeysFile | None
+    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeySource | None
 ) -> None:
     def allowed(request: Request) -> Callable[[str], bool]:
         """Which models the request's key may see (every one without router keys);

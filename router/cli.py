@@ -44,7 +44,7 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from llmgw_contract.acl import ROUTER_CONSUL_NEEDS
+from llmgw_contract.acl import ROUTER_CONSUL_KEYS_NEEDS, ROUTER_CONSUL_NEEDS
 from router.app import create_app
 from router.catalog import ConsulCatalog
 from router.errors import CatalogUnavailable
@@ -172,6 +172,15 @@ def serve(
             "env LLMGW_API_KEYS_FILE). Unset: no key asked for."
         ),
     ] = None,
+    api_keys_consul: Annotated[
+        bool | None,
+        typer.Option(
+            "--api-keys-consul/--no-api-keys-consul",
+            help="Read the API keys (the keys file's format) from Consul KV "
+            "llmgw-router/api-keys and follow it (env LLMGW_API_KEYS_CONSUL; the token "
+            "needs key \"llmgw-router/api-keys\" read).",
+        ),
+    ] = None,
     first_byte_timeout: Annotated[
         float | None,
         typer.Option(
@@ -260,6 +269,7 @@ def serve(
             queue_timeout_s=queue_timeout,
             routing=routing,
             api_keys_file=api_keys_file,
+            api_keys_consul=api_keys_consul,
             first_byte_timeout_s=first_byte_timeout,
             max_connections_per_replica=max_connections_per_replica,
             max_requests=max_requests,
@@ -325,7 +335,9 @@ async def _denied(settings: RouterSettings) -> str | None:
         f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
     )
     try:
-        return await catalog.denied(ROUTER_CONSUL_NEEDS)
+        needs = ROUTER_CONSUL_NEEDS + (ROUTER_CONSUL_KEYS_NEEDS if settings.api_keys_consul
+                                       else ())
+        return await catalog.denied(needs)
     finally:
         await catalog.close()
 

@@ -72,6 +72,9 @@ Environment variables (all optional):
   before a prefix spills to the next one (1.25)
 - ``LLMGW_API_KEYS_FILE``: YAML file of the router's API keys (SHA-256 digests,
   allowed models); unset: no keys asked for (:mod:`router.keys`)
+- ``LLMGW_API_KEYS_CONSUL``: ``true`` reads the API keys (the keys file's format)
+  from the Consul KV key ``llmgw-router/api-keys`` and follows it (:mod:`router.keys`);
+  not with ``LLMGW_API_KEYS_FILE``
 - ``LLMGW_FORWARD_AUTHORIZATION``: ``true`` sends the client's ``Authorization``
   header on to the replica (default: dropped, it is the router's key)
 
@@ -195,6 +198,7 @@ class RouterSettings:
     prefix_load_factor: float = 1.25
     # Router API keys (router.keys); None: none asked for.
     api_keys_file: str | None = None
+    api_keys_consul: bool = False
     forward_authorization: bool = False
 
     @classmethod
@@ -218,6 +222,9 @@ class RouterSettings:
             overrides["forward_authorization"] = _flag(
                 "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
             )
+        if env.get("LLMGW_API_KEYS_CONSUL"):
+            overrides["api_keys_consul"] = _flag("LLMGW_API_KEYS_CONSUL",
+                                                 env["LLMGW_API_KEYS_CONSUL"])
         if env.get("LLMGW_ROUTER_CORS_ORIGINS"):
             overrides["cors_origins"] = _origins(env["LLMGW_ROUTER_CORS_ORIGINS"])
         if env.get("LLMGW_ACTIVATION"):
@@ -265,6 +272,9 @@ class RouterSettings:
             raise ValueError(
                 "LLMGW_PREFIX_CHARS must be >= 1 and LLMGW_PREFIX_LOAD_FACTOR >= 1.0"
             )
+        if self.api_keys_file and self.api_keys_consul:
+            raise ValueError("API keys come from LLMGW_API_KEYS_FILE or LLMGW_API_KEYS_CONSUL, "
+                             "not both")
         if self.api_keys_file:
             ApiKeys.load(self.api_keys_file)
         if self.first_byte_timeout_s <= 0:

@@ -6,6 +6,8 @@ Parts: a real ``consul agent -dev``, the router as ``router serve`` runs it
 request target byte for byte, before any HTTP library could decode it. Requests
 are written on raw sockets, so each spelling reaches the router as written.
 
+A second router reads its API keys from the KV key llmgw-router/api-keys.
+
 The router runs with small bounds, set here: 1 MiB of bodies at once, a 2 s
 header-read timeout, a 3 s body-read timeout (plus 1 s per 64 KiB received).
 """
@@ -16,10 +18,13 @@ import http.client
 import json
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
+from llmgw_contract import ROUTER_API_KEYS_KEY
+from router.keys import digest
 from router.routes import MODEL_ROUTES
 from tests.integration.test_router_consul import Consul, Router, consul_binary, eventually
 from tests.support.path_forms import REFUSED
@@ -247,3 +252,51 @@ def test_oversized_headers_get_431(parts: Parts) -> None:
         status, headers, data = answer(sock)
     assert status == 431 and error_code(data) == "request_header_fields_too_large", data
     assert headers["connection"] == "close"
+
+
+# --- API keys in Consul KV ------------------------------------------------------
+
+
+def test_api_keys_follow_consul_kv(parts: Parts, tmp_path_factory: pytest.TempPathFactory) -> None:
+    consul = parts.consul
+    team, ops = "sk-team-0123456789abcdef", "sk-ops-fedcba9876543210"
+
+    def document(*entries: tuple[str, str]) -> bytes:
+        return "keys:\n".join(
+            ["", *(f"  - name: {name}\n    sha256: {digest(key)}\n" for name, key in entries)]
+        ).encode()
+
+    def put(value: bytes) -> None:
+        req = urllib.request.Request(f"{consul.url}/v1/kv/{ROUTER_API_KEYS_KEY}", value,
+                                     method="PUT")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+
+    def status_with(key: str) -> int:
+        port = router.port
+        body = json.dumps({"model": MODEL}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+            sock.sendall(head("/v1/completions", len(body), f"Authorization: Bearer {key}")
+                         + body)
+            return answer(sock)[0]
+
+    put(document(("team", team)))
+    router = Router(consul, tmp_path_factory.mktemp("router-kv-keys"), "router-kv",
+                    "--replica-concurrency", "4", "--api-keys-consul")
+    try:
+        eventually(lambda: router.metric("llmgw_router_endpoints", model=MODEL) == 1, 10)
+        eventually(lambda: status_with(team) == 200, 10)
+        assert status_with(ops) == 401
+        # Added and revoked in KV: in force within a blocking-query round trip.
+        put(document(("ops", ops)))
+        eventually(lambda: status_with(ops) == 200 and status_with(team) == 401, 10)
+        # A broken document is logged; the keys before stay.
+        put(b"keys: [")
+        eventually(lambda: "API keys not reloaded" in router.log_path.read_text(), 10)
+        assert status_with(ops) == 200
+        # Deleted: no key is valid (never open).
+        urllib.request.urlopen(urllib.request.Request(
+            f"{consul.url}/v1/kv/{ROUTER_API_KEYS_KEY}", method="DELETE"), timeout=10).close()
+        eventually(lambda: status_with(ops) == 401, 10)
+    finally:
+        router.stop()

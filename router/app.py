@@ -290,7 +290,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         log.info(
             "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, first byte "
             "%ss, silence %ss; CORS origins: %s; per replica %s in flight, queue timeout %gs; "
-            "routing %s; %s",
+            "request bodies held at once: at most %d bytes; routing %s; %s",
             scheme,
             host,
             port,

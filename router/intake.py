@@ -48,10 +48,13 @@ class ClientGone(Exception):
 
 def memory_limit_bytes(
     meminfo: Path = Path("/proc/meminfo"),
-    cgroup_max: Path = Path("/sys/fs/cgroup/memory.max"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    own_cgroup: Path = Path("/proc/self/cgroup"),
 ) -> int | None:
-    """The memory this process may use: ``MemTotal``, or the cgroup v2 limit when lower
-    (a Nomad task's ``memory``); ``None`` when neither can be read."""
+    """The memory this process may use: ``MemTotal``, or its own cgroup's limit (a
+    Nomad ``exec`` task's ``memory``, a container's) when lower: cgroup v2's
+    ``memory.max``, v1's ``memory/memory.limit_in_bytes``; ``None`` when none can be
+    read."""
     limits = []
     try:
         for line in meminfo.read_text().splitlines():
@@ -59,12 +62,26 @@ def memory_limit_bytes(
                 limits.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
+    # The roots too: inside a container its own cgroup is mounted at the root.
+    candidates = [cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"]
     try:
-        raw = cgroup_max.read_text().strip()
+        # v2: "0::/path/of/the/cgroup"; v1: "4:memory:/path/of/the/cgroup".
+        for line in own_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if not controllers:
+                candidates.insert(0, cgroup_root / path.lstrip("/") / "memory.max")
+            elif "memory" in controllers.split(","):
+                candidates.insert(0, cgroup_root / "memory" / path.lstrip("/")
+                                  / "memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    for candidate in candidates:
+        try:
+            raw = candidate.read_text().strip()
+        except OSError:
+            continue
         if raw.isdigit():
             limits.append(int(raw))
-    except OSError:
-        pass
     return min(limits) if limits else None
 
 

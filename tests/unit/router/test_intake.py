@@ -110,11 +110,20 @@ def test_a_client_that_leaves_is_client_gone() -> None:
 def test_the_default_budget_is_a_quarter_of_memory_at_most_1_gib(tmp_path: Path) -> None:
     assert default_budget(2 * 1024**3) == 512 * 1024**2
     assert default_budget(64 * 1024**3) == 1024**3
-    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "memory.max"
+    meminfo, root, own = tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "self-cgroup"
     meminfo.write_text("MemTotal:       16384000 kB\nMemFree: 1 kB\n")
-    assert memory_limit_bytes(meminfo, cgroup) == 16384000 * 1024
-    cgroup.write_text("536870912\n")
-    assert memory_limit_bytes(meminfo, cgroup) == 536870912
-    cgroup.write_text("max\n")
-    assert memory_limit_bytes(meminfo, cgroup) == 16384000 * 1024
-    assert memory_limit_bytes(tmp_path / "none", tmp_path / "none") is None
+    assert memory_limit_bytes(meminfo, root, own) == 16384000 * 1024
+    (root / "nomad.slice" / "task.scope").mkdir(parents=True)
+    own.write_text("0::/nomad.slice/task.scope\n")
+    (root / "nomad.slice" / "task.scope" / "memory.max").write_text("536870912\n")
+    assert memory_limit_bytes(meminfo, root, own) == 536870912
+    (root / "nomad.slice" / "task.scope" / "memory.max").write_text("max\n")
+    assert memory_limit_bytes(meminfo, root, own) == 16384000 * 1024
+    (root / "memory.max").write_text("1073741824\n")  # a container's own root
+    assert memory_limit_bytes(meminfo, root, own) == 1073741824
+    assert memory_limit_bytes(tmp_path / "none", tmp_path / "none", tmp_path / "none") is None
+    # cgroup v1: the memory controller's own hierarchy.
+    (root / "memory" / "job").mkdir(parents=True)
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text("268435456\n")
+    own.write_text("5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n")
+    assert memory_limit_bytes(meminfo, root, own) == 268435456

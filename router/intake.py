@@ -108,9 +108,9 @@ class BodyBudget:
         :class:`router.errors.RouterOverloaded` (nothing reserved) past the limit."""
         if self.held + more > self.limit:
             raise errors.RouterOverloaded(
-                f"The router holds its limit of {self.limit} bytes of request bodies "
-                f"({self.held} now) and cannot take {held + more} more. "
-                f"Retry in {self.retry_after_s} s.",
+                f"The router holds request bodies up to {self.limit} bytes at once "
+                f"({self.held} held now), and this request's body ({held + more} bytes so "
+                f"far) does not fit. Retry in {self.retry_after_s} s.",
                 self.retry_after_s,
             )
         self.held += more

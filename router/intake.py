@@ -43,7 +43,8 @@ DEFAULT_BUDGET_SHARE = 4
 
 
 class ClientGone(Exception):
-    """The client disconnected before its body was read."""
+    """The client disconnected before its response started (while its body was read,
+    or while it waited for its answer: :mod:`router.proxy`)."""
 
 
 def memory_limit_bytes(

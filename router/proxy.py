@@ -132,10 +132,6 @@ def authorization(scope: Scope) -> bytes | None:
     return None
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its response started."""
-
-
 class Proxy:
     """ASGI app for the proxied OpenAI endpoints. ``session`` is set by the lifespan."""
 
@@ -260,7 +256,7 @@ class Proxy:
             if exc.refusal is not None:
                 bound.refused(exc.refusal)
             status = await send_error(send, exc, close=not body_read)
-        except (_ClientGone, ClientGone):
+        except ClientGone:
             status = STATUS_CLIENT_CLOSED
         except Exception:
             log.exception("unhandled error proxying %s", scope.get("path"))
@@ -311,7 +307,7 @@ class Proxy:
             # Our own cancellation, not a shutdown: the client left.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             log.info("model %s: client left before the answer; upstream closed", entry.name)
-            raise _ClientGone from None
+            raise ClientGone from None
         finally:
             watch.disarm()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from llmgw_contract.keys import KV_ROOT, PLANNER_SERVICE, SERVICE_PREFIX
+from llmgw_contract.keys import KV_ROOT, PLANNER_SERVICE, ROUTER_API_KEYS_KEY, SERVICE_PREFIX
 
 
 class Agent(StrEnum):
@@ -74,8 +74,13 @@ CONSUL_SERVICES_READ = Permission(Agent.CONSUL, f'service_prefix "{SERVICE_PREFI
                                   "service", SERVICE_PREFIX, "read")
 CONSUL_NODES_READ = Permission(Agent.CONSUL, 'node_prefix "" read', "node", "", "read")
 
-# What `router serve` reads (acl/consul/router.hcl).
+CONSUL_API_KEYS_READ = Permission(Agent.CONSUL, f'key "{ROUTER_API_KEYS_KEY}" read', "key",
+                                  ROUTER_API_KEYS_KEY, "read")
+
+# What `router serve` reads (acl/consul/router.hcl); the API keys' KV document only
+# with LLMGW_API_KEYS_CONSUL.
 ROUTER_CONSUL_NEEDS = (CONSUL_KV_READ, CONSUL_SERVICES_READ, CONSUL_NODES_READ)
+ROUTER_CONSUL_KEYS_NEEDS = (CONSUL_API_KEYS_READ,)
 
 
 def denial(agent: Agent, rules: list[str], token: TokenStatus, policy_file: str,

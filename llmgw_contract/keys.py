@@ -16,6 +16,13 @@ KV layout (all JSON, see `llmgw_contract.documents`):
 
 The router watches `llmgw/models/` and `llmgw/state/`, never `llmgw/usage/`: a
 usage heartbeat must not wake every router.
+
+Outside `llmgw/`, written by operators only:
+
+    llmgw-router/api-keys YAML            the router's API keys when it runs with
+                                          LLMGW_API_KEYS_CONSUL (router.keys); outside
+                                          `llmgw/` so the planner's token (`llmgw/`
+                                          write) cannot grant itself a key
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from enum import StrEnum
 
 KV_ROOT = "llmgw/"
 LEADER_KEY = "llmgw/leader"
+ROUTER_API_KEYS_KEY = "llmgw-router/api-keys"
 
 
 class KVPrefix(StrEnum):

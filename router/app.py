@@ -9,8 +9,8 @@ in named steps, on shutdown.
 
 Routes:
 
-- every model-addressed ``POST`` (any path under ``/v1/`` and llama-server's
-  own model routes, :mod:`router.routes`): :class:`router.proxy.Proxy`, a
+- every model-addressed ``POST`` (OpenAI's and llama-server's model routes, sent
+  exactly as listed in :mod:`router.routes`): :class:`router.proxy.Proxy`, a
   plain ASGI handler that :class:`RouterApp` calls before any of Starlette's
   middleware, routing or dependency injection.
 - ``GET /v1/models``: defined models (Consul KV records and ``llmgw-<model>``
@@ -51,7 +51,8 @@ from router.activation import Activator
 from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable, ModelEntry
-from router.keys import KeysFile
+from router.intake import BodyBudget, default_budget
+from router.keys import ConsulKeys, KeysFile, KeySource
 from router.metrics import RouterMetrics
 from router.outliers import OutlierDetector, OutlierPolicy
 from router.plannerapi import PlannerAPI
@@ -59,7 +60,7 @@ from router.planners import PlannerCandidates
 from router.prefix import PrefixChooser
 from router.proxy import NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
-from router.routes import proxied
+from router.routes import model_route
 from router.settings import RouterSettings
 from router.usage import UsageReporter
 from router.watch import ConsulWatcher
@@ -84,14 +85,14 @@ class RouterApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.entry is not None:
             await self.entry(scope, receive, send)
-        elif scope["type"] == "http" and proxied(scope["method"], scope["path"]):
+        elif scope["type"] == "http" and model_route(scope) is not None:
             await self.proxy(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Model-addressed requests (:mod:`router.routes`) to the proxy, the rest to FastAPI."""
-        if scope["type"] == "http" and proxied(scope["method"], scope["path"]):
+        if scope["type"] == "http" and model_route(scope) is not None:
             await self.proxy(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
@@ -227,7 +228,11 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         usage = UsageReporter(table, planner, settings.usage_interval_s)
     if no_endpoint is None:
         no_endpoint = activator if activator is not None else refuse_at_once
-    keys = KeysFile(settings.api_keys_file) if settings.api_keys_file else None
+    keys: KeySource | None = None
+    if settings.api_keys_file:
+        keys = KeysFile(settings.api_keys_file)
+    elif settings.api_keys_consul:
+        keys = ConsulKeys()
     proxy = Proxy(
         table,
         metrics,
@@ -243,6 +248,10 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         forward_authorization=settings.forward_authorization,
         first_byte_timeout_s=settings.first_byte_timeout_s,
         max_requests=settings.max_requests,
+        budget=BodyBudget(settings.max_bodies_bytes or default_budget(),
+                          settings.busy_retry_after_s),
+        body_read_timeout_s=settings.body_read_timeout_s,
+        body_min_rate=settings.body_min_rate,
         outliers=OutlierDetector(
             OutlierPolicy(
                 consecutive_failures=settings.eject_after_failures,
@@ -252,6 +261,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             )
         ),
     )
+
+    budget = proxy.budget
+    metrics.follow_bodies(lambda: budget.held, budget.limit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -267,17 +279,18 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             wait_s=settings.watch_wait_s,
             backoff_max_s=settings.watch_backoff_max_s,
             planners=planners,
+            keys=keys if isinstance(keys, ConsulKeys) else None,
         )
         app.state.watcher = watcher
         watcher.start()
-        following = None if keys is None else asyncio.ensure_future(keys.follow())
+        following = asyncio.ensure_future(keys.follow()) if isinstance(keys, KeysFile) else None
         if planner is not None and usage is not None:
             await planner.start()
             usage.start()
         log.info(
             "router started: Consul at %s://%s:%d; upstream timeouts: connect %ss, first byte "
             "%ss, silence %ss; CORS origins: %s; per replica %s in flight, queue timeout %gs; "
-            "routing %s; %s",
+            "request bodies held at once: at most %d bytes; routing %s; %s",
             scheme,
             host,
             port,
@@ -288,6 +301,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             settings.replica_concurrency
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
+            proxy.budget.limit,
             settings.routing,
             f"activation through the planner leader (Consul), then "
             f"{settings.fixed_planner_url or 'no fixed planner URL'}, "
@@ -343,7 +357,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
 
 
 def _add_routes(
-    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeysFile | None
+    app: FastAPI, table: EndpointTable, metrics: RouterMetrics, keys: KeySource | None
 ) -> None:
     def allowed(request: Request) -> Callable[[str], bool]:
         """Which models the request's key may see (every one without router keys);

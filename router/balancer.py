@@ -51,13 +51,16 @@ class Endpoint:
         self._urls: dict[str, URL] = {}
 
     def url(self, path: str) -> URL:
-        """Absolute upstream URL for request ``path`` (e.g. ``/v1/completions``)."""
+        """Absolute upstream URL for ``path`` (e.g. ``/v1/completions?x=1``), taken as
+        already encoded: yarl neither decodes nor re-quotes it nor resolves dot
+        segments, so the replica receives exactly ``path``. Callers pass only routes
+        :mod:`router.routes` vouches for."""
         url = self._urls.get(path)
         if url is None:
             # One URL object per path, reused: yarl caches host and port on the
             # object, which aiohttp reads several times per request. Bounded:
             # paths (query strings included) are the client's to choose.
-            url = URL(self.base_url + path)
+            url = URL(self.base_url + path, encoded=True)
             if len(self._urls) < URL_CACHE_SIZE:
                 self._urls[path] = url
         return url

@@ -74,6 +74,7 @@ import aiohttp
 from llmgw_contract import (
     LEADER_KEY,
     PLANNER_SERVICE,
+    ROUTER_API_KEYS_KEY,
     SERVICE_PREFIX,
     KVPrefix,
     LeaderRecord,
@@ -85,6 +86,7 @@ from llmgw_contract import (
     service_name,
 )
 from llmgw_contract.acl import (
+    CONSUL_API_KEYS_READ,
     CONSUL_KV_READ,
     CONSUL_SERVICES_READ,
     ROUTER_POLICIES,
@@ -324,6 +326,18 @@ class ConsulCatalog:
         index, body = await self._kv(LEADER_KEY, index, wait_s, recurse=False)
         return index, parse_leader(body)
 
+    async def api_keys(self, index: int, wait_s: float) -> tuple[int, bytes | None]:
+        """Blocking read of the API keys document ``llmgw-router/api-keys`` (``None``:
+        absent)."""
+        index, body = await self._kv(ROUTER_API_KEYS_KEY, index, wait_s, recurse=False)
+        entry = (body or [None])[0]
+        if entry is None:
+            return index, None
+        try:
+            return index, base64.b64decode(entry.get("Value") or "")
+        except binascii.Error as exc:
+            raise CatalogUnavailable(f"Consul KV {ROUTER_API_KEYS_KEY}: {exc}") from exc
+
     async def planners(self, index: int, wait_s: float) -> tuple[int, list[ServiceAddress]]:
         """Blocking read of the admin addresses of the passing ``llmgw-planner`` instances."""
         return await self._passing(PLANNER_SERVICE, index, wait_s)
@@ -387,7 +401,9 @@ class ConsulCatalog:
                 if resp.status == 404:
                     return new_index, None
                 if resp.status == 403:
-                    needs = CONSUL_KV_READ if path.startswith("/v1/kv/") else CONSUL_SERVICES_READ
+                    needs = (CONSUL_API_KEYS_READ if path == f"/v1/kv/{ROUTER_API_KEYS_KEY}"
+                             else CONSUL_KV_READ if path.startswith("/v1/kv/")
+                             else CONSUL_SERVICES_READ)
                     raise CatalogDenied(self._denial([needs.rule], await resp.text(),
                                                      f"GET {path}"))
                 if resp.status != 200:

@@ -44,10 +44,11 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from llmgw_contract.acl import ROUTER_CONSUL_NEEDS
+from llmgw_contract.acl import ROUTER_CONSUL_KEYS_NEEDS, ROUTER_CONSUL_NEEDS
 from router.app import create_app
 from router.catalog import ConsulCatalog
 from router.errors import CatalogUnavailable
+from router.serving import protocol_class
 from router.settings import RouterSettings
 
 log = logging.getLogger("router")
@@ -171,6 +172,15 @@ def serve(
             "env LLMGW_API_KEYS_FILE). Unset: no key asked for."
         ),
     ] = None,
+    api_keys_consul: Annotated[
+        bool | None,
+        typer.Option(
+            "--api-keys-consul/--no-api-keys-consul",
+            help="Read the API keys (the keys file's format) from Consul KV "
+            "llmgw-router/api-keys and follow it (env LLMGW_API_KEYS_CONSUL; the token "
+            "needs key \"llmgw-router/api-keys\" read).",
+        ),
+    ] = None,
     first_byte_timeout: Annotated[
         float | None,
         typer.Option(
@@ -195,6 +205,28 @@ def serve(
     max_body_bytes: Annotated[
         int | None,
         typer.Option(help="Largest request body (env LLMGW_ROUTER_MAX_BODY_BYTES, 100 MiB)."),
+    ] = None,
+    max_bodies_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="Bytes of request bodies held at once before 503 router_overloaded (env "
+            "LLMGW_ROUTER_MAX_BODIES_BYTES; 0, the default: a quarter of the memory, at "
+            "most 1 GiB)."
+        ),
+    ] = None,
+    header_read_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds for a request line and headers, then 408 (env "
+            "LLMGW_ROUTER_HEADER_READ_TIMEOUT, 20)."
+        ),
+    ] = None,
+    body_read_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to a body's first bytes, plus 1 s per LLMGW_ROUTER_BODY_MIN_RATE "
+            "bytes received (64 KiB), then 408 (env LLMGW_ROUTER_BODY_READ_TIMEOUT, 30)."
+        ),
     ] = None,
     cors_origin: Annotated[
         list[str] | None,
@@ -237,10 +269,14 @@ def serve(
             queue_timeout_s=queue_timeout,
             routing=routing,
             api_keys_file=api_keys_file,
+            api_keys_consul=api_keys_consul,
             first_byte_timeout_s=first_byte_timeout,
             max_connections_per_replica=max_connections_per_replica,
             max_requests=max_requests,
             max_body_bytes=max_body_bytes,
+            max_bodies_bytes=max_bodies_bytes,
+            header_read_timeout_s=header_read_timeout,
+            body_read_timeout_s=body_read_timeout,
             cors_origins=tuple(o.rstrip("/") for o in cors_origin) if cors_origin else None,
             tls_cert=tls_cert,
             tls_key=tls_key,
@@ -264,7 +300,8 @@ def serve(
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        # httptools, with a header-read timeout and a header size bound.
+        http=protocol_class(settings.header_read_timeout_s),
         lifespan="on",
         access_log=settings.access_log,
         log_config=None,
@@ -298,7 +335,9 @@ async def _denied(settings: RouterSettings) -> str | None:
         f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
     )
     try:
-        return await catalog.denied(ROUTER_CONSUL_NEEDS)
+        needs = ROUTER_CONSUL_NEEDS + (ROUTER_CONSUL_KEYS_NEEDS if settings.api_keys_consul
+                                       else ())
+        return await catalog.denied(needs)
     finally:
         await catalog.close()
 

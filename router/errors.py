@@ -5,7 +5,11 @@ The tree, split by what the caller can do::
     RouterError                    anything the router answers itself
     ├── RequestRefused             told no: fix the request, do not retry as-is
     │   ├── InvalidRequest         400 invalid_request_error (bad JSON, no model)
-    │   ├── BodyTooLarge           413
+    │   ├── BodyTooLarge           413 request_too_large (over the body limit, or over
+    │   │                          the bytes all bodies may hold at once)
+    │   ├── RequestTimeout         408 request_timeout (headers or body not received
+    │   │                          in time: router.intake, router.serving)
+    │   ├── HeadersTooLarge        431 request_header_fields_too_large (router.serving)
     │   ├── InvalidApiKey          401 invalid_api_key (router keys on: none, or unknown)
     │   ├── ModelNotFound          404 model_not_found (no KV record, no Consul service)
     │   └── ModelNotAllowed        404 model_not_found (the API key may not use it; as
@@ -25,8 +29,8 @@ The tree, split by what the caller can do::
     │                              answer usefully; the model's state is unknown)
     ├── RouterUnavailable          503: the router itself cannot take the request now
     │   ├── RouterStarting         503 router_starting (Consul not read yet; Retry-After)
-    │   └── RouterOverloaded       503 router_overloaded (its overall admission limit;
-    │                              Retry-After)
+    │   └── RouterOverloaded       503 router_overloaded (its limit of requests held, or
+    │                              of request-body bytes held, at once; Retry-After)
     └── UpstreamError              the chosen replica failed us
         ├── UpstreamUnavailable    502 upstream_unavailable (connect refused, or the
         │                          connection broke after the request went out)
@@ -118,6 +122,21 @@ class InvalidRequest(RequestRefused):
 class BodyTooLarge(RequestRefused):
     status = 413
     code = "request_too_large"
+
+
+class RequestTimeout(RequestRefused):
+    """The client did not send its headers, or its body, within the router's read
+    timeouts (:mod:`router.serving`, :mod:`router.intake`)."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class HeadersTooLarge(RequestRefused):
+    """The request line and headers exceed :data:`router.serving.MAX_HEADER_BYTES`."""
+
+    status = 431
+    code = "request_header_fields_too_large"
 
 
 class ModelNotFound(RequestRefused):

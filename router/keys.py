@@ -26,13 +26,27 @@ The client's ``Authorization`` header is not forwarded to replicas (it is the
 router's key, not the replica's) unless ``LLMGW_FORWARD_AUTHORIZATION`` is
 on (:mod:`router.settings`), keys or not.
 
-Read at start (:meth:`ApiKeys.load`, called by the app and by
-:meth:`router.settings.RouterSettings.validate`, so a bad file exits 2 naming
-the file, the entry's field and what was expected), then followed by
-:class:`KeysFile`: a changed file (its modification time or size) is read
-again within :data:`RELOAD_INTERVAL_S`; one that no longer loads is logged
-and the keys read before stay in force, so a typo never locks every client
-out or lets everyone in.
+Two sources, one format:
+
+- a file (``LLMGW_API_KEYS_FILE``), read at start (:meth:`ApiKeys.load`, called
+  by the app and by :meth:`router.settings.RouterSettings.validate`, so a bad
+  file exits 2 naming the file, the entry's field and what was expected), then
+  followed by :class:`KeysFile`: read every :data:`RELOAD_INTERVAL_S` and taken
+  again when its content's SHA-256 changed (not its modification time and size:
+  a same-size rewrite within the file system's timestamp granularity looked
+  unchanged, issue 18);
+- Consul KV (``LLMGW_API_KEYS_CONSUL``): the YAML document at
+  :data:`llmgw_contract.ROUTER_API_KEYS_KEY` (``llmgw-router/api-keys``), written
+  by an operator (``consul kv put llmgw-router/api-keys @keys.yaml``) and
+  followed with a blocking query by :mod:`router.watch` into :class:`ConsulKeys`.
+  It lies outside ``llmgw/``, so the planner's token (``key_prefix "llmgw/"
+  write``) cannot give itself a key; the router needs ``key
+  "llmgw-router/api-keys" read`` (acl/consul/router.hcl). Until the first read,
+  requests get 503 ``router_starting``; with the key absent, no key is valid
+  (401): the router never falls open.
+
+Either way, a document that no longer loads is logged and the keys read before
+stay in force, so a typo never locks every client out or lets everyone in.
 """
 
 from __future__ import annotations
@@ -41,21 +55,23 @@ import asyncio
 import fnmatch
 import hashlib
 import logging
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from llmgw_contract import ROUTER_API_KEYS_KEY
 from router import errors
 
 log = logging.getLogger(__name__)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-# How often the keys file is looked at for a change (a stat call).
+# How often the keys file is read for a change.
 RELOAD_INTERVAL_S = 5.0
+# A keys file or KV document larger than this is refused (Consul's own KV limit is 512 KiB).
+MAX_KEYS_BYTES = 4 * 1024 * 1024
 BEARER = b"bearer "
 
 
@@ -96,6 +112,13 @@ class ApiKey:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
 
+class KeySource(Protocol):
+    """Where the proxy and the app ask who a request's key is: :class:`KeysFile` or
+    :class:`ConsulKeys`."""
+
+    def authenticate(self, authorization: bytes | None) -> ApiKey: ...
+
+
 def digest(key: str) -> str:
     """The hex SHA-256 of ``key``, as the keys file stores it."""
     return hashlib.sha256(key.encode()).hexdigest()
@@ -118,11 +141,14 @@ class ApiKeys:
         and what was expected, for a file that cannot be read, is not YAML,
         does not match the format, or gives one key (digest) or name twice.
         """
-        where = f"LLMGW_API_KEYS_FILE={path}"
+        return cls.parse(read_keys_file(path), f"LLMGW_API_KEYS_FILE={path}")
+
+    @classmethod
+    def parse(cls, document: bytes, where: str) -> ApiKeys:
+        """Check a keys document (the file's format); raises as :meth:`load`, each
+        message starting with ``where`` (the file, or the Consul KV key)."""
         try:
-            raw = yaml.safe_load(Path(path).read_text())
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot be read ({exc.strerror})") from None
+            raw = yaml.safe_load(document)
         except yaml.YAMLError as exc:
             raise ValueError(f"{where}: not YAML ({exc})") from None
         try:
@@ -162,25 +188,35 @@ class ApiKeys:
 
 
 class KeysFile:
-    """The keys of ``path``, read again whenever the file changes (:meth:`follow`)."""
+    """The keys of ``path``, read again whenever its content changes (:meth:`follow`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._stamp = self._stat()
-        self.keys = ApiKeys.load(path)
+        document = read_keys_file(path)
+        self.keys = ApiKeys.parse(document, f"LLMGW_API_KEYS_FILE={path}")
+        self._seen = hashlib.sha256(document).hexdigest()
 
     def authenticate(self, authorization: bytes | None) -> ApiKey:
         """As :meth:`ApiKeys.authenticate`, with the keys read last."""
         return self.keys.authenticate(authorization)
 
     def reload_if_changed(self) -> bool:
-        """Read the file again if it changed; ``True`` when new keys took effect."""
-        stamp = self._stat()
-        if stamp == self._stamp:
-            return False
-        self._stamp = stamp
+        """Read the file; take its keys if its content changed since the last read
+        (a read error counts as content, so one is logged once, not every round).
+        ``True`` when new keys took effect."""
         try:
-            keys = ApiKeys.load(self.path)
+            document = read_keys_file(self.path)
+        except ValueError as exc:
+            seen, problem = f"error: {exc}", exc
+        else:
+            seen, problem = hashlib.sha256(document).hexdigest(), None
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        try:
+            if problem is not None:
+                raise problem
+            keys = ApiKeys.parse(document, f"LLMGW_API_KEYS_FILE={self.path}")
         except ValueError as exc:
             log.error("API keys not reloaded, the %d read before stay in force: %s",
                       len(self.keys), exc)
@@ -195,12 +231,56 @@ class KeysFile:
             await asyncio.sleep(interval_s)
             self.reload_if_changed()
 
-    def _stat(self) -> tuple[int, int] | None:
+
+class ConsulKeys:
+    """The keys of the Consul KV document :data:`ROUTER_API_KEYS_KEY`, as
+    :mod:`router.watch` reads it (:meth:`set_document` on every change)."""
+
+    def __init__(self) -> None:
+        self.keys: ApiKeys | None = None
+
+    def authenticate(self, authorization: bytes | None) -> ApiKey:
+        """As :meth:`ApiKeys.authenticate`; raises :class:`router.errors.RouterStarting`
+        until the key was read once."""
+        if self.keys is None:
+            raise errors.RouterStarting(
+                f"The router has not read its API keys from Consul KV {ROUTER_API_KEYS_KEY} "
+                "yet. Retry in 1 s.", 1
+            )
+        return self.keys.authenticate(authorization)
+
+    def set_document(self, document: bytes | None) -> None:
+        """Take the keys of ``document`` (``None``: the key is absent, so no key is
+        valid); one that does not load is logged and the keys before stay."""
+        where = f"Consul KV {ROUTER_API_KEYS_KEY}"
+        if document is None:
+            log.warning("%s is absent: no API key is valid until it is written", where)
+            self.keys = ApiKeys({})
+            return
         try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
+            keys = ApiKeys.parse(document, where)
+        except ValueError as exc:
+            before = "no keys" if self.keys is None else f"the {len(self.keys)} read before"
+            log.error("API keys not reloaded, %s stay in force: %s", before, exc)
+            if self.keys is None:
+                self.keys = ApiKeys({})
+            return
+        self.keys = keys
+        log.info("API keys read from %s: %d keys", where, len(keys))
+
+
+def read_keys_file(path: str) -> bytes:
+    """The bytes of the keys file at ``path``, at most :data:`MAX_KEYS_BYTES`; raises
+    ``ValueError`` naming the file."""
+    where = f"LLMGW_API_KEYS_FILE={path}"
+    try:
+        with open(path, "rb") as file:
+            document = file.read(MAX_KEYS_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot be read ({exc.strerror})") from None
+    if len(document) > MAX_KEYS_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_KEYS_BYTES} bytes")
+    return document
 
 
 def _redact(key: str) -> str:

@@ -29,6 +29,9 @@ Series (names and labels are part of the alerting contract):
   passive outlier detection (:mod:`router.outliers`), by what they did
   (connect_error, first_byte_timeout, http_5xx); published at 0
 - ``llmgw_router_ejected_replicas{model}``: passing replicas ejected now
+- ``llmgw_router_request_body_bytes`` / ``llmgw_router_request_body_limit_bytes``:
+  bytes of request bodies held now, and the most the router holds at once
+  (:mod:`router.intake`; past it, 503 ``router_overloaded``)
 - ``llmgw_router_planner_switches_total``: times the planner that answers this
   router's calls changed (a failover, or the lead handed over;
   :mod:`router.planners`); published at 0
@@ -42,6 +45,8 @@ not create series.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -207,11 +212,26 @@ class RouterMetrics:
             "Times the planner answering this router's activate and usage calls changed.",
             registry=self.registry,
         )
+        self.body_bytes = Gauge(
+            "llmgw_router_request_body_bytes",
+            "Bytes of request bodies the router holds now (reserved as they are read).",
+            registry=self.registry,
+        )
+        self.body_limit_bytes = Gauge(
+            "llmgw_router_request_body_limit_bytes",
+            "Bytes of request bodies the router holds at most, at once.",
+            registry=self.registry,
+        )
         self._models: dict[str, ModelMetrics] = {}
         # Only request counters: "0 endpoints for model ''" would be noise.
         self.unknown = RequestMetrics(
             self, UNKNOWN_MODEL, (Refusal.UNKNOWN_MODEL, *sorted(ROUTER_REFUSALS))
         )
+
+    def follow_bodies(self, held: Callable[[], float], limit: int) -> None:
+        """Publish the bytes of bodies ``held()`` at each scrape, and the ``limit``."""
+        self.body_bytes.set_function(held)
+        self.body_limit_bytes.set(limit)
 
     def for_model(self, model: str) -> ModelMetrics:
         """Bound children for a defined ``model`` (created on first use).

@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -55,10 +55,19 @@ from router.balancer import Affinity, Endpoint
 from router.bodies import BodyParser, parse_request
 from router.endpoints import EndpointTable, ModelEntry
 from router.firstbyte import FirstByteWatch
-from router.keys import KeysFile
+from router.intake import (
+    BodyBudget,
+    ClientGone,
+    Reservation,
+    content_length,
+    default_budget,
+    read_body,
+)
+from router.keys import KeySource
 from router.metrics import RequestMetrics, RouterMetrics
 from router.outliers import Failure, OutlierDetector
 from router.prefix import PrefixChooser
+from router.routes import model_route, upstream_query
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
     DisconnectWatch,
@@ -70,6 +79,9 @@ from router.streaming import (
 )
 
 log = logging.getLogger(__name__)
+
+# Bodies larger than this go upstream in slices of this size (_payload).
+SEND_SLICE_BYTES = 256 * 1024
 
 NoEndpoint = Callable[[ModelEntry], Awaitable[None]]
 """Called when ``entry`` has no passing endpoint: return once it has one, or
@@ -120,10 +132,6 @@ def authorization(scope: Scope) -> bytes | None:
     return None
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its response started."""
-
-
 class Proxy:
     """ASGI app for the proxied OpenAI endpoints. ``session`` is set by the lifespan."""
 
@@ -138,12 +146,15 @@ class Proxy:
         busy_retry_after_s: int = 2,
         no_endpoint: NoEndpoint = refusals.refuse_at_once,
         prefix: PrefixChooser | None = None,
-        keys: KeysFile | None = None,
+        keys: KeySource | None = None,
         forward_authorization: bool = False,
         first_byte_timeout_s: float = 60.0,
         max_requests: int = 0,
         outliers: OutlierDetector | None = None,
         bodies: BodyParser | None = None,
+        budget: BodyBudget | None = None,
+        body_read_timeout_s: float = 30.0,
+        body_min_rate: float = 64 * 1024,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -166,6 +177,10 @@ class Proxy:
         self.active = 0
         self.outliers = outliers or OutlierDetector()
         self.bodies = bodies or BodyParser()
+        # Bytes of bodies held at once, and how long one may take (router.intake).
+        self.budget = budget or BodyBudget(default_budget(), busy_retry_after_s)
+        self.body_read_timeout_s = body_read_timeout_s
+        self.body_min_rate = body_min_rate
         # Set by the lifespan: requests go on ``session``; liveness probes
         # (router.firstbyte) on ``control``, so a replica's full pool never
         # delays the question whether it is alive.
@@ -177,9 +192,14 @@ class Proxy:
         bound: RequestMetrics = self.metrics.unknown
         status = 500
         self.active += 1
+        reservation = Reservation(self.budget)
+        # A refusal sent before the whole body was read closes the connection:
+        # uvicorn would otherwise read the rest of the body only to drop it.
+        body_read = False
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
+            _target(scope)  # refused before the body is read
             if self.max_requests and self.active > self.max_requests:
                 raise errors.RouterOverloaded(
                     f"The router holds its limit of {self.max_requests} requests (in flight "
@@ -187,7 +207,15 @@ class Proxy:
                     self.busy_retry_after_s,
                 )
             key = None if self.keys is None else self.keys.authenticate(authorization(scope))
-            body = await self._read_body(receive)
+            body = await read_body(
+                receive,
+                content_length(scope["headers"]),
+                reservation,
+                max_bytes=self.max_body_bytes,
+                timeout_s=self.body_read_timeout_s,
+                min_rate=self.body_min_rate,
+            )
+            body_read = True
             doc: dict[str, Any] | None = None
             if len(body) <= self.bodies.inline_bytes:
                 model, doc = parse_request(body)  # the common case, without a coroutine
@@ -227,8 +255,8 @@ class Proxy:
         except errors.RouterError as exc:
             if exc.refusal is not None:
                 bound.refused(exc.refusal)
-            status = await send_error(send, exc)
-        except _ClientGone:
+            status = await send_error(send, exc, close=not body_read)
+        except ClientGone:
             status = STATUS_CLIENT_CLOSED
         except Exception:
             log.exception("unhandled error proxying %s", scope.get("path"))
@@ -237,44 +265,21 @@ class Proxy:
             with contextlib.suppress(Exception):
                 await send_error(send, errors.RouterError("The router failed unexpectedly."))
         finally:
+            reservation.release()
             self.active -= 1
             bound.observe(status, time.perf_counter() - started)
-
-    async def _read_body(self, receive: Receive) -> bytes:
-        message = await receive()
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            return body
-        parts = [body]
-        size = len(body)
-        while message.get("more_body", False):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise errors.BodyTooLarge(
-                    f"The request body is larger than {self.max_body_bytes} bytes."
-                )
-            parts.append(chunk)
-        return b"".join(parts)
 
     async def _forward(
         self,
         entry: ModelEntry,
         scope: Scope,
-        body: bytes,
+        body: bytes | bytearray,
         receive: Receive,
         send: Send,
         affinity: Affinity | None = None,
         close: bool = False,
     ) -> int:
-        path = scope["path"]
-        if scope.get("query_string"):
-            path = f"{path}?{scope['query_string'].decode('latin-1')}"
+        path = _target(scope)
         headers = []
         has_accept_encoding = False
         for raw_name, raw_value in scope["headers"]:
@@ -289,6 +294,8 @@ class Proxy:
             headers.append(("accept-encoding", "identity"))
         if close:
             headers.append(("connection", "close"))
+        if len(body) > SEND_SLICE_BYTES:
+            headers.append(("content-length", str(len(body))))  # sent in slices: _payload
         watch = DisconnectWatch(receive)
         try:
             return await self._attempts(
@@ -300,7 +307,7 @@ class Proxy:
             # Our own cancellation, not a shutdown: the client left.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             log.info("model %s: client left before the answer; upstream closed", entry.name)
-            raise _ClientGone from None
+            raise ClientGone from None
         finally:
             watch.disarm()
 
@@ -309,7 +316,7 @@ class Proxy:
         entry: ModelEntry,
         path: str,
         headers: list[tuple[str, str]],
-        body: bytes,
+        body: bytes | bytearray,
         receive: Receive,
         send: Send,
         watch: DisconnectWatch,
@@ -328,7 +335,7 @@ class Proxy:
                 first_byte = first_bytes.start(endpoint)
                 try:
                     upstream = await self.session.request(
-                        "POST", endpoint.url(path), data=body, headers=headers
+                        "POST", endpoint.url(path), data=_payload(body), headers=headers
                     )
                 except asyncio.CancelledError:
                     if not first_byte.expired or watch.client_gone:
@@ -470,6 +477,47 @@ class Proxy:
         return upstream.status
 
 
+def _payload(body: bytes | bytearray) -> bytes | bytearray | AsyncIterator[memoryview]:
+    """What aiohttp sends of ``body``: a large one in slices of the one buffer.
+
+    Measured (bench/slow_uploads.py): handed whole, aiohttp joins the request head
+    and the body into one new bytes object (its writelines fallback before Python
+    3.12.9) and the transport copies what the socket did not take: three copies of
+    each 50 MiB body, 3.1 GB of RSS under a 1 GiB body budget. In slices, each one
+    awaits the socket (aiohttp drains past 64 KiB), so no copy outgrows a slice.
+    A new iterator per attempt: a retry sends the body again from its start."""
+    if len(body) <= SEND_SLICE_BYTES:
+        return body
+    return _slices(memoryview(body))
+
+
+async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
+    for start in range(0, len(view), SEND_SLICE_BYTES):
+        yield view[start : start + SEND_SLICE_BYTES]
+
+
+def _target(scope: Scope) -> str:
+    """The path and query the replica receives (:mod:`router.routes`): the route from
+    the router's table, never the client's spelling of it. Raises 404 for a path
+    that is not a model route (the app sends none here) and 400 for a query string
+    no URL may carry."""
+    route = model_route(scope)
+    if route is None:
+        raise _NotFound(f"{scope['method']} {scope['path']}: Not Found")
+    query = upstream_query(scope.get("query_string", b""))
+    if query is None:
+        raise errors.InvalidRequest(
+            "The query string holds a byte a URL may not carry (a control character, a "
+            "space, a '#' or a non-ASCII byte); percent-encode it."
+        )
+    return f"{route}?{query}" if query else route
+
+
+class _NotFound(errors.InvalidRequest):
+    status = 404
+    code = "not_found"
+
+
 class _MethodNotAllowed(errors.InvalidRequest):
     status = 405
     code = "method_not_allowed"
@@ -478,9 +526,12 @@ class _MethodNotAllowed(errors.InvalidRequest):
         return [(b"allow", b"POST")]
 
 
-async def send_error(send: Send, exc: errors.RouterError) -> int:
-    """Send ``exc`` as a complete OpenAI error response; returns its status."""
+async def send_error(send: Send, exc: errors.RouterError, close: bool = False) -> int:
+    """Send ``exc`` as a complete OpenAI error response (with ``Connection: close``
+    when ``close``); returns its status."""
     status, headers, body = errors.render(exc)
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
     return status

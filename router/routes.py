@@ -1,26 +1,47 @@
-"""Which requests are model-addressed, and so go to :class:`router.proxy.Proxy`.
+"""Which requests are model-addressed, and the exact path their replica receives.
 
-A request is forwarded to a replica of the model its JSON body names when it is
-a ``POST`` and its path is
-
-- under ``/v1/`` (OpenAI's API and llama-server's ``/v1/rerank``,
-  ``/v1/responses``, ``/v1/messages`` ...: whatever the engine serves; a route
-  it lacks gets its own 404), or
-- one of llama-server's own model routes (:data:`LLAMA_SERVER_ROUTES`, from
-  the routes tools/server registers in llama.cpp).
-
-The body must name a defined model (``"model": "<name>"``), even where
-llama-server itself ignores the field (``/tokenize``, ``/detokenize``,
+A request goes to :class:`router.proxy.Proxy` when the path it was sent with,
+byte for byte as it came over the wire (ASGI's ``raw_path``, before any
+percent-decoding), is one of :data:`MODEL_ROUTES`: llama-server's model routes,
+OpenAI's under ``/v1/`` and its own (from the routes tools/server registers in
+llama.cpp). The body must name a defined model (``"model": "<name>"``), even
+where llama-server itself ignores the field (``/tokenize``, ``/detokenize``,
 ``/apply-template``): it is how the router picks the replica. Other methods on
-the paths in :data:`NAMED_PATHS` get 405 from the proxy; everything else goes
-to the app's own routes (``/v1/models``, ``/health``, ``/metrics``) or 404.
+those paths get 405 from the proxy; everything else goes to the app's own routes
+(``/v1/models``, ``/health``, ``/metrics``) or the app's 404, and no replica
+hears of it.
 
-Read by :class:`router.app.RouterApp` on every request: two string checks.
+Why an exact match on the raw path, not a check of a decoded one: every layer
+between client and replica decodes or normalises paths its own way (uvicorn
+percent-decodes once; yarl decoded ``%2e`` again and resolved dot segments, so
+``/v1/%252e%252e/slots/0`` reached llama-server's slot actions, issue 18;
+servers differ on ``;`` parameters, backslashes, ``//``, ``%2f`` and overlong
+UTF-8). A path that is one of a fixed set of plain ASCII strings
+(``[a-z/-]`` only) means the same thing to all of them, so no encoding form of
+anything else can be judged allowed. The replica receives the route from this
+table, not the client's bytes, and the upstream URL is built with no further
+decoding (:meth:`router.balancer.Endpoint.url`). Not reachable through the
+router, whatever the encoding: ``/slots*``, ``/props``, ``/lora-adapters``, a
+replica's ``/metrics`` and ``/health``, ``/v1/chat/completions/control``, and any
+route a later llama-server adds until it is listed here.
+
+The query string goes on unchanged when it is printable ASCII without ``#``
+(:func:`upstream_query`); otherwise the request is refused (400).
+
+Read by :class:`router.app.RouterApp` on every request: one set lookup.
 """
 
 from __future__ import annotations
 
-V1_PREFIX = "/v1/"
+from collections.abc import Mapping
+from typing import Any
+
+V1_ROUTES = frozenset(
+    {
+        "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank",
+        "/v1/reranking", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+    }
+)  # fmt: skip
 
 LLAMA_SERVER_ROUTES = frozenset(
     {
@@ -29,24 +50,34 @@ LLAMA_SERVER_ROUTES = frozenset(
     }
 )  # fmt: skip
 
-# The routes clients are told about; a GET on one of them is 405, not 404.
-NAMED_PATHS = frozenset(
-    {
-        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
-        "/v1/responses", *LLAMA_SERVER_ROUTES,
-    }
-)  # fmt: skip
+MODEL_ROUTES: frozenset[str] = V1_ROUTES | LLAMA_SERVER_ROUTES
+"""Every path the router forwards (``POST``), as the replica receives it."""
+
+_BY_RAW_PATH: dict[bytes, str] = {route.encode("ascii"): route for route in MODEL_ROUTES}
+
+# Printable ASCII but "#" (a fragment is never sent); "%" stays: the replica decodes it.
+_QUERY_BYTES = frozenset(range(0x21, 0x7F)) - {ord("#")}
 
 
-def proxied(method: str, path: str) -> bool:
-    """``True`` when the proxy answers ``method path`` (forwarding it, or 405).
+def model_route(scope: Mapping[str, Any]) -> str | None:
+    """The route the replica receives for this request, or ``None``: not model-addressed.
 
-    A path with a dot segment (``/v1/../slots``, however encoded: ASGI's path is
-    percent-decoded, ``%2e%2e`` included) is never proxied: the upstream URL would
-    resolve it to a route outside ``/v1/``, such as llama-server's slot actions
-    (found by a new user, issue 10). It gets the app's 404."""
-    if method == "POST":
-        if "/." in path:
-            return False
-        return path.startswith(V1_PREFIX) or path in LLAMA_SERVER_ROUTES
-    return path in NAMED_PATHS
+    Judged on ``scope["raw_path"]`` (the request target's path exactly as sent);
+    an ASGI server that omits it is judged on ``scope["path"]``, which can only
+    match a route whose raw form decoded to it, and the replica still receives
+    the route from :data:`MODEL_ROUTES`, never the client's spelling.
+    """
+    raw = scope.get("raw_path")
+    if raw is None:
+        raw = scope["path"].encode("utf-8", "surrogateescape")
+    return _BY_RAW_PATH.get(raw)
+
+
+def upstream_query(query_string: bytes) -> str | None:
+    """``query_string`` as the upstream URL carries it (``""`` for none), or ``None``
+    when it holds a byte no URL may (control, space, non-ASCII) or a ``#``."""
+    if not query_string:
+        return ""
+    if not _QUERY_BYTES.issuperset(query_string):
+        return None
+    return query_string.decode("ascii")

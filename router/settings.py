@@ -32,6 +32,14 @@ Environment variables (all optional):
   and waiting for a slot, before it answers 503 ``router_overloaded`` (4096; 0: none)
 - ``LLMGW_ROUTER_MAX_BODY_BYTES``: largest request body (100 MiB, what
   llama-server accepts; larger is 413 ``request_too_large``)
+- ``LLMGW_ROUTER_MAX_BODIES_BYTES``: bytes of request bodies the router holds at
+  once; past it 503 ``router_overloaded`` (0, the default: a quarter of the
+  machine's or cgroup's memory, at most 1 GiB; :mod:`router.intake`)
+- ``LLMGW_ROUTER_HEADER_READ_TIMEOUT``: seconds a client has for its request line
+  and headers, from its first byte (20; then 408, :mod:`router.serving`)
+- ``LLMGW_ROUTER_BODY_READ_TIMEOUT`` / ``LLMGW_ROUTER_BODY_MIN_RATE``: seconds to
+  the first bytes of a body, extended by one second per ``MIN_RATE`` bytes
+  received (30 / 65536; then 408, :mod:`router.intake`)
 - ``LLMGW_ROUTER_CORS_ORIGINS``: comma-separated origins browsers may call the
   router from (``*`` for any; default none: no CORS headers, no preflight)
 - ``LLMGW_ROUTER_EJECT_AFTER_FAILURES`` / ``LLMGW_ROUTER_EJECT_AFTER_5XX``:
@@ -64,6 +72,9 @@ Environment variables (all optional):
   before a prefix spills to the next one (1.25)
 - ``LLMGW_API_KEYS_FILE``: YAML file of the router's API keys (SHA-256 digests,
   allowed models); unset: no keys asked for (:mod:`router.keys`)
+- ``LLMGW_API_KEYS_CONSUL``: ``true`` reads the API keys (the keys file's format)
+  from the Consul KV key ``llmgw-router/api-keys`` and follows it (:mod:`router.keys`);
+  not with ``LLMGW_API_KEYS_FILE``
 - ``LLMGW_FORWARD_AUTHORIZATION``: ``true`` sends the client's ``Authorization``
   header on to the replica (default: dropped, it is the router's key)
 
@@ -138,6 +149,14 @@ class RouterSettings:
     # What llama-server accepts: cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH,
     # measured on the bootstrap's build (100 MiB answered, 1 byte more 413).
     max_body_bytes: int = 100 * 1024 * 1024
+    # Bytes of bodies held at once; 0: router.intake.default_budget().
+    max_bodies_bytes: int = 0
+    # Read timeouts (router.serving, router.intake): Apache mod_reqtimeout's
+    # shape; its defaults are header=20-40,MinRate=500 body=20,MinRate=500. A
+    # rate floor of 64 KiB/s lets a 100 MiB body take up to ~27 min.
+    header_read_timeout_s: float = 20.0
+    body_read_timeout_s: float = 30.0
+    body_min_rate: float = 64 * 1024
     # Browser origins allowed (CORS); "*" for any.
     cors_origins: tuple[str, ...] = ()
     # Passive outlier ejection (router.outliers; Envoy's defaults but the first).
@@ -179,6 +198,7 @@ class RouterSettings:
     prefix_load_factor: float = 1.25
     # Router API keys (router.keys); None: none asked for.
     api_keys_file: str | None = None
+    api_keys_consul: bool = False
     forward_authorization: bool = False
 
     @classmethod
@@ -202,6 +222,9 @@ class RouterSettings:
             overrides["forward_authorization"] = _flag(
                 "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
             )
+        if env.get("LLMGW_API_KEYS_CONSUL"):
+            overrides["api_keys_consul"] = _flag("LLMGW_API_KEYS_CONSUL",
+                                                 env["LLMGW_API_KEYS_CONSUL"])
         if env.get("LLMGW_ROUTER_CORS_ORIGINS"):
             overrides["cors_origins"] = _origins(env["LLMGW_ROUTER_CORS_ORIGINS"])
         if env.get("LLMGW_ACTIVATION"):
@@ -249,6 +272,9 @@ class RouterSettings:
             raise ValueError(
                 "LLMGW_PREFIX_CHARS must be >= 1 and LLMGW_PREFIX_LOAD_FACTOR >= 1.0"
             )
+        if self.api_keys_file and self.api_keys_consul:
+            raise ValueError("API keys come from LLMGW_API_KEYS_FILE or LLMGW_API_KEYS_CONSUL, "
+                             "not both")
         if self.api_keys_file:
             ApiKeys.load(self.api_keys_file)
         if self.first_byte_timeout_s <= 0:
@@ -259,6 +285,12 @@ class RouterSettings:
             )
         if self.max_requests < 0 or self.max_body_bytes < 1:
             raise ValueError("max requests must be >= 0 (0: no limit) and max body bytes >= 1")
+        if self.max_bodies_bytes < 0:
+            raise ValueError("max bodies bytes must be >= 0 (0: from the machine's memory)")
+        if self.header_read_timeout_s <= 0 or self.body_read_timeout_s <= 0:
+            raise ValueError("the header and body read timeouts must be > 0 s")
+        if self.body_min_rate <= 0:
+            raise ValueError("the body minimum rate must be > 0 bytes/s")
         if self.eject_after_failures < 1 or self.eject_after_5xx < 1:
             raise ValueError("the ejection thresholds must be >= 1")
         if not 0 < self.ejection_base_s <= self.ejection_max_s:
@@ -348,6 +380,10 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTER_FIRST_BYTE_TIMEOUT", "first_byte_timeout_s", float),
     ("LLMGW_ROUTER_MAX_REQUESTS", "max_requests", int),
     ("LLMGW_ROUTER_MAX_BODY_BYTES", "max_body_bytes", int),
+    ("LLMGW_ROUTER_MAX_BODIES_BYTES", "max_bodies_bytes", int),
+    ("LLMGW_ROUTER_HEADER_READ_TIMEOUT", "header_read_timeout_s", float),
+    ("LLMGW_ROUTER_BODY_READ_TIMEOUT", "body_read_timeout_s", float),
+    ("LLMGW_ROUTER_BODY_MIN_RATE", "body_min_rate", float),
     ("LLMGW_ROUTER_EJECT_AFTER_FAILURES", "eject_after_failures", int),
     ("LLMGW_ROUTER_EJECT_AFTER_5XX", "eject_after_5xx", int),
     ("LLMGW_ROUTER_EJECTION_BASE", "ejection_base_s", float),

@@ -23,6 +23,10 @@ Why not one health watch per model: issue 10 (500 on-demand models; the
 router held a long poll per model on a client capped at 100 connections,
 knew 123 models and never recovered after a prune).
 
+With the API keys in Consul (``LLMGW_API_KEYS_CONSUL``), one more follows the
+KV key ``llmgw-router/api-keys`` into :class:`router.keys.ConsulKeys`, so a key
+added or revoked there takes effect within one blocking-query round trip.
+
 With on-demand activation on, two more follow the planners into
 :class:`router.planners.PlannerCandidates`: the KV key ``llmgw/leader`` (who
 leads now) and the health of the ``llmgw-planner`` service (which instances
@@ -58,10 +62,11 @@ from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, KVPrefix
+from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, ROUTER_API_KEYS_KEY, KVPrefix
 from router.catalog import REFRESH_CONCURRENCY, CheckState, ConsulCatalog
 from router.endpoints import EndpointTable
 from router.errors import CatalogError
+from router.keys import ConsulKeys
 from router.planners import PlannerCandidates
 
 log = logging.getLogger(__name__)
@@ -118,8 +123,10 @@ class ConsulWatcher:
         wait_s: float,
         backoff_max_s: float,
         planners: PlannerCandidates | None = None,
+        keys: ConsulKeys | None = None,
     ) -> None:
         self._catalog = catalog
+        self._keys = keys
         self._table = table
         self._planners = planners
         self._wait_s = wait_s
@@ -137,6 +144,8 @@ class ConsulWatcher:
                 self._spawn("health", self._watch_health()),
                 self._spawn("state", self._watch_states()),
             ]
+            if self._keys is not None:
+                self._tasks.append(self._spawn("api-keys", self._watch_keys(self._keys)))
             if self._planners is not None:
                 self._tasks += [
                     self._spawn("leader", self._watch_leader(self._planners)),
@@ -223,6 +232,12 @@ class ConsulWatcher:
             return self._catalog.leader(index, self._wait_s)
 
         await self._forever(f"Consul KV {LEADER_KEY}", read, planners.set_leader)
+
+    async def _watch_keys(self, keys: ConsulKeys) -> None:
+        def read(index: int) -> Awaitable[tuple[int, Any]]:
+            return self._catalog.api_keys(index, self._wait_s)
+
+        await self._forever(f"Consul KV {ROUTER_API_KEYS_KEY}", read, keys.set_document)
 
     async def _watch_planners(self, planners: PlannerCandidates) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:

@@ -12,6 +12,10 @@
 #                                 planners (llmgw-planner), the catalog's service list
 #   node_prefix "" read           Consul hides a service instance on a node the token
 #                                 cannot read: without it no replica ever passes
+#   key "llmgw-router/api-keys"   the router's API keys, when it reads them from Consul
+#     read                        (LLMGW_API_KEYS_CONSUL); outside llmgw/ so the
+#                                 planner's token cannot write them: give write on it
+#                                 to operators only
 #
 # The router needs no Nomad token: it never calls Nomad (it finds replicas in Consul
 # and asks the planner's admin API, with LLMGW_PLANNER_TOKEN, to start a model).
@@ -28,5 +32,9 @@ service_prefix "llmgw-" {
 }
 
 node_prefix "" {
+  policy = "read"
+}
+
+key "llmgw-router/api-keys" {
   policy = "read"
 }

@@ -358,8 +358,10 @@ def test_c22_cors_preflight_and_headers_on_every_answer(parts: Parts) -> None:
     )  # fmt: skip
     assert status == 200 and "access-control-allow-origin" not in headers
     # Dot segments never reach a replica's routes outside /v1/ (its slot actions).
+    # Every other spelling, against a recording stub: test_router_security.py.
     for path in ("/v1/../slots/0?action=erase", "/v1/%2e%2e/slots/0?action=erase",
-                 "/v1/..%2fslots/0?action=erase"):  # fmt: skip
+                 "/v1/..%2fslots/0?action=erase", "/v1/%252e%252e/slots/0?action=erase",
+                 "/v1/%252e%252e/props", "/v1/%252e%252e/lora-adapters"):  # fmt: skip
         status, _, body = cors_request(router, "POST", path, {}, {"model": "browser"})
         # The router's own 404, not llama-server's slot handler (its 501 names
         # --slot-save-path).

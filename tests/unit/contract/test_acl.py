@@ -3,11 +3,14 @@ agents' answers (planner.access); the agents' own answers are test_acl.py's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmgw_contract.acl import (
     CONSUL_KV_WRITE,
     CONSUL_SESSION_WRITE,
+    ROUTER_CONSUL_KEYS_NEEDS,
     ROUTER_CONSUL_NEEDS,
     Agent,
     Permission,
@@ -40,6 +43,12 @@ def test_consul_rules_are_asked_as_the_authorize_endpoint_takes_them() -> None:
                                                    "Access": "write"}
     assert [p.rule for p in ROUTER_CONSUL_NEEDS] == [
         'key_prefix "llmgw/" read', 'service_prefix "llmgw-" read', 'node_prefix "" read']
+    # Only with LLMGW_API_KEYS_CONSUL; a rule of acl/consul/router.hcl all the same.
+    (keys,) = ROUTER_CONSUL_KEYS_NEEDS
+    assert keys.authorize_request() == {"Resource": "key", "Segment": "llmgw-router/api-keys",
+                                        "Access": "read"}
+    policy = (Path(__file__).resolve().parents[3] / "acl/consul/router.hcl").read_text()
+    assert 'key "llmgw-router/api-keys" {\n  policy = "read"\n}' in policy
 
 
 class _Agent:

@@ -3,6 +3,7 @@ Authorization header the replicas see (router.keys, router.proxy, router.app).""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from aiohttp import web
 from starlette.testclient import TestClient
 
 from router import errors
-from router.keys import ApiKeys, KeysFile, digest
+from router.keys import ApiKeys, ConsulKeys, KeysFile, digest
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -177,3 +178,49 @@ def test_a_changed_keys_file_is_read_again_and_a_broken_one_ignored(tmp_path: Pa
     path.write_text("keys:\n  - name: typo\n    sha256: not-a-digest-at-all\n")
     assert not followed.reload_if_changed()  # logged; the keys read before stay
     assert followed.authenticate(f"Bearer {OPS_KEY}".encode()).name == "ops-only"
+
+
+def test_a_same_size_rewrite_in_the_same_timestamp_is_seen(tmp_path: Path) -> None:
+    # Issue 18: reload was keyed on (mtime, size); now on the content's SHA-256.
+    first, second = "team-a", "team-b"
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"keys:\n  - name: {first}\n    sha256: {digest(TEAM_KEY)}\n")
+    followed = KeysFile(str(path))
+    stamp = path.stat()
+    path.write_text(f"keys:\n  - name: {second}\n    sha256: {digest(OPS_KEY)}\n")
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert path.stat().st_size == stamp.st_size
+    assert path.stat().st_mtime_ns == stamp.st_mtime_ns
+    assert followed.reload_if_changed()
+    assert followed.authenticate(f"Bearer {OPS_KEY}".encode()).name == second
+    with pytest.raises(errors.InvalidApiKey):
+        followed.authenticate(f"Bearer {TEAM_KEY}".encode())
+    # A file that vanishes is logged once, and the keys read before stay.
+    path.unlink()
+    assert not followed.reload_if_changed()
+    assert not followed.reload_if_changed()
+    assert followed.authenticate(f"Bearer {OPS_KEY}".encode()).name == second
+
+
+def test_consul_keys_fail_closed_until_read_and_when_absent() -> None:
+    keys = ConsulKeys()
+    ops = f"Bearer {OPS_KEY}".encode()
+    with pytest.raises(errors.RouterStarting):
+        keys.authenticate(ops)
+    keys.set_document(b"keys:\n  - name: typo\n    sha256: nope\n")  # never valid: none
+    with pytest.raises(errors.InvalidApiKey):
+        keys.authenticate(ops)
+    keys.set_document(f"keys:\n  - name: ops\n    sha256: {digest(OPS_KEY)}\n".encode())
+    assert keys.authenticate(ops).name == "ops"
+    keys.set_document(b"keys: [")  # broken: the keys before stay
+    assert keys.authenticate(ops).name == "ops"
+    keys.set_document(None)  # deleted: no key is valid
+    with pytest.raises(errors.InvalidApiKey):
+        keys.authenticate(ops)
+
+
+def test_keys_from_a_file_or_consul_not_both(tmp_path: Path) -> None:
+    settings = RouterSettings(api_keys_file=str(keys_file(tmp_path)), api_keys_consul=True)
+    with pytest.raises(ValueError, match="not both"):
+        settings.validate()
+    assert RouterSettings.from_env({"LLMGW_API_KEYS_CONSUL": "1"}).api_keys_consul

@@ -1,0 +1,129 @@
+"""router.intake: the body budget, the body-read deadline and the default budget.
+
+In-process with a scripted ASGI ``receive``; the same over real HTTP through
+``router serve`` is in tests/integration/test_router_security.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from router import errors
+from router.intake import (
+    BodyBudget,
+    ClientGone,
+    Reservation,
+    default_budget,
+    memory_limit_bytes,
+    read_body,
+)
+
+
+def scripted(*chunks: bytes, then_wait: bool = False):
+    """A ``receive`` that yields ``chunks`` (the last without more_body unless
+    ``then_wait``), then waits forever."""
+    queue = list(chunks)
+
+    async def receive() -> dict:
+        if queue:
+            chunk = queue.pop(0)
+            return {"type": "http.request", "body": chunk,
+                    "more_body": bool(queue) or then_wait}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+def read(receive, announced, reservation, **kw):
+    options = {"max_bytes": 1000, "timeout_s": 5.0, "min_rate": 1000.0, **kw}
+    return asyncio.run(read_body(receive, announced, reservation, **options))
+
+
+def test_an_announced_body_is_reserved_whole_and_read_into_one_buffer() -> None:
+    budget = BodyBudget(100)
+    reservation = Reservation(budget)
+    assert read(scripted(b"a" * 30, b"b" * 30), 60, reservation) == b"a" * 30 + b"b" * 30
+    assert budget.held == 60
+    reservation.release()
+    reservation.release()  # once only
+    assert budget.held == 0
+
+
+def test_past_the_budget_is_router_overloaded_and_nothing_is_kept() -> None:
+    budget = BodyBudget(100, retry_after_s=3)
+    other = Reservation(budget)
+    other.grow(70)
+    with pytest.raises(errors.RouterOverloaded) as refused:
+        read(scripted(b"x" * 40), 40, Reservation(budget))
+    assert refused.value.headers() == [(b"retry-after", b"3")]
+    assert budget.held == 70
+    # Chunked: counted as it arrives, refused at the chunk that does not fit.
+    chunked = Reservation(budget)
+    with pytest.raises(errors.RouterOverloaded):
+        read(scripted(b"x" * 20, b"x" * 20), None, chunked)
+    assert chunked.size == 20 and budget.held == 90
+    chunked.release()
+    assert budget.held == 70
+
+
+def test_larger_than_the_limit_or_the_whole_budget_is_413() -> None:
+    for budget_bytes, announced in ((10_000, 1001), (500, 501), (500, None)):
+        reservation = Reservation(BodyBudget(budget_bytes))
+        with pytest.raises(errors.BodyTooLarge):
+            read(scripted(b"x" * 600), announced, reservation)
+        assert reservation.size == 0
+
+
+def test_a_stalled_body_times_out_and_bytes_extend_the_deadline() -> None:
+    with pytest.raises(errors.RequestTimeout):
+        read(scripted(b"x", then_wait=True), 10, Reservation(BodyBudget(100)), timeout_s=0.05)
+
+    async def steady() -> bytes:
+        # The first chunk at once, 3 more 0.1 s apart: 0.3 s in all, well past the
+        # 0.05 s timeout, but each 100 bytes at 100 bytes/s buys 1 s more.
+        chunks = [b"x" * 100] * 4
+
+        async def receive() -> dict:
+            if len(chunks) < 4:
+                await asyncio.sleep(0.1)
+            chunks.pop()
+            return {"type": "http.request", "body": b"x" * 100, "more_body": bool(chunks)}
+
+        return bytes(await read_body(receive, 400, Reservation(BodyBudget(1000)),
+                                     max_bytes=1000, timeout_s=0.05, min_rate=100.0))
+
+    assert asyncio.run(steady()) == b"x" * 400
+
+
+def test_a_client_that_leaves_is_client_gone() -> None:
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    with pytest.raises(ClientGone):
+        read(gone, 10, Reservation(BodyBudget(100)))
+
+
+def test_the_default_budget_is_a_quarter_of_memory_at_most_1_gib(tmp_path: Path) -> None:
+    assert default_budget(2 * 1024**3) == 512 * 1024**2
+    assert default_budget(64 * 1024**3) == 1024**3
+    meminfo, root, own = tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "self-cgroup"
+    meminfo.write_text("MemTotal:       16384000 kB\nMemFree: 1 kB\n")
+    assert memory_limit_bytes(meminfo, root, own) == 16384000 * 1024
+    (root / "nomad.slice" / "task.scope").mkdir(parents=True)
+    own.write_text("0::/nomad.slice/task.scope\n")
+    (root / "nomad.slice" / "task.scope" / "memory.max").write_text("536870912\n")
+    assert memory_limit_bytes(meminfo, root, own) == 536870912
+    (root / "nomad.slice" / "task.scope" / "memory.max").write_text("max\n")
+    assert memory_limit_bytes(meminfo, root, own) == 16384000 * 1024
+    (root / "memory.max").write_text("1073741824\n")  # a container's own root
+    assert memory_limit_bytes(meminfo, root, own) == 1073741824
+    assert memory_limit_bytes(tmp_path / "none", tmp_path / "none", tmp_path / "none") is None
+    # cgroup v1: the memory controller's own hierarchy.
+    (root / "memory" / "job").mkdir(parents=True)
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text("268435456\n")
+    own.write_text("5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n")
+    assert memory_limit_bytes(meminfo, root, own) == 268435456

@@ -356,7 +356,13 @@ job "router" {
         ], var.args)
       }
 
-      env = local.agent_env
+      # The request bodies held at once: half the task's memory. Under raw_exec the
+      # router sees no cgroup limit, so its own default (a quarter of the node's
+      # memory, at most 1 GiB) could exceed what the task reserves. A KV setting of
+      # the same name (local/settings.env, rendered later) still wins.
+      env = merge(local.agent_env, {
+        LLMGW_ROUTER_MAX_BODIES_BYTES = format("%d", var.memory_mb * 524288)
+      })
 
       # In the task, so Nomad deregisters it when the task stops (before the
       # shutdown delay) and registers it again at each start. The name is

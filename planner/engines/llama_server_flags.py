@@ -65,7 +65,7 @@ WHY: dict[FlagClass, str] = {
     FlagClass.MODEL: "loads weights other than `source`'s, which the planner neither "
                      "verifies, fits nor places: the model file comes from `source`",
     FlagClass.FILE: "reads or writes a file on the node, as the model task's user (root "
-                    "under raw_exec)",
+                    "under raw_exec by default)",
     FlagClass.NETWORK: "reaches beyond the replica's own port from the node",
     FlagClass.EXEC: "runs programs or tools on the node",
     FlagClass.API: "changes the HTTP routes the router and Consul's health check rely on",

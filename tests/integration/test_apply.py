@@ -74,7 +74,7 @@ PROFILE = "context: 512\n  cpu: 100\n  memory: 256MiB\n  args: "
 REACHING_ARGS = [
     ("r-log-file", '["--log-file", "/etc/cron.d/x"]',
      "profile.args.0: --log-file reads or writes a file on the node, as the model task's "
-     "user (root under raw_exec); remove it and its value"),
+     "user (root under raw_exec by default); remove it and its value"),
     ("r-slot-save", '["--threads", "1", "--slot-save-path", "/"]',
      "profile.args.2: --slot-save-path reads or writes a file on the node"),
     ("r-path", '["--path", "/"]', "profile.args.0: --path reads or writes a file"),

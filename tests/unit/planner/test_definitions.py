@@ -169,7 +169,7 @@ def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: P
     # Issue 18: what llama-server would do to the node beyond serving this model.
     ('["--log-file", "/etc/cron.d/x"]', "profile.args.0: --log-file reads or writes a file on "
                                         "the node, as the model task's user (root under "
-                                        "raw_exec); remove it and its value"),
+                                        "raw_exec by default); remove it and its value"),
     ('["--threads", "2", "--path", "/"]', "profile.args.2: --path reads or writes a file on "
                                           "the node"),
     ('["-jf", "/etc/shadow"]', "profile.args.0: -jf reads or writes a file on the node"),

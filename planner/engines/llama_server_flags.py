@@ -68,7 +68,8 @@ WHY: dict[FlagClass, str] = {
                     "under raw_exec by default)",
     FlagClass.NETWORK: "reaches beyond the replica's own port from the node",
     FlagClass.EXEC: "runs programs or tools on the node",
-    FlagClass.API: "changes the HTTP routes the router and Consul's health check rely on",
+    FlagClass.API: "changes the HTTP API the router and Consul's health check rely on, or "
+                   "opens a route beyond it",
     FlagClass.NODE: "takes more of the node than the job's resources",
     FlagClass.LOGS: "hides the log the planner reads a failed start's cause from",
     FlagClass.EXITS: "prints something and exits: the server would never start",

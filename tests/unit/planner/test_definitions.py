@@ -178,7 +178,7 @@ def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: P
     ('["--tools", "all"]', "profile.args.0: --tools runs programs or tools on the node"),
     ('["--no-agent"]', "profile.args.0: --no-agent runs programs or tools on the node; "
                        "remove it"),
-    ('["--api-prefix", "/x"]', "profile.args.0: --api-prefix changes the HTTP routes the "
+    ('["--api-prefix", "/x"]', "profile.args.0: --api-prefix changes the HTTP API the "
                                "router and Consul's health check rely on"),
     ('["--prio", "3"]', "profile.args.0: --prio takes more of the node than the job's "
                         "resources; remove it and its value (a real-time priority"),

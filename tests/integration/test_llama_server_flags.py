@@ -19,8 +19,9 @@ pytestmark = pytest.mark.integration
 def help_options(text: str) -> list[str]:
     """Each option of `llama-server --help` as it writes it: a line starting with '-' (not
     a "----- section -----" title), up to the padding before its help (common/arg.cpp,
-    `common_arg::to_string`: the help starts at column 40, or on the next line)."""
-    return [re.split(r" {2,}", line.rstrip(), maxsplit=1)[0]
+    `common_arg::to_string`: the help starts at column 40, or on the next line), the
+    padding after a short first flag ("-h,    --help") closed up to one space."""
+    return [re.split(r" {2,}", re.sub(r"^(-\S*,) +", r"\1 ", line.rstrip()), maxsplit=1)[0]
             for line in text.splitlines()
             if line.startswith("-") and not line.startswith("-----")]
 

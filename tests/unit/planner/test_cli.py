@@ -14,8 +14,10 @@ from llmgw_contract import ModelState
 from planner.cli import _rollout, advertised_url, app
 from planner.status import ModelStatus, ReplicaState, ReplicaStatus
 
-# Nothing listens here: validation must fail before any agent is asked.
-UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9"}
+# Nothing listens here: validation must fail before any agent is asked. The models
+# root is the default whatever the shell (or the integration tests) set.
+UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9",
+               "LLMGW_MODELS_ROOT": "/opt/llmgw/models"}
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:

@@ -84,6 +84,7 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 # The error type of a refused `profile.args` element: its message is whole (no "got").
 ARG_ERROR = "llmgw_arg"
 
+
 def parse_bytes(value: object) -> int:
     """'2GiB' / '512 MiB' / '24GB' / 1024 -> bytes. Raises ValueError naming the units."""
     if isinstance(value, int) and not isinstance(value, bool):

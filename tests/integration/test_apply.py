@@ -122,6 +122,10 @@ def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
     ]
     for name, source, _ in sources:
         model_files(name, replicas=0, source=source)
+    model_files("s-sha256", replicas=0, source="https://h/m.gguf",
+                extra="sha256: ${meta.sum}\n")
+    sources.append(("s-sha256", "", "sha256: expected a sha256 (64 hex digits) or a list of "
+                                    "them, got '${meta.sum}'"))
 
     result = planner("apply", str(folder))
 

@@ -329,8 +329,9 @@ def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
                    "starting and ending with a letter or digit, at most 57 characters")
     if error["type"] in ("tuple_type", "list_type"):
         message = "expected a list of strings, e.g. [\"--threads\", \"2\"]"
-    if error["type"] not in ("missing", ARG_ERROR) and "input" in error and \
-            "got " not in message:
+    # The input is shown unless the message shows it already (a file:// source's path).
+    shown = "got " in message or str(error.get("input")).removeprefix("file://") in message
+    if error["type"] not in ("missing", ARG_ERROR) and "input" in error and not shown:
         message += f" (got {error['input']!r})"
     return message
 

@@ -32,18 +32,19 @@ def actions(result: subprocess.CompletedProcess[str], model: str) -> list[str]:
 
 
 def test_c01_invalid_files_register_nothing(
-    cluster: Cluster, planner: Callable, model_files: Callable[..., Path]
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path], tiny_model: Path
 ) -> None:
+    source = f"file://{tiny_model}"  # under the models root, so only the problem meant counts
     folder = model_files("c01-valid")
     model_files("c01-other", replicas=0)
     (folder / "unknown-key.yaml").write_text(
-        "name: c01-a\nsource: file:///m.gguf\nprofile: {}\nreplica: 2\n"
+        f"name: c01-a\nsource: {source}\nprofile: {{}}\nreplica: 2\n"
     )
-    (folder / "bad-name.yaml").write_text("name: C01_Bad\nsource: file:///m.gguf\nprofile: {}\n")
+    (folder / "bad-name.yaml").write_text(f"name: C01_Bad\nsource: {source}\nprofile: {{}}\n")
     (folder / "negative.yaml").write_text(
-        "name: c01-b\nsource: file:///m.gguf\nprofile:\n  gpus: -1\n"
+        f"name: c01-b\nsource: {source}\nprofile:\n  gpus: -1\n"
     )
-    (folder / "dup.yaml").write_text("name: c01-valid\nsource: file:///m.gguf\nprofile: {}\n")
+    (folder / "dup.yaml").write_text(f"name: c01-valid\nsource: {source}\nprofile: {{}}\n")
     (folder / "tabs.yaml").write_text("name: c01-c\nprofile:\n\tgpus: 1\n")
     (folder / "empty.yaml").write_text("")
 
@@ -112,7 +113,8 @@ def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
         ("s-outside", f"file://{outside}/m.gguf",
          f"source: {outside}/m.gguf is outside the models root {models_root} "
          "(LLMGW_MODELS_ROOT)"),
-        ("s-dotdot", f"file://{models_root}/../../etc/shadow", "has a '..' segment"),
+        ("s-dotdot", f"file://{models_root}/../../etc/shadow",
+         f"source: {models_root}/../../etc/shadow has a '..' segment"),
         ("s-link", f"file://{models_root}/key.gguf",
          f"source: {models_root}/key.gguf is a link on this machine to /etc/hostname, "
          f"outside the models root {models_root}"),

@@ -45,7 +45,8 @@ with `nomad` and `consul` works with `planner`):
                       raw_exec's and exec's need the Nomad client to run as root, and
                       raw_exec's is no sandbox); default empty: the Nomad client's own
                       user, root under raw_exec. The user must be able to read the
-                      model files and run the engine.
+                      model files, run the engine and enter the client's data_dir
+                      (0700 as Nomad makes it: chmod 711).
   LLMGW_MODELS_ROOT   the folder file:// model sources must lie in on the nodes, an
                       absolute path; default /opt/llmgw/models (`planner.sources`)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)

@@ -171,6 +171,7 @@ class Bench:
             **self.cluster.env,
             "PYTHONPATH": str(REPO),
             "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+            "LLMGW_MODELS_ROOT": str(path.resolve().parent),
             "LLMGW_ADMIN_TOKEN": self.token,
         }
         applied = subprocess.run(

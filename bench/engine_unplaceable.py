@@ -86,7 +86,8 @@ def measure(args: argparse.Namespace) -> dict:
 def setup(workdir: Path, children: Children, cluster: Cluster) -> tuple[dict, str]:
     up(cluster)
     env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO),
-           "LLMGW_ADMIN_TOKEN": "bench", "LLMGW_ENGINE_ROOT": str(workdir / "engines")}
+           "LLMGW_ADMIN_TOKEN": "bench", "LLMGW_ENGINE_ROOT": str(workdir / "engines"),
+           "LLMGW_MODELS_ROOT": str(workdir)}
     engines = workdir / "engine-files"
     engines.mkdir()
     (engines / "llama.cpp.yaml").write_text(

@@ -65,7 +65,8 @@ def measure(args: argparse.Namespace, workdir: Path, children: Children) -> dict
         gguf.write_bytes(b"GGUF")  # never loaded: on-demand models stay at 0 instances
         write_models(workdir / "models", args.models, gguf)
         env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO),
-               "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}"}
+               "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+               "LLMGW_MODELS_ROOT": str(workdir)}
         started = time.monotonic()
         subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(workdir / "models")],
                        env=env, cwd=REPO, check=True, capture_output=True, timeout=1800)

@@ -177,7 +177,8 @@ class Bench:
 
     def planner(self, *args: str) -> dict:
         env = {**os.environ, **self.cluster.env, "PYTHONPATH": str(REPO),
-               "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}"}
+               "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+               "LLMGW_MODELS_ROOT": str(self.workdir)}
         done = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--output", "json"],
                               env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:

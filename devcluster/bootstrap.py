@@ -528,7 +528,23 @@ def gemma_path() -> Path:
 
 
 def link_gemma() -> None:
-    _link(NODE_MODELS / GEMMA_FILE, gemma_path())
+    """/opt/llmgw/models is a link to the cache's models folder, not a folder of links: a
+    file:// source must resolve inside the models root (planner.sources.outside_root), which
+    a link from the root to a file elsewhere does not."""
+    if NODE_MODELS.is_dir() and not NODE_MODELS.is_symlink():
+        entries = list(NODE_MODELS.iterdir())
+        if not all(p.is_symlink() and CACHE.resolve() in p.resolve().parents for p in entries):
+            say(f"model: {NODE_MODELS} holds files of its own; move them into "
+                f"{gemma_path().parent} or set LLMGW_MODELS_ROOT for the planner")
+            return
+        for entry in entries:  # the layout before: one link per model file
+            entry.unlink()
+        NODE_MODELS.rmdir()
+    try:
+        _link(NODE_MODELS, gemma_path().parent)
+    except OSError as exc:
+        say(f"model: cannot link {NODE_MODELS} ({exc.strerror}); set "
+            f"LLMGW_MODELS_ROOT={gemma_path().parent} for the planner")
 
 
 def gemma_done() -> bool:

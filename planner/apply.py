@@ -228,10 +228,10 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     # LLMGW_ENGINES'; a defined engine's version is what the model's job constrains on.
     # The files alone first (bad files are exit 2 whatever the agents), then the tokens
     # (one message naming every permission lacking), then the files against the engines.
-    load_definitions(paths)
+    load_definitions(paths, models_root=settings.models_root)
     access.check(nomad, consul, needs)
     engines = engine_refs(nomad, settings)
-    models = load_definitions(paths, engines)
+    models = load_definitions(paths, engines, settings.models_root)
     fits = check_models(models)
     template = settings.jobspec.read_text()
     rendered = {name: render(d, settings, nomad, template, engines[d.profile.engine])

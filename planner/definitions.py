@@ -7,7 +7,7 @@ one run names all of them. Nothing here talks to Nomad or Consul.
 One file holds one model:
 
     name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
-    source: file:///abs/path/model.gguf # or https://..., or hf://org/repo[@rev]/path.gguf
+    source: file:///opt/llmgw/models/m.gguf  # or https://..., or hf://org/repo[@rev]/path.gguf
     sha256: <64 hex>                    # optional; checked by Nomad's artifact download
                                         # (a split source: a list, one per shard)
     profile:
@@ -24,11 +24,17 @@ One file holds one model:
 
 The definition hash covers what the server runs (source, sha256, profile) and
 not `replicas` or `on_demand`: a changed hash lifts parking, scaling must not.
+
+A model file reaches nothing on a node beyond its model: a file:// source lies under
+the models root (LLMGW_MODELS_ROOT; `planner.sources.outside_root`), `args` carry
+only the llama-server flags that change serving (`planner.engines.llama_server_flags`),
+and no field Nomad interpolates (source, args) may hold `${`.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import re
@@ -40,20 +46,30 @@ from urllib.parse import quote, urlparse
 
 import yaml
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from llmgw_contract import OWN_SERVICES, ModelRecord, service_name
+from planner.engines.llama_server_flags import judge
 from planner.errors import DefinitionError, InvalidDefinitions
-from planner.sources import Shard, expand, source_name, split_of
+from planner.sources import (
+    DEFAULT_MODELS_ROOT,
+    Shard,
+    expand,
+    outside_root,
+    source_name,
+    split_of,
+)
 
 # Nomad job IDs and Consul service names both accept this; "llmgw-" + name
 # must stay within a DNS label's 63 characters (RFC 1035).
@@ -65,26 +81,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
-
-# llama-server flags the job template sets itself (planner/jobspecs/model.nomad.hcl),
-# with their short forms (llama.cpp common/arg.cpp), and where an operator says it
-# instead: a second copy would fight the template's.
-# The model-source flags are those of the cached build's `llama-server --help`: each
-# would load weights other than `source`'s (unverified, not fitted, not on the node).
-_MODEL_SOURCES = ("-m", "--model", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff",
-                  "--hf-file", "-dr", "--docker-repo", "--models-dir", "--models-preset")
-# Its presets that download a model of their own ("can download weights from the internet").
-_MODEL_PRESETS = ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default",
-                  "--fim-qwen-7b-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec",
-                  "--fim-qwen-30b-default", "--gpt-oss-20b-default", "--gpt-oss-120b-default",
-                  "--vision-gemma-4b-default", "--vision-gemma-12b-default")
-RESERVED_ARGS: dict[str, str] = {
-    **dict.fromkeys(_MODEL_SOURCES + _MODEL_PRESETS, "the model file comes from `source`"),
-    **dict.fromkeys(("-c", "--ctx-size"), "set `profile.context` instead"),
-    **dict.fromkeys(("--host", "--port"),
-                    "Nomad gives each replica its address and a dynamic port"),
-    **dict.fromkeys(("-a", "--alias"), "the alias is the model's `name`"),
-}
+# The error type of a refused `profile.args` element: its message is whole (no "got").
+ARG_ERROR = "llmgw_arg"
 
 
 def parse_bytes(value: object) -> int:
@@ -111,46 +109,20 @@ Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
 Seconds = Annotated[int, BeforeValidator(parse_seconds), Field(gt=0)]
 
 
-def _is_flag(arg: str) -> bool:
-    """'-x' / '--flag' start a flag; '-1' and '-.5' are negative values."""
-    return len(arg) > 1 and arg[0] == "-" and not (arg[1].isdigit() or arg[1] == ".")
+def _judge_args(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[str, ...]:
+    """`profile.args` as llama-server will read them, judged against the flag table of
+    `planner.engines.llama_server_flags`: one error per element at `profile.args.N`."""
+    args: tuple[str, ...] = handler(value)
+    problems = judge(args)
+    if problems:
+        raise ValidationError.from_exception_data("args", [
+            InitErrorDetails(type=PydanticCustomError(ARG_ERROR, message), loc=(index,),
+                             input=args[index])
+            for index, message in problems])
+    return args
 
 
-def check_arg(arg: str) -> str:
-    """One element of `profile.args`, as llama-server's parser will read it: it takes
-    each argv element whole, so `--threads=1` and `--threads 1` are unknown flags to it
-    (llama.cpp common/arg.cpp looks the element up as given; llama-server exits with
-    "invalid argument: --threads=1"), and so are "" and " --threads". Raises ValueError
-    saying the right form."""
-    if "\0" in arg or "\n" in arg:
-        raise ValueError(f"argument {arg!r} contains a NUL or newline")
-    if not arg.strip():
-        raise ValueError(f"argument {arg!r} is empty; llama-server rejects it as an invalid "
-                         "argument: remove it")
-    if arg != arg.strip() and _is_flag(arg.strip()):
-        # llama-server looks a flag up as given: " --threads" is "invalid argument".
-        raise ValueError(f"argument {arg!r} has spaces around the flag; write "
-                         f"{arg.strip()!r}")
-    if "${" in arg:
-        # Nomad interpolates ${...} in task args at run time; there is no escape.
-        raise ValueError(f"argument {arg!r} contains '${{', which Nomad would interpolate")
-    if not _is_flag(arg):
-        return arg
-    match = re.fullmatch(r"(\S+?)(=|\s+)(.*)", arg, re.DOTALL)
-    flag, sep, value = match.groups() if match else (arg, "", "")
-    if flag in RESERVED_ARGS:
-        raise ValueError(f"{flag} is set by the planner's job template; remove it and its value "
-                         f"({RESERVED_ARGS[flag]})")
-    if not sep:
-        return arg
-    why = ("llama-server does not split --flag=value" if sep == "=" else
-           "each element is one argv element; no shell splits it")
-    right = json.dumps([flag, value.strip()] if value.strip() else [flag])
-    raise ValueError(f"{arg!r} is one element; write the flag and its value as separate "
-                     f"elements: {right} ({why})")
-
-
-Arg = Annotated[str, AfterValidator(check_arg)]
+Args = Annotated[tuple[str, ...], WrapValidator(_judge_args)]
 
 
 class Profile(BaseModel):
@@ -165,7 +137,7 @@ class Profile(BaseModel):
     cpu: int = Field(1000, ge=100)
     memory: Bytes = parse_bytes("1GiB")
     load_timeout: Seconds = 600
-    args: tuple[Arg, ...] = ()
+    args: Args = ()
 
     @model_validator(mode="after")
     def _gpu_memory_needs_gpus(self) -> Profile:
@@ -218,13 +190,24 @@ class ModelDefinition(BaseModel):
 
     @field_validator("source")
     @classmethod
-    def _source_is_supported(cls, source: str) -> str:
+    def _source_is_supported(cls, source: str, info: ValidationInfo) -> str:
+        if "${" in source:
+            # Nomad interpolates ${...} in an artifact's source (node attributes and
+            # metadata would go into the URL) and in task args; there is no escape.
+            raise ValueError("the source contains '${', which Nomad would interpolate")
         resolved = resolve_source(source)
         split = split_of(source_name(resolved.local_path, resolved.download_url))
         if split is not None and split.number != 1:
             raise ValueError(
                 f"source names shard {split.number} of a {split.count}-file split model; name "
                 f"its first, {split.name(1)} (llama-server opens the others from it)")
+        root = (info.context or {}).get("models_root")
+        if root is not None and resolved.local_path is not None:
+            for shard in expand(resolved.local_path, None, None):
+                problem = outside_root(shard.local_path or "", root)
+                if problem:
+                    raise ValueError(f"{problem} (LLMGW_MODELS_ROOT): the model task "
+                                     "opens this path on every node")
         return source
 
     @field_validator("sha256")
@@ -346,13 +329,17 @@ def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
                    "starting and ending with a letter or digit, at most 57 characters")
     if error["type"] in ("tuple_type", "list_type"):
         message = "expected a list of strings, e.g. [\"--threads\", \"2\"]"
-    if error["type"] != "missing" and "input" in error and "got " not in message:
+    # The input is shown unless the message shows it already (a file:// source's path).
+    shown = "got " in message or str(error.get("input")).removeprefix("file://") in message
+    if error["type"] not in ("missing", ARG_ERROR) and "input" in error and not shown:
         message += f" (got {error['input']!r})"
     return message
 
 
-def parse_file(path: Path) -> tuple[ModelDefinition | None, list[DefinitionError]]:
-    """Read and check one YAML file; returns the definition or every problem in it."""
+def parse_file(path: Path, models_root: str | None = DEFAULT_MODELS_ROOT
+               ) -> tuple[ModelDefinition | None, list[DefinitionError]]:
+    """Read and check one YAML file; returns the definition or every problem in it.
+    A file:// source must lie under `models_root` (None: not checked)."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -373,7 +360,7 @@ def parse_file(path: Path) -> tuple[ModelDefinition | None, list[DefinitionError
         return None, [DefinitionError(path, "", "expected a mapping with name, source, profile "
                                                 f"and replicas, got a {type(data).__name__}")]
     try:
-        return ModelDefinition.model_validate(data), []
+        return ModelDefinition.model_validate(data, context={"models_root": models_root}), []
     except ValidationError as exc:
         return None, [DefinitionError(path, _field_path(e["loc"]), _explain(e, ModelDefinition))
                       for e in exc.errors()]
@@ -423,16 +410,19 @@ def collect(paths: list[Path], parse: Callable[[Path], tuple[Named | None,
     return found, errors
 
 
-def load_definitions(paths: list[Path], engines: Collection[str] | None = None
+def load_definitions(paths: list[Path], engines: Collection[str] | None = None,
+                     models_root: str = DEFAULT_MODELS_ROOT
                      ) -> dict[str, tuple[Path, ModelDefinition]]:
     """Load every model from files and folders: {name: (file, definition)}.
 
     Raises InvalidDefinitions carrying every problem of every file (unknown
-    keys, bad values, YAML errors, empty files, one name in two files, and,
-    when `engines` is given, an engine not among them); then the caller must
+    keys, bad values, YAML errors, empty files, one name in two files, a
+    file:// source outside `models_root` (LLMGW_MODELS_ROOT), and, when
+    `engines` is given, an engine not among them); then the caller must
     change nothing.
     """
-    models, errors = collect(paths, parse_file, "model")
+    models, errors = collect(paths, functools.partial(parse_file, models_root=models_root),
+                             "model")
     for path, definition in models.values():
         if engines is not None and definition.profile.engine not in engines:
             errors.append(DefinitionError(path, "profile.engine", (

@@ -73,6 +73,7 @@ def variables(definition: ModelDefinition, settings: Settings,
         "engine_meta_key": ref.meta_key,
         "engine_version": ref.version or "",
         "driver": settings.task_driver,
+        "user": settings.task_user,
         "source_path": source.local_path or "",
         # Every shard of a split source under its own name (planner/sources.py).
         "artifacts": [{"url": shard.url, "sha256": shard.sha256 or "", "file": shard.file}

@@ -41,6 +41,14 @@ with `nomad` and `consul` works with `planner`):
                       (Nomad forwards ?node_id= to the node); default empty: each
                       task's own agent, through the Task API socket
   LLMGW_TASK_DRIVER   default raw_exec (what `nomad agent -dev` enables)
+  LLMGW_TASK_USER     the user model tasks run as on the nodes (the task's `user`:
+                      raw_exec's and exec's need the Nomad client to run as root, and
+                      raw_exec's is no sandbox); default empty: the Nomad client's own
+                      user, root under raw_exec. The user must be able to read the
+                      model files, run the engine and enter the client's data_dir
+                      (0700 as Nomad makes it: chmod 711).
+  LLMGW_MODELS_ROOT   the folder file:// model sources must lie in on the nodes, an
+                      absolute path; default /opt/llmgw/models (`planner.sources`)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)
   LLMGW_JOBSPEC       default planner/jobspecs/model.nomad.hcl (package data)
 
@@ -56,12 +64,14 @@ place this process builds an `ssl.SSLContext`.
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from llmgw_contract.tlsfiles import tls_context
+from planner.sources import DEFAULT_MODELS_ROOT
 
 # Package data (pyproject.toml): an installed wheel carries it too.
 DEFAULT_JOBSPEC = Path(__file__).resolve().parent / "jobspecs" / "model.nomad.hcl"
@@ -82,8 +92,28 @@ def _engines(text: str) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"LLMGW_ENGINES: expected name=path, got {item!r}")
+        if "${" in path:
+            # The job template runs it as the task's command, which Nomad interpolates.
+            raise ValueError(f"LLMGW_ENGINES: {item!r} contains '${{', which Nomad would "
+                             "interpolate")
         engines[name.strip()] = path.strip()
     return engines
+
+
+def _task_user(text: str) -> str:
+    """LLMGW_TASK_USER: empty, or a user name as useradd accepts it (shadow-utils'
+    default NAME_REGEX, at most 32 characters)."""
+    if text and not re.fullmatch(r"[a-z_][a-z0-9_-]{0,30}\$?", text):
+        raise ValueError(f"LLMGW_TASK_USER: expected a user name such as nobody or llmgw, "
+                         f"got {text!r}")
+    return text
+
+
+def _models_root(text: str) -> str:
+    if not text.startswith("/") or any(c in text for c in "\0\n$"):
+        raise ValueError(f"LLMGW_MODELS_ROOT: expected an absolute path on the nodes, got "
+                         f"{text!r}")
+    return text
 
 
 def _bool(name: str, text: str | None) -> bool:
@@ -177,6 +207,8 @@ class Settings:
     engine_root: str = "/opt/llmgw/engines"
     engine_nomad_addr: str = ""
     task_driver: str = "raw_exec"
+    task_user: str = ""
+    models_root: str = DEFAULT_MODELS_ROOT
     datacenters: tuple[str, ...] = ("*",)
     jobspec: Path = DEFAULT_JOBSPEC
     # TLS to the agents, under the names the `nomad` and `consul` CLIs read.
@@ -257,6 +289,8 @@ class Settings:
             engine_root=env.get("LLMGW_ENGINE_ROOT") or defaults.engine_root,
             engine_nomad_addr=env.get("LLMGW_ENGINE_NOMAD_ADDR", ""),
             task_driver=env.get("LLMGW_TASK_DRIVER", defaults.task_driver),
+            task_user=_task_user(env.get("LLMGW_TASK_USER", "")),
+            models_root=_models_root(env.get("LLMGW_MODELS_ROOT") or defaults.models_root),
             datacenters=tuple(d.strip() for d in env.get("LLMGW_DATACENTERS", "*").split(",")),
             jobspec=Path(env.get("LLMGW_JOBSPEC", str(DEFAULT_JOBSPEC))),
             nomad_cacert=env.get("NOMAD_CACERT") or None,

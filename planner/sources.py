@@ -10,10 +10,17 @@ A split model is the files llama.cpp's gguf-split writes,
 and `split.tensors.count` in its header. llama-server is given the first and
 opens the others beside it by those names ("invalid split file name" otherwise),
 so every shard is downloaded under its own name into one folder.
+
+A `file://` source is a path on the nodes, opened there by the model task (as the
+Nomad agent's user under raw_exec, root by default), so it must lie under the
+models root (`LLMGW_MODELS_ROOT`, default /opt/llmgw/models; `outside_root`): the
+model file may name the node's weights, never its keys or its configuration.
 """
 
 from __future__ import annotations
 
+import os
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -25,6 +32,9 @@ SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.ggu
 # Where a single downloaded file goes in the allocation (local/model/<file>): the name
 # every https:// model has had, so their rendered jobs stay as they were.
 SINGLE_FILE = "model.gguf"
+# Where file:// sources must lie on the nodes unless LLMGW_MODELS_ROOT says otherwise: the
+# node layout of planner.settings (engines in /opt/llmgw/bin, models in /opt/llmgw/models).
+DEFAULT_MODELS_ROOT = "/opt/llmgw/models"
 
 
 @dataclass(frozen=True)
@@ -97,3 +107,31 @@ def read_shard(shard: Shard) -> GgufHeader:
     if shard.local_path is not None:
         return read_local(Path(shard.local_path))
     return read_remote(shard.url or "")
+
+
+def _under(path: str, root: str) -> bool:
+    """Whether normalised absolute `path` is `root` itself or inside it, by whole segments
+    (/opt/models-old is not under /opt/models)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def outside_root(path: str, root: str) -> str | None:
+    """Why node path `path` (absolute) may not be a model source under models root `root`
+    (absolute), or None when it may.
+
+    A `..` segment is refused outright: the node's kernel resolves it after any symlink
+    before it, which no reading of the text can know. The text must then lie under the
+    root; and where this machine has the path, so must its real path (symlinks
+    resolved against the root's own real path): a link under the root to a key elsewhere
+    is refused here. A path this machine lacks is judged on its text alone."""
+    if ".." in path.split("/"):
+        return f"{path} has a '..' segment; name the file by its path under {root}"
+    lexical = posixpath.normpath(path)
+    if not _under(lexical, posixpath.normpath(root)):
+        return f"{path} is outside the models root {root}"
+    if os.path.lexists(path):
+        real, real_root = os.path.realpath(path), os.path.realpath(root)
+        if not _under(real, real_root):
+            return (f"{path} is a link on this machine to {real}, outside the models root "
+                    f"{root}")
+    return None

@@ -16,8 +16,17 @@ locals {
   # The jobs read settings and tokens when an instance starts; a change reaches them
   # as a deployment through this value in the jobs' meta. Known at plan time (HCL2
   # job variables must be): the settings and the revision, not the tokens.
+  # The planner's settings: the model task ones from their own variables (empty: not
+  # set), then planner_settings, which wins where it names them too.
+  model_settings = {
+    LLMGW_TASK_USER   = var.model_task_user
+    LLMGW_MODELS_ROOT = var.models_root
+  }
+
+  planner_settings = merge({ for name, value in local.model_settings : name => value if value != "" }, var.planner_settings)
+
   settings_version = substr(sha256(jsonencode({
-    planner  = var.planner_settings
+    planner  = local.planner_settings
     router   = var.router_settings
     revision = var.settings_revision
   })), 0, 16)
@@ -176,7 +185,7 @@ resource "nomad_variable" "router" {
 
 resource "consul_key_prefix" "planner_settings" {
   path_prefix = "${var.config_prefix}/${local.planner_job}/"
-  subkeys     = var.planner_settings
+  subkeys     = local.planner_settings
 }
 
 resource "consul_key_prefix" "router_settings" {

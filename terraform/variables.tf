@@ -210,6 +210,28 @@ variable "planner_settings" {
   }
 }
 
+variable "model_task_user" {
+  type        = string
+  default     = ""
+  description = "LLMGW_TASK_USER of the planner: the user model tasks (llama-server) run as on the nodes; empty: the Nomad client's own, root under raw_exec. It costs: the Nomad clients must run as root to switch users, raw_exec's user is no sandbox (exec adds a chroot and cgroups), and the user must run the engine and read every model file."
+
+  validation {
+    condition     = can(regex("^([a-z_][a-z0-9_-]{0,30}[$]?)?$", var.model_task_user))
+    error_message = "model_task_user is a user name such as nobody or llmgw, or empty."
+  }
+}
+
+variable "models_root" {
+  type        = string
+  default     = "/opt/llmgw/models"
+  description = "LLMGW_MODELS_ROOT of the planner: the folder on the nodes every file:// model source must lie in (after symlinks, where the applying machine has the file)."
+
+  validation {
+    condition     = startswith(var.models_root, "/")
+    error_message = "models_root is an absolute path on the nodes."
+  }
+}
+
 variable "router_settings" {
   type        = map(string)
   default     = {}

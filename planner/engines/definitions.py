@@ -108,6 +108,11 @@ class EngineDefinition(BaseModel):
     def _artifact_is_a_file_url(cls, artifact: str | None) -> str | None:
         if artifact is None:
             return None
+        if "${" in artifact:
+            # Nomad interpolates ${...} in an artifact's source: node attributes and
+            # metadata would go into the URL.
+            raise ValueError(f"the artifact URL contains '${{', which Nomad would "
+                             f"interpolate, got {artifact!r}")
         url = urlparse(artifact)
         name = posixpath.basename(url.path)
         if url.scheme != "https" or not url.netloc or not name:

@@ -62,6 +62,12 @@ variable "driver" {
   description = "Task driver. raw_exec in dev; exec or a container driver in production."
 }
 
+variable "user" {
+  type        = string
+  default     = ""
+  description = "User the server runs as on the node (LLMGW_TASK_USER); empty: the Nomad client's own, root under raw_exec. raw_exec and exec need the client to run as root to switch users; raw_exec is no sandbox. The user must read the model file and run the engine."
+}
+
 variable "source_path" {
   type        = string
   default     = ""
@@ -236,7 +242,9 @@ job "model" {
     }
 
     task "llama-server" {
+      # An empty user (the default) is Nomad's own default: the client's user.
       driver = var.driver
+      user   = var.user
 
       # A replica being stopped (an update's old version, a scale-down) leaves
       # Consul first, then gets its signal 3 s later: routers drop it from

@@ -32,18 +32,19 @@ def actions(result: subprocess.CompletedProcess[str], model: str) -> list[str]:
 
 
 def test_c01_invalid_files_register_nothing(
-    cluster: Cluster, planner: Callable, model_files: Callable[..., Path]
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path], tiny_model: Path
 ) -> None:
+    source = f"file://{tiny_model}"  # under the models root, so only the problem meant counts
     folder = model_files("c01-valid")
     model_files("c01-other", replicas=0)
     (folder / "unknown-key.yaml").write_text(
-        "name: c01-a\nsource: file:///m.gguf\nprofile: {}\nreplica: 2\n"
+        f"name: c01-a\nsource: {source}\nprofile: {{}}\nreplica: 2\n"
     )
-    (folder / "bad-name.yaml").write_text("name: C01_Bad\nsource: file:///m.gguf\nprofile: {}\n")
+    (folder / "bad-name.yaml").write_text(f"name: C01_Bad\nsource: {source}\nprofile: {{}}\n")
     (folder / "negative.yaml").write_text(
-        "name: c01-b\nsource: file:///m.gguf\nprofile:\n  gpus: -1\n"
+        f"name: c01-b\nsource: {source}\nprofile:\n  gpus: -1\n"
     )
-    (folder / "dup.yaml").write_text("name: c01-valid\nsource: file:///m.gguf\nprofile: {}\n")
+    (folder / "dup.yaml").write_text(f"name: c01-valid\nsource: {source}\nprofile: {{}}\n")
     (folder / "tabs.yaml").write_text("name: c01-c\nprofile:\n\tgpus: 1\n")
     (folder / "empty.yaml").write_text("")
 
@@ -65,6 +66,85 @@ def test_c01_invalid_files_register_nothing(
     assert "nothing was changed" in result.stderr
     assert job_or_none(cluster, "c01-valid") is None
     assert job_or_none(cluster, "c01-other") is None
+
+
+PROFILE = "context: 512\n  cpu: 100\n  memory: 256MiB\n  args: "
+
+# Issue 18: args that would reach beyond the model on every node, each as
+# (model, args, the refusal's field and start).
+REACHING_ARGS = [
+    ("r-log-file", '["--log-file", "/etc/cron.d/x"]',
+     "profile.args.0: --log-file reads or writes a file on the node, as the model task's "
+     "user (root under raw_exec by default); remove it and its value"),
+    ("r-slot-save", '["--threads", "1", "--slot-save-path", "/"]',
+     "profile.args.2: --slot-save-path reads or writes a file on the node"),
+    ("r-path", '["--path", "/"]', "profile.args.0: --path reads or writes a file"),
+    ("r-template-file", '["--chat-template-file", "/etc/shadow"]',
+     "profile.args.0: --chat-template-file reads or writes a file"),
+    ("r-grammar-file", '["--grammar-file", "/etc/shadow"]',
+     "profile.args.0: --grammar-file reads or writes a file"),
+    ("r-lora", '["--lora", "/root/x.gguf"]', "profile.args.0: --lora reads or writes a file"),
+    ("r-mmproj", '["-mm", "/root/x.gguf"]', "profile.args.0: -mm reads or writes a file"),
+    ("r-draft", '["--model-draft", "/root/x.gguf"]',
+     "profile.args.0: --model-draft loads weights other than `source`'s"),
+    ("r-underscore", '["--log_file", "/x"]', "profile.args.0: --log_file reads or writes"),
+    ("r-joined", '["--log-file=/x"]', "profile.args.0: --log-file reads or writes"),
+    ("r-rpc", '["--rpc", "10.0.0.1:50052"]', "profile.args.0: --rpc reaches beyond the "
+                                              "replica's own port from the node"),
+    ("r-tools", '["--tools", "all"]', "profile.args.0: --tools runs programs or tools"),
+    ("r-hf", '["-hf", "org/repo"]', "profile.args.0: -hf loads weights other than"),
+    ("r-unknown", '["--not-a-flag"]', "profile.args.0: --not-a-flag is not a flag of "
+                                      "llama-server"),
+    ("r-interpolated", '["--threads", "${attr.cpu.numcores}"]',
+     "profile.args.1: argument '${attr.cpu.numcores}' contains '${'"),
+]
+
+
+def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path],
+    models_root: Path,
+) -> None:
+    folder = model_files("r-valid", replicas=0)
+    for name, args, _ in REACHING_ARGS:
+        model_files(name, replicas=0, profile=PROFILE + args)
+    outside = Path(str(models_root) + "-elsewhere")
+    (models_root / "key.gguf").symlink_to(Path("/etc/hostname"))
+    sources = [
+        ("s-outside", f"file://{outside}/m.gguf",
+         f"source: {outside}/m.gguf is outside the models root {models_root} "
+         "(LLMGW_MODELS_ROOT)"),
+        ("s-dotdot", f"file://{models_root}/../../etc/shadow",
+         f"source: {models_root}/../../etc/shadow has a '..' segment"),
+        ("s-link", f"file://{models_root}/key.gguf",
+         f"source: {models_root}/key.gguf is a link on this machine to /etc/hostname, "
+         f"outside the models root {models_root}"),
+        ("s-interpolated", "https://h/${node.unique.id}/m.gguf",
+         "source: the source contains '${', which Nomad would interpolate"),
+        ("s-hf", "hf://${meta.org}/repo/m.gguf", "source: the source contains '${'"),
+    ]
+    for name, source, _ in sources:
+        model_files(name, replicas=0, source=source)
+    model_files("s-sha256", replicas=0, source="https://h/m.gguf",
+                extra="sha256: ${meta.sum}\n")
+    sources.append(("s-sha256", "", "sha256: expected a sha256 (64 hex digits) or a list of "
+                                    "them, got '${meta.sum}'"))
+
+    result = planner("apply", str(folder))
+
+    assert result.returncode == 2, result.stderr
+    for name, _, expected in REACHING_ARGS + sources:
+        assert any(f"{name}.yaml: {expected}" in line for line in result.stderr.splitlines()), (
+            f"{name}: {expected!r} not in:\n{result.stderr}")
+    assert "nothing was changed" in result.stderr
+    for name in ["r-valid"] + [n for n, _, _ in REACHING_ARGS + sources]:
+        assert job_or_none(cluster, name) is None, name
+    try:
+        records = http_json(f"{cluster.consul_addr}/v1/kv/llmgw/models/?keys=true")
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:  # 404: no model records at all
+            raise
+        records = []
+    assert not [key for key in records if key.split("/")[-1].startswith(("r-", "s-"))]
 
 
 def test_c02_second_apply_registers_nothing(

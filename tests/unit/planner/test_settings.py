@@ -127,3 +127,15 @@ def test_cli_exits_2_naming_a_missing_file(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert f"error: NOMAD_CACERT={tmp_path / 'missing.pem'}: No such file" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_task_user_and_models_root() -> None:
+    assert (Settings().task_user, Settings().models_root) == ("", "/opt/llmgw/models")
+    settings = Settings.from_env({"LLMGW_TASK_USER": "nobody", "LLMGW_MODELS_ROOT": "/srv/m"})
+    assert (settings.task_user, settings.models_root) == ("nobody", "/srv/m")
+    with pytest.raises(ValueError, match="LLMGW_TASK_USER: expected a user name"):
+        Settings.from_env({"LLMGW_TASK_USER": "root; rm"})
+    with pytest.raises(ValueError, match="LLMGW_MODELS_ROOT: expected an absolute path"):
+        Settings.from_env({"LLMGW_MODELS_ROOT": "models"})
+    with pytest.raises(ValueError, match=r"LLMGW_ENGINES: .* contains '\$\{'"):
+        Settings.from_env({"LLMGW_ENGINES": "llama.cpp=/opt/${meta.x}/llama-server"})

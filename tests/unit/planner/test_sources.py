@@ -79,7 +79,7 @@ def test_a_sha256_list_is_kept_in_the_record_and_the_hash() -> None:
     ("https://h/t-00002-of-00003.gguf", None, "source", "'https://h/t-00002-of-00003.gguf'"),
     ("https://h/t-00001-of-00003.gguf", SUMS[:2], "sha256", repr(SUMS[:2])),
     ("https://h/t.gguf", SUMS, "sha256", repr(SUMS)),
-    ("file:///m/t.gguf", SUMS[0], "sha256", repr(SUMS[0])),
+    ("file:///opt/llmgw/models/t.gguf", SUMS[0], "sha256", repr(SUMS[0])),
 ])
 def test_a_split_or_sha256_error_names_its_field_and_only_its_value(
         tmp_path: Path, source: str, sha256: object, field: str, got: str) -> None:

@@ -6,6 +6,8 @@ Real sockets: port 9 on 127.0.0.1, where nothing listens, refuses."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -36,11 +38,14 @@ def test_consul_refusing_names_consul_http_addr_and_says_connection_refused() ->
         f"Consul at CONSUL_HTTP_ADDR=http://{REFUSED} did not answer (connection refused)"
 
 
-def test_the_cli_says_it_without_urllib3s_words() -> None:
+def test_the_cli_says_it_without_urllib3s_words(tmp_path: Path) -> None:
     # `apply` checks its permissions first: its first call to Nomad is an ACL probe.
-    result = CliRunner().invoke(app, ["apply", "models", "--dry-run"],
+    (tmp_path / "m.yaml").write_text("name: m\nsource: file:///opt/llmgw/models/m.gguf\n"
+                                     "profile: {}\n")
+    result = CliRunner().invoke(app, ["apply", str(tmp_path), "--dry-run"],
                                 env={"NOMAD_ADDR": f"http://{REFUSED}",
-                                     "CONSUL_HTTP_ADDR": REFUSED})
+                                     "CONSUL_HTTP_ADDR": REFUSED,
+                                     "LLMGW_MODELS_ROOT": "/opt/llmgw/models"})
     assert result.exit_code == 3
     assert f"Nomad at NOMAD_ADDR=http://{REFUSED} did not answer (connection refused)" \
         in result.stderr

@@ -51,9 +51,16 @@ def test_every_problem_names_file_field_and_expectation(tmp_path: Path) -> None:
     write(tmp_path, "num.yaml", f"name: g\nversion: 1.10\npath: /x\nsha256: {'1' * 64}\n")
     write(tmp_path, "oct.yaml", "name: h\nversion: 0011434\npath: /x\n")
     write(tmp_path, "yes.yaml", "name: i\nversion: yes\npath: /x\n")
+    write(tmp_path, "dollar.yaml", f"name: j\nversion: '1'\nsha256: {SHA}\n"
+                                   "artifact: https://h/${node.unique.name}/llama-server\n")
+    write(tmp_path, "dollarpath.yaml", "name: k\nversion: '1'\npath: /opt/${meta.x}/bin\n")
     found = problems(tmp_path)
     expected = [
         "both.yaml: (top level): give exactly one of artifact",
+        "dollar.yaml: artifact: the artifact URL contains '${', which Nomad would "
+        "interpolate, got 'https://h/${node.unique.name}/llama-server'",
+        "dollarpath.yaml: path: expected an absolute path on the nodes, got "
+        "'/opt/${meta.x}/bin'",
         "extra.yaml: url: unknown field (expected one of: name, version, kind, artifact",
         "http.yaml: artifact: expected https://host/path/to/binary, got 'http://h/x'",
         "kind.yaml: kind: unknown engine kind 'vllm' (known: llama.cpp)",
@@ -72,7 +79,7 @@ def test_every_problem_names_file_field_and_expectation(tmp_path: Path) -> None:
     assert len(found) == len(expected), found
     for line, start in zip(found, expected, strict=True):
         assert line.startswith(f"{tmp_path}/{start}"), (line, start)
-    assert found[5].endswith("download")  # a whole-file problem does not echo the file
+    assert found[7].endswith("download")  # a whole-file problem does not echo the file
 
 
 def test_one_name_in_two_files_and_bad_yaml_are_errors(tmp_path: Path) -> None:

@@ -1,0 +1,20 @@
+"""Fixtures of the integration tests only (the shared ones are in tests/conftest.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The planner's models root (LLMGW_MODELS_ROOT) in these tests: the session's base
+    temporary folder, under which every test writes its GGUF files. Set in os.environ
+    before any other fixture runs, so every planner environment built from it (the CLI's,
+    the daemons', each test module's own) has it."""
+    root = tmp_path_factory.getbasetemp()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMGW_MODELS_ROOT", str(root))
+        yield root

@@ -617,6 +617,7 @@ def prove_binaries(with_tofu: bool) -> None:
             smoke.ran_once(name, argv, logs / f"{name}.log", ok_codes=ok)
         except smoke.SmokeFailed as exc:
             raise SystemExit(f"[bootstrap] proof failed: {exc}") from None
+    say(f"each binary ran once: {', '.join(name for name, _, _ in checks)}")
 
 
 def prove_llama(models: list[Path]) -> None:

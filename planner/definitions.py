@@ -7,6 +7,7 @@ one run names all of them. Nothing here talks to Nomad or Consul.
 One file holds one model:
 
     name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
+                                        # (none of llmgw's own: llmgw_contract.reserved)
     source: file:///abs/path/model.gguf # or https://..., or hf://org/repo[@rev]/path.gguf
     sha256: <64 hex>                    # optional; checked by Nomad's artifact download
                                         # (a split source: a list, one per shard)
@@ -51,7 +52,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmgw_contract import OWN_SERVICES, ModelRecord, service_name
+from llmgw_contract import ModelRecord, reserved_name, service_name
 from planner.errors import DefinitionError, InvalidDefinitions
 from planner.sources import Shard, expand, source_name, split_of
 
@@ -211,10 +212,7 @@ class ModelDefinition(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_is_not_llmgws_own(cls, name: str) -> str:
-        if service_name(name) in OWN_SERVICES:
-            raise ValueError(f"{name!r} is reserved: its service {service_name(name)} is "
-                             f"llmgw's own")
-        return name
+        return name_is_not_reserved(name)
 
     @field_validator("source")
     @classmethod
@@ -279,6 +277,15 @@ class ModelDefinition(BaseModel):
                            profile=self.profile.model_dump(mode="json"),
                            on_demand=self.on_demand.model_dump(mode="json")
                            if self.on_demand else None)
+
+
+def name_is_not_reserved(name: str) -> str:
+    """A model name that is none of llmgw's own job IDs or services
+    (`llmgw_contract.reserved`). Raises ValueError naming the rule."""
+    why = reserved_name(name)
+    if why is not None:
+        raise ValueError(f"{name!r} is reserved ({why}); choose another name")
+    return name
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ One file holds one model:
                                         # (a split source: a list, one per shard)
     profile:
       engine: llama.cpp                 # which engine build runs it
-      context: 4096                     # tokens
+      context: 4096                     # tokens each request can use, in every slot
       gpus: 0                           # count of nvidia/gpu devices
       gpu_memory: 24GiB                 # minimum memory per GPU (only with gpus > 0)
       cpu: 2000                         # MHz, as Nomad counts it

@@ -117,11 +117,10 @@ def _slots(found: tuple[int, str] | None) -> tuple[int, tuple[int, str] | None]:
     """The slot count of the last -np/--parallel (DEFAULT_PARALLEL without one), or
     the problem at its index: not a whole number, or under 1."""
     count, problem = _count(found, DEFAULT_PARALLEL, 0, "a number of slots")
-    if problem or count >= 1:
+    if found is None or problem or count >= 1:
         return count, problem
-    index, text = found  # type: ignore[misc]  # _count gives 0 only for a value found
-    return DEFAULT_PARALLEL, (index, (
-        f"expected a number of slots, 1 or more, got {text!r} (llama-server's auto lets "
+    return DEFAULT_PARALLEL, (found[0], (
+        f"expected a number of slots, 1 or more, got {found[1]!r} (llama-server's auto lets "
         "each build choose its own count and share one cache; llmgw gives each slot "
         "`profile.context` tokens)"))
 

@@ -1,8 +1,9 @@
 """Compare `planner.fit`'s memory estimate with what llama-server itself allocates.
 
-For each model and context, starts the real llama-server (the dev cache's
-~/.cache/llmgw/bin/llama-server, on 127.0.0.1, CPU, its defaults otherwise: 4
-parallel sequences, f16 KV cache, n_ubatch 512) with `-lv 4`, waits for
+For each model, context and slot count, starts the real llama-server (the dev
+cache's ~/.cache/llmgw/bin/llama-server, on 127.0.0.1, CPU) as llmgw's job does
+(`--parallel N --ctx-size context x N`: planner/engines/llama_cpp.py; f16 KV
+cache, n_ubatch 512) with `-lv 4`, waits for
 /health, reads the buffers it reports on stderr (`model buffer size`, `KV
 buffer size`, `compute buffer size`, `output buffer size`, llama.cpp's
 llama_model_loader / llama_kv_cache / sched_reserve lines) and its peak resident
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from planner.fit import estimate  # noqa: E402
+from planner.fitargs import server_args  # noqa: E402
 from planner.ggufhead import read_local  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.tiny_gguf import write_tiny_gguf  # noqa: E402
@@ -53,11 +55,12 @@ BUFFERS = {
 }
 
 
-def measure(model: Path, context: int) -> dict[str, float]:
+def measure(model: Path, context: int, slots: int) -> dict[str, float]:
     """llama-server's reported buffers (MiB, summed over its lines) and peak RSS (MiB)."""
     port = free_port()
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([str(SERVER), "-m", str(model), "-c", str(context),
+        proc = subprocess.Popen([str(SERVER), "-m", str(model), "--parallel", str(slots),
+                                 "-c", str(context * slots),
                                  "--host", "127.0.0.1", "--port", str(port),
                                  "--threads", "1", "-lv", "4"], stdout=log, stderr=log)
         try:
@@ -87,18 +90,21 @@ def main() -> int:
         print(f"no llama-server at {SERVER}: run the bootstrap", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp())
-    runs = [("tiny", write_tiny_gguf(work / "tiny.gguf"), c) for c in (512, 4096)]
+    tiny = write_tiny_gguf(work / "tiny.gguf")
+    runs = [("tiny", tiny, 512, 1), ("tiny", tiny, 4096, 1), ("tiny", tiny, 512, 4)]
     if GEMMA.exists():
-        runs += [("gemma-3-270m", GEMMA, c) for c in (512, 4096, 32768)]
+        runs += [("gemma-3-270m", GEMMA, c, n) for c, n in
+                 ((512, 1), (4096, 1), (32768, 1), (4096, 4))]
     rows, below = [], False
-    for name, path, context in runs:
-        est = estimate([read_local(path)], context)
-        got = measure(path, context)
+    for name, path, context, slots in runs:
+        est = estimate([read_local(path)], context,
+                       server_args(["--parallel", str(slots)])[0])
+        got = measure(path, context, slots)
         reported = got["weights"] + got["kv_cache"] + got["compute"] + got["output"]
         total = est.total / MIB
         below |= total < reported
         rows.append({
-            "model": name, "context": context,
+            "model": name, "context": context, "slots": slots,
             "estimate_mib": {"weights": est.weights / MIB, "kv_cache": est.kv_cache / MIB,
                              "compute": est.compute / MIB, "overhead": est.overhead / MIB,
                              "total": total},
@@ -109,11 +115,12 @@ def main() -> int:
     if args.output == "json":
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'model':14} {'ctx':>6} {'weights':>15} {'KV cache':>15} {'compute+out':>15} "
-              f"{'total':>8} {'buffers':>8} {'RSS':>8} {'err/buf':>8} {'err/RSS':>8}")
+        print(f"{'model':14} {'slots x ctx':>11} {'weights':>15} {'KV cache':>15} "
+              f"{'compute+out':>15} {'total':>8} {'buffers':>8} {'RSS':>8} {'err/buf':>8} "
+              f"{'err/RSS':>8}")
         for r in rows:
             e, g = r["estimate_mib"], r["reported_mib"]
-            print(f"{r['model']:14} {r['context']:>6} "
+            print(f"{r['model']:14} {r['slots']:>3} x {r['context']:<5} "
                   f"{e['weights']:>7.1f}/{g['weights']:<7.1f} "
                   f"{e['kv_cache']:>7.1f}/{g['kv_cache']:<7.1f} "
                   f"{e['compute']:>7.1f}/{g['compute'] + g['output']:<7.1f} "

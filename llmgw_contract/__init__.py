@@ -7,6 +7,8 @@ import-linter contracts in pyproject.toml check both). It holds:
   of the activation API (`ActivationStatus`);
 - `keys`: the Consul KV layout, the Consul service names and the Nomad job
   meta keys;
+- `reserved`: the job IDs and services llmgw uses for itself, which no model
+  may be named after, and the sentence that says so;
 - `documents`: the pydantic documents stored in Consul KV and sent over the
   activation API, with the functions that encode and decode them.
 
@@ -51,14 +53,18 @@ from llmgw_contract.keys import (
     model_from_service,
     service_name,
 )
+from llmgw_contract.reserved import ENGINE_JOB_PREFIX, PLANNER_JOB, ROUTER_JOB, reserved_name
 from llmgw_contract.states import SATISFIED_STATES, ActivationStatus, ModelState
 
 __all__ = [
+    "ENGINE_JOB_PREFIX",
     "LEADER_KEY",
     "OWN_SERVICES",
     "PARKED_META",
+    "PLANNER_JOB",
     "PLANNER_SERVICE",
     "ROUTER_API_KEYS_KEY",
+    "ROUTER_JOB",
     "ROUTER_SERVICE",
     "SATISFIED_STATES",
     "SERVICE_PREFIX",
@@ -81,5 +87,6 @@ __all__ = [
     "kv_key",
     "model_from_key",
     "model_from_service",
+    "reserved_name",
     "service_name",
 ]

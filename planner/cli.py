@@ -43,10 +43,12 @@ from planner import access, actions
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
+from planner.definitions import ModelDefinition
 from planner.engines.install import NodeInstall, execute_engines, installs, prepare_engines
 from planner.errors import InvalidDefinitions, PlannerError, Unavailable
 from planner.failures import PARK_AFTER, STABLE_AFTER_S, Rules, headline
 from planner.fit import Fit
+from planner.fitargs import slots
 from planner.nomad_client import NomadClient
 from planner.placement import evaluation_reason
 from planner.plandiff import format_diff
@@ -207,14 +209,17 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
         raise _fail(exc, output, error_exit=error_exit) from exc
     changed = [o for o in outcomes if o.change.action in MUTATIONS]
     shown = fits if dry_run else {}
+    serving = _serving(definitions) if dry_run else {}
     if output == Output.json:
-        print(json.dumps({"dry_run": dry_run,
-                          "changes": [_outcome_json(o, shown) for o in outcomes]}, indent=2))
+        print(json.dumps({"dry_run": dry_run, "changes": [
+            _outcome_json(o, shown, serving) for o in outcomes]}, indent=2))
     elif output == ReportOutput.markdown:
         print(outcomes_markdown(outcomes, dry_run,
-                                {model: fit.text() for model, fit in shown.items()}), end="")
+                                {model: fit.text() for model, fit in shown.items()},
+                                {model: _serving_text(*s) for model, s in serving.items()}),
+              end="")
     else:
-        _print_outcomes(outcomes, dry_run, shown)
+        _print_outcomes(outcomes, dry_run, shown, serving)
     if not changed:
         err.print("no changes")
     refused = [o.change for o in outcomes if o.change.action is Action.ROLLED_BACK]
@@ -229,8 +234,22 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
     return bool(changed)
 
 
-def _outcome_json(outcome: Outcome, fits: dict[str, Fit]) -> dict[str, Any]:
+def _serving(definitions: dict[str, ModelDefinition]) -> dict[str, tuple[int, int]]:
+    """{model: (slots, tokens of context each request can use)}, as its job runs it:
+    the profile's --parallel (1 without one) and `context` (`planner.fitargs`)."""
+    return {name: (slots(d.profile.args), d.profile.context)
+            for name, d in definitions.items()}
+
+
+def _serving_text(slot_count: int, context: int) -> str:
+    return f"{slot_count} x {context} tokens"
+
+
+def _outcome_json(outcome: Outcome, fits: dict[str, Fit],
+                  serving: dict[str, tuple[int, int]]) -> dict[str, Any]:
     data = outcome.as_dict()
+    if outcome.change.model in serving:
+        data["slots"], data["context_per_request"] = serving[outcome.change.model]
     if outcome.change.model in fits:
         data["estimate"] = fits[outcome.change.model].as_dict()
     if outcome.plan is not None:
@@ -240,17 +259,21 @@ def _outcome_json(outcome: Outcome, fits: dict[str, Fit]) -> dict[str, Any]:
     return data
 
 
-def _print_outcomes(outcomes: list[Outcome], dry_run: bool, fits: dict[str, Fit]) -> None:
-    """The table of changes; with `fits` (a dry run) a column with each model's memory
-    estimate from its GGUF header."""
+def _print_outcomes(outcomes: list[Outcome], dry_run: bool, fits: dict[str, Fit],
+                    serving: dict[str, tuple[int, int]]) -> None:
+    """The table of changes; in a dry run, columns with each model's slots and context
+    per request (`serving`) and its memory estimate from its GGUF header (`fits`)."""
     columns = ["model", "action", "reason", "evaluation", "version"]
-    table = Table(*columns, *(["memory estimate"] if fits else []), box=None)
+    table = Table(*columns, *(["slots x context"] if serving else []),
+                  *(["memory estimate"] if fits else []), box=None)
     for o in outcomes:
-        estimate = [fits[o.change.model].text() if o.change.model in fits else ""] \
-            if fits else []
-        table.add_row(o.change.model, str(o.change.action), o.change.reason,
+        model = o.change.model
+        served = [_serving_text(*serving[model]) if model in serving else ""] \
+            if serving else []
+        estimate = [fits[model].text() if model in fits else ""] if fits else []
+        table.add_row(model, str(o.change.action), o.change.reason,
                       (o.eval_id or "")[:8], "" if o.job_version is None else str(o.job_version),
-                      *estimate)
+                      *served, *estimate)
     out.print(table)
     for o in outcomes:
         if o.plan is not None:

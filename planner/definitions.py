@@ -7,12 +7,13 @@ one run names all of them. Nothing here talks to Nomad or Consul.
 One file holds one model:
 
     name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
+                                        # (none of llmgw's own: llmgw_contract.reserved)
     source: file:///opt/llmgw/models/m.gguf  # or https://..., or hf://org/repo[@rev]/path.gguf
     sha256: <64 hex>                    # optional; checked by Nomad's artifact download
                                         # (a split source: a list, one per shard)
     profile:
       engine: llama.cpp                 # which engine build runs it
-      context: 4096                     # tokens
+      context: 4096                     # tokens each request can use, in every slot
       gpus: 0                           # count of nvidia/gpu devices
       gpu_memory: 24GiB                 # minimum memory per GPU (only with gpus > 0)
       cpu: 2000                         # MHz, as Nomad counts it
@@ -59,7 +60,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from llmgw_contract import OWN_SERVICES, ModelRecord, service_name
+from llmgw_contract import ModelRecord, reserved_name, service_name
 from planner.engines.llama_server_flags import judge
 from planner.errors import DefinitionError, InvalidDefinitions
 from planner.sources import (
@@ -183,10 +184,7 @@ class ModelDefinition(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_is_not_llmgws_own(cls, name: str) -> str:
-        if service_name(name) in OWN_SERVICES:
-            raise ValueError(f"{name!r} is reserved: its service {service_name(name)} is "
-                             f"llmgw's own")
-        return name
+        return name_is_not_reserved(name)
 
     @field_validator("source")
     @classmethod
@@ -262,6 +260,15 @@ class ModelDefinition(BaseModel):
                            profile=self.profile.model_dump(mode="json"),
                            on_demand=self.on_demand.model_dump(mode="json")
                            if self.on_demand else None)
+
+
+def name_is_not_reserved(name: str) -> str:
+    """A model name that is none of llmgw's own job IDs or services
+    (`llmgw_contract.reserved`). Raises ValueError naming the rule."""
+    why = reserved_name(name)
+    if why is not None:
+        raise ValueError(f"{name!r} is reserved ({why}); choose another name")
+    return name
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,15 @@ anything is rendered or registered: a profile too small for the model is refused
 with the figures, as is a context longer than the model was trained for, or a
 source that cannot be read. `--dry-run` prints each estimate.
 
-The estimate, in bytes, of what llama-server allocates at its defaults (4
-parallel sequences sharing one KV cache, f16 cache, n_ubatch 512), or at what the
-profile's `args` set instead (`planner.fitargs`: -ngl, -ctk/-ctv, -np, -ub):
+The estimate, in bytes, of what llama-server allocates as llmgw starts it (one slot
+unless the profile's args say `--parallel N`, each slot with its own KV cache of
+`profile.context` tokens; f16 cache, n_ubatch 512), or at what the profile's `args`
+set instead (`planner.fitargs`: -ngl, -ctk/-ctv, -np, -ub):
 
   weights   the tensors' sizes (every shard of a split model)
-  KV cache  context x layers x KV heads x (key x K bytes + value head dim x V bytes)
+  KV cache  slots x slot cells x layers x KV heads x (key x K bytes + value head dim
+            x V bytes), a slot's cells being the context rounded up to 256
+            (`fitargs.slot_cells`, as llama.cpp pads each sequence's cache)
             (2 bytes each for f16; a quantized cache type's bytes per element from its
             block size), from
             <arch>.block_count, .attention.head_count_kv, .attention.key_length /
@@ -19,8 +22,9 @@ profile's `args` set instead (`planner.fitargs`: -ngl, -ctk/-ctv, -np, -ub):
             sliding-window layers (Gemma 3: 15 of 18) gets an upper bound.
   compute   llama.cpp's graph buffer: n_ubatch x 4 bytes x (3 x feed_forward_length
             + 4 x embedding_length + head_count x key_length) for the activations,
-            n_ubatch x context x 2 bytes for the attention mask, and the logits of the
-            slots (vocabulary x slots x 4 bytes; 4 slots by default). Fitted to llama-server's own
+            n_ubatch x slot cells x 2 bytes for the attention mask (each slot's cache is
+            a stream of its own, and the mask spans one), and the logits of the
+            slots (vocabulary x slots x 4 bytes). Fitted to llama-server's own
             "compute buffer size" lines: Gemma 3 270M 19.3 / 24.8 / 52.8 MiB at 512 /
             4096 / 32768 tokens (slope 1 KiB a token = 512 x 2 bytes).
   overhead  64 MiB: the process, its tokenizer tables and CPU repacked weights,
@@ -51,7 +55,7 @@ from gguf import Keys
 
 from planner.definitions import ModelDefinition
 from planner.errors import DefinitionError, InvalidDefinitions
-from planner.fitargs import DEFAULT, ServerArgs, server_args
+from planner.fitargs import DEFAULT, ServerArgs, server_args, slot_cells
 from planner.ggufhead import ArrayLength, GgufHeader, SourceError
 from planner.sources import Shard, read_shard
 
@@ -69,7 +73,8 @@ def size_text(n: int) -> str:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Bytes llama-server needs for one model at `context` tokens (module docstring)."""
+    """Bytes llama-server needs for one model at `context` tokens per request in each
+    of `slots` slots (module docstring)."""
 
     context: int
     weights: int
@@ -79,6 +84,7 @@ class Estimate:
     trained_context: int | None = None
     layers: int = 0  # the model's repeating layers (block_count)
     gpu_layers: int | None = None  # how many of them -ngl keeps on a GPU; None: all
+    slots: int = 1  # requests served at once, each with `context` tokens (--parallel)
 
     @property
     def total(self) -> int:
@@ -107,8 +113,10 @@ class Estimate:
         return self.total - self.gpu_bytes
 
     def parts(self) -> str:
+        tokens = (f"{self.slots} slots x {self.context} tokens" if self.slots > 1
+                  else f"{self.context} tokens")
         text = (f"weights {size_text(self.weights)} + KV cache {size_text(self.kv_cache)} "
-                f"for {self.context} tokens + compute {size_text(self.compute)} + overhead "
+                f"for {tokens} + compute {size_text(self.compute)} + overhead "
                 f"{size_text(self.overhead)}")
         if self.offload < 1.0:
             text += (f"; {self.gpu_layers} of {self.layers} layers on the GPU: "
@@ -120,7 +128,8 @@ class Estimate:
         return f"≈ {size_text(self.total)} ({self.parts()})"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bytes": self.total, "context": self.context, "weights": self.weights,
+        return {"bytes": self.total, "context": self.context, "slots": self.slots,
+                "weights": self.weights,
                 "kv_cache": self.kv_cache, "compute": self.compute,
                 "overhead": self.overhead, "trained_context": self.trained_context,
                 **({"gpu_layers": self.gpu_layers, "layers": self.layers,
@@ -159,13 +168,14 @@ def estimate(headers: list[GgufHeader], context: int,
     tokens = first.metadata.get(Keys.Tokenizer.LIST)
     vocab = tokens.length if isinstance(tokens, ArrayLength) else \
         len(tokens) if isinstance(tokens, list) else _scalar(first.arch_key(Keys.LLM.VOCAB_SIZE))
-    kv = round(context * sum(kv_heads[:layers])
+    cells = slot_cells(context)
+    kv = round(args.parallel * cells * sum(kv_heads[:layers])
                * (key * args.kv_bytes_k + value * args.kv_bytes_v))
     compute = (args.ubatch * 4 * (3 * ffn + 4 * embed + heads * key)
-               + args.ubatch * context * 2 + (vocab or 0) * args.parallel * 4)
+               + args.ubatch * cells * 2 + (vocab or 0) * args.parallel * 4)
     return Estimate(context, sum(h.tensor_bytes for h in headers), kv, compute,
                     trained_context=_scalar(first.arch_key(Keys.LLM.CONTEXT_LENGTH)),
-                    layers=layers, gpu_layers=args.gpu_layers)
+                    layers=layers, gpu_layers=args.gpu_layers, slots=args.parallel)
 
 
 def judge(definition: ModelDefinition, file: Path, est: Estimate) -> list[DefinitionError]:
@@ -200,8 +210,9 @@ def _over(file: Path, where: str, need: int, limit: int, gives: str, context: in
         f"with {est.gpu_layers} of {est.layers} layers on the GPU (--n-gpu-layers), "
         + ("the GPU share needs" if where == "profile.gpu_memory" else
            "the rest needs"))
+    tokens = f"{est.slots} slots x {context}" if est.slots > 1 else f"{context}"
     return [DefinitionError(file, where, (
-        f"{what} ≈ {size_text(need)} for {context} tokens of context; profile gives "
+        f"{what} ≈ {size_text(need)} for {tokens} tokens of context; profile gives "
         f"{gives} ({est.parts()}; from the GGUF header)"))]
 
 
@@ -230,6 +241,11 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
     reader = read or read_shard
     fits, problems = {}, []
     for name, (file, definition) in models.items():
+        # The args first, whether or not the header can be read: the job's slot count
+        # comes from them (planner.engines.llama_cpp).
+        args, arg_problems = server_args(definition.profile.args)
+        problems += [DefinitionError(file, f"profile.args.{i}", message)
+                     for i, message in arg_problems]
         headers: list[GgufHeader] = []
         try:
             for shard in definition.shards:
@@ -256,9 +272,6 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
             fits[name] = Fit(None, f"not checked: ggml tensor type(s) {unknown} unknown "
                                    "to this planner's gguf package")
             continue
-        args, arg_problems = server_args(definition.profile.args)
-        problems += [DefinitionError(file, f"profile.args.{i}", message)
-                     for i, message in arg_problems]
         if not definition.profile.gpus:
             args = replace(args, gpu_layers=None)  # a CPU profile holds every layer
         est = estimate(headers, definition.profile.context, args)

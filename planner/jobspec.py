@@ -66,7 +66,8 @@ def variables(definition: ModelDefinition, settings: Settings,
         "definition_hash": definition.definition_hash,
         "engine_command": ref.command,
         # What differs per engine (planner.engines): its arguments and readiness path.
-        "engine_args": server.server_args(definition.name, profile.context, profile.gpus),
+        "engine_args": server.server_args(definition.name, profile.context, profile.gpus,
+                                          profile.args),
         "health_path": server.health_path,
         # Run only where the node's metadata records this version (an engine defined in
         # engines/*.yaml); none for an LLMGW_ENGINES engine.

@@ -51,16 +51,19 @@ def heading(outcomes: list[Outcome], dry_run: bool) -> str:
 
 
 def outcomes_markdown(outcomes: list[Outcome], dry_run: bool,
-                      estimates: Mapping[str, str] | None = None) -> str:
+                      estimates: Mapping[str, str] | None = None,
+                      serving: Mapping[str, str] | None = None) -> str:
     """The whole document for one `apply` run. `estimates`: {model: its memory estimate
-    as the table shows it (`Fit.text()`)}, a column as in the plain table when given
-    (a dry run)."""
+    as the table shows it (`Fit.text()`)}, `serving`: {model: its slots x context per
+    request}, each a column as in the plain table when given (a dry run)."""
     lines = [f"### {heading(outcomes, dry_run)}", ""]
     if outcomes:
-        extra = ("memory estimate",) if estimates else ()
-        lines += _table(("model", "action", "reason", *extra),
+        columns = [(title, cells) for title, cells in (("slots x context", serving),
+                                                       ("memory estimate", estimates))
+                   if cells]
+        lines += _table(("model", "action", "reason", *(title for title, _ in columns)),
                         ((f"`{o.change.model}`", _action(o), o.change.reason,
-                          *((estimates.get(o.change.model, ""),) if estimates else ()))
+                          *(cells.get(o.change.model, "") for _, cells in columns))
                          for o in outcomes))
     else:
         lines.append("No model files, and no llmgw model in Nomad.")

@@ -11,7 +11,8 @@ The tree, split by what the caller can do::
     │   │                          in time: router.intake, router.serving)
     │   ├── HeadersTooLarge        431 request_header_fields_too_large (router.serving)
     │   ├── InvalidApiKey          401 invalid_api_key (router keys on: none, or unknown)
-    │   ├── ModelNotFound          404 model_not_found (no KV record, no Consul service)
+    │   ├── ModelNotFound          404 model_not_found (no KV record, no Consul service;
+    │   │                          or a name llmgw reserves, llmgw_contract.reserved)
     │   └── ModelNotAllowed        404 model_not_found (the API key may not use it; as
     │                              OpenAI, the answer does not say whether it exists)
     ├── ModelUnavailable           503: defined, but nothing can serve it now
@@ -65,7 +66,7 @@ import json
 from enum import StrEnum
 from typing import ClassVar
 
-from llmgw_contract import KVPrefix, kv_key, service_name
+from llmgw_contract import KVPrefix, kv_key, reserved_name, service_name
 
 
 class Refusal(StrEnum):
@@ -145,12 +146,20 @@ class ModelNotFound(RequestRefused):
     refusal = Refusal.UNKNOWN_MODEL
 
     def __init__(self, model: str, why: str | None = None) -> None:
-        why = why or (
-            f"it is not defined in llmgw (no Consul KV key {kv_key(KVPrefix.MODELS, model)} "
-            f"and no Consul service {service_name(model)})"
-        )
+        why = why or _not_defined(model)
         super().__init__(f"The model `{model}` does not exist: {why}.", param="model")
         self.model = model
+
+
+def _not_defined(model: str) -> str:
+    """Why no model `model` exists, saying only what is true: a name llmgw keeps for
+    itself (whose service may well exist, as llmgw-planner does) names that rule."""
+    key = kv_key(KVPrefix.MODELS, model)
+    reserved = reserved_name(model)
+    if reserved is not None:
+        return f"the name is reserved ({reserved}); no model has it (no Consul KV key {key})"
+    service = service_name(model)
+    return f"it is not defined in llmgw (no Consul KV key {key} and no Consul service {service})"
 
 
 class InvalidApiKey(RequestRefused):

@@ -17,6 +17,7 @@ the engine definitions (valid kinds). Pure: nothing here talks to Nomad or Consu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 # Stands for the model file in `Engine.server_args`: the job template puts in the path
@@ -35,10 +36,12 @@ class Engine(Protocol):
     kind: str  # the name definitions use, e.g. "llama.cpp"
     health_path: str  # HTTP path that answers 200 once the model is loaded (Consul's check)
 
-    def server_args(self, model: str, context: int, gpus: int) -> list[str]:
+    def server_args(self, model: str, context: int, gpus: int,
+                    args: Sequence[str] = ()) -> list[str]:
         """argv after the command: serve `MODEL_FILE` as `model` on NOMAD_IP:NOMAD_PORT
-        with `context` tokens of context, on `gpus` GPUs (0: CPU only). The operator's
-        `profile.args` follow these."""
+        with `context` tokens of context for every request, on `gpus` GPUs (0: CPU
+        only), serving as many requests at once as the operator's `profile.args` (`args`)
+        say. Those args follow these."""
         ...
 
     def error_lines(self, stderr_tail: str) -> str:

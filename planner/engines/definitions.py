@@ -45,6 +45,7 @@ from pydantic import (
     model_validator,
 )
 
+from llmgw_contract import ENGINE_JOB_PREFIX
 from planner.definitions import _UniqueKeyLoader, collect
 from planner.engines import DEFAULT_KIND, KINDS
 from planner.errors import DefinitionError, InvalidDefinitions
@@ -53,8 +54,8 @@ ENGINE_NAME_PATTERN = r"^[a-z_][a-z0-9_-]*(\.[a-z_][a-z0-9_-]*)*$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
 # Node metadata key that records an engine's installed version on a node.
 META_PREFIX = "llmgw_engine_"
-# The Nomad job that installs an engine on every node.
-JOB_PREFIX = "llmgw-engine-"
+# The Nomad job that installs an engine on every node (a name no model may take).
+JOB_PREFIX = ENGINE_JOB_PREFIX
 # Where `artifact` engines are installed on a node, by default (LLMGW_ENGINE_ROOT).
 DEFAULT_ENGINE_ROOT = "/opt/llmgw/engines"
 _FILE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._+-]*$"

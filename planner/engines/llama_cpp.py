@@ -10,8 +10,10 @@ answers 503 while the model loads and 200 once ready; `--metrics` turns on
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from planner.engines import MODEL_FILE, NOMAD_IP, NOMAD_PORT
+from planner.fitargs import slots
 
 # llama.cpp's log prefix: elapsed time and level, "0.00.008.710 E ".
 LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) +")
@@ -27,10 +29,19 @@ class LlamaCpp:
     kind = "llama.cpp"
     health_path = "/health"
 
-    def server_args(self, model: str, context: int, gpus: int) -> list[str]:
-        args = ["--model", MODEL_FILE, "--alias", model, "--host", NOMAD_IP,
-                "--port", NOMAD_PORT, "--ctx-size", str(context), "--metrics"]
-        return args + (["--n-gpu-layers", ALL_LAYERS] if gpus > 0 else [])
+    def server_args(self, model: str, context: int, gpus: int,
+                    args: Sequence[str] = ()) -> list[str]:
+        """The slot count is always given (the profile's last --parallel, else 1): left
+        out, llama-server picks its own (4, sharing one unified cache, on recent builds).
+        --ctx-size is the whole cache, which llama.cpp splits evenly between the slots
+        when the cache is not unified (src/llama-context.cpp, n_ctx_seq = n_ctx /
+        n_seq_max), so it is `context` x slots: each request can use `context` tokens
+        (rounded up to a multiple of 256 by llama.cpp; `planner.fitargs`)."""
+        parallel = slots(args)
+        server = ["--model", MODEL_FILE, "--alias", model, "--host", NOMAD_IP,
+                  "--port", NOMAD_PORT, "--parallel", str(parallel),
+                  "--ctx-size", str(context * parallel), "--metrics"]
+        return server + (["--n-gpu-layers", ALL_LAYERS] if gpus > 0 else [])
 
     def error_lines(self, stderr_tail: str) -> str:
         return stderr_summary(stderr_tail)

@@ -34,8 +34,8 @@ variable "engine_command" {
 
 variable "engine_args" {
   type        = list(string)
-  default     = ["--model", "{model_file}", "--host", "$${NOMAD_IP_http}", "--port", "$${NOMAD_PORT_http}"]
-  description = "The engine's own arguments (planner/engines/<kind>.py); {model_file} stands for the model file."
+  default     = ["--model", "{model_file}", "--host", "$${NOMAD_IP_http}", "--port", "$${NOMAD_PORT_http}", "--parallel", "1"]
+  description = "The engine's own arguments (planner/engines/<kind>.py), the slot count and context included (llama.cpp: --parallel N and --ctx-size context x N); {model_file} stands for the model file."
 }
 
 variable "health_path" {
@@ -81,8 +81,9 @@ variable "artifacts" {
 }
 
 variable "context" {
-  type    = number
-  default = 4096
+  type        = number
+  default     = 4096
+  description = "Tokens each request can use (profile.context); engine_args carry it to the engine."
 }
 
 variable "gpus" {

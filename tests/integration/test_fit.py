@@ -124,16 +124,26 @@ def test_context_beyond_training_and_an_unreachable_source_are_refused(
 def test_dry_run_prints_each_models_estimate(
         cluster: Cluster, planner: Callable, model_files: Callable[..., Path]) -> None:
     folder = model_files("fit-dry", replicas=0)  # the tests' profile: 512 tokens, 256 MiB
+    model_files("fit-slots", replicas=0,  # issue 20, item 2: slots and context per request
+                profile='context: 256\n  memory: 256MiB\n  args: ["--parallel", "2"]')
 
     table = planner("apply", str(folder), "--dry-run")
     assert table.returncode == 0, table.stderr
-    [row] = [line for line in table.stdout.splitlines() if line.split()[:1] == ["fit-dry"]]
+    rows = {line.split()[0]: line for line in table.stdout.splitlines() if line.split()}
+    assert "slots x context" in rows["model"]
+    assert "1 x 512 tokens" in rows["fit-dry"] and "2 x 256 tokens" in rows["fit-slots"]
     assert "≈ 67 MiB (weights 451 KiB + KV cache 256 KiB for 512 tokens + compute 2 MiB + " \
-        "overhead 64 MiB)" in row
+        "overhead 64 MiB)" in rows["fit-dry"]
+    assert "KV cache 256 KiB for 2 slots x 256 tokens" in rows["fit-slots"]
 
     answer = planner("apply", str(folder), "--dry-run", "--output", "json")
-    [change] = [c for c in json.loads(answer.stdout)["changes"] if c["model"] == "fit-dry"]
+    changes = {c["model"]: c for c in json.loads(answer.stdout)["changes"]}
+    change = changes["fit-dry"]
+    assert (change["slots"], change["context_per_request"]) == (1, 512)
     assert change["estimate"]["context"] == 512
     assert change["estimate"]["kv_cache"] == 512 * 2 * 4 * (16 + 16) * 2
     assert change["estimate"]["bytes"] < 256 * 2**20
-    assert not registered(cluster, "fit-dry")
+    slotted = changes["fit-slots"]
+    assert (slotted["slots"], slotted["context_per_request"]) == (2, 256)
+    assert (slotted["estimate"]["slots"], slotted["estimate"]["context"]) == (2, 256)
+    assert not registered(cluster, "fit-dry") and not registered(cluster, "fit-slots")

@@ -447,6 +447,26 @@ def test_unknown_model_is_404_model_not_found(cluster) -> None:
     assert "nope" in error["message"]
 
 
+def test_404_for_a_reserved_name_says_why_while_its_service_exists(cluster) -> None:
+    # Issue 20, item 7: for a model named `planner` the 404 said "no Consul service
+    # llmgw-planner" while the planner's own service of that name was registered.
+    consul, router, stub_a, _ = cluster
+    service_id = consul.register("planner", "p", stub_a.port)  # the service llmgw-planner
+    try:
+        for method, path, body in (("POST", "/v1/completions", {"model": "planner"}),
+                                   ("GET", "/v1/models/planner", None)):
+            status, _, answer = request(method, f"{router.url}{path}", body)
+            assert status == 404
+            message = assert_openai_error(answer, "model_not_found")["message"]
+            assert "no Consul service" not in message
+            assert "the name is reserved (llmgw keeps the names of its own jobs and " in message
+            assert "llmgw-planner is the planner's service" in message
+        status, _, answer = request("GET", f"{router.url}/v1/models")
+        assert "planner" not in [m["id"] for m in json.loads(answer)["data"]]
+    finally:
+        consul.deregister(service_id)
+
+
 def test_defined_model_without_passing_endpoint_is_503(cluster) -> None:
     consul, router, _, _ = cluster
     consul.define("idle", replicas=2)

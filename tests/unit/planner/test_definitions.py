@@ -70,11 +70,22 @@ def test_name_must_be_a_dns_label(tmp_path: Path, name: str) -> None:
     assert ": name: expected a DNS label" in problem and repr(name) in problem
 
 
-@pytest.mark.parametrize("name", ["planner", "router"])
-def test_names_whose_service_is_llmgws_own_are_reserved(tmp_path: Path, name: str) -> None:
-    write(tmp_path, "a.yaml", VALID.format(name=name))
+@pytest.mark.parametrize(("name", "holder"), [
+    ("planner", "a model's Consul service is llmgw-<name>, and llmgw-planner is the planner's "
+                "service"),
+    ("router", "llmgw-router is the router's service"),
+    ("llmgw-planner", "a model's name is its Nomad job ID, and llmgw-planner is the planner's "
+                      "job ID"),
+    ("llmgw-router", "llmgw-router is the router's job ID"),
+    ("llmgw-engine-llama", "llmgw-engine-<engine> are the job IDs of llmgw's engine installs"),
+])
+def test_names_llmgw_uses_for_itself_are_reserved(tmp_path: Path, name: str,
+                                                   holder: str) -> None:
+    path = write(tmp_path, "a.yaml", VALID.format(name=name))
     [problem] = problems(tmp_path)
-    assert f": name: {name!r} is reserved: its service llmgw-{name} is llmgw's own" in problem
+    assert problem.startswith(f"{path}: name: {name!r} is reserved (llmgw keeps the names of "
+                              "its own jobs and services: ")
+    assert holder in problem and "; choose another name" in problem
 
 
 def test_negative_gpu_count(tmp_path: Path) -> None:

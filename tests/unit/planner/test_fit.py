@@ -28,10 +28,10 @@ def definition(source: str, **profile: object) -> ModelDefinition:
 def test_estimate_parts_follow_the_header(tmp_path: Path) -> None:
     header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
     est = estimate([header], 512)
-    # 2 layers x 4 KV heads x (16 + 16) x 2 bytes per token.
+    # One slot (llmgw's default): 2 layers x 4 KV heads x (16 + 16) x 2 bytes per token.
     assert est.kv_cache == 512 * 2 * 4 * (16 + 16) * 2
     assert est.weights == header.tensor_bytes
-    assert est.compute == 512 * 4 * (3 * 128 + 4 * 64 + 4 * 16) + 512 * 512 * 2 + 259 * 4 * 4
+    assert est.compute == 512 * 4 * (3 * 128 + 4 * 64 + 4 * 16) + 512 * 512 * 2 + 259 * 1 * 4
     assert est.total == est.weights + est.kv_cache + est.compute + OVERHEAD
     assert est.trained_context == 8192
 
@@ -136,6 +136,44 @@ def test_cache_type_slots_and_ubatch_change_the_estimate(tmp_path: Path) -> None
     assert est.kv_cache == round(512 * 2 * 4 * (16 * 34 / 32 + 16 * 18 / 32))
     assert est.kv_cache < base.kv_cache / 2
     assert est.compute == 256 * 4 * (3 * 128 + 4 * 64 + 4 * 16) + 256 * 512 * 2 + 259 * 1 * 4
+
+
+def test_every_slot_has_a_kv_cache_of_the_whole_context(tmp_path: Path) -> None:
+    # Issue 20, item 2: `--parallel 4` with context 2048 holds 4 x 2048 tokens of cache,
+    # where llama-server had given each request 512.
+    header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    one = estimate([header], 2048)
+    four = estimate([header], 2048, server_args(["--parallel", "4"])[0])
+    assert (one.slots, four.slots) == (1, 4)
+    assert four.kv_cache == 4 * one.kv_cache == 4 * 2048 * 2 * 4 * (16 + 16) * 2
+    # The mask spans one slot's cache; the logits hold a row per slot.
+    assert four.compute - one.compute == 259 * 3 * 4
+    assert "KV cache 4 MiB for 4 slots x 2048 tokens" in four.text()
+    assert four.as_dict()["slots"] == 4 and four.as_dict()["context"] == 2048
+
+
+def test_a_slot_holds_whole_blocks_of_256_cells_as_llama_cpp_pads_them(tmp_path: Path) -> None:
+    header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert estimate([header], 300).kv_cache == estimate([header], 512).kv_cache
+
+
+def test_slots_are_named_in_a_refusal(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = definition(f"file://{tiny}", context=4096, memory="64MiB",
+                       args=["--parallel", "2"])
+    with pytest.raises(InvalidDefinitions) as info:
+        check_models({"m": (Path("m.yaml"), model)})
+    [problem] = info.value.errors
+    assert problem.field == "profile.memory"
+    assert "for 2 slots x 4096 tokens of context; profile gives 64 MiB" in problem.message
+
+
+def test_args_are_checked_when_the_model_file_is_not_here() -> None:
+    # The job's slot count comes from them, so a node path does not skip them.
+    model = definition("file:///nodes/m.gguf", args=["--parallel", "-1"])
+    with pytest.raises(InvalidDefinitions) as info:
+        check_models({"m": (Path("m.yaml"), model)})
+    assert [e.field for e in info.value.errors] == ["profile.args.1"]
 
 
 def partial(gpu_layers: int) -> Estimate:

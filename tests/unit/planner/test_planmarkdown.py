@@ -45,6 +45,13 @@ def test_a_dry_run_table_has_the_memory_estimate_column_the_plain_table_has() ->
     assert "| `d` | unchanged | why |  |" in text
 
 
+def test_a_dry_run_table_has_the_slots_column_the_plain_table_has() -> None:
+    text = outcomes_markdown([outcome("a", Action.CREATE)], dry_run=True,
+                             estimates={"a": "≈ 67 MiB"}, serving={"a": "2 x 256 tokens"})
+    assert "| model | action | reason | slots x context | memory estimate |\n" in text
+    assert "| `a` | **create** | why | 2 x 256 tokens | ≈ 67 MiB |" in text
+
+
 def test_cells_and_errors_stay_one_table_row_each() -> None:
     assert cell("a|b\nc") == "a\\|b<br>c"
     text = error_markdown("x", [{"file": "m/a.yaml", "field": "", "message": "empty file"}])

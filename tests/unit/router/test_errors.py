@@ -74,6 +74,18 @@ def test_unknown_model_names_both_sources() -> None:
     assert "llmgw/models/x" in message and "service llmgw-x" in message
 
 
+def test_unknown_reserved_name_says_why_and_not_that_its_service_is_missing() -> None:
+    # llmgw-planner exists (the planner's own service): the 404 must not deny it.
+    message = errors.ModelNotFound("planner").message
+    assert message == (
+        "The model `planner` does not exist: the name is reserved (llmgw keeps the names of "
+        "its own jobs and services: a model's Consul service is llmgw-<name>, and "
+        "llmgw-planner is the planner's service); no model has it (no Consul KV key "
+        "llmgw/models/planner)."
+    )
+    assert "no Consul service" not in errors.ModelNotFound("llmgw-router").message
+
+
 def test_tree_splits_by_what_the_caller_can_do() -> None:
     assert issubclass(errors.ModelNotFound, errors.RequestRefused)
     assert issubclass(errors.ModelNotReady, errors.ModelUnavailable)

@@ -26,6 +26,21 @@ def test_server_args_serve_the_model_file_on_nomads_port() -> None:
     assert ENGINE.health_path == "/health"
 
 
+def test_server_args_always_set_the_slots_and_give_each_the_whole_context() -> None:
+    # Issue 20, item 2: without --parallel llama-server picks its own slot count, and
+    # --ctx-size is split between the slots.
+    def value(args: list[str], flag: str) -> str:
+        assert args.count(flag) == 1
+        return args[args.index(flag) + 1]
+
+    one = ENGINE.server_args("tiny", 2048, gpus=0)
+    assert (value(one, "--parallel"), value(one, "--ctx-size")) == ("1", "2048")
+    four = ENGINE.server_args("tiny", 2048, gpus=0, args=["--threads", "2", "--parallel", "4"])
+    assert (value(four, "--parallel"), value(four, "--ctx-size")) == ("4", "8192")
+    two = ENGINE.server_args("tiny", 256, gpus=1, args=["-np", "3", "-np", "2"])
+    assert (value(two, "--parallel"), value(two, "--ctx-size")) == ("2", "512")
+
+
 def test_stderr_summary_keeps_the_cause_first() -> None:
     tail = ("0.01 I loading\n0.02 E llama_model_load: error loading model: unknown model "
             "architecture: 'kev'\n0.03 E failed to load model\n0.04 E exiting due to model "

@@ -12,6 +12,9 @@
 #                                 planners (llmgw-planner), the catalog's service list
 #   node_prefix "" read           Consul hides a service instance on a node the token
 #                                 cannot read: without it no replica ever passes
+#   session_prefix "" read        the session holding llmgw/leader: its node and the
+#                                 llmgw-planner check it is bound to say where the
+#                                 leader registered (the key's text alone is not trusted)
 #
 # The router needs no Nomad token: it never calls Nomad (it finds replicas in Consul
 # and asks the planner's admin API, with LLMGW_PLANNER_TOKEN, to start a model).
@@ -28,5 +31,9 @@ service_prefix "llmgw-" {
 }
 
 node_prefix "" {
+  policy = "read"
+}
+
+session_prefix "" {
   policy = "read"
 }

@@ -39,7 +39,8 @@ def test_consul_rules_are_asked_as_the_authorize_endpoint_takes_them() -> None:
     assert CONSUL_KV_WRITE.authorize_request() == {"Resource": "key", "Segment": "llmgw/",
                                                    "Access": "write"}
     assert [p.rule for p in ROUTER_CONSUL_NEEDS] == [
-        'key_prefix "llmgw/" read', 'service_prefix "llmgw-" read', 'node_prefix "" read']
+        'key_prefix "llmgw/" read', 'service_prefix "llmgw-" read', 'node_prefix "" read',
+        'session_prefix "" read']
 
 
 class _Agent:

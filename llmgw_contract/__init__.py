@@ -17,6 +17,9 @@ import-linter contracts in pyproject.toml check both). It holds:
   names a denied one.
 - `tlsfiles`: the one `ssl.SSLContext` builder both use, its errors naming the
   setting.
+- `leadership`: where the planner that holds the leader lock registered its
+  admin API (`resolve_leader`), the only address followers and routers send the
+  admin token to.
 
 Two contract tests: tests/unit/contract/test_router_reads.py proves the router
 acts on every value these types allow, tests/unit/contract/test_planner_writes.py

@@ -68,6 +68,10 @@ CONSUL_KV_WRITE = Permission(Agent.CONSUL, f'key_prefix "{KV_ROOT}" write', "key
                              "write")
 CONSUL_SESSION_WRITE = Permission(Agent.CONSUL, 'session_prefix "" write', "session", "",
                                   "write")
+# The router reads the leader lock's session to find where its holder registered
+# (`llmgw_contract.leadership`); the planner's `session_prefix "" write` includes it.
+CONSUL_SESSIONS_READ = Permission(Agent.CONSUL, 'session_prefix "" read', "session", "",
+                                  "read")
 CONSUL_PLANNER_SERVICE_WRITE = Permission(Agent.CONSUL, f'service "{PLANNER_SERVICE}" write',
                                           "service", PLANNER_SERVICE, "write")
 CONSUL_SERVICES_READ = Permission(Agent.CONSUL, f'service_prefix "{SERVICE_PREFIX}" read',
@@ -79,7 +83,8 @@ CONSUL_API_KEYS_READ = Permission(Agent.CONSUL, f'key "{ROUTER_API_KEYS_KEY}" re
 
 # What `router serve` reads (acl/consul/router.hcl); the API keys' KV document only
 # with LLMGW_API_KEYS_CONSUL.
-ROUTER_CONSUL_NEEDS = (CONSUL_KV_READ, CONSUL_SERVICES_READ, CONSUL_NODES_READ)
+ROUTER_CONSUL_NEEDS = (CONSUL_KV_READ, CONSUL_SERVICES_READ, CONSUL_NODES_READ,
+                       CONSUL_SESSIONS_READ)
 ROUTER_CONSUL_KEYS_NEEDS = (CONSUL_API_KEYS_READ,)
 
 

@@ -2,7 +2,8 @@
 
 Routes:
   GET  /health                      {"status", "role": leader|follower|candidate,
-                                     "ready", "leader": {"id", "address"} | null}
+                                     "ready", "leader": {"id", "address"} (registered)
+                                     | {"refused": {"code", "reason"}} | null}
   GET  /metrics                     Prometheus exposition (`planner.metrics`)
   GET  /v1/models                   [ModelStatus] (planner.status: name, state, desired,
                                     running, ready, failures, reason, last error,
@@ -14,15 +15,22 @@ Routes:
 
 The POST routes change things and need `Authorization: Bearer <token>`
 (LLMGW_ADMIN_TOKEN; the router sends it as LLMGW_PLANNER_TOKEN). Only the
-leader acts: a follower forwards a POST to the leader's address (from
-`llmgw/leader`) and relays its answer, or answers 503 `no_leader` with
-Retry-After while an election is under way. GET routes are answered by any
+leader acts: a follower forwards a POST, token included, to the address the
+lock holder registered in Consul (`planner.leader`: the `llmgw-planner`
+instance bound to the lock session's check, never the text of `llmgw/leader`
+alone) and relays its answer, without following redirects. It answers 503
+`no_leader` with Retry-After while an election is under way, and 503 with a
+`leader_*` code (`llmgw_contract.leadership.Refusal`: `leader_mismatch` when
+the key names another planner or address than the registration) when the
+holder's address cannot be trusted; nothing is sent then, and
+`llmgw_planner_leader_forward_refusals_total{code}` counts it. GET routes are answered by any
 instance from Nomad and Consul directly. Errors use {"error": {"message",
 "type", "code"}}, the shape the router uses.
 
-A leader that serves HTTPS (`planner serve --tls-cert`) advertises an https://
-address; followers verify it with `forward_ssl` (LLMGW_PLANNER_CACERT, else the
-system's CAs).
+A leader that serves HTTPS (`planner serve --tls-cert`) registers the https
+scheme; followers verify its certificate, host name included, against the
+registered address with `forward_ssl` (LLMGW_PLANNER_CACERT, else the system's
+CAs); a context that skips either check is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from llmgw_contract.leadership import LeaderRefused
 from planner import actions
 from planner.activation import ModelNotFound
 from planner.errors import PlannerError, Rejected
@@ -71,40 +80,60 @@ class Usage(BaseModel):
 
 async def _forward(node: PlannerNode, request: Request, session: aiohttp.ClientSession) \
         -> Response:
-    """Relay a write to the leader, or say that there is none right now."""
-    leader = node.leadership.leader
-    if leader is None or leader.id == node.leadership.id:
+    """Relay a write to where the lock holder registered, or say why not."""
+    route = node.leadership.route
+    if isinstance(route, LeaderRefused):
+        node.metrics.forward_refusals.labels(route.code.value).inc()
+        return _error(503, route.code.value, f"this follower does not forward writes to the "
+                      f"leader now: {route.reason}",
+                      {"Retry-After": "2"} if route.code.transient else None)
+    if route is None or route.planner_id == node.leadership.id:
         return _error(503, "no_leader", "no planner holds the leader lock right now (an "
                       "election is under way); retry in a few seconds", {"Retry-After": "2"})
     headers = {k: v for k, v in request.headers.items()
                if k.lower() in ("authorization", "content-type")}
     try:
-        async with session.post(leader.address.rstrip("/") + request.url.path,
-                                data=await request.body(), headers=headers) as answer:
+        # No redirects: the token goes to the registered address and nowhere else.
+        async with session.post(route.url + request.url.path, data=await request.body(),
+                                headers=headers, allow_redirects=False) as answer:
             body = await answer.read()
             return Response(body, status_code=answer.status,
                             media_type=answer.headers.get("Content-Type"))
     except aiohttp.ClientSSLError as exc:
-        return _error(503, "leader_unverified", f"the leader at {leader.address} could not be "
+        return _error(503, "leader_unverified", f"the leader at {route.url} could not be "
                       f"verified ({type(exc).__name__}: {exc}); check LLMGW_PLANNER_CACERT "
-                      "(the CA that signed the planners' --tls-cert)")
+                      "(the CA that signed the planners' --tls-cert, for the host name they "
+                      "register)")
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return _error(503, "leader_unreachable", f"the leader at {leader.address} did not "
+        return _error(503, "leader_unreachable", f"the leader at {route.url} did not "
                       f"answer ({type(exc).__name__}: {exc}); retry shortly",
                       {"Retry-After": "2"})
+
+
+def _verifying(context: ssl.SSLContext | None) -> ssl.SSLContext | bool:
+    """`context` for forwarding, once it is known to check the certificate and the host
+    name (the token must not reach a host that merely has some valid certificate)."""
+    if context is None:
+        return True  # aiohttp's default: the system's CAs, host name checked
+    if context.verify_mode != ssl.CERT_REQUIRED or not context.check_hostname:
+        raise ValueError("the context for forwarding writes to the leader must verify its "
+                         "certificate and host name")
+    return context
 
 
 def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
                forward_ssl: ssl.SSLContext | None = None) -> FastAPI:
     """The admin app; with `run_node`, the node campaigns for its lifetime. `forward_ssl`
-    verifies an https:// leader that writes are forwarded to (None: the system's CAs)."""
+    verifies an https:// leader that writes are forwarded to (None: the system's CAs);
+    raises ValueError when it does not check certificates and host names."""
     nomad, consul = node.nomad, node.consul
+    verify = _verifying(forward_ssl)
     forwarder: dict[str, aiohttp.ClientSession] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=forward_ssl or True),
+                connector=aiohttp.TCPConnector(ssl=verify),
                 timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S)) as session:
             forwarder["session"] = session
             task = asyncio.create_task(node.run(), name="planner-node") if run_node else None
@@ -125,11 +154,17 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        leader = node.leadership.leader
-        role = "leader" if node.is_leader else "follower" if leader else "candidate"
+        route = node.leadership.route
+        role = "leader" if node.is_leader else "follower" if route else "candidate"
+        leader: dict[str, Any] | None = None
+        if node.is_leader:
+            leader = {"id": node.leadership.id, "address": node.leadership.address}
+        elif isinstance(route, LeaderRefused):
+            leader = {"refused": {"code": route.code.value, "reason": route.reason}}
+        elif route is not None:
+            leader = {"id": route.planner_id, "address": route.url}
         return {"status": "ok", "role": role, "ready": node.ready, "id": node.leadership.id,
-                "leader": None if leader is None else {"id": leader.id,
-                                                       "address": leader.address}}
+                "leader": leader}
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -39,6 +39,7 @@ from rich.table import Table
 
 from llmgw_contract import ModelState
 from llmgw_contract.acl import Permission
+from llmgw_contract.leadership import parse_admin_url
 from planner import access, actions
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
@@ -547,6 +548,14 @@ def serve(
     placement), the idle scaler and activation; always serve the admin API (over HTTPS
     with --tls-cert/--tls-key; followers verify the leader with LLMGW_PLANNER_CACERT)."""
     settings, nomad, consul = _clients((), tls_cert=tls_cert, tls_key=tls_key)
+    url = advertised_url(advertise or f"{host}:{port}", settings.serves_tls)
+    try:
+        # What it registers in Consul: followers and routers reach it there and
+        # nowhere else (llmgw_contract.leadership).
+        parse_admin_url(url)
+    except ValueError as exc:
+        err.print(f"error: --advertise: {exc}", markup=False)
+        raise typer.Exit(2) from None
     try:
         access.check(nomad, consul, access.SERVE)
     except Unavailable as exc:
@@ -558,8 +567,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
-    node = PlannerNode(nomad, consul, advertised_url(advertise or f"{host}:{port}",
-                                                     settings.serves_tls), rules,
+    node = PlannerNode(nomad, consul, url, rules,
                        settings.datacenters, certificate_paths=settings.certificate_files)
     forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
     admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,

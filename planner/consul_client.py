@@ -286,7 +286,8 @@ class ConsulClient:
     # --- the planner's own service and session (leader election) ------------------
 
     def register_ttl_service(self, name: str, service_id: str, address: str, port: int,
-                             ttl: str, deregister_after: str) -> str:
+                             ttl: str, deregister_after: str,
+                             meta: dict[str, str] | None = None) -> str:
         """Register a service with a TTL check that starts passing; returns the check ID
         (`service:<service_id>`). Consul removes the service `deregister_after` once the
         check stays critical (a planner that died without deregistering)."""
@@ -295,7 +296,8 @@ class ConsulClient:
         check["Status"] = "passing"
         self._call(CONSUL_PLANNER_SERVICE_WRITE, f"register service {service_id}",
                    lambda: self._api.agent.service.register(
-            name, service_id=service_id, address=address, port=port, check=check))
+            name, service_id=service_id, address=address, port=port, check=check,
+            meta=meta))
         return f"service:{service_id}"
 
     def deregister_service(self, service_id: str) -> None:
@@ -316,6 +318,19 @@ class ConsulClient:
     def destroy_session(self, session_id: str) -> None:
         self._call(CONSUL_SESSION_WRITE, "destroy session",
                    lambda: self._api.session.destroy(session_id))
+
+    def session_info(self, session_id: str) -> dict[str, Any] | None:
+        """`/v1/session/info/<id>`'s entry (Node, Checks ...), or None: no such session."""
+        _, info = self._call(CONSUL_SESSION_WRITE, f"read session {session_id}",
+                             lambda: self._api.session.info(session_id))
+        return info or None
+
+    def service_instances(self, service: str) -> list[dict[str, Any]]:
+        """`/v1/health/service/<service>`: every instance, passing or not, with its node
+        and checks."""
+        _, nodes = self._call(CONSUL_SERVICES_READ, f"read instances of {service}",
+                              lambda: self._api.health.service(service))
+        return list(nodes or [])
 
     def acquire(self, key: str, text: str, session_id: str) -> bool:
         """Try to take the lock on `key` for `session_id`, writing `text` when taken."""

@@ -5,8 +5,12 @@ API as the Consul service `llmgw-planner` with a TTL check that a thread of
 its own keeps passing every `ttl/3`, creates a Consul session bound to that
 check (and to the node's `serfHealth`), and campaigns for the lock on
 `llmgw/leader` (Consul's "Sessions and distributed locks" design). The holder
-writes its `LeaderRecord` (id, admin address) into the key; the others read
-it to forward writes there.
+writes its `LeaderRecord` (id, admin address) into the key. The others forward
+writes to the lock holder, at the address its session's check says it
+registered (`llmgw_contract.leadership.resolve_leader`, read again whenever the
+key changes): the key's text alone is not trusted, since a plain KV write can
+rewrite it without taking the lock. A record that disagrees with the
+registration is a `LeaderRefused`, and writes are refused (`planner.admin`).
 
 Why a check-bound session rather than a session TTL: Consul may wait up to
 twice a session's TTL (10 s at least) before invalidating it, while a TTL
@@ -32,7 +36,15 @@ import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
-from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, LeaderRecord, decode, encode
+from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, LeaderRecord, encode
+from llmgw_contract.leadership import (
+    SCHEME_META,
+    LeaderRefused,
+    LeaderRoute,
+    Resolution,
+    parse_admin_url,
+    resolve_leader,
+)
 from planner.consul_client import ConsulClient
 from planner.errors import PlannerError
 
@@ -52,14 +64,18 @@ class Leadership:
     def __init__(self, consul: ConsulClient, address: str, on_change: OnChange,
                  ttl_s: int = TTL_S, lock_delay_s: int = LOCK_DELAY_S) -> None:
         self.consul = consul
-        self.address = address
+        self._url = parse_admin_url(address)  # ValueError for a bad --advertise
+        self.address = str(self._url)
         self.on_change = on_change
         self.ttl_s = ttl_s
         self.lock_delay_s = lock_delay_s
         self.id = uuid.uuid4().hex[:12]
         self.service_id = f"{PLANNER_SERVICE}-{self.id}"
         self.is_leader = False
-        self.leader: LeaderRecord | None = None  # who holds the lock, as last read
+        # Where the lock holder registered, as last resolved (None: no holder, or
+        # Consul could not be asked; a LeaderRefused: its record disagrees).
+        self.route: Resolution = None
+        self._resolved_for: tuple[str, int] | None = None  # (session, ModifyIndex)
         self.changes = 0  # times this instance became or stopped being the leader
         self._session: str | None = None
         self._check_id: str | None = None
@@ -73,11 +89,11 @@ class Leadership:
     # --- the check this instance's session is bound to -------------------------------
 
     def _register(self) -> None:
-        host, _, port = self.address.removeprefix("http://").removeprefix("https://") \
-            .partition(":")
+        # The scheme goes into the registration too: it, not the key's text, says
+        # whether followers and routers must speak TLS to this instance.
         self._check_id = self.consul.register_ttl_service(
-            PLANNER_SERVICE, self.service_id, host, int(port or 4650), f"{self.ttl_s}s",
-            deregister_after="1m")
+            PLANNER_SERVICE, self.service_id, self._url.host, self._url.port,
+            f"{self.ttl_s}s", deregister_after="1m", meta={SCHEME_META: self._url.scheme})
         threading.Thread(target=self._heartbeat, name="leader-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -117,7 +133,7 @@ class Leadership:
                 await self._set(True)
             index, item = await asyncio.to_thread(self.consul.watch_key, LEADER_KEY, index)
             holder = (item or {}).get("Session")
-            self.leader = _record(item) if holder else None
+            await self._follow(item if holder and holder != session else None)
             if self.is_leader and holder != session:
                 if item is None and await asyncio.to_thread(
                         self.consul.acquire, LEADER_KEY, record, session):
@@ -135,6 +151,35 @@ class Leadership:
             if not self.is_leader and holder is None:
                 index = None  # free: try at once, then keep trying past any lock delay
                 await asyncio.sleep(RETRY_ACQUIRE_S)
+
+    async def _follow(self, item: dict | None) -> None:
+        """Resolve where another lock holder registered (`item`: the key, None when
+        this instance holds it or nobody does), once per change of the key."""
+        if item is None:
+            self.route, self._resolved_for = None, None
+            return
+        seen = (str(item["Session"]), int(item.get("ModifyIndex") or 0))
+        if seen == self._resolved_for:
+            return
+        try:
+            route = await asyncio.to_thread(self._resolve, item)
+        except PlannerError as exc:
+            # Unknown, not refused: tried again on the next round of the watch (<= 5 s).
+            log.warning("could not find where the leader registered: %s", exc)
+            self.route, self._resolved_for = None, None
+            return
+        if isinstance(route, LeaderRefused):
+            log.warning("writes will not be forwarded to the leader: %s (%s)", route.reason,
+                        route.code)
+        elif isinstance(route, LeaderRoute) and route != self.route:
+            log.info("the leader is planner %s at %s (its registration on node %s)",
+                     route.planner_id, route.url, route.node)
+        self.route, self._resolved_for = route, seen
+
+    def _resolve(self, item: dict) -> Resolution:
+        holder = str(item["Session"])
+        return resolve_leader(holder, item.get("Value"), self.consul.session_info(holder),
+                              self.consul.service_instances(PLANNER_SERVICE))
 
     async def _set(self, leader: bool) -> None:
         if leader == self.is_leader:
@@ -155,12 +200,3 @@ class Leadership:
         except PlannerError as exc:
             log.warning("resigning: %s", exc)
 
-
-def _record(item: dict | None) -> LeaderRecord | None:
-    value = (item or {}).get("Value")
-    if not value:
-        return None
-    try:
-        return decode(LeaderRecord, value)
-    except ValueError:
-        return None

@@ -17,6 +17,8 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_model_update_failed{model}               0/1: its update was rolled back
     llmgw_planner_leader                           1 on the leader, 0 elsewhere
     llmgw_planner_leader_changes_total
+    llmgw_planner_leader_forward_refusals_total{code}  writes a follower refused: llmgw/leader
+                                                   disagrees with the lock holder's registration
     llmgw_planner_event_stream_reconnects_total
     llmgw_planner_event_stream_last_message_timestamp_seconds
     llmgw_planner_reconcile_duration_seconds       histogram
@@ -147,6 +149,11 @@ class PlannerMetrics:
         self.leader_changes = Counter(
             "llmgw_planner_leader_changes", "Times this planner instance became or stopped "
             "being the leader.", registry=self.registry)
+        self.forward_refusals = Counter(
+            "llmgw_planner_leader_forward_refusals", "Writes this follower refused instead "
+            "of forwarding, because llmgw/leader disagrees with where the lock holder "
+            "registered (code: llmgw_contract.leadership.Refusal).", ["code"],
+            registry=self.registry)
         self.reconnects = Counter(
             "llmgw_planner_event_stream_reconnects", "Reconnects of the leader's Nomad event "
             "stream (each followed by a reconcile).", registry=self.registry)

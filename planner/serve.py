@@ -11,8 +11,9 @@ runs the work that acts on Nomad and writes state:
   usage book   when each model was last asked for (`planner.usage`)
   status book  every model's status, for /metrics (`planner.statusbook`)
 
-Followers answer reads themselves and forward writes to the leader
-(`planner.admin`). When leadership changes hands, the new leader starts its
+Followers answer reads themselves and forward writes to the leader, at the
+address its lock session's registration names (`planner.leader`,
+`planner.admin`). When leadership changes hands, the new leader starts its
 watcher with a reconcile from Nomad's list APIs, so nothing that happened in
 between is lost, and state documents are only ever written with
 check-and-set, so nothing is counted twice.
@@ -27,6 +28,7 @@ from datetime import datetime
 
 import aiohttp
 
+from llmgw_contract.leadership import LeaderRoute
 from planner.activation import Activator
 from planner.consul_client import ConsulClient
 from planner.engines.install import NodeInstall, installs
@@ -79,10 +81,11 @@ class PlannerNode:
 
     @property
     def ready(self) -> bool:
-        """A leader that reconciled, or a follower that knows where the leader is."""
+        """A leader that reconciled, or a follower that knows where the leader
+        registered (a follower that refuses to forward is not ready)."""
         if self.is_leader:
             return self.watcher is not None and self.watcher.ready.is_set()
-        return self.leadership.leader is not None
+        return isinstance(self.leadership.route, LeaderRoute)
 
     async def run(self) -> None:
         """Campaign and, while leading, work; until cancelled."""

@@ -1,7 +1,7 @@
 """Reads what the router needs from Consul: models, their state, services, passing
 endpoints, and where the planners are.
 
-Six kinds of blocking query, and one plain read, nothing else:
+Six kinds of blocking query, and plain reads, nothing else:
 
 - the KV prefix ``llmgw/models/`` (one :class:`llmgw_contract.ModelRecord` per
   model, written by ``planner apply``);
@@ -14,14 +14,18 @@ Six kinds of blocking query, and one plain read, nothing else:
 - ``/v1/health/state/any`` filtered to the checks of ``llmgw-*`` services and
   of nodes (:data:`HEALTH_FILTER`): one query for every model's health, whatever
   the number of models (:func:`parse_check_states` sums it up per model);
-- ``/v1/health/service/llmgw-<model>?passing``, read at once (not blocking),
+- ``/v1/health/service/llmgw-<model>?passing``, a plain read (not blocking),
   only for a model whose checks just changed and has one passing: where its
   passing replicas listen;
 - the KV key ``llmgw/leader`` (the leading planner's
-  :class:`llmgw_contract.LeaderRecord`, while a session holds it) and
-  ``/v1/health/service/llmgw-planner?passing`` (every ``planner serve``
-  instance whose TTL check passes): where to send activate calls and usage
-  reports (:mod:`router.planners`).
+  :class:`llmgw_contract.LeaderRecord`, while a session holds it), followed at
+  each change by plain reads of the holder's session
+  (``/v1/session/info/<id>``) and of every ``llmgw-planner`` instance, so that
+  the leader's address is the one its session's check registered
+  (:func:`llmgw_contract.leadership.resolve_leader`), never the key's text
+  alone; and ``/v1/health/service/llmgw-planner?passing`` (every ``planner
+  serve`` instance whose TTL check passes): where to send activate calls and
+  usage reports (:mod:`router.planners`).
 
 Called only by the watch loops in :mod:`router.watch`; the request path never
 talks to Consul. Key and service names come from :mod:`llmgw_contract.keys`,
@@ -65,6 +69,7 @@ import base64
 import binascii
 import logging
 import ssl
+import urllib.parse
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -77,7 +82,6 @@ from llmgw_contract import (
     ROUTER_API_KEYS_KEY,
     SERVICE_PREFIX,
     KVPrefix,
-    LeaderRecord,
     ModelRecord,
     StateDocument,
     decode,
@@ -89,6 +93,7 @@ from llmgw_contract.acl import (
     CONSUL_API_KEYS_READ,
     CONSUL_KV_READ,
     CONSUL_SERVICES_READ,
+    CONSUL_SESSIONS_READ,
     ROUTER_POLICIES,
     Agent,
     Permission,
@@ -96,6 +101,7 @@ from llmgw_contract.acl import (
     denial,
 )
 from llmgw_contract.documents import Document
+from llmgw_contract.leadership import LeaderRefused, Refusal, Resolution, resolve_leader
 from router.errors import CatalogDenied, CatalogUnavailable
 
 log = logging.getLogger(__name__)
@@ -251,22 +257,29 @@ def parse_check_states(checks: list[dict[str, Any]] | None) -> dict[str, CheckSt
     return states
 
 
-def parse_leader(entries: list[dict[str, Any]] | None) -> LeaderRecord | None:
-    """The leading planner from a read of the KV key ``llmgw/leader``, or ``None``.
+def parse_leader(
+    entries: list[dict[str, Any]] | None,
+    sessions: list[dict[str, Any]] | None = None,
+    instances: list[dict[str, Any]] | None = None,
+) -> Resolution:
+    """Where the planner holding ``llmgw/leader`` registered, from Consul's answers: the
+    key (``entries``), ``/v1/session/info/<its Session>`` (``sessions``) and
+    ``/v1/health/service/llmgw-planner`` (``instances``).
 
-    ``None`` for a 404 (no planner ever led), a key no session holds (the lock
-    was released: the leader stopped, or its check lapsed, and its record stays
-    behind naming a planner that may be dead), and a value that does not decode
-    (logged).
+    ``None`` for a 404 (no planner ever led) and a key no session holds (the lock
+    was released: its record stays behind naming a planner that may be dead); a
+    :class:`llmgw_contract.leadership.LeaderRoute` when the record agrees with the
+    registration; else a :class:`llmgw_contract.leadership.LeaderRefused` (see
+    :func:`llmgw_contract.leadership.resolve_leader`).
     """
     entry = (entries or [{}])[0]
-    if not entry.get("Session"):
-        return None
+    holder = entry.get("Session")
     try:
-        return decode(LeaderRecord, base64.b64decode(entry.get("Value") or ""))
+        value = base64.b64decode(entry.get("Value") or "", validate=True)
     except (binascii.Error, ValueError) as exc:
-        log.warning("ignoring Consul KV %s: %s", LEADER_KEY, exc)
-        return None
+        return LeaderRefused(Refusal.RECORD_INVALID, f"the value of {LEADER_KEY} is not "
+                             f"base64 ({exc})") if holder else None
+    return resolve_leader(holder, value, (sessions or [None])[0], instances)
 
 
 class ConsulCatalog:
@@ -321,10 +334,21 @@ class ConsulCatalog:
         """The passing endpoints of ``model``'s service, read at once (not blocking)."""
         return (await self._passing(service_name(model), 0, 0.0))[1]
 
-    async def leader(self, index: int, wait_s: float) -> tuple[int, LeaderRecord | None]:
-        """Blocking read of the planner that holds ``llmgw/leader`` (``None``: none does)."""
+    async def leader(self, index: int, wait_s: float) -> tuple[int, Resolution]:
+        """Blocking read of ``llmgw/leader``, then where its holder registered
+        (:func:`parse_leader`; ``None``: no session holds it)."""
         index, body = await self._kv(LEADER_KEY, index, wait_s, recurse=False)
-        return index, parse_leader(body)
+        holder = (body or [{}])[0].get("Session")
+        if not holder:
+            return index, None
+        # Plain reads, at each change of the key only: a session or a registration
+        # does not change under a held lock without the key changing too (a check
+        # that lapses invalidates the session, which releases the lock).
+        _, sessions = await self._get(
+            "/v1/session/info/" + urllib.parse.quote(str(holder), safe=""), {}, 0, 0.0
+        )
+        _, instances = await self._get("/v1/health/service/" + PLANNER_SERVICE, {}, 0, 0.0)
+        return index, parse_leader(body, sessions, instances)
 
     async def api_keys(self, index: int, wait_s: float) -> tuple[int, bytes | None]:
         """Blocking read of the API keys document ``llmgw-router/api-keys`` (``None``:
@@ -401,9 +425,12 @@ class ConsulCatalog:
                 if resp.status == 404:
                     return new_index, None
                 if resp.status == 403:
-                    needs = (CONSUL_API_KEYS_READ if path == f"/v1/kv/{ROUTER_API_KEYS_KEY}"
-                             else CONSUL_KV_READ if path.startswith("/v1/kv/")
-                             else CONSUL_SERVICES_READ)
+                    needs = (
+                        CONSUL_API_KEYS_READ if path == f"/v1/kv/{ROUTER_API_KEYS_KEY}"
+                        else CONSUL_KV_READ if path.startswith("/v1/kv/")
+                        else CONSUL_SESSIONS_READ if path.startswith("/v1/session/")
+                        else CONSUL_SERVICES_READ
+                    )
                     raise CatalogDenied(self._denial([needs.rule], await resp.text(),
                                                      f"GET {path}"))
                 if resp.status != 200:

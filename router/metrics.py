@@ -32,6 +32,10 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_request_body_bytes`` / ``llmgw_router_request_body_limit_bytes``:
   bytes of request bodies held now, and the most the router holds at once
   (:mod:`router.intake`; past it, 503 ``router_overloaded``)
+- ``llmgw_router_planner_leader_refusals_total{code}``: times ``llmgw/leader`` was
+  found to disagree with where its lock holder registered
+  (:class:`llmgw_contract.leadership.Refusal`); the router then sends nothing to
+  the address the key names.
 - ``llmgw_router_planner_switches_total``: times the planner that answers this
   router's calls changed (a failover, or the lead handed over;
   :mod:`router.planners`); published at 0
@@ -205,6 +209,13 @@ class RouterMetrics:
             "llmgw_router_ejected_replicas",
             "Replicas of the model ejected by passive outlier detection now.",
             ("model",),
+            registry=self.registry,
+        )
+        self.planner_leader_refusals = Counter(
+            "llmgw_router_planner_leader_refusals_total",
+            "Times llmgw/leader disagreed with where its lock holder registered in Consul: "
+            "the router sent nothing to the address the key named.",
+            ("code",),
             registry=self.registry,
         )
         self.planner_switches = Counter(

@@ -21,9 +21,10 @@ status and decoding failure leaves this module as
 **Which planner.** Several ``planner serve`` instances may run; the leader
 acts, and a follower forwards a POST to it (or answers 503 ``no_leader``
 during an election). Each call goes through the addresses
-:meth:`router.planners.PlannerCandidates.ordered` lists (the leader from
-Consul ``llmgw/leader``, the planner that answered last, the configured
-``--planner-url``, the passing ``llmgw-planner`` instances) and moves to the
+:meth:`router.planners.PlannerCandidates.ordered` lists (the leader where its
+lock session registered it, never the text of Consul ``llmgw/leader`` alone;
+the planner that answered last, the configured ``--planner-url``, the passing
+``llmgw-planner`` instances) and moves to the
 next only when a planner could not be reached at all: no connection could be
 made (refused, reset, unreachable, name or TLS handshake failure:
 ``aiohttp.ClientConnectorError`` and its subclasses) or making it timed out
@@ -34,7 +35,8 @@ ran. Anything after that is final: an HTTP answer of any status, even 503
 broke after the request was sent. The planner may have acted, and an activate
 call run twice is a second placement attempt. The planner that answered is
 remembered (:meth:`router.planners.PlannerCandidates.answered`, which logs
-and counts a switch).
+and counts a switch). Redirects are not followed: the token goes only to the
+addresses listed.
 
 An ``https://`` planner (``planner serve --tls-cert``) is verified with the
 context :meth:`router.settings.RouterSettings.planner_ssl_context` builds
@@ -169,7 +171,9 @@ class PlannerAPI:
         unreached: list[tuple[str, aiohttp.ClientError]] = []
         for base in self.planners.ordered():
             try:
-                async with self._session.post(base + path, json=payload) as resp:
+                async with self._session.post(
+                    base + path, json=payload, allow_redirects=False
+                ) as resp:
                     status, body = resp.status, await resp.read()
             except _NEVER_SENT as exc:
                 log.debug("planner at %s not reached (%r); trying the next", base, exc)

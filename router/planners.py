@@ -6,10 +6,16 @@ So the router does not depend on one address: :class:`PlannerCandidates`
 keeps three sources, written by the Consul watches in :mod:`router.watch`
 and read by :mod:`router.plannerapi` on every call:
 
-1. the leader's admin address, from the :class:`llmgw_contract.LeaderRecord`
-   in Consul KV ``llmgw/leader`` while a session holds the lock
-   (:func:`router.catalog.parse_leader`; a record no session holds names a
-   planner that lost the lead, maybe a dead one);
+1. the leader's admin address: where the planner whose session holds the lock
+   on Consul KV ``llmgw/leader`` registered its ``llmgw-planner`` instance
+   (:func:`router.catalog.parse_leader`,
+   :func:`llmgw_contract.leadership.resolve_leader`). The key's own text is
+   only cross-checked: a record that names another planner or address than
+   the registration (a KV write can rewrite it without taking the lock) is
+   refused, logged and counted in
+   ``llmgw_router_planner_leader_refusals_total{code}``, and no leader is
+   listed until the key changes; a record no session holds names a planner
+   that lost the lead, maybe a dead one;
 2. the configured ``--planner-url`` (``LLMGW_PLANNER_URL``): the only source
    before the watches' first reads, and the one an operator controls (none
    with ``LLMGW_PLANNER_URL=none``: the router job's way);
@@ -35,7 +41,7 @@ import logging
 import urllib.parse
 from collections.abc import Iterable
 
-from llmgw_contract import LeaderRecord
+from llmgw_contract.leadership import LeaderRefused, Resolution
 from router.catalog import ServiceAddress
 from router.metrics import RouterMetrics
 
@@ -61,11 +67,18 @@ class PlannerCandidates:
         self.instances: tuple[str, ...] = ()
         self.current: str | None = None  # the planner that answered last
 
-    def set_leader(self, record: LeaderRecord | None) -> None:
-        """The leader as ``llmgw/leader`` names it now (``None``: no session holds it)."""
-        leader = base_url(record.address) if record is not None and record.address else None
+    def set_leader(self, resolution: Resolution) -> None:
+        """Where the lock holder registered, as resolved now (``None``: no session holds
+        the lock; a refusal: its record disagrees with the registration)."""
+        if isinstance(resolution, LeaderRefused):
+            log.warning("not calling the planner llmgw/leader names: %s (%s)",
+                        resolution.reason, resolution.code)
+            self._metrics.planner_leader_refusals.labels(resolution.code.value).inc()
+            leader = None
+        else:
+            leader = base_url(resolution.url) if resolution is not None else None
         if leader != self.leader:
-            log.debug("planner leader in Consul: %s", leader or "none (election)")
+            log.debug("planner leader in Consul: %s", leader or "none")
         self.leader = leader
 
     def set_instances(self, addresses: Iterable[ServiceAddress]) -> None:
@@ -91,7 +104,7 @@ class PlannerCandidates:
 
     def _role(self, url: str) -> str:
         if url == self.leader:
-            return " (the leader in Consul llmgw/leader)"
+            return " (the leader: the lock holder of Consul llmgw/leader, as registered)"
         if url == self.configured:
             return " (the configured --planner-url)"
         return " (a passing llmgw-planner instance)"

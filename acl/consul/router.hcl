@@ -16,6 +16,9 @@
 #     read                        (LLMGW_API_KEYS_CONSUL); outside llmgw/ so the
 #                                 planner's token cannot write them: give write on it
 #                                 to operators only
+#   session_prefix "" read        the session holding llmgw/leader: its node and the
+#                                 llmgw-planner check it is bound to say where the
+#                                 leader registered (the key's text alone is not trusted)
 #
 # The router needs no Nomad token: it never calls Nomad (it finds replicas in Consul
 # and asks the planner's admin API, with LLMGW_PLANNER_TOKEN, to start a model).
@@ -36,5 +39,9 @@ node_prefix "" {
 }
 
 key "llmgw-router/api-keys" {
+  policy = "read"
+}
+
+session_prefix "" {
   policy = "read"
 }

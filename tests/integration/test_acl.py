@@ -188,6 +188,9 @@ def test_planner_and_router_work_with_exactly_their_policies(
     as_router = {"X-Consul-Token": tokens.router_consul}
     assert status_of(f"{consul}/v1/kv/llmgw/models/x", as_router, "PUT", b"x") == 403
     assert status_of(f"{consul}/v1/kv/llmgw/leader", as_router) in (200, 404)
+    # It reads the lock's session (where the leader registered), and changes none.
+    assert status_of(f"{consul}/v1/session/list", as_router) == 200
+    assert status_of(f"{consul}/v1/session/create", as_router, "PUT", b"{}") == 403
 
 
 def test_a_missing_permission_is_named_with_exit_3(
@@ -250,7 +253,8 @@ def test_a_missing_permission_is_named_with_exit_3(
                     env_with(acl_cluster, binaries, None, token)) as router:
             assert router.returncode == 3 and "Traceback" not in router.stderr
             assert ('Consul denied key_prefix "llmgw/" read, service_prefix "llmgw-" read, '
-                    'node_prefix "" read' in router.stderr), router.stderr
+                    'node_prefix "" read, session_prefix "" read' in router.stderr), \
+                router.stderr
             assert says in router.stderr and "acl/consul/router.hcl" in router.stderr
 
     for command in (["planner.cli", "--help"], ["router.cli", "--help"]):

@@ -42,7 +42,8 @@ def test_consul_rules_are_asked_as_the_authorize_endpoint_takes_them() -> None:
     assert CONSUL_KV_WRITE.authorize_request() == {"Resource": "key", "Segment": "llmgw/",
                                                    "Access": "write"}
     assert [p.rule for p in ROUTER_CONSUL_NEEDS] == [
-        'key_prefix "llmgw/" read', 'service_prefix "llmgw-" read', 'node_prefix "" read']
+        'key_prefix "llmgw/" read', 'service_prefix "llmgw-" read', 'node_prefix "" read',
+        'session_prefix "" read']
     # Only with LLMGW_API_KEYS_CONSUL; a rule of acl/consul/router.hcl all the same.
     (keys,) = ROUTER_CONSUL_KEYS_NEEDS
     assert keys.authorize_request() == {"Resource": "key", "Segment": "llmgw-router/api-keys",

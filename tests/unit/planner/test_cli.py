@@ -125,3 +125,14 @@ def test_under_detailed_exitcode_the_json_error_says_the_exit_code_the_process_e
     assert answer["error"]["kind"].endswith("Unavailable")
     code, answer = run("apply", str(tmp_path), "--output", "json")
     assert (code, answer["error"]["exit_code"]) == (3, 3)
+
+
+@pytest.mark.parametrize("advertise", ["http://h:1/prefix", "ftp://h:1", "http://h:1?x=1",
+                                       "http://user@h:1"])
+def test_serve_refuses_an_advertised_url_it_could_not_register(advertise: str) -> None:
+    """Followers and routers reach a planner only at scheme://host:port as registered in
+    Consul (llmgw_contract.leadership): anything more is refused before any agent is
+    asked."""
+    result = CliRunner().invoke(app, ["serve", "--advertise", advertise], env=UNREACHABLE)
+    assert result.exit_code == 2
+    assert "error: --advertise:" in result.output

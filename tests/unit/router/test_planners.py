@@ -1,4 +1,5 @@
-"""Following the planners (router.planners, router.plannerapi, router.catalog.parse_leader).
+"""Following the planners (router.planners, router.plannerapi, router.catalog.parse_leader;
+the resolution rule itself: tests/unit/contract/test_leadership.py).
 
 The candidate order is a pure value, tested as one. The "move on only when a
 planner could not be reached" rule runs against real sockets on 127.0.0.1:
@@ -27,6 +28,7 @@ import pytest
 from aiohttp import web
 
 from llmgw_contract import LeaderRecord, encode
+from llmgw_contract.leadership import LeaderRefused, LeaderRoute, Refusal
 from router import errors
 from router.catalog import ServiceAddress, parse_leader
 from router.metrics import RouterMetrics
@@ -47,8 +49,9 @@ SWITCHES = "llmgw_router_planner_switches_total"
 NO_LEADER = {"message": "no planner leads now (an election is under way)", "code": "no_leader"}
 
 
-def leader(address: str) -> LeaderRecord:
-    return LeaderRecord(id="abc", address=address)
+def leader(address: str) -> LeaderRoute:
+    """The lock holder, as resolved from its registration."""
+    return LeaderRoute(planner_id="abc", url=address, node="n1", session="sess-1")
 
 
 # --- the order ---------------------------------------------------------------------
@@ -125,15 +128,48 @@ def kv_entry(record: LeaderRecord, session: str | None) -> list[dict]:
     return [{"Key": "llmgw/leader", "Value": value, **({"Session": session} if session else {})}]
 
 
-def test_parse_leader_trusts_only_a_held_lock(caplog: pytest.LogCaptureFixture) -> None:
-    record = leader("http://10.0.0.2:4650")
-    assert parse_leader(kv_entry(record, "sess-1")) == record
+def registration(address: str = "10.0.0.2", port: int = 4650) -> tuple[list, list]:
+    """/v1/session/info/sess-1 and /v1/health/service/llmgw-planner, as Consul 1.8 answers."""
+    check = "service:llmgw-planner-abc"
+    sessions = [{"ID": "sess-1", "Node": "n1", "Checks": ["serfHealth", check]}]
+    instances = [{"Node": {"Node": "n1", "Address": "10.0.0.9"},
+                  "Service": {"ID": "llmgw-planner-abc", "Service": "llmgw-planner",
+                              "Address": address, "Port": port, "Meta": {"llmgw_scheme": "http"}},
+                  "Checks": [{"CheckID": "serfHealth", "Status": "passing"},
+                             {"CheckID": check, "Status": "passing"}]}]
+    return sessions, instances
+
+
+def test_parse_leader_trusts_the_registration_of_a_held_lock() -> None:
+    record = LeaderRecord(id="abc", address="http://10.0.0.2:4650")
+    sessions, instances = registration()
+    assert parse_leader(kv_entry(record, "sess-1"), sessions, instances) == \
+        LeaderRoute("abc", "http://10.0.0.2:4650", "n1", "sess-1")
     # Released (the leader stopped, or its check lapsed): its record stays behind.
-    assert parse_leader(kv_entry(record, None)) is None
+    assert parse_leader(kv_entry(record, None), sessions, instances) is None
     assert parse_leader(None) is None  # 404: no planner ever led
-    garbage = [{"Key": "llmgw/leader", "Value": base64.b64encode(b"{").decode(), "Session": "s"}]
-    assert parse_leader(garbage) is None
-    assert "ignoring Consul KV llmgw/leader" in caplog.text
+    # Rewritten outside the lock: refused, whatever it names.
+    forged = LeaderRecord(id="abc", address="http://203.0.113.7:4650")
+    refused = parse_leader(kv_entry(forged, "sess-1"), sessions, instances)
+    assert isinstance(refused, LeaderRefused) and refused.code is Refusal.MISMATCH
+    for garbage in (base64.b64encode(b"{").decode(), "not base64!"):
+        entry = [{"Key": "llmgw/leader", "Value": garbage, "Session": "sess-1"}]
+        refused = parse_leader(entry, sessions, instances)
+        assert isinstance(refused, LeaderRefused) and refused.code is Refusal.RECORD_INVALID
+
+
+def test_a_refused_leader_is_not_called_and_is_logged_and_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    metrics = RouterMetrics()
+    planners = PlannerCandidates("http://10.0.0.1:4650", metrics)
+    planners.set_leader(leader("http://10.0.0.2:4650"))
+    with caplog.at_level(logging.WARNING, logger="router.planners"):
+        planners.set_leader(LeaderRefused(Refusal.MISMATCH, "llmgw/leader names another"))
+    assert planners.ordered() == ["http://10.0.0.1:4650"]
+    assert "not calling the planner llmgw/leader names: llmgw/leader names another" \
+        in caplog.text
+    assert metrics.registry.get_sample_value(
+        "llmgw_router_planner_leader_refusals_total", {"code": "leader_mismatch"}) == 1
 
 
 # --- what moves a call on, against real sockets -----------------------------------
@@ -372,4 +408,5 @@ def test_the_router_follows_a_failover_for_activation_and_usage(
         run(scenario())
     switched = [r for r in caplog.records if "switched" in r.getMessage()]
     assert len(switched) == 1
-    assert "(the leader in Consul llmgw/leader)" in switched[0].getMessage()
+    assert "(the leader: the lock holder of Consul llmgw/leader, as registered)" in \
+        switched[0].getMessage()

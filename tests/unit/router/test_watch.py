@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from llmgw_contract import LeaderRecord, ModelRecord, Parked, StateDocument
+from llmgw_contract import ModelRecord, Parked, StateDocument
+from llmgw_contract.leadership import LeaderRoute, Resolution
 from router.catalog import CheckState, ServiceAddress
 from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
@@ -35,7 +36,7 @@ class FakeCatalog:
         self.registered: set[str] = set()  # models with an llmgw-<model> service
         self.healthy: dict[str, list[ServiceAddress]] = {}
         self.model_states: dict[str, StateDocument] = {}
-        self.leader_record: LeaderRecord | None = None
+        self.leader_record: Resolution = None
         self.planner_instances: list[ServiceAddress] = []
         self.fail_next = 0
         self.changed = asyncio.Event()
@@ -208,7 +209,7 @@ def test_the_planner_watches_follow_the_leader_and_the_instances() -> None:
         await settle()
         assert planners.ordered() == ["http://10.0.0.1:4650", "http://10.0.0.2:4650"]
 
-        catalog.leader_record = LeaderRecord(id="b", address="http://10.0.0.2:4650")
+        catalog.leader_record = LeaderRoute("b", "http://10.0.0.2:4650", "n2", "sess-b")
         catalog.planner_instances = [ServiceAddress("10.0.0.2", 4650)]  # .1's check lapsed
         catalog.bump()
         await settle()

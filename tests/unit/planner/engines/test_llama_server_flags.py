@@ -52,8 +52,9 @@ def test_a_flag_in_two_lines_or_an_unknown_class_is_named() -> None:
 def test_the_flags_the_template_sets_are_its_own_or_meant_to_be_overridden() -> None:
     options = table()
     template = [a for a in ENGINE.server_args("m", 4096, 1) if a.startswith("--")]
-    # A second --metrics is a no-op, and -ngl is the operator's to lower (planner.fit).
-    overridable = {"--metrics", "--n-gpu-layers"}
+    # A second --metrics is a no-op, -ngl is the operator's to lower (planner.fit), and
+    # --parallel is the profile's own slot count, which the template repeats (issue 20).
+    overridable = {"--metrics", "--n-gpu-layers", "--parallel"}
     for flag in template:
         kind = options[flag].kind
         assert kind is FlagClass.TEMPLATE or flag in overridable, (flag, kind)

@@ -34,6 +34,9 @@ class Engine(Protocol):
 
     kind: str  # the name definitions use, e.g. "llama.cpp"
     health_path: str  # HTTP path that answers 200 once the model is loaded (Consul's check)
+    # Arguments that make the program print its version and exit 0: the install job runs
+    # it so once on each node before recording it there (planner/jobspecs/engine.nomad.hcl).
+    check_args: tuple[str, ...]
 
     def server_args(self, model: str, context: int, gpus: int) -> list[str]:
         """argv after the command: serve `MODEL_FILE` as `model` on NOMAD_IP:NOMAD_PORT

@@ -10,7 +10,10 @@
 #
 # The task checks the engine (an artifact is downloaded and its sha256 checked
 # by Nomad, then copied into `install_dir`; a `path` must exist, be executable
-# and match its sha256 when given), then sets the node's dynamic metadata
+# and match its sha256 when given), runs it once (`<command> <check_args>`,
+# e.g. `llama-server --version`: a build that dies of SIGILL on a CPU lacking
+# its instructions dies here, and is recorded nowhere it cannot run), then
+# sets the node's dynamic metadata
 # `<meta_key> = <version>` through the agent's /v1/client/metadata (Nomad
 # >= 1.5), which model jobs constrain on. Only a checked engine is recorded: a
 # node where the check fails keeps what it had, and the task fails with the
@@ -69,6 +72,18 @@ variable "path" {
   description = "Where the engine already is on every node (instead of an artifact)."
 }
 
+variable "check_args" {
+  type        = string
+  default     = "--version"
+  description = "Arguments of the engine's run-once check before it is recorded (words split on blanks)."
+}
+
+variable "check_timeout_s" {
+  type        = number
+  default     = 60
+  description = "Seconds the run-once check may take."
+}
+
 variable "nomad_addr" {
   type        = string
   default     = ""
@@ -109,6 +124,18 @@ locals {
         [ "$actual" = "$ENGINE_SHA256" ] ||
           fail "$target: sha256 is $actual, expected $ENGINE_SHA256"
       fi
+    fi
+    # Run it once before recording it. The planner reads "exited with status N" of the
+    # last line and names a signal's death (planner/engines/install.py, check_crash).
+    out="$NOMAD_TASK_DIR/check.out"
+    timeout -k 5 "$CHECK_TIMEOUT_S" "$target" $CHECK_ARGS </dev/null >"$out" 2>&1
+    status=$?
+    if [ "$status" -eq 124 ]; then
+      tail -n 3 "$out" >&2
+      fail "$target $CHECK_ARGS did not finish within $CHECK_TIMEOUT_S s"
+    elif [ "$status" -ne 0 ]; then
+      tail -n 3 "$out" >&2
+      fail "$target $CHECK_ARGS exited with status $status"
     fi
     body="{\"Meta\":{\"$META_KEY\":\"$ENGINE_VERSION\"}}"
     if [ -n "$NOMAD_API" ]; then
@@ -178,6 +205,8 @@ job "engine" {
         COMMAND_FILE    = var.command_file
         INSTALL_DIR     = var.install_dir
         NOMAD_API       = var.nomad_addr
+        CHECK_ARGS      = var.check_args
+        CHECK_TIMEOUT_S = var.check_timeout_s
         NODE_ID         = "$${node.unique.id}"
         NODE_NAME       = "$${node.unique.name}"
       }

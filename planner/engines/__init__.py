@@ -37,6 +37,9 @@ class Engine(Protocol):
     # Arguments that make the program print its version and exit 0: the install job runs
     # it so once on each node before recording it there (planner/jobspecs/engine.nomad.hcl).
     check_args: tuple[str, ...]
+    # (path, JSON body) of a request that completes one token: the install job sends it
+    # once to `server_args` serving an engine's `check_model` before recording it.
+    check_request: tuple[str, str]
 
     def server_args(self, model: str, context: int, gpus: int) -> list[str]:
         """argv after the command: serve `MODEL_FILE` as `model` on NOMAD_IP:NOMAD_PORT

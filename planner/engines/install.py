@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw_contract import lasterror
-from planner.engines import engine
+from planner.engines import MODEL_FILE, engine
 from planner.engines.definitions import (
     JOB_PREFIX,
     EngineDefinition,
@@ -62,6 +62,11 @@ META_SPEC_HASH = "llmgw_spec_hash"
 META_COMMAND = "llmgw_engine_command"
 # What makes a build: changed under a registered version, it is refused (`changed_builds`).
 BUILD_FIELDS = ("artifact", "path", "sha256")
+# The install task's memory (MiB): the script and `--version`; serving a check model
+# needs room for the model (a tiny GGUF's weights and a 256-token context).
+INSTALL_MEMORY_MB = 64
+CHECK_MEMORY_MB = 1024
+CHECK_CONTEXT = 256
 
 
 class EngineAction(StrEnum):
@@ -110,6 +115,7 @@ def variables(definition: EngineDefinition, settings: Settings) -> dict[str, Any
     """The install template's variables for one engine."""
     command = definition.command(settings.engine_root)
     artifact = definition.artifact or ""
+    kind = engine(definition.kind)
     return {
         "engine": definition.name,
         "version": definition.version,
@@ -119,11 +125,27 @@ def variables(definition: EngineDefinition, settings: Settings) -> dict[str, Any
         "command_file": command.rsplit("/", 1)[-1],
         "install_dir": command.rsplit("/", 1)[0] if artifact else "",
         "path": definition.path or "",
-        "check_args": " ".join(engine(definition.kind).check_args),
+        "check_args": " ".join(kind.check_args),
+        "memory_mb": INSTALL_MEMORY_MB,
+        **_check_model(definition),
         "nomad_addr": settings.engine_nomad_addr,
         "driver": settings.task_driver,
         "datacenters": list(settings.datacenters),
     }
+
+
+def _check_model(definition: EngineDefinition) -> dict[str, Any]:
+    """The template's variables of the one-token check (none without `check_model`)."""
+    if definition.check_model is None:
+        return {}
+    kind = engine(definition.kind)
+    args = kind.server_args("llmgw-check", CHECK_CONTEXT, gpus=0)
+    path, body = kind.check_request
+    return {"check_model": definition.check_model,
+            "check_serve_args": " ".join(definition.check_model if arg == MODEL_FILE else arg
+                                         for arg in args),
+            "check_health_path": kind.health_path, "check_request_path": path,
+            "check_request_body": body, "memory_mb": CHECK_MEMORY_MB}
 
 
 def spec_hash(job: Job) -> str:

@@ -40,6 +40,7 @@ class LlamaCpp:
     kind = "llama.cpp"
     health_path = "/health"
     check_args = ("--version",)
+    check_request = ("/completion", '{"prompt": "Hello", "n_predict": 1}')
 
     def server_args(self, model: str, context: int, gpus: int) -> list[str]:
         args = ["--model", MODEL_FILE, "--alias", model, "--host", NOMAD_IP,

@@ -75,6 +75,15 @@ def test_template_variables_for_an_artifact_and_a_path() -> None:
     assert (local["path"], local["artifact_url"], local["install_dir"],
             local["artifact_sha256"]) == ("/bin/x", "", "", SHA)
     assert local["check_args"] == "--version"  # the kind's (llama.cpp) run-once check
+    assert "check_model" not in local and local["memory_mb"] == 64
+    checked = variables(EngineDefinition(name="x", version="1", path="/bin/x",
+                                         check_model="/m/tiny.gguf"), settings)
+    serve = checked["check_serve_args"].split()
+    assert serve[serve.index("--model") + 1] == "/m/tiny.gguf"
+    assert serve[serve.index("--port") + 1] == "${NOMAD_PORT_http}"  # the job's http port
+    assert (checked["check_health_path"], checked["check_request_path"]) == (
+        "/health", "/completion")
+    assert '"n_predict": 1' in checked["check_request_body"] and checked["memory_mb"] == 1024
 
 
 def test_a_node_is_ok_only_with_the_defined_version() -> None:

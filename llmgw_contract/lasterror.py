@@ -124,3 +124,15 @@ def headline(last_error: str | None) -> str:
     if chosen is None and not first.startswith(CRASHED):
         chosen = next((line for line in reversed(rest) if not is_warning(line)), None)
     return f"{first} | {strip_prefix(chosen)}" if chosen else first
+
+
+def clipped(last_error: str, limit: int) -> str:
+    """`last_error` in at most `limit` characters with its first line kept (the
+    headline starts there): what does not fit is cut from the start of the lines
+    after it, whose end (the process's last words) stays."""
+    if len(last_error) <= limit:
+        return last_error
+    first, _, rest = last_error.partition("\n")
+    first = first[: max(limit // 2, 1)]
+    room = limit - len(first) - len("\n…\n")
+    return f"{first}\n…\n{rest[-room:]}" if room > 0 and rest else first

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw_contract.lasterror import (
+    clipped,
     crash_line,
     crash_signal,
     describe,
@@ -65,3 +66,12 @@ def test_warnings_are_no_errors() -> None:
         not is_error("warning: failed to munlock buffer")
     assert is_error("0.00.01.2 E boom") and is_error("error loading model")
     assert not is_error(WARNING)
+
+
+def test_a_clipped_last_error_keeps_its_first_line_and_its_end() -> None:
+    last = "crashed: SIGSEGV (exit 139)\n" + "\n".join(f"line {i} " + "x" * 90
+                                                      for i in range(40)) + "\nlast words"
+    short = clipped(last, 2000)
+    assert len(short) <= 2000 and short.startswith("crashed: SIGSEGV (exit 139)\n…\n")
+    assert short.endswith("last words") and headline(short) == "crashed: SIGSEGV (exit 139)"
+    assert clipped("short", 2000) == "short" and len(clipped("y" * 50, 10)) <= 10

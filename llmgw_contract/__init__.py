@@ -15,6 +15,9 @@ import-linter contracts in pyproject.toml check both). It holds:
 - `certificates`: the certificate series both publish, and their collector.
 - `acl`: the ACL rules both need from Consul (acl/), and the sentence that
   names a denied one.
+- `lasterror`: a model's last error in words written once: how a crash by a
+  signal is named, which stderr lines say what went wrong, the headline every
+  view shows.
 - `tlsfiles`: the one `ssl.SSLContext` builder both use, its errors naming the
   setting.
 - `leadership`: where the planner that holds the leader lock registered its

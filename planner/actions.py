@@ -9,7 +9,8 @@ Nomad first, Consul KV second. A parked job is stopped but kept, so the
 Nomad UI shows it, with the reason in its meta (`llmgw_contract.PARKED_META`):
 
   llmgw_parked_reason      "5 consecutive start failures"
-  llmgw_parked_last_error  the last task event and stderr tail (at most 2000 chars)
+  llmgw_parked_last_error  the last error: its first line, then as much of the stderr
+                           lines' end as fits in 2000 chars
   llmgw_parked_since       ISO 8601 UTC
 
 That meta is the durable record (docs/architecture.md, "Parking"); the
@@ -25,6 +26,7 @@ import logging
 from typing import Any
 
 from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument, UpdateFailed
+from llmgw_contract.lasterror import clipped
 from planner.errors import NomadRejected, Rejected
 from planner.failures import forgiven, retried
 from planner.nomad_client import Job, NomadClient
@@ -39,7 +41,7 @@ def parked_job(job: Job, parked: Parked) -> Job:
     """`job` stopped, with the parking reason in its meta."""
     meta = {**(job.get("Meta") or {}),
             JobMeta.PARKED_REASON: parked.reason,
-            JobMeta.PARKED_LAST_ERROR: (parked.last_error or "")[-META_VALUE_LIMIT:],
+            JobMeta.PARKED_LAST_ERROR: clipped(parked.last_error or "", META_VALUE_LIMIT),
             JobMeta.PARKED_SINCE: parked.since}
     return {**job, "Stop": True, "Meta": meta}
 

@@ -453,8 +453,8 @@ def engines_apply(
 
 def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
     """Poll every second until every schedulable node ran the current install job of each
-    engine and records its version; exit 1 naming the nodes where an install failed, or
-    at the timeout."""
+    engine and records its version; once every node answered, exit 1 naming each node
+    where an install failed; or exit 1 at the timeout."""
     deadline, last = time.monotonic() + timeout, ""
     while True:
         rows = [r for r in _installs(output) if r.engine in engines]
@@ -469,13 +469,16 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
         if rows and all(r.ok and r.install == "complete" for r in rows):
             return
         failed = [r for r in rows if not r.ok and r.install == "failed"]
-        if failed:
+        # Every node's answer first: one that failed fast must not hide another's failure
+        # (nor its crash) still on its way.
+        answered = all(r.install == "failed" or (r.ok and r.install == "complete")
+                       for r in rows)
+        if (failed and answered) or time.monotonic() > deadline:
             for r in failed:
                 err.print(f"error: {r.engine} {r.wanted} failed to install on {r.node}: "
                           f"{r.error}", markup=False)
-            raise typer.Exit(1)
-        if time.monotonic() > deadline:
-            err.print(f"error: not installed everywhere after {timeout:.0f} s")
+            if not answered:
+                err.print(f"error: not installed everywhere after {timeout:.0f} s")
             raise typer.Exit(1)
         time.sleep(1)
 

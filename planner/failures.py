@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from llmgw_contract import lasterror
 from llmgw_contract.documents import (
     MAX_COUNTED,
     MAX_HEALTHY_ENTRIES,
@@ -78,9 +79,14 @@ class StartFailure:
     key: str  # "<alloc id>/<task>/<event time ns>"
     alloc_id: str
     task: str
-    message: str  # "Terminated: Exit Code: 1"
+    message: str  # "Terminated: Exit Code: 1", or "crashed: SIGSEGV (exit 139)"
     at_ns: int
     started_ns: int
+    signal: int = 0  # the signal the task died of (0: it exited, or never ran)
+
+    @property
+    def crashed(self) -> bool:
+        return self.signal != 0
 
 
 @dataclass(frozen=True)
@@ -131,9 +137,35 @@ def start_failures(alloc: dict[str, Any]) -> Iterator[StartFailure]:
             elif _stop_asked(event):
                 stopping = True
             elif kind in ENDS_A_START and not stopping:
-                message = event.get("DisplayMessage") or event.get("Message") or kind
+                signal, message = ended(alloc, task, event)
                 yield StartFailure(f"{alloc['ID']}/{task}/{at}", alloc["ID"], task,
-                                   f"{kind}: {message}", at, started)
+                                   message, at, started, signal)
+
+
+def memory_limit_mib(alloc: dict[str, Any], task: str) -> int | None:
+    """The task's memory limit in MiB (its memory_max when set, else its memory), from
+    the allocation's AllocatedResources; None when the allocation does not carry them."""
+    tasks = (alloc.get("AllocatedResources") or {}).get("Tasks") or {}
+    memory = (tasks.get(task) or {}).get("Memory") or {}
+    return int(memory.get("MemoryMaxMB") or memory.get("MemoryMB") or 0) or None
+
+
+def ended(alloc: dict[str, Any], task: str, event: dict[str, Any]) -> tuple[int, str]:
+    """How one run ended: (the signal it died of, 0 when none; the last error's first
+    line). A death by a signal is named as a crash (`llmgw_contract.lasterror`), with
+    the task's memory limit when it was killed; else Nomad's event as it reads."""
+    kind = event.get("Type", "")
+    details = event.get("Details") or {}
+    exit_code = int(event.get("ExitCode") or details.get("exit_code") or 0)
+    oom = event.get("Message") == "OOM Killed" or details.get("oom_killed") == "true"
+    signal = lasterror.crash_signal(exit_code, int(event.get("Signal") or
+                                                   details.get("signal") or 0))
+    if kind == "Terminated" and (signal or oom):
+        signal = signal or lasterror.SIGKILL
+        return signal, lasterror.crash_line(signal, exit_code, oom_killed=oom,
+                                            memory_limit_mib=memory_limit_mib(alloc, task))
+    message = event.get("DisplayMessage") or event.get("Message") or kind
+    return 0, f"{kind}: {message}"
 
 
 def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailure]:
@@ -143,14 +175,9 @@ def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailu
             if f.key not in state.counted and f.at_ns >= state.counting_from_ns]
 
 
-def headline(last_error: str | None) -> str:
-    """One line of a last error for a table and a log: the task event and the first
-    stderr line kept with it (an engine's `error_lines` put the cause first; llama.cpp's
-    time prefix is dropped from what older planners kept)."""
-    if not last_error:
-        return ""
-    first, *rest = last_error.splitlines()
-    return f"{first} | {llama_cpp.LOG_PREFIX.sub('', rest[0]).strip()}" if rest else first
+# One line of a last error for a table and a log (`llmgw_contract.lasterror.headline`):
+# the router's refusal starts with the same words.
+headline = lasterror.headline
 
 
 # --- replicas -------------------------------------------------------------------------

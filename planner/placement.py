@@ -78,12 +78,14 @@ class NodeGpus:
 class EngineNeed:
     """The engine a model's job constrains on: `name` at `version`, recorded in node
     metadata `llmgw_engine_<name>` by its install job (planner/engines/install.py);
-    `installed` of `nodes` schedulable nodes have it (None: not counted)."""
+    `installed` of `nodes` schedulable nodes have it (None: not counted); `crashed`:
+    (node, how it died) where its install's run-once check crashed."""
 
     name: str
     version: str
     installed: int | None = None
     nodes: int | None = None
+    crashed: tuple[tuple[str, str], ...] = ()
 
     @property
     def constraint(self) -> str:
@@ -272,7 +274,17 @@ def _missing_engine(filtered: int, total: int, engine: EngineNeed) -> str:
     filter for it."""
     installed = engine.installed if engine.installed is not None else total - filtered
     nodes = engine.nodes if engine.nodes is not None else total
-    return f"engine {engine.name} {engine.version} is installed on {_nodes(installed, nodes)}"
+    counted = f"installed on {_nodes(installed, nodes)}"
+    if not engine.crashed:
+        return f"engine {engine.name} {engine.version} is {counted}"
+    # "engine x 1 crashed on node n1: SIGILL (exit 132): ...": the crash is the reason
+    # it is missing there, so it comes first; nodes that died alike are named together.
+    by_how: dict[str, list[str]] = {}
+    for node, how in engine.crashed:
+        by_how.setdefault(how, []).append(node)
+    crashes = "; ".join(f"on node{'s' if len(n) > 1 else ''} {', '.join(sorted(n))}: {how}"
+                        for how, n in by_how.items())
+    return f"engine {engine.name} {engine.version} crashed {crashes} ({counted})"
 
 
 def _exhausted(metric: Mapping[str, Any], total: int, need: GpuNeed | None) -> list[str]:

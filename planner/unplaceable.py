@@ -88,7 +88,8 @@ def _engine_coming(nomad: NomadClient, job: Job | None, evaluation: dict[str, An
     if engine is None or not _filtered_for(engine, evaluation):
         return None, 0
     counted = progress(nomad, engine.name, engine.version, datacenters)
-    return (replace(engine, installed=counted.installed, nodes=counted.nodes),
+    return (replace(engine, installed=counted.installed, nodes=counted.nodes,
+                    crashed=counted.crashed),
             counted.installing)
 
 

@@ -37,9 +37,9 @@ that say what went wrong (``... unknown model architecture: 'kev'``).
 from __future__ import annotations
 
 import functools
-import re
 
 from llmgw_contract import Parked, Unplaceable
+from llmgw_contract.lasterror import CRASHED, is_error, is_warning, strip_prefix
 from router import errors
 from router.endpoints import ModelEntry
 
@@ -53,18 +53,6 @@ _LINE_LIMIT = 300
 _MAX_LINES = 3
 _SEPARATOR = " | "
 
-# Lines of a stderr tail worth showing, strongest first: llama.cpp says
-# "error" on the line that names the cause ("error loading model: unknown model
-# architecture"); "failed to load model" lines after it only repeat the fact.
-_ERROR = re.compile(r"error", re.IGNORECASE)
-# llama.cpp's log prefix (elapsed time and level, "0.00.010.861 E "): noise in a
-# message, and it makes repeated lines look different.
-_LOG_PREFIX = re.compile(r"^\d+(?:\.\d+)+ [A-Z] ")
-_TROUBLE = re.compile(
-    r"fail|unknown|unsupported|invalid|cannot|can't|unable|not found|no such|denied|"
-    r"out of memory|\boom\b|abort|exception|panic|fatal|segmentation",
-    re.IGNORECASE,
-)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -74,21 +62,25 @@ def _clip(text: str, limit: int) -> str:
 def summarize_error(text: str, limit: int = ERROR_LIMIT) -> str:
     """The useful part of a planner ``last_error``, on one line, at most ``limit`` chars.
 
-    Keeps the first line (the task event) and the first three distinct lines
-    mentioning an error or other trouble words (fail, unknown, out of
-    memory, ...), in their original order (llama.cpp names the cause first:
-    "failed to open GGUF file", "unknown model architecture"), joined by
-    `` | ``; failing those the last line (a process's last words are usually
-    its reason). llama.cpp's time/level prefixes and runs of blanks are dropped.
+    Keeps the first line (the task event, or "crashed: SIGSEGV (exit 139)") and
+    the first three distinct lines that say what went wrong
+    (`llmgw_contract.lasterror.is_error`: llama.cpp's level E, or trouble words on a
+    line that is no warning), in their original order (llama.cpp names the cause
+    first: "failed to open GGUF file", "unknown model architecture"), joined by
+    `` | ``; failing those, for a run that ended by itself, its last line that is no
+    warning (a process's last words are usually its reason; a crashed one's are
+    not). So it starts with the words `planner status` shows
+    (`llmgw_contract.lasterror.headline`). llama.cpp's time/level prefixes and
+    runs of blanks are dropped.
     """
-    lines = [" ".join(_LOG_PREFIX.sub("", line.strip()).split()) for line in text.splitlines()]
-    lines = [line for line in lines if line]
-    if not lines:
+    raw = [line for line in text.splitlines() if line.strip()]
+    if not raw:
         return ""
+    lines = [strip_prefix(line) for line in raw]
     head, rest = _clip(lines[0], _LINE_LIMIT), lines[1:]
-    wanted = [i for i, line in enumerate(rest) if _ERROR.search(line) or _TROUBLE.search(line)]
-    if not wanted and rest:
-        wanted = [len(rest) - 1]
+    wanted = [i for i, line in enumerate(raw[1:]) if is_error(line)]
+    if not wanted and rest and not lines[0].startswith(CRASHED):
+        wanted = [i for i, line in enumerate(raw[1:]) if not is_warning(line)][-1:]
     budget = limit - len(head)
     chosen = [head]
     for i in wanted:

@@ -35,6 +35,12 @@ class Engine(Protocol):
 
     kind: str  # the name definitions use, e.g. "llama.cpp"
     health_path: str  # HTTP path that answers 200 once the model is loaded (Consul's check)
+    # Arguments that make the program print its version and exit 0: the install job runs
+    # it so once on each node before recording it there (planner/jobspecs/engine.nomad.hcl).
+    check_args: tuple[str, ...]
+    # (path, JSON body) of a request that completes one token: the install job sends it
+    # once to `server_args` serving an engine's `check_model` before recording it.
+    check_request: tuple[str, str]
 
     def server_args(self, model: str, context: int, gpus: int,
                     args: Sequence[str] = ()) -> list[str]:

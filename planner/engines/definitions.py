@@ -12,6 +12,8 @@ One file holds one engine, a versioned build of an engine kind (`planner.engines
     sha256: <64 hex>                 # required with artifact; optional with path
     # or, instead of artifact:
     path: /opt/llmgw/bin/llama-server          # already on the nodes: checked, not copied
+    check_model: /opt/llmgw/models/tiny.gguf   # optional: a small model on every node; the
+                                     # install serves it and completes one token
 
 Problems are reported like the model files' (`planner.definitions`): every file, the
 field path, what was expected; one name in two files is an error.
@@ -96,6 +98,10 @@ class EngineDefinition(BaseModel):
     path: str | None = None
     sha256: Annotated[str, BeforeValidator(_hex_text)] | None = Field(
         None, pattern=r"^[0-9a-f]{64}$")
+    # A small model on every node: before recording the engine, its install serves it
+    # and completes one token (a build that crashes on the first graph compute, as a
+    # -march=native build with AMX kernels did, passes `--version`).
+    check_model: str | None = None
 
     @field_validator("kind")
     @classmethod
@@ -129,6 +135,17 @@ class EngineDefinition(BaseModel):
         if path is not None and (not path.startswith("/") or any(
                 c in path for c in "\0\n\"'$`\\")):
             raise ValueError(f"expected an absolute path on the nodes, got {path!r}")
+        return path
+
+    @field_validator("check_model")
+    @classmethod
+    def _check_model_is_a_gguf_path(cls, path: str | None) -> str | None:
+        # No blanks, quotes, `$`, `%` or backslashes: the install script splits its
+        # check's arguments on blanks, and Nomad interpolates `${` and `%{` in them.
+        if path is not None and (not path.startswith("/") or not path.endswith(".gguf") or
+                                 any(c in path for c in "\0\n\t \"'$%`\\")):
+            raise ValueError(f"expected an absolute path of a .gguf file on the nodes, "
+                             f"without blanks, quotes, '$', '%' or '\\', got {path!r}")
         return path
 
     @model_validator(mode="after")

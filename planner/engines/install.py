@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from llmgw_contract import lasterror
+from planner.engines import MODEL_FILE, engine
 from planner.engines.definitions import (
     JOB_PREFIX,
     EngineDefinition,
@@ -59,6 +62,11 @@ META_SPEC_HASH = "llmgw_spec_hash"
 META_COMMAND = "llmgw_engine_command"
 # What makes a build: changed under a registered version, it is refused (`changed_builds`).
 BUILD_FIELDS = ("artifact", "path", "sha256")
+# The install task's memory (MiB): the script and `--version`; serving a check model
+# needs room for the model (a tiny GGUF's weights and a 256-token context).
+INSTALL_MEMORY_MB = 64
+CHECK_MEMORY_MB = 1024
+CHECK_CONTEXT = 256
 
 
 class EngineAction(StrEnum):
@@ -90,17 +98,24 @@ class NodeInstall:
     error: str = ""
 
     @property
+    def crash(self) -> str:
+        """How the engine died in its run-once check on this node ("SIGILL (exit 132):
+        illegal instruction ..."); "" when it did not crash there."""
+        return crash_of(self.error)
+
+    @property
     def ok(self) -> bool:
         return self.installed == self.wanted
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "crash": self.crash, "ok": self.ok}
 
 
 def variables(definition: EngineDefinition, settings: Settings) -> dict[str, Any]:
     """The install template's variables for one engine."""
     command = definition.command(settings.engine_root)
     artifact = definition.artifact or ""
+    kind = engine(definition.kind)
     return {
         "engine": definition.name,
         "version": definition.version,
@@ -110,10 +125,27 @@ def variables(definition: EngineDefinition, settings: Settings) -> dict[str, Any
         "command_file": command.rsplit("/", 1)[-1],
         "install_dir": command.rsplit("/", 1)[0] if artifact else "",
         "path": definition.path or "",
+        "check_args": " ".join(kind.check_args),
+        "memory_mb": INSTALL_MEMORY_MB,
+        **_check_model(definition),
         "nomad_addr": settings.engine_nomad_addr,
         "driver": settings.task_driver,
         "datacenters": list(settings.datacenters),
     }
+
+
+def _check_model(definition: EngineDefinition) -> dict[str, Any]:
+    """The template's variables of the one-token check (none without `check_model`)."""
+    if definition.check_model is None:
+        return {}
+    kind = engine(definition.kind)
+    args = kind.server_args("llmgw-check", CHECK_CONTEXT, gpus=0)
+    path, body = kind.check_request
+    return {"check_model": definition.check_model,
+            "check_serve_args": " ".join(definition.check_model if arg == MODEL_FILE else arg
+                                         for arg in args),
+            "check_health_path": kind.health_path, "check_request_path": path,
+            "check_request_body": body, "memory_mb": CHECK_MEMORY_MB}
 
 
 def spec_hash(job: Job) -> str:
@@ -295,6 +327,7 @@ class Progress:
     installed: int
     nodes: int
     installing: int
+    crashed: tuple[tuple[str, str], ...] = ()  # (node, how the engine died there)
 
 
 def progress(nomad: NomadClient, name: str, version: str,
@@ -304,14 +337,18 @@ def progress(nomad: NomadClient, name: str, version: str,
     key = meta_key(name)
     have = {n["ID"] for n in nodes if (n.get("Meta") or {}).get(key) == version}
     job = nomad.job(f"{JOB_PREFIX}{name}")
-    coming = 0
+    coming, crashed = 0, []
     if job is not None and not job.get("Stop") and \
             (job.get("Meta") or {}).get(META_VERSION) == version:
         latest = _latest_by_node(job, nomad.allocations(job["ID"]))
-        coming = sum(1 for n in nodes if n["ID"] not in have and
-                     (latest.get(n["ID"]) or {}).get("ClientStatus") in
-                     ("pending", "running", "complete"))
-    return Progress(installed=len(have), nodes=len(nodes), installing=coming)
+        lacking = [(n, latest.get(n["ID"]) or {}) for n in nodes if n["ID"] not in have]
+        coming = sum(1 for _, a in lacking
+                     if a.get("ClientStatus") in ("pending", "running", "complete"))
+        crashed = [(n.get("Name", ""), crash) for n, a in lacking
+                   if a.get("ClientStatus") == "failed"
+                   and (crash := crash_of(_alloc_error(nomad, a)))]
+    return Progress(installed=len(have), nodes=len(nodes), installing=coming,
+                    crashed=tuple(crashed))
 
 
 def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall]:
@@ -353,17 +390,42 @@ _FAILURE_EVENTS = frozenset({"Failed Validation", "Driver Failure", "Failed Arti
                              "Setup Failure", "Terminated", "Task hook failed"})
 
 
+# The install script's last line when the engine's run-once check failed
+# (planner/jobspecs/engine.nomad.hcl), and the words this module puts instead.
+_CHECK_EXITED = re.compile(r"^(?P<head>.*) exited with status (?P<status>\d+)$")
+_CHECK_CRASHED = re.compile(r" crashed: (?P<how>.+)$")
+
+
+def check_crash(line: str) -> str:
+    """The install script's line, a death by a signal named
+    (`llmgw_contract.lasterror.describe`): "... --version exited with status 132" ->
+    "... --version crashed: SIGILL (exit 132): illegal instruction (...)"."""
+    match = _CHECK_EXITED.match(line)
+    if match is None:
+        return line
+    status = int(match["status"])
+    signal = lasterror.crash_signal(status, 0)
+    return f"{match['head']} crashed: {lasterror.describe(signal, status)}" if signal else line
+
+
+def crash_of(error: str) -> str:
+    """How the engine died in a failed install's run-once check, as `check_crash` named
+    it ("SIGILL (exit 132): ..."); "" when the install failed otherwise."""
+    match = _CHECK_CRASHED.search(error)
+    return match["how"] if match else ""
+
+
 def _alloc_error(nomad: NomadClient, alloc: Mapping[str, Any] | None) -> str:
     """A failed install's reason: the last line the task wrote to stderr (the install
-    script says what failed), else the last event that says why (a failed download, a
-    config Nomad refused)."""
+    script says what failed, `check_crash` names a signal), else the last event that
+    says why (a failed download, a config Nomad refused)."""
     if alloc is None:
         return ""
     for task, state in sorted((alloc.get("TaskStates") or {}).items()):
         tail = nomad.task_stderr_tail(alloc["ID"], task, size=2048)
         lines = [line.strip() for line in tail.splitlines() if line.strip()]
         if lines and "not started yet" not in lines[-1]:
-            return lines[-1]
+            return check_crash(lines[-1])
         events = [e for e in state.get("Events") or [] if e.get("Type") in _FAILURE_EVENTS]
         if events:
             message = events[-1].get("DisplayMessage") or events[-1].get("Message", "")

@@ -10,7 +10,12 @@
 #
 # The task checks the engine (an artifact is downloaded and its sha256 checked
 # by Nomad, then copied into `install_dir`; a `path` must exist, be executable
-# and match its sha256 when given), then sets the node's dynamic metadata
+# and match its sha256 when given), runs it once (`<command> <check_args>`,
+# e.g. `llama-server --version`: a build that dies of SIGILL on a CPU lacking
+# its instructions dies here, and is recorded nowhere it cannot run; with a
+# `check_model`, it also serves that model on the `http` port and completes
+# one token: a build that dies on its first graph compute dies here), then
+# sets the node's dynamic metadata
 # `<meta_key> = <version>` through the agent's /v1/client/metadata (Nomad
 # >= 1.5), which model jobs constrain on. Only a checked engine is recorded: a
 # node where the check fails keeps what it had, and the task fails with the
@@ -69,6 +74,51 @@ variable "path" {
   description = "Where the engine already is on every node (instead of an artifact)."
 }
 
+variable "check_args" {
+  type        = string
+  default     = "--version"
+  description = "Arguments of the engine's run-once check before it is recorded (words split on blanks)."
+}
+
+variable "check_timeout_s" {
+  type        = number
+  default     = 60
+  description = "Seconds the run-once check may take."
+}
+
+variable "check_model" {
+  type        = string
+  default     = ""
+  description = "A small GGUF on every node the engine serves once, completing one token; empty: --version only."
+}
+
+variable "check_serve_args" {
+  type        = string
+  default     = ""
+  description = "The engine's arguments serving check_model on the http port (words split on blanks)."
+}
+
+variable "check_health_path" {
+  type    = string
+  default = "/health"
+}
+
+variable "check_request_path" {
+  type    = string
+  default = "/completion"
+}
+
+variable "check_request_body" {
+  type    = string
+  default = ""
+}
+
+variable "memory_mb" {
+  type        = number
+  default     = 64
+  description = "The install task's memory: more when it serves check_model."
+}
+
 variable "nomad_addr" {
   type        = string
   default     = ""
@@ -110,6 +160,58 @@ locals {
           fail "$target: sha256 is $actual, expected $ENGINE_SHA256"
       fi
     fi
+    # Run it once before recording it. The planner reads "exited with status N" of the
+    # last line and names a signal's death (planner/engines/install.py, check_crash).
+    out="$NOMAD_TASK_DIR/check.out"
+    timeout -k 5 "$CHECK_TIMEOUT_S" "$target" $CHECK_ARGS </dev/null >"$out" 2>&1
+    status=$?
+    if [ "$status" -eq 124 ]; then
+      tail -n 3 "$out" >&2
+      fail "$target $CHECK_ARGS did not finish within $CHECK_TIMEOUT_S s"
+    elif [ "$status" -ne 0 ]; then
+      tail -n 3 "$out" >&2
+      fail "$target $CHECK_ARGS exited with status $status"
+    fi
+    if [ -n "$CHECK_MODEL" ]; then
+      [ -f "$CHECK_MODEL" ] || fail "check model $CHECK_MODEL: no such file"
+      base="http://$NOMAD_IP_http:$NOMAD_PORT_http"
+      ended="$NOMAD_TASK_DIR/check.status"
+      serving="$target serving $CHECK_MODEL"
+      rm -f "$ended" "$ended.pid"
+      # The server's exit status lands in a file when it ends: a child that died but
+      # was not waited for still answers kill -0.
+      (
+        "$target" $CHECK_SERVE_ARGS </dev/null >"$out" 2>&1 &
+        echo "$!" >"$ended.pid"
+        wait "$!"
+        echo "$?" >"$ended"
+      ) &
+      died() {
+        tail -n 3 "$out" >&2
+        fail "$serving exited with status $(cat "$ended")"
+      }
+      stop() {
+        [ -s "$ended.pid" ] && kill -9 "$(cat "$ended.pid")" 2>/dev/null
+      }
+      waited=0
+      until [ -s "$ended.pid" ] && curl -sf -o /dev/null --max-time 2 "$base$CHECK_HEALTH"; do
+        [ -s "$ended" ] && died
+        if [ "$waited" -ge "$CHECK_TIMEOUT_S" ]; then
+          stop; tail -n 3 "$out" >&2
+          fail "$serving: not ready within $CHECK_TIMEOUT_S s"
+        fi
+        sleep 1
+        waited=$((waited + 1))
+      done
+      if ! curl -sf -o /dev/null --max-time "$CHECK_TIMEOUT_S" \
+          -H "Content-Type: application/json" --data "$CHECK_BODY" "$base$CHECK_PATH"; then
+        # A crash mid-completion resets the connection: give its status a moment to land.
+        for _ in 1 2 3 4 5; do [ -s "$ended" ] && died; sleep 1; done
+        stop
+        fail "$serving: the one-token completion failed"
+      fi
+      stop
+    fi
     body="{\"Meta\":{\"$META_KEY\":\"$ENGINE_VERSION\"}}"
     if [ -n "$NOMAD_API" ]; then
       set -- "$NOMAD_API/v1/client/metadata?node_id=$NODE_ID"
@@ -141,6 +243,11 @@ job "engine" {
   }
 
   group "install" {
+    # Where the engine serves `check_model` for its one-token check.
+    network {
+      port "http" {}
+    }
+
     # One try per node and job version: a failed check is an answer (a wrong
     # sha256 does not get right by retrying); `planner engines apply` runs the
     # install again on the nodes where it failed.
@@ -178,6 +285,13 @@ job "engine" {
         COMMAND_FILE    = var.command_file
         INSTALL_DIR     = var.install_dir
         NOMAD_API       = var.nomad_addr
+        CHECK_ARGS      = var.check_args
+        CHECK_TIMEOUT_S = var.check_timeout_s
+        CHECK_MODEL      = var.check_model
+        CHECK_SERVE_ARGS = var.check_serve_args
+        CHECK_HEALTH     = var.check_health_path
+        CHECK_PATH       = var.check_request_path
+        CHECK_BODY       = var.check_request_body
         NODE_ID         = "$${node.unique.id}"
         NODE_NAME       = "$${node.unique.name}"
       }
@@ -189,7 +303,7 @@ job "engine" {
 
       resources {
         cpu    = 100
-        memory = 64
+        memory = var.memory_mb
       }
     }
   }

@@ -37,6 +37,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.integration.test_parking import write_model
+from tests.support.engines import crashing_engine
 from tests.support.tls import TlsCA, serve_https
 
 pytestmark = pytest.mark.integration
@@ -88,8 +89,8 @@ def write_engine(folder: Path, **fields: str) -> Path:
     return folder
 
 
-def node_meta(cluster: Cluster) -> dict[str, str | None]:
-    return {n["Name"]: nomad_get(cluster, f"/v1/node/{n['ID']}")["Meta"].get(META_KEY)
+def node_meta(cluster: Cluster, key: str = META_KEY) -> dict[str, str | None]:
+    return {n["Name"]: nomad_get(cluster, f"/v1/node/{n['ID']}")["Meta"].get(key)
             for n in nomad_get(cluster, "/v1/nodes")}
 
 
@@ -226,3 +227,69 @@ def test_a_node_that_turns_eligible_later_gets_the_engine(
     assert "node node-b lacks it; evaluated llmgw-engine-late.cpp" in daemon.log.read_text()
     listed = planner("status", "--nodes", "--output", "json")
     assert listed.returncode == 0, listed.stdout
+
+
+# Last in this module: its engines stay failed on every node, and `status --nodes`
+# exits 1 from then on.
+def test_an_engine_that_crashes_on_a_node_is_recorded_nowhere_and_its_model_never_starts(
+        nodes: Cluster, planner: Callable, daemon: PlannerDaemon, tiny_model: Path,
+        binaries: Path, tmp_path: Path) -> None:
+    """Issue 17: a build that dies of SIGILL (or SIGSEGV) on a node's CPU is not recorded
+    there; `status --nodes` names the signal per node, and a model naming it is
+    unplaceable with that reason, never started."""
+    folder = tmp_path / "crashing"
+    folder.mkdir()
+    crashes = {"segv.cpp": ("SEGV", "SIGSEGV (exit 139)"),
+               "ill.cpp": ("ILL", "SIGILL (exit 132): illegal instruction (the engine build "
+                                  "uses CPU instructions this node lacks)")}
+    for name, (signal, _) in crashes.items():
+        program = crashing_engine(tmp_path / "bin" / name, signal)
+        (folder / f"{name}.yaml").write_text(f'name: {name}\nversion: "1"\npath: {program}\n')
+    # One that passes `--version` and dies serving its check model (a build that dies on
+    # its first graph compute), and the real server with the same check: installed.
+    loading = tmp_path / "bin" / "load-segv.cpp"
+    loading.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "version: 1"; exit 0; }\n'
+                       f'exec {crashing_engine(tmp_path / "bin" / "segv", "SEGV")}\n')
+    loading.chmod(0o755)
+    real = (binaries / "llama-server").resolve()
+    for name, program in (("load-segv.cpp", loading), ("checked.cpp", real)):
+        (folder / f"{name}.yaml").write_text(f'name: {name}\nversion: "1"\npath: {program}\n'
+                                             f'check_model: {tiny_model}\n')
+    installed = planner("engines", "apply", str(folder), "--wait", "--timeout", "120")
+    assert installed.returncode == 1, installed.stderr
+    assert "--version crashed: SIG" in installed.stderr, installed.stderr
+    crashes["load-segv.cpp"] = ("", "SIGSEGV (exit 139)")
+
+    def rows() -> list[dict]:
+        listed = json.loads(planner("status", "--nodes", "--output", "json").stdout)
+        return [r for r in listed if r["engine"] in crashes]
+    failed = wait_for(lambda: (found := rows()) and all(r["install"] == "failed"
+                                                        for r in found) and found,
+                      120, "both installs failed on every node")
+    assert {(r["engine"], r["node"], r["installed"], r["ok"], r["crash"]) for r in failed} == {
+        (name, node, None, False, how) for name, (_, how) in crashes.items()
+        for node in nodes.node_names}
+    for r in failed:
+        checked = f"serving {tiny_model}" if r["engine"] == "load-segv.cpp" else "--version"
+        assert r["error"].endswith(f"{tmp_path}/bin/{r['engine']} {checked} crashed: "
+                                   f"{crashes[r['engine']][1]}"), r
+    # The real build served its check model and completed a token on every node.
+    wait_for(lambda: node_meta(nodes, "llmgw_engine_checked.cpp") ==
+             dict.fromkeys(nodes.node_names, "1"), 120, "checked.cpp installed everywhere")
+    table = planner("status", "--nodes")
+    assert table.returncode == 1 and "SIGILL" in table.stdout and "SIGSEGV" in table.stdout
+    for node in nomad_get(nodes, "/v1/nodes"):
+        meta = nomad_get(nodes, f"/v1/node/{node['ID']}")["Meta"]
+        assert not {f"llmgw_engine_{name}" for name in crashes} & set(meta), meta
+
+    models = write_model(tmp_path / "models", "ill-tiny", tiny_model,
+                         profile='context: 512\n  cpu: 100\n  memory: 256MiB\n'
+                                 '  args: ["--threads", "1"]\n  engine: ill.cpp')
+    assert planner("apply", str(models)).returncode == 0
+    model = wait_for(lambda: (m := daemon.model("ill-tiny"))["state"] == "unplaceable" and m,
+                     30, "ill-tiny unplaceable")
+    assert model["reason"] == (f"engine ill.cpp 1 crashed on nodes "
+                               f"{', '.join(sorted(nodes.node_names))}: {crashes['ill.cpp'][1]} "
+                               f"(installed on 0 of 2 nodes)"), model
+    assert (model["consecutive_failures"], model["start_failures_total"]) == (0, 0)
+    assert nomad_get(nodes, "/v1/job/ill-tiny/allocations") == []

@@ -21,6 +21,15 @@ itself. Each one is a fake of one thing, and says which.
                           environment (raw_exec tasks inherit it), exits 1 the way
                           llama-server does when the model file is missing on that node;
                           elsewhere the real server (C14)
+    segv-llama.cpp        prints llama.cpp's harmless vocabulary warning, then dies of
+                          SIGSEGV: a build that crashes on the first graph compute (issue
+                          17: AMX kernels of a -march=native build). Crashing for real needs
+                          a CPU the build does not fit; to Nomad a death by SIGSEGV is the
+                          same whichever program dies
+
+`crashing_engine` writes a program that dies of a given signal however it is run (its
+`--version` included): an engine build that crashes on a node (SIGILL: instructions the
+CPU lacks).
 """
 
 from __future__ import annotations
@@ -35,6 +44,21 @@ STOP_DELAY_S = 4
 _MISSING = ("gguf_init_from_file: failed to open GGUF file '$model' (No such file or "
             "directory)\nllama_model_load: error loading model: llama_model_loader: failed "
             "to load model from $model\nsrv  llama_server: exiting due to model loading error")
+
+
+# llama.cpp's warning for a vocabulary token whose type is not "control" (a real
+# Gemma 3 load's line, as the parked model of issue 17 kept it as its headline).
+VOCAB_WARNING = ("load: control-looking token: 212 '</s>' was not control-type; this is "
+                 "probably a bug in the model")
+
+
+def crashing_engine(path: Path, signal: str, warning: str = VOCAB_WARNING) -> Path:
+    """An executable at `path` that prints `warning` to stderr and kills itself with
+    `signal` ("SEGV", "ILL"), whatever its arguments."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\nprintf "%s\\n" "{warning}" >&2\nkill -{signal} $$\n')
+    path.chmod(0o755)
+    return path
 
 
 def _missing_file_when(condition: str, real: str) -> str:
@@ -59,7 +83,8 @@ def write_engines(folder: Path, llama_server: Path) -> dict[str, str]:
         "index1-llama.cpp": _missing_file_when('"$NOMAD_ALLOC_INDEX" = 1', real),
         "nodefault-llama.cpp": _missing_file_when('"$LLMGW_FAKE_FAULT" = missing-model', real),
     }
-    engines = {"llama.cpp": real}
+    engines = {"llama.cpp": real,
+               "segv-llama.cpp": str(crashing_engine(folder / "segv-llama.cpp", "SEGV"))}
     for name, body in scripts.items():
         path = folder / name
         path.write_text("#!/bin/sh\n" + body)

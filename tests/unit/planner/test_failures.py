@@ -19,7 +19,7 @@ from planner.failures import (
     stabilize,
     track,
 )
-from tests.support.nomad_mock import S, alloc, event, run
+from tests.support.nomad_mock import TASK, S, alloc, event, run
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 RULES = Rules(park_after=5, stable_after_ns=120 * S)
@@ -188,3 +188,38 @@ def test_retried_clears_parking_and_counts() -> None:
 def test_headline_drops_llama_cpp_time_prefixes() -> None:
     assert headline("Terminated: Exit Code: 1\n0.00.000.100 E boom\nmore") == \
         "Terminated: Exit Code: 1 | boom"
+
+
+def crashed(at: float, exit_code: int, signal: int = 0, **extra: object) -> dict:
+    return event("Terminated", at, msg=f"Exit Code: {exit_code}, Signal: {signal}",
+                 ExitCode=exit_code, Signal=signal, **extra)
+
+
+def test_a_death_by_a_signal_is_named_as_a_crash_first_whatever_stderr_said() -> None:
+    """Issue 17: the parked model's last error read "Terminated: Exit Code: 139, Signal: 11
+    | load: control-looking token ...", a warning as its headline."""
+    tail = ("load: control-looking token: 212 '</s>' was not control-type; this is probably "
+            "a bug in the model\nsrv  load_model: initializing slots\n")
+    state = fresh(info())
+    [failure] = new_failures(state, alloc("a1", event("Started", 1), crashed(2, 139, 11)))
+    assert failure.crashed and failure.signal == 11
+    state = judge(state, failure, tail, RULES)
+    assert state.last_error.splitlines()[0] == "crashed: SIGSEGV (exit 139)"
+    assert "initializing slots" in state.last_error  # the last lines before the crash
+    assert headline(state.last_error) == "crashed: SIGSEGV (exit 139)"
+
+
+def test_a_crash_is_told_by_its_exit_status_and_a_kill_names_the_memory_limit() -> None:
+    resources = {"AllocatedResources": {"Tasks": {TASK: {"Memory": {"MemoryMB": 256}}}}}
+    # A shell wrapper reports its child's SIGILL as exit status 132, Signal 0.
+    [ill] = new_failures(fresh(), alloc("a1", event("Started", 1), crashed(2, 132)))
+    assert ill.message.startswith("crashed: SIGILL (exit 132): illegal instruction")
+    [killed] = new_failures(fresh(), alloc("a1", event("Started", 1), crashed(2, 137, 9),
+                                           **resources))
+    assert killed.message == \
+        "crashed: SIGKILL (exit 137): killed (out of memory?); memory limit 256 MiB"
+    oom = crashed(2, 137, 9, Details={"oom_killed": "true"})
+    [killed] = new_failures(fresh(), alloc("a1", event("Started", 1), oom, **resources))
+    assert "out of memory (the kernel killed it" in killed.message
+    [plain] = new_failures(fresh(), alloc("a1", *run(1, 2)))
+    assert (plain.crashed, plain.message) == (False, "Terminated: Exit Code: 1")

@@ -72,3 +72,12 @@ def test_an_engine_only_where_the_gpus_are_not_says_no_node_has_both() -> None:
     assert "no node has both" not in evaluation_shortfall(
         evaluation(filtered(2, {CONSTRAINT: 1, "missing devices": 1})), 1,
         GpuNeed(1, None), engine=nowhere).reason
+
+
+def test_nodes_where_the_engine_crashed_alike_are_named_together() -> None:
+    metric = filtered(2, {CONSTRAINT: 1, "computed class ineligible": 1})
+    crashed = EngineNeed("llama.cpp", "11434", installed=0, nodes=2,
+                         crashed=(("n2", "SIGSEGV (exit 139)"), ("n1", "SIGSEGV (exit 139)")))
+    assert reason(metric, crashed).startswith(
+        "engine llama.cpp 11434 crashed on nodes n1, n2: SIGSEGV (exit 139) "
+        "(installed on 0 of 2 nodes)")

@@ -22,6 +22,7 @@ class Nomad:
 
     def __init__(self, meta: dict[str, dict[str, str]], installs: dict[str, str]) -> None:
         self.meta, self.installs = meta, installs
+        self.stderr: dict[str, str] = {}
 
     def nodes(self) -> list[dict[str, Any]]:
         return [{"ID": name, "Name": name, "Datacenter": "dc1", "Status": "ready",
@@ -36,8 +37,15 @@ class Nomad:
         return {"ID": job_id, "Version": 3, "Meta": {META_VERSION: "11434"}}
 
     def allocations(self, job_id: str) -> list[dict[str, Any]]:
-        return [{"NodeID": node, "ClientStatus": status, "JobVersion": 3, "CreateIndex": 1}
+        return [{"ID": f"alloc-{node}", "NodeID": node, "ClientStatus": status,
+                 "JobVersion": 3, "CreateIndex": 1,
+                 "TaskStates": {"install": {"Events": []}}}
                 for node, status in self.installs.items()]
+
+    def task_stderr_tail(self, alloc_id: str, task: str, size: int = 8192) -> str:
+        """The install script's last words (planner/jobspecs/engine.nomad.hcl)."""
+        node = alloc_id.removeprefix("alloc-")
+        return self.stderr.get(node, f"llmgw engine install: {node}: /x: no such file\n")
 
     def stopping_allocations(self, since_index: int = 0) -> list[dict[str, Any]]:
         return []
@@ -66,3 +74,16 @@ def test_an_install_on_its_way_makes_the_answer_provisional() -> None:
     assert found.reason == ("waiting for engine llama.cpp 11434 to install on 1 node(s); "
                             "Nomad places it when it is recorded (engine llama.cpp 11434 is "
                             "installed on 0 of 2 nodes)")
+
+
+def test_an_engine_that_crashed_in_its_check_is_named_with_the_signal_per_node() -> None:
+    nomad = Nomad({"a": {}, "b": {}, "c": {KEY: "11434"}},
+                  {"a": "failed", "b": "failed", "c": "complete"})
+    check = "llmgw engine install: {}: /x/llama-server --version exited with status {}\n"
+    nomad.stderr = {"a": check.format("a", 132), "b": check.format("b", 139)}
+    found = answer(nomad, RECORD, MODEL_JOB, evaluation(), ("*",), NOW)
+    assert found is not None and not found.provisional
+    assert found.reason == (
+        "engine llama.cpp 11434 crashed on node a: SIGILL (exit 132): illegal instruction "
+        "(the engine build uses CPU instructions this node lacks); on node b: SIGSEGV "
+        "(exit 139) (installed on 1 of 3 nodes)")

@@ -103,3 +103,19 @@ def test_the_demos_engine_file_is_valid() -> None:
     [(_, engine)] = load_engines([folder]).values()
     assert (engine.name, engine.version, engine.path) == (
         "llama.cpp", "11434", "/opt/llmgw/bin/llama-server")
+
+
+def test_a_check_model_is_an_absolute_gguf_path_the_install_can_pass_on(
+        tmp_path: Path) -> None:
+    write(tmp_path, "ok.yaml", "name: ok\nversion: \"1\"\npath: /opt/b/llama-server\n"
+                               "check_model: /opt/llmgw/models/tiny.gguf\n")
+    [(_, ok)] = load_engines([tmp_path / "ok.yaml"]).values()
+    assert ok.check_model == "/opt/llmgw/models/tiny.gguf"
+    for i, bad in enumerate(["tiny.gguf", "/m/tiny.bin", "/m/a b.gguf", "/m/${x}.gguf",
+                             "/m/%{x}.gguf", "/m/'.gguf"]):
+        write(tmp_path, f"bad{i}.yaml", f"name: bad{i}\nversion: \"1\"\npath: /b/x\n"
+                                        f"check_model: \"{bad}\"\n")
+    found = problems(tmp_path)
+    assert len(found) == 6, found
+    assert all(": check_model: expected an absolute path of a .gguf file on the nodes" in p
+               for p in found), found

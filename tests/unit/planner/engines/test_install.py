@@ -16,6 +16,8 @@ from planner.engines.install import (
     EngineAction,
     NodeInstall,
     changed_builds,
+    check_crash,
+    crash_of,
     decide,
     failed_nodes,
     refs_of,
@@ -72,6 +74,16 @@ def test_template_variables_for_an_artifact_and_a_path() -> None:
                       settings)
     assert (local["path"], local["artifact_url"], local["install_dir"],
             local["artifact_sha256"]) == ("/bin/x", "", "", SHA)
+    assert local["check_args"] == "--version"  # the kind's (llama.cpp) run-once check
+    assert "check_model" not in local and local["memory_mb"] == 64
+    checked = variables(EngineDefinition(name="x", version="1", path="/bin/x",
+                                         check_model="/m/tiny.gguf"), settings)
+    serve = checked["check_serve_args"].split()
+    assert serve[serve.index("--model") + 1] == "/m/tiny.gguf"
+    assert serve[serve.index("--port") + 1] == "${NOMAD_PORT_http}"  # the job's http port
+    assert (checked["check_health_path"], checked["check_request_path"]) == (
+        "/health", "/completion")
+    assert '"n_predict": 1' in checked["check_request_body"] and checked["memory_mb"] == 1024
 
 
 def test_a_node_is_ok_only_with_the_defined_version() -> None:
@@ -79,7 +91,21 @@ def test_a_node_is_ok_only_with_the_defined_version() -> None:
     assert not NodeInstall("a", "e", "2", "1").ok and not NodeInstall("a", "e", "2", None).ok
     assert NodeInstall("a", "e", "2", None, "failed", "boom").as_dict() == {
         "node": "a", "engine": "e", "wanted": "2", "installed": None, "install": "failed",
-        "error": "boom", "ok": False}
+        "error": "boom", "crash": "", "ok": False}
+
+
+def test_a_run_once_check_that_died_of_a_signal_is_named_as_a_crash() -> None:
+    line = "llmgw engine install: n1: /opt/x/llama-server --version exited with status 132"
+    named = check_crash(line)
+    assert named == ("llmgw engine install: n1: /opt/x/llama-server --version crashed: "
+                     "SIGILL (exit 132): illegal instruction (the engine build uses CPU "
+                     "instructions this node lacks)")
+    assert crash_of(named).startswith("SIGILL (exit 132): illegal instruction")
+    row = NodeInstall("n1", "x", "1", None, "failed", check_crash(line.replace("132", "139")))
+    assert (row.crash, row.as_dict()["crash"]) == ("SIGSEGV (exit 139)", "SIGSEGV (exit 139)")
+    exited = line.replace("132", "1")
+    assert check_crash(exited) == exited and crash_of(exited) == ""
+    assert crash_of("llmgw engine install: n1: /x: sha256 is 00, expected 11") == ""
 
 
 def test_a_changed_build_under_a_registered_version_is_refused_naming_version() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from planner.engines import KINDS, MODEL_FILE, NOMAD_PORT, engine
-from planner.engines.llama_cpp import ENGINE, stderr_summary
+from planner.engines.llama_cpp import ENGINE, NOT_GGUF, stderr_summary
 
 
 def test_the_registry_names_llama_cpp_and_refuses_an_unknown_kind() -> None:
@@ -62,10 +64,33 @@ GARBAGE = MISSING.replace("failed to open GGUF file '/m/x' (No such file or dire
 def test_stderr_summary_names_what_tells_the_failures_apart() -> None:
     assert stderr_summary(MISSING).splitlines()[0] == \
         "gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)"
-    assert "invalid magic characters" in stderr_summary(GARBAGE).splitlines()[0]
+    assert stderr_summary(GARBAGE).splitlines()[0] == \
+        "gguf_init_from_file: not a GGUF file (bad magic)"
     repeated = MISSING + MISSING.replace("0.00.004", "0.00.009")
     assert stderr_summary(repeated) == stderr_summary(MISSING)  # repeats collapse
 
 
 def test_error_lines_are_the_stderr_summary() -> None:
     assert ENGINE.error_lines(MISSING) == stderr_summary(MISSING)
+
+
+# The first 4 bytes of files that are not GGUF, as llama.cpp quotes them raw: an SSH key,
+# a quote, a line break, NULs, a multi-byte character (issue 18: never echoed).
+@pytest.mark.parametrize("magic", ["----", "a'bc", "a\nbc", "\0\0\0\0", "\u20ac!", "ab\n'"])
+@pytest.mark.parametrize("template", [
+    "gguf_init_from_file_impl: invalid magic characters: '{}', expected 'GGUF'",
+    "gguf_init_from_file: invalid magic characters '{}'"])
+def test_a_file_that_is_not_gguf_is_named_without_its_bytes(magic: str, template: str) -> None:
+    tail = ("0.00.004.312 I srv    load_model: loading model '/home/u/.ssh/id_ed25519'\n"
+            + template.format(magic) + "\nllama_model_load: error loading model: "
+            "llama_model_loader: failed to load model from /home/u/.ssh/id_ed25519\n")
+    summary = stderr_summary(tail)
+    assert summary.splitlines()[0].endswith(NOT_GGUF)
+    lines = summary.splitlines()
+    assert not any(magic.strip("\n'") in line for line in lines if "/home/u" not in line), summary
+    assert "\0" not in summary and "magic characters" not in summary
+
+
+def test_a_grammar_llama_cpp_could_not_parse_is_not_quoted() -> None:
+    summary = stderr_summary("parse: error parsing grammar: expecting name at root:x:0:0:\n")
+    assert summary == "parse: error parsing grammar: (the grammar is not shown)"

@@ -5,8 +5,9 @@ x86-64-v3 baseline, AVX-512 and AMX off; issue "Any machine"). This bench builds
 the same sdist once more with `-DGGML_NATIVE=ON` for this CPU (cached under
 ~/.cache/llmgw/bench/, keyed by the CPU's flags; about 5 min on 2 cores the first
 time), then runs each binary on Gemma 3 270M Q4_K_M (the demo model) on
-127.0.0.1: one warm-up, then `--runs` completions of a ~250-token prompt with 64
-new tokens each, prompt cache off, reading llama-server's own `timings`
+127.0.0.1, both up at once and asked in turn (so other load on the machine falls
+on both alike): one warm-up each, then `--runs` completions each of a ~250-token
+prompt with 64 new tokens, prompt cache off, reading llama-server's own `timings`
 (prompt_per_second: prompt processing; predicted_per_second: generation).
 
 Prints the medians and the ratio portable / native (1.0: no cost). A native
@@ -25,7 +26,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -58,8 +58,8 @@ def _post(port: int, body: dict) -> dict:
         return json.load(response)
 
 
-def measure(binary: Path, model: Path, runs: int, threads: int) -> dict:
-    """Median prompt and generation tokens/s of `binary` on `model`, or {"crashed": ...}."""
+def start(binary: Path, model: Path, threads: int) -> tuple[subprocess.Popen[bytes], int]:
+    """`binary` serving `model` on a free port of 127.0.0.1, ready (SmokeFailed if not)."""
     port = smoke.free_port()
     log = bootstrap.CACHE / "logs" / f"bench-{binary.name}.log"
     with log.open("w") as out:
@@ -67,21 +67,39 @@ def measure(binary: Path, model: Path, runs: int, threads: int) -> dict:
                                  "--port", str(port), "--ctx-size", "2048", "--parallel", "1",
                                  "--threads", str(threads)],
                                 stdout=out, stderr=subprocess.STDOUT)
+    smoke.wait_ready(proc, port)
+    return proc, port
+
+
+def measure(binaries: dict[str, Path], model: Path, runs: int, threads: int) -> dict:
+    """Median prompt and generation tokens/s of each binary on `model` ({"crashed": ...} for
+    one that died). Both servers are up at once and asked in turn, A B A B ..., so load
+    from anything else on the machine falls on both alike (an idle server takes no CPU)."""
+    body = {"prompt": PROMPT, "n_predict": NEW_TOKENS, "temperature": 0,
+            "cache_prompt": False, "ignore_eos": True}
+    servers, result, timings = {}, {}, {name: [] for name in binaries}
     try:
-        smoke.wait_ready(proc, port)
-        body = {"prompt": PROMPT, "n_predict": NEW_TOKENS, "temperature": 0,
-                "cache_prompt": False, "ignore_eos": True}
-        _post(port, body)  # warm-up
-        timings = [_post(port, body)["timings"] for _ in range(runs)]
-    except (OSError, smoke.SmokeFailed) as exc:
-        time.sleep(1)
-        return {"crashed": smoke.died_of(proc.poll()) or str(exc), "log": str(log)}
+        for name, binary in binaries.items():
+            try:
+                servers[name] = start(binary, model, threads)
+                _post(servers[name][1], body)  # warm-up
+            except (OSError, smoke.SmokeFailed) as exc:
+                proc = servers.pop(name, (None, 0))[0]
+                result[name] = {"crashed": (smoke.died_of(proc.poll()) if proc else "")
+                                or str(exc)}
+        for _ in range(runs):
+            for name, (_, port) in servers.items():
+                timings[name].append(_post(port, body)["timings"])
     finally:
-        smoke.stop(proc)
-    return {"prompt_tokens": timings[0]["prompt_n"],
-            "prompt_per_second": statistics.median(t["prompt_per_second"] for t in timings),
-            "predicted_per_second": statistics.median(t["predicted_per_second"]
-                                                      for t in timings)}
+        for proc, _ in servers.values():
+            smoke.stop(proc)
+    for name in servers:
+        got = timings[name]
+        result[name] = {
+            "prompt_tokens": got[0]["prompt_n"],
+            "prompt_per_second": statistics.median(t["prompt_per_second"] for t in got),
+            "predicted_per_second": statistics.median(t["predicted_per_second"] for t in got)}
+    return result
 
 
 def print_table(result: dict) -> None:
@@ -90,7 +108,7 @@ def print_table(result: dict) -> None:
     for name in ("portable", "native"):
         row = result[name]
         if "crashed" in row:
-            print(f"{name:<10} crashed: {row['crashed']} (log {row['log']})")
+            print(f"{name:<10} crashed: {row['crashed']}")
         else:
             print(f"{name:<10} {row['prompt_per_second']:>13.1f} "
                   f"{row['predicted_per_second']:>10.1f}")
@@ -111,8 +129,8 @@ def main() -> None:
         sys.exit(2)
     result: dict = {"runs": args.runs, "threads": args.threads,
                     "portable_flags": [f for f in bootstrap.llama_cmake_flags() if "GGML" in f]}
-    result["portable"] = measure(portable, model, args.runs, args.threads)
-    result["native"] = measure(native_binary(), model, args.runs, args.threads)
+    result.update(measure({"portable": portable, "native": native_binary()}, model,
+                          args.runs, args.threads))
     if "crashed" not in result["portable"] and "crashed" not in result["native"]:
         result["ratio"] = {
             "prompt": result["portable"]["prompt_per_second"]

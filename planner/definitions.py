@@ -29,7 +29,9 @@ not `replicas` or `on_demand`: a changed hash lifts parking, scaling must not.
 A model file reaches nothing on a node beyond its model: a file:// source lies under
 the models root (LLMGW_MODELS_ROOT; `planner.sources.outside_root`), `args` carry
 only the llama-server flags that change serving (`planner.engines.llama_server_flags`),
-and no field Nomad interpolates (source, args) may hold `${`.
+and no field Nomad interpolates (source, args) may hold `${`, nor may anything the
+planner derives from the source (a split's shard names, decoded from its URL, must be
+plain names; a node path is used as written, so '%', '\\', '.' and '..' are refused).
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ from planner.sources import (
     DEFAULT_MODELS_ROOT,
     Shard,
     expand,
+    interpolated,
+    node_path_problem,
     outside_root,
+    plain_name_problem,
     source_name,
     split_of,
 )
@@ -189,19 +194,12 @@ class ModelDefinition(BaseModel):
     @field_validator("source")
     @classmethod
     def _source_is_supported(cls, source: str, info: ValidationInfo) -> str:
-        if "${" in source:
-            # Nomad interpolates ${...} in an artifact's source (node attributes and
-            # metadata would go into the URL) and in task args; there is no escape.
-            raise ValueError("the source contains '${', which Nomad would interpolate")
+        _refuse_interpolation(source)
         resolved = resolve_source(source)
-        split = split_of(source_name(resolved.local_path, resolved.download_url))
-        if split is not None and split.number != 1:
-            raise ValueError(
-                f"source names shard {split.number} of a {split.count}-file split model; name "
-                f"its first, {split.name(1)} (llama-server opens the others from it)")
+        shards = _derived_shards(resolved)
         root = (info.context or {}).get("models_root")
         if root is not None and resolved.local_path is not None:
-            for shard in expand(resolved.local_path, None, None):
+            for shard in shards:
                 problem = outside_root(shard.local_path or "", root)
                 if problem:
                     raise ValueError(f"{problem} (LLMGW_MODELS_ROOT): the model task "
@@ -303,6 +301,48 @@ def resolve_source(source: str) -> ResolvedSource:
         return ResolvedSource(local_path=None, download_url=(
             f"https://huggingface.co/{url.netloc}/{repo}/resolve/{revision or 'main'}/{file_path}"))
     raise ValueError(f"expected a file://, https:// or hf:// source, got {source!r}")
+
+
+def _refuse_interpolation(source: str) -> None:
+    """Raise ValueError when the source's own text holds Nomad's `${`, or a control
+    character: URL parsing drops tabs and newlines (urllib.parse, as WHATWG URL does), so
+    a '$\\n{' would reach the job as '${' past the text's check."""
+    control = next((c for c in source if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if control is not None:
+        raise ValueError(f"the source contains the control character {control!r}")
+    if "${" in source:
+        # Nomad interpolates ${...} in an artifact's source (node attributes and
+        # metadata would go into the URL) and in task args; there is no escape.
+        raise ValueError("the source contains '${', which Nomad would interpolate")
+
+
+def _derived_shards(resolved: ResolvedSource) -> list[Shard]:
+    """The source's shards, once what the planner derives from it is judged fit for the
+    job: a node path as written (`node_path_problem`), a split download's decoded file
+    name plain (each shard is saved under its own name: issue 18's %24%7B reached the
+    artifact's destination and the args as `${`), the first shard named, and no `${` in
+    any text the shards carry. Raises ValueError naming what is wrong."""
+    if resolved.local_path is not None:
+        problem = node_path_problem(resolved.local_path)
+        if problem:
+            raise ValueError(problem)
+    name = source_name(resolved.local_path, resolved.download_url)
+    split = split_of(name)
+    if split is not None and resolved.download_url is not None:
+        problem = plain_name_problem(name)
+        if problem:
+            raise ValueError(f"{problem}: each shard of a split source is saved under its "
+                             "own name on the node")
+    if split is not None and split.number != 1:
+        raise ValueError(
+            f"source names shard {split.number} of a {split.count}-file split model; name "
+            f"its first, {split.name(1)} (llama-server opens the others from it)")
+    shards = expand(resolved.local_path, resolved.download_url, None)
+    text = interpolated(shards)
+    if text is not None:
+        raise ValueError(f"the source gives the job {text!r}, which holds '${{', which "
+                         "Nomad would interpolate")
+    return shards
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

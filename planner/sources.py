@@ -15,6 +15,12 @@ A `file://` source is a path on the nodes, opened there by the model task (as th
 Nomad agent's user under raw_exec, root by default), so it must lie under the
 models root (`LLMGW_MODELS_ROOT`, default /opt/llmgw/models; `outside_root`): the
 model file may name the node's weights, never its keys or its configuration.
+
+Nomad interpolates `${...}` (node attributes, metadata) in an artifact's source and
+destination and in task args, and the planner derives a split source's shard names
+from its URL percent-decoded: so a downloaded split's file name must be a plain name
+(`PLAIN_NAME`) and a node path is used as written (`node_path_problem`), and no text a
+definition puts in the job holds `${` after any decoding the planner does.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ SINGLE_FILE = "model.gguf"
 # Where file:// sources must lie on the nodes unless LLMGW_MODELS_ROOT says otherwise: the
 # node layout of planner.settings (engines in /opt/llmgw/bin, models in /opt/llmgw/models).
 DEFAULT_MODELS_ROOT = "/opt/llmgw/models"
+# A file name the job carries (a downloaded shard's, under local/model/): letters, digits,
+# '.', '_', '+', '-', first a letter or digit, so never '.' or '..', a '/', a '%' or the
+# '$' and '{' of Nomad's `${...}` (the same set as an engine artifact's file name).
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,39 @@ def split_of(name: str) -> Split | None:
 
 
 def source_name(local_path: str | None, download_url: str | None) -> str:
-    """The file name at the end of a node path or a download URL."""
-    path = local_path if local_path is not None else unquote(urlparse(download_url or "").path)
-    return PurePosixPath(path).name
+    """The file name at the end of a node path (as written: the node decodes nothing) or
+    of a download URL (its last path segment, percent-decoded as the server reads it; ''
+    after a trailing '/'). A decoded name may hold anything, '/' and '${' included: a
+    split's must pass `plain_name_problem` before its shards are named after it."""
+    if local_path is not None:
+        return PurePosixPath(local_path).name
+    return unquote(urlparse(download_url or "").path.rsplit("/", 1)[-1])
+
+
+def plain_name_problem(name: str) -> str | None:
+    """Why `name` may not be a file name in the job (`PLAIN_NAME`), or None when it may."""
+    if PLAIN_NAME.fullmatch(name):
+        return None
+    return (f"the file name {name!r} (percent-decoded) is not a plain file name (letters, "
+            "digits, '.', '_', '+', '-'; first a letter or digit)")
+
+
+def node_path_problem(path: str) -> str | None:
+    """Why node path `path` (a file:// source's, as written) may not be handed to the model
+    task, or None when it may. The node opens the text byte for byte: it decodes no
+    '%' (`%2e%2e` names a file of that name) and a '\\' is an ordinary character of a
+    POSIX name, so either reads as a path the node never opens and the model parks on a
+    file not found; a '..' resolves after any symlink before it, and '.' and '..' are
+    refused alike so that every source names its file by one plain path."""
+    if "%" in path:
+        return (f"{path} has a '%': the node opens the path as written and decodes nothing; "
+                "write the path without percent-encoding")
+    if "\\" in path:
+        return f"{path} has a '\\': node paths are separated by '/' only"
+    for segment in path.split("/"):
+        if segment in (".", ".."):
+            return f"{path} has a {segment!r} segment; name the file by its plain path"
+    return None
 
 
 @dataclass(frozen=True)
@@ -101,6 +141,17 @@ def expand(local_path: str | None, download_url: str | None,
     return found
 
 
+def interpolated(shards: list[Shard]) -> str | None:
+    """The first text of `shards` the job would carry (node path, URL, file name) that
+    holds Nomad's `${`, or None. `plain_name_problem` and the checks of the source's own
+    text keep this None; it stands guard over what is derived from them."""
+    for shard in shards:
+        for text in (shard.local_path, shard.url, shard.file):
+            if text is not None and "${" in text:
+                return text
+    return None
+
+
 def read_shard(shard: Shard) -> GgufHeader:
     """The shard's GGUF header: read here for a node path (FileNotFoundError when this
     machine lacks it), by range requests for a URL. Raises ggufhead.SourceError."""
@@ -121,17 +172,18 @@ def outside_root(path: str, root: str) -> str | None:
 
     A `..` segment is refused outright: the node's kernel resolves it after any symlink
     before it, which no reading of the text can know. The text must then lie under the
-    root; and where this machine has the path, so must its real path (symlinks
-    resolved against the root's own real path): a link under the root to a key elsewhere
-    is refused here. A path this machine lacks is judged on its text alone."""
+    root, and so must its real path on this machine, against the root's own real path:
+    every link among the components this machine has is resolved (os.path.realpath,
+    which keeps a missing tail as written), so a link under the root to a key elsewhere
+    is refused, and so is a link to a folder elsewhere when the file itself is missing
+    here (root/etc-link/key). Components this machine lacks are judged on their text."""
     if ".." in path.split("/"):
         return f"{path} has a '..' segment; name the file by its path under {root}"
     lexical = posixpath.normpath(path)
     if not _under(lexical, posixpath.normpath(root)):
         return f"{path} is outside the models root {root}"
-    if os.path.lexists(path):
-        real, real_root = os.path.realpath(path), os.path.realpath(root)
-        if not _under(real, real_root):
-            return (f"{path} is a link on this machine to {real}, outside the models root "
-                    f"{root}")
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if not _under(real, real_root):
+        return (f"{path} leads through a link on this machine to {real}, outside the models "
+                f"root {root}")
     return None

@@ -4,6 +4,7 @@ C02 (a second run registers nothing), dry-run, prune, and the GPU rendering."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -109,6 +110,10 @@ def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
         model_files(name, replicas=0, profile=PROFILE + args)
     outside = Path(str(models_root) + "-elsewhere")
     (models_root / "key.gguf").symlink_to(Path("/etc/hostname"))
+    # Issue 18 QA, D5: links to folders elsewhere, the file behind them missing here.
+    (models_root / "etc-link").symlink_to(Path("/etc"))
+    (models_root / "up-link").symlink_to("../")
+    above = Path(os.path.realpath(models_root)).parent
     sources = [
         ("s-outside", f"file://{outside}/m.gguf",
          f"source: {outside}/m.gguf is outside the models root {models_root} "
@@ -116,8 +121,26 @@ def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
         ("s-dotdot", f"file://{models_root}/../../etc/shadow",
          f"source: {models_root}/../../etc/shadow has a '..' segment"),
         ("s-link", f"file://{models_root}/key.gguf",
-         f"source: {models_root}/key.gguf is a link on this machine to /etc/hostname, "
-         f"outside the models root {models_root}"),
+         f"source: {models_root}/key.gguf leads through a link on this machine to "
+         f"{os.path.realpath('/etc/hostname')}, outside the models root {models_root}"),
+        ("s-dirlink", f"file://{models_root}/etc-link/nonexistent_key",
+         f"source: {models_root}/etc-link/nonexistent_key leads through a link on this "
+         f"machine to {os.path.realpath('/etc')}/nonexistent_key, outside the models root"),
+        ("s-up", f"file://{models_root}/up-link/x.gguf",
+         f"source: {models_root}/up-link/x.gguf leads through a link on this machine to "
+         f"{above}/x.gguf, outside the models root"),
+        ("s-percent", f"file://{models_root}/%2e%2e/%2e%2e/etc/shadow",
+         f"source: {models_root}/%2e%2e/%2e%2e/etc/shadow has a '%': the node opens the "
+         "path as written"),
+        ("s-backslash", f"file://{models_root}/..\\..\\etc\\shadow",
+         f"source: {models_root}/..\\..\\etc\\shadow has a '\\'"),
+        ("s-dot", f"file://{models_root}/./m.gguf",
+         f"source: {models_root}/./m.gguf has a '.' segment"),
+        # Issue 18 QA, D3: a percent-encoded `${` in a split source's file name reached
+        # the artifact's destination and the args decoded, and Nomad interpolated it.
+        ("s-encoded", "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
+         "source: the file name '${node.unique.name}-00001-of-00002.gguf' (percent-decoded) "
+         "is not a plain file name"),
         ("s-interpolated", "https://h/${node.unique.id}/m.gguf",
          "source: the source contains '${', which Nomad would interpolate"),
         ("s-hf", "hf://${meta.org}/repo/m.gguf", "source: the source contains '${'"),

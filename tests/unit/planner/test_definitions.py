@@ -321,8 +321,39 @@ def test_a_link_out_of_the_models_root_is_refused_where_this_machine_has_it(
         load_definitions([folder], models_root=str(root))
     [problem] = info.value.errors
     assert (problem.file.name, problem.field) == ("a.yaml", "source")
-    assert problem.message.startswith(f"{root}/key.gguf is a link on this machine to {secret}, "
-                                      f"outside the models root {root}"), problem
+    assert problem.message.startswith(f"{root}/key.gguf leads through a link on this machine "
+                                      f"to {secret}, outside the models root {root}"), problem
+
+
+def test_a_link_to_a_folder_outside_the_root_is_refused_when_the_file_is_missing_here(
+        tmp_path: Path) -> None:
+    """Issue 18 QA, D5: a link to a folder elsewhere (root/dirlink -> /etc, root/up ->
+    ..) was judged on its text when the file behind it was missing on this machine."""
+    root, elsewhere = tmp_path / "models", tmp_path / "etc"
+    (root / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    (root / "dirlink").symlink_to(elsewhere)
+    (root / "up").symlink_to("../")
+    (root / "sub" / "upper").symlink_to("../../etc")  # relative, two links deep
+    (root / "dangling.gguf").symlink_to(elsewhere / "not-there.gguf")
+    (root / "inside").symlink_to("sub")  # a link to a folder inside the root is fine
+    folder = tmp_path / "defs"
+    folder.mkdir()
+    cases = {"a": ("dirlink/nonexistent_key", elsewhere / "nonexistent_key"),
+             "b": ("up/etc/passwd", tmp_path / "etc/passwd"),
+             "c": ("sub/upper/x-00001-of-00002.gguf", elsewhere / "x-00001-of-00002.gguf"),
+             "d": ("dangling.gguf", elsewhere / "not-there.gguf"),
+             "e": ("inside/missing.gguf", None)}
+    for name, (file, _) in cases.items():
+        write(folder, f"{name}.yaml", VALID.format(name=name).replace(
+            "file:///opt/llmgw/models/tiny.gguf", f"file://{root}/{file}"))
+    with pytest.raises(InvalidDefinitions) as info:
+        load_definitions([folder], models_root=str(root))
+    found = {problem.file.stem: problem.message for problem in info.value.errors}
+    assert found == {name: f"{root}/{file} leads through a link on this machine to {real}, "
+                           f"outside the models root {root} (LLMGW_MODELS_ROOT): the model "
+                           "task opens this path on every node"
+                     for name, (file, real) in cases.items() if real is not None}
 
 
 def test_the_models_root_may_itself_be_a_link(tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
 """Split GGUF sources (C24): the first shard stands for every shard, each fetched under
 its own name; a definition naming another shard, or a sha256 list of the wrong
-length, is refused with what to write instead."""
+length, is refused with what to write instead. And what a source puts in the job:
+no `${` after any decoding (issue 18, D3), no file:// path that reads as other than the
+node opens."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,7 +15,9 @@ import yaml
 from pydantic import ValidationError
 
 from planner.definitions import ModelDefinition, parse_file
-from planner.sources import Shard, split_of
+from planner.jobspec import variables
+from planner.settings import Settings
+from planner.sources import Shard, interpolated, source_name, split_of
 
 SUMS = [f"{i:x}" * 64 for i in range(1, 4)]
 
@@ -39,9 +44,9 @@ def test_an_https_split_expands_to_every_shard_under_its_own_name() -> None:
 
 
 def test_hf_and_file_splits_expand_too() -> None:
-    hf = definition("hf://org/repo@v1/dir/a b-00001-of-00002.gguf")
+    hf = definition("hf://org/repo@v1/a dir/b-00001-of-00002.gguf")
     assert [s.url for s in hf.shards] == [
-        f"https://huggingface.co/org/repo/resolve/v1/dir/a%20b-0000{i}-of-00002.gguf"
+        f"https://huggingface.co/org/repo/resolve/v1/a%20dir/b-0000{i}-of-00002.gguf"
         for i in (1, 2)]
     local = definition("file:///models/x-00001-of-00002.gguf")
     assert [(s.local_path, s.url) for s in local.shards] == [
@@ -89,3 +94,85 @@ def test_a_split_or_sha256_error_names_its_field_and_only_its_value(
     _, [problem] = parse_file(file)
     assert problem.field == field
     assert problem.message.endswith(f"(got {got})") and "profile" not in problem.message
+
+
+# Issue 18 QA, D3: a percent-encoded `${` in a split URL reached the artifact's destination
+# and the task's args decoded (Nomad interpolated it to the node's name); and the QA's
+# file:// paths that no node decodes, which parked the model on a file not found.
+MISLEADING = [
+    ("https://127.0.0.1:8443/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
+     "the file name '${node.unique.name}-00001-of-00002.gguf' (percent-decoded) is not a "
+     "plain file name (letters, digits, '.', '_', '+', '-'; first a letter or digit): each "
+     "shard of a split source is saved under its own name on the node"),
+    ("https://h/%24%7bmeta.x%7d-00001-of-00002.gguf", "'${meta.x}-00001-of-00002.gguf'"),
+    ("hf://org/repo/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
+     "'%24%7Bnode.unique.name%7D-00001-of-00002.gguf' (percent-decoded) is not a plain"),
+    ("https://h/x/..%2F..%2Fetc-00001-of-00002.gguf", "'../../etc-00001-of-00002.gguf'"),
+    ("https://h/a%2Fb-00001-of-00002.gguf", "'a/b-00001-of-00002.gguf'"),
+    ("https://h/.hidden-00001-of-00002.gguf", "'.hidden-00001-of-00002.gguf'"),
+    # URL parsing drops tabs and newlines: '$\n{' would become '${' after the check.
+    ("https://h/$\n{node.unique.name}-00001-of-00002.gguf",
+     "the source contains the control character '\\n'"),
+    ("https://h/$\t{node.unique.name}.gguf", "the control character '\\t'"),
+    ("file:///opt/llmgw/models/$\r{NOMAD_ALLOC_ID}.gguf", "the control character '\\r'"),
+    ("file:///opt/llmgw/models/\x00.gguf", "the control character '\\x00'"),
+    ("file:///opt/llmgw/models/%2e%2e/%2e%2e/etc/shadow",
+     "/opt/llmgw/models/%2e%2e/%2e%2e/etc/shadow has a '%': the node opens the path as "
+     "written and decodes nothing"),
+    ("file:///opt/llmgw/models/..%2f..%2fetc/shadow", "has a '%'"),
+    ("file:///opt/llmgw/models/..\\..\\etc\\shadow",
+     "/opt/llmgw/models/..\\..\\etc\\shadow has a '\\': node paths are separated by '/' only"),
+    ("file:///opt/llmgw/models/./m.gguf",
+     "/opt/llmgw/models/./m.gguf has a '.' segment; name the file by its plain path"),
+    ("file:///opt/llmgw/models/../m.gguf", "has a '..' segment"),
+]
+
+
+@pytest.mark.parametrize(("source", "expected"), MISLEADING)
+def test_sources_whose_decoded_or_written_text_misleads_are_refused(
+        source: str, expected: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        definition(source)
+    [error] = info.value.errors()
+    assert error["loc"] == ("source",) and expected in error["msg"], error["msg"]
+
+
+# Nomad's own runtime interpolations, which the engine's arguments carry on purpose.
+NOMAD_PLACEHOLDERS = ("${NOMAD_IP_http}", "${NOMAD_PORT_http}")
+
+
+@pytest.mark.parametrize("source", [
+    # Accepted: the name of a single download is not in the job (it is saved as
+    # model.gguf) and its URL goes to Nomad as written, never decoded before Nomad
+    # interpolates it.
+    "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D.gguf",
+    "https://h/%24%7Bmeta.dir%7D/m-00001-of-00002.gguf",
+    "https://h/m-00001-of-00002.gguf?x=%24%7Bnode.unique.id%7D",
+    "hf://org/repo/%24%7Bnode.unique.name%7D.gguf",
+    "hf://org/repo@v1/%24%7Bmeta.x%7D/m-00001-of-00002.gguf",
+    "file:///opt/llmgw/models/m-00001-of-00002.gguf",
+    *(source for source, _ in MISLEADING),
+])
+def test_no_text_the_job_carries_from_a_source_holds_an_interpolation(source: str) -> None:
+    """The whole kind of D3: every source is refused, or renders no `${` of its own."""
+    try:
+        model = definition(source)
+    except ValidationError:
+        return
+    values = variables(model, Settings())
+    rendered = json.dumps(values) + model.record().model_dump_json()
+    for placeholder in NOMAD_PLACEHOLDERS:
+        rendered = rendered.replace(placeholder, "")
+    assert "${" not in rendered, rendered
+
+
+def test_a_url_file_name_is_decoded_from_its_last_segment_only() -> None:
+    assert source_name(None, "https://h/dir/a%2Fb.gguf") == "a/b.gguf"
+    assert source_name(None, "https://h/a%20dir/b.gguf") == "b.gguf"
+    assert source_name(None, "https://h/models/") == ""
+    assert source_name("/m/%24x.gguf", None) == "%24x.gguf"  # a node decodes nothing
+
+
+def test_the_guard_names_any_derived_text_that_holds_an_interpolation() -> None:
+    assert interpolated([Shard(None, "https://h/a.gguf", "${x}.gguf")]) == "${x}.gguf"
+    assert interpolated([Shard("/m/a.gguf", None, "a.gguf")]) is None

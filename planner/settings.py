@@ -48,7 +48,8 @@ with `nomad` and `consul` works with `planner`):
                       model files, run the engine and enter the client's data_dir
                       (0700 as Nomad makes it: chmod 711).
   LLMGW_MODELS_ROOT   the folder file:// model sources must lie in on the nodes, an
-                      absolute path; default /opt/llmgw/models (`planner.sources`)
+                      absolute path, or several joined by ':' (any will do); default
+                      /opt/llmgw/models (`planner.sources`)
   LLMGW_DATACENTERS   comma-separated, default "*" (every datacenter)
   LLMGW_JOBSPEC       default planner/jobspecs/model.nomad.hcl (package data)
 
@@ -110,9 +111,10 @@ def _task_user(text: str) -> str:
 
 
 def _models_root(text: str) -> str:
-    if not text.startswith("/") or any(c in text for c in "\0\n$"):
-        raise ValueError(f"LLMGW_MODELS_ROOT: expected an absolute path on the nodes, got "
-                         f"{text!r}")
+    parts = text.split(":")
+    if any(not p.startswith("/") for p in parts) or any(c in text for c in "\0\n$"):
+        raise ValueError(f"LLMGW_MODELS_ROOT: expected an absolute path on the nodes (or "
+                         f"several joined by ':'), got {text!r}")
     return text
 
 

@@ -166,9 +166,16 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def models_roots(root: str) -> list[str]:
+    """The folders of a models root setting: one path, or several joined by ':' as in
+    PATH (``/opt/llmgw/models:/mnt/models``)."""
+    return [part for part in root.split(":") if part]
+
+
 def outside_root(path: str, root: str) -> str | None:
     """Why node path `path` (absolute) may not be a model source under models root `root`
-    (absolute), or None when it may.
+    (absolute; several joined by ':', see models_roots: any of them will do), or None
+    when it may.
 
     A `..` segment is refused outright: the node's kernel resolves it after any symlink
     before it, which no reading of the text can know. The text must then lie under the
@@ -179,6 +186,14 @@ def outside_root(path: str, root: str) -> str | None:
     here (root/etc-link/key). Components this machine lacks are judged on their text."""
     if ".." in path.split("/"):
         return f"{path} has a '..' segment; name the file by its path under {root}"
+    problems = [_outside_one(path, one) for one in models_roots(root)]
+    if None in problems:
+        return None
+    return problems[0] if len(problems) == 1 else \
+        f"{path} is under none of the models roots {root} ({'; '.join(problems)})"
+
+
+def _outside_one(path: str, root: str) -> str | None:
     lexical = posixpath.normpath(path)
     if not _under(lexical, posixpath.normpath(root)):
         return f"{path} is outside the models root {root}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -52,7 +53,8 @@ def running(cluster: Cluster, name: str) -> dict[str, dict]:
 
 
 def definition(folder: Path, name: str) -> str:
-    return load_definitions([folder])[name][1].definition_hash
+    return load_definitions([folder], models_root=os.environ["LLMGW_MODELS_ROOT"]
+                            )[name][1].definition_hash
 
 
 def more(outcomes: list[int], count: int) -> Callable[[], bool]:

@@ -363,3 +363,18 @@ def test_the_models_root_may_itself_be_a_link(tmp_path: Path) -> None:
     write(tmp_path, "a.yaml", VALID.format(name="a").replace(
         "file:///opt/llmgw/models/tiny.gguf", f"file://{tmp_path}/models/m.gguf"))
     assert load_definitions([tmp_path / "a.yaml"], models_root=str(tmp_path / "models"))
+
+
+def test_several_models_roots_joined_by_a_colon_each_admit_their_own(tmp_path: Path) -> None:
+    for sub in ("a", "b", "c"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "m.gguf").write_bytes(b"GGUF")
+    roots = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
+    for sub in ("a", "b"):
+        write(tmp_path, f"{sub}.yaml", VALID.format(name=sub).replace(
+            "file:///opt/llmgw/models/tiny.gguf", f"file://{tmp_path}/{sub}/m.gguf"))
+        assert load_definitions([tmp_path / f"{sub}.yaml"], models_root=roots)
+    write(tmp_path, "c.yaml", VALID.format(name="c").replace(
+        "file:///opt/llmgw/models/tiny.gguf", f"file://{tmp_path}/c/m.gguf"))
+    with pytest.raises(InvalidDefinitions, match="is under none of the models roots"):
+        load_definitions([tmp_path / "c.yaml"], models_root=roots)

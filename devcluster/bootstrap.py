@@ -661,15 +661,18 @@ def main() -> None:
     step("fake-nvidia-gpu device plugin (tests)", fake_gpu_done, fake_gpu_build)
     step(f"prometheus {PROMETHEUS_VERSION} (promtool)", prometheus_done, prometheus_build)
     step("llama-server", llama_done, llama_build)
-    link_llama()
     if args.with_tofu:
         step(f"tofu {TOFU_VERSION}", tofu_done, tofu_build)
     if args.with_demo_model:
         step(f"model {GEMMA_FILE}", gemma_done, gemma_build)
-        link_gemma()
-        say(f"model at {NODE_MODELS / GEMMA_FILE}")
+    # Proven first, linked after: a binary that cannot run here never becomes the node's
+    # llama-server (/opt/llmgw/bin), so a cluster started later cannot pick it up.
     prove_binaries(args.with_tofu)
     prove_llama([tiny_gguf(), *([gemma_path()] if args.with_demo_model else [])])
+    link_llama()
+    if args.with_demo_model:
+        link_gemma()
+        say(f"model at {NODE_MODELS / GEMMA_FILE}")
     say(f"all parts ready in {time.monotonic() - started:.0f} s")
 
 

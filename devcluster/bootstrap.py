@@ -130,11 +130,19 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def prints(cmd: list[str], needle: str) -> bool:
+def prints(cmd: list[str], needle: str, crash_note: str = "") -> bool:
+    """Whether `cmd` prints `needle` (a cached binary's "done" check). A binary that dies
+    of a signal is not a missing one: SystemExit naming it, the signal and `crash_note`,
+    since building the same thing again would crash again (a portable build dying of
+    SIGILL means this CPU lacks its baseline)."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
+    if signal_name := smoke.died_of(out.returncode):
+        tail = "\n".join((out.stdout + out.stderr).splitlines()[-10:])
+        raise SystemExit(f"[bootstrap] `{' '.join(cmd)}` died of {signal_name}"
+                         f"{crash_note}\n{tail}\n[bootstrap] remove it to build it again")
     return needle in out.stdout + out.stderr
 
 
@@ -169,7 +177,7 @@ def venv_build() -> None:
         run([sys.executable, "-m", "venv", str(REPO / ".venv")])
     log = CACHE / "logs" / "pip.log"
     pip = [str(venv_python()), "-m", "pip", "install", "-c", str(CONSTRAINTS)]
-    run([*pip, "pip"], log=log)
+    run([*pip, "pip", "setuptools"], log=log)
     # PIP_CONSTRAINT: the editable build's isolated environment gets the locked setuptools.
     run([*pip, "-e", f"{REPO}[dev]"], log=log,
         env={**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)})
@@ -431,8 +439,20 @@ def llama_binary() -> Path:
     return BIN / f"llama-server-{LLAMA_SDIST.removesuffix('.tar.gz')}-{llama_build_key()}"
 
 
+def llama_crash_note() -> str:
+    """What goes with a llama-server crash: its build flags, and the baseline's CPU flags
+    this machine lacks (x86-64)."""
+    note = "\nbuild: " + " ".join(f for f in llama_cmake_flags() if f.startswith("-DGGML"))
+    if machine_arch() == "x86_64":
+        have = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")), "").split())
+        if missing := [flag for flag in LLAMA_X86_NEEDS if flag not in have]:
+            note += f"\nthis CPU lacks {', '.join(missing)}, which the portable build needs"
+    return note
+
+
 def llama_done() -> bool:
-    return prints([str(llama_binary()), "--version"], "version:")
+    return prints([str(llama_binary()), "--version"], "version:", llama_crash_note())
 
 
 def sdist_url(filename: str) -> str:
@@ -616,7 +636,8 @@ def prove_binaries(with_tofu: bool) -> None:
         try:
             smoke.ran_once(name, argv, logs / f"{name}.log", ok_codes=ok)
         except smoke.SmokeFailed as exc:
-            raise SystemExit(f"[bootstrap] proof failed: {exc}") from None
+            note = llama_crash_note() if name == "llama-server" else ""
+            raise SystemExit(f"[bootstrap] proof failed: {exc}{note}") from None
     say(f"each binary ran once: {', '.join(name for name, _, _ in checks)}")
 
 
@@ -626,7 +647,10 @@ def prove_llama(models: list[Path]) -> None:
     flags and the log otherwise. This is where a build for the wrong CPU fails, before
     any cluster starts, not as five start failures of a parked model."""
     stamp = CACHE / "smoke" / "llama-server.proven"
-    mark = " ".join([llama_binary().name, cpu_flags_digest(), *(m.name for m in models)])
+    # The binary's content, not its name: a file replaced under the same name is proven
+    # again (hashing 15 MB takes a few ms).
+    mark = " ".join([llama_binary().name, sha256_of(llama_binary()), cpu_flags_digest(),
+                     *(m.name for m in models)])
     if stamp.exists() and stamp.read_text() == mark:
         say("llama-server: serves on this CPU (proven before)")
         return

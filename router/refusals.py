@@ -113,9 +113,12 @@ def parked_message(model: str, parked: Parked) -> str:
 def unplaceable_message(model: str, unplaceable: Unplaceable) -> str:
     """Why ``model`` cannot run anywhere and what changes that."""
     since = f" (since {unplaceable.since})" if unplaceable.since else ""
+    # One remedy for every reason (room, GPUs, an engine missing or crashing on the
+    # nodes): the reason itself says which; "has room" alone misled for an engine crash.
     remedy = (
-        " Each new request asks the scheduler again, so it runs as soon as a node"
-        " has room; or change its profile to ask for less."
+        " Each new request asks the scheduler again, so it runs as soon as a node can"
+        " take it (room, GPUs, its engine installed there: see `planner status --nodes`);"
+        " or change its profile."
     )
     head = f"The model `{model}` fits on no node{since}: {unplaceable.reason}."
     return _clip(head, MESSAGE_LIMIT - len(remedy)) + remedy

@@ -109,3 +109,31 @@ def test_the_bootstrap_runs_with_the_standard_library_only() -> None:
             "bad = [m for m in sys.modules if m.split('.')[0] in "
             "('pydantic', 'yaml', 'gguf', 'numpy', 'aiohttp')]; assert not bad, bad")
     subprocess.run([sys.executable, "-I", "-c", code], check=True)
+
+
+def test_a_cached_binary_that_dies_of_a_signal_is_named_not_rebuilt(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\necho 'version: 1'\nkill -ILL $$\n")
+    binary.chmod(0o755)
+    with pytest.raises(SystemExit, match=r"(?s)died of SIGILL.*build: -DGGML_NATIVE=OFF"):
+        bootstrap.prints([str(binary), "--version"], "version:", bootstrap.llama_crash_note())
+    binary.write_text("#!/bin/sh\necho 'something else'\nexit 1\n")
+    assert bootstrap.prints([str(binary), "--version"], "version:") is False  # rebuilt
+
+
+def test_the_serving_proof_is_redone_when_the_binary_changes_under_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    binary = tmp_path / "bin" / "llama-server-x"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(bootstrap, "CACHE", tmp_path)
+    monkeypatch.setattr(bootstrap, "llama_binary", lambda: binary)
+    served: list[Path] = []
+    monkeypatch.setattr(smoke, "serves", lambda b, m, log, build: served.append(m) or 0.1)
+    model = tmp_path / "m.gguf"
+    bootstrap.prove_llama([model])
+    bootstrap.prove_llama([model])
+    assert served == [model]  # proven once for this content
+    binary.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    bootstrap.prove_llama([model])
+    assert served == [model, model]

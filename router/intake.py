@@ -8,11 +8,16 @@ its share for as long as it liked (issue 18). Here:
 
 - :class:`BodyBudget`: the bytes of request bodies the router holds at once, a
   setting (``LLMGW_ROUTER_MAX_BODIES_BYTES``; default :func:`default_budget`, a
-  quarter of the machine's memory, at most 1 GiB). A body reserves its
-  ``Content-Length`` before a byte of it is read; a chunked body reserves as its
-  chunks arrive. Past the budget: 503 ``router_overloaded`` with Retry-After, and
-  the bytes read so far are let go at once. A body larger than the whole budget
-  could never fit: 413, as one over ``max_body_bytes``.
+  quarter of the machine's memory, at most 1 GiB). Only bytes received count: a
+  body, announced (``Content-Length``) or chunked, reserves each chunk as it
+  arrives. (It once reserved its ``Content-Length`` up front, so eleven
+  connections announcing 100 MiB and sending nothing held the whole budget, and
+  every other request got 503 for as long as they kept it up: issue 18, D6.) Past
+  the budget: 503 ``router_overloaded`` with Retry-After, and the bytes read so
+  far are let go at once. A body larger than the whole budget could never fit:
+  413 at once, as one over ``max_body_bytes``. No per-client share: behind a
+  load balancer or NAT every client has one address, and holding the budget now
+  takes sending it, at least ``min_rate`` bytes/s per body (below).
 - :func:`read_body`: the body-read deadline, Apache mod_reqtimeout's
   ``body=<timeout>,MinRate=<rate>`` rule: the first bytes within
   ``timeout_s``, and each ``min_rate`` bytes received extend the deadline by one
@@ -21,8 +26,14 @@ its share for as long as it liked (issue 18). Here:
   ``timeout_keep_alive`` runs only between requests. The header-read timeout is
   :mod:`router.serving`'s.)
 
-The body is read into one ``bytearray`` of its announced size (no list of chunks
-joined at the end, which held each body twice at its peak). Used by
+The body is kept as the list of chunks the server hands over (each a ``bytes`` of
+its exact size) and joined once at the end: no buffer of the announced size is
+allocated before the bytes arrive (memory a silent client would hold), and none
+grows by reallocation (``bytearray +=`` over-allocates, and its freed buffers
+fragment the heap: 60 chunked 20 MiB uploads peaked at 1.5 GiB RSS under a
+1 GiB budget and stayed there). The join holds one body twice for a moment; the
+event loop runs one join at a time, so that is at most one body over the
+budget. Used by
 :class:`router.proxy.Proxy`, which releases the reservation when the request ends.
 """
 
@@ -157,9 +168,9 @@ async def read_body(
     max_bytes: int,
     timeout_s: float,
     min_rate: float,
-) -> bytearray:
+) -> bytes:
     """Read the whole body of a request announced as ``announced`` bytes (``None``:
-    chunked), reserving its size in ``reservation`` as described above.
+    chunked), reserving its bytes in ``reservation`` as they arrive (above).
 
     Raises :class:`router.errors.BodyTooLarge` (over ``max_bytes`` or the whole
     budget), :class:`router.errors.RouterOverloaded` (the budget is held by other
@@ -169,9 +180,7 @@ async def read_body(
     limit = min(max_bytes, reservation.budget.limit)
     if announced is not None and announced > limit:
         raise _too_large(limit, max_bytes)
-    if announced:
-        reservation.grow(announced)
-    body = bytearray(announced or 0)
+    chunks: list[bytes] = []
     size = 0
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
@@ -182,19 +191,15 @@ async def read_body(
                     raise ClientGone
                 chunk = message.get("body", b"")
                 if chunk:
-                    end = size + len(chunk)
-                    if announced is None:
-                        if end > limit:
-                            raise _too_large(limit, max_bytes)
-                        reservation.grow(len(chunk))
-                        body += chunk
-                    else:
-                        body[size:end] = chunk  # the parser never passes Content-Length
-                    size = end
+                    size += len(chunk)
+                    if size > limit:  # chunked (the parser never passes Content-Length)
+                        raise _too_large(limit, max_bytes)
+                    reservation.grow(len(chunk))
+                    chunks.append(chunk)
                     deadline += len(chunk) / min_rate
                     timer.reschedule(deadline)
                 if not message.get("more_body", False):
-                    return body
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     except TimeoutError:
         raise errors.RequestTimeout(
             f"The request body was not received in time: {size} bytes of "

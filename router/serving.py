@@ -151,9 +151,10 @@ class _Bounded(HttpToolsProtocol):
             if self._wire_bytes > MAX_HEADER_BYTES:
                 self._too_large()
                 return
-        self._tail = (self._tail + data)[-3:] if self._wire_bytes else b""
-        if self._header_timer is None and not self._late_while_busy:
-            self._start_clock()
+        if self._wire_bytes:  # bytes of a next request's headers came in this read
+            self._tail = (self._tail + data)[-3:]
+            if self._header_timer is None and not self._late_while_busy:
+                self._start_clock()
 
     def _header_part(self, data: bytes) -> int:
         """How many bytes of ``data`` belong to the header section being read: up to

@@ -142,3 +142,19 @@ def test_the_default_budget_is_a_quarter_of_memory_at_most_1_gib(tmp_path: Path)
     (root / "memory" / "job" / "memory.limit_in_bytes").write_text("268435456\n")
     own.write_text("5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n")
     assert memory_limit_bytes(meminfo, root, own) == 268435456
+
+
+def test_a_body_in_many_small_chunks_comes_back_whole() -> None:
+    """Kept in blocks of BLOCK_BYTES joined from the chunks (router.heap's reason)."""
+    chunk = bytes(range(256)) * 4096  # 1 MiB
+    pieces = [chunk[i : i + 70_001] for i in range(0, len(chunk), 70_001)] * 3
+    body = read(scripted(*pieces), None, Reservation(BodyBudget(4 << 20)), max_bytes=4 << 20,
+                min_rate=1e9)
+    assert body == chunk * 3
+
+
+def test_the_heap_is_trimmed_only_once_tuned() -> None:
+    from router import heap
+
+    heap.released(1 << 30)  # not tuned (tests): nothing happens
+    assert heap._libc is None and not heap._scheduled

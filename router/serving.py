@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -103,6 +104,7 @@ class _Bounded(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_deadline = 0.0  # time.monotonic()
         # The clock ran out while an earlier response was being sent: restarted
         # when that response ends (on_response_complete).
         self._late_while_busy = False
@@ -219,6 +221,7 @@ class _Bounded(HttpToolsProtocol):
 
     def _start_clock(self) -> None:
         if self._header_timer is None:
+            self._header_deadline = time.monotonic() + self.timeout_s
             self._header_timer = self.loop.call_later(self.timeout_s, self._headers_late)
 
     def _stop_clock(self) -> None:
@@ -233,6 +236,12 @@ class _Bounded(HttpToolsProtocol):
     def _headers_late(self) -> None:
         self._header_timer = None
         if self.transport.is_closing():
+            return
+        early = self._header_deadline - time.monotonic()
+        if early > 0:
+            # uvloop schedules from the time cached at the start of the loop's
+            # turn, so a timer can fire a little before the deadline.
+            self._header_timer = self.loop.call_later(early, self._headers_late)
             return
         if self._busy():
             self._late_while_busy = True

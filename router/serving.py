@@ -92,7 +92,7 @@ class _CycleTransport:
         self._protocol.transport.write(data)
 
     def close(self) -> None:
-        self._protocol.linger()
+        self._protocol.close_after_answer()
 
     def is_closing(self) -> bool:
         return self._protocol.lingering or self._protocol.transport.is_closing()
@@ -273,6 +273,14 @@ class _Bounded(HttpToolsProtocol):
         self.transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
         self.linger()
         log.info("%s; connection from %s closed", exc.message, self.client)
+
+    def close_after_answer(self) -> None:
+        """The cycle closes the connection: lingering when its request's body may
+        still be arriving, at once otherwise."""
+        if self._in_body:
+            self.linger()
+        elif not self.transport.is_closing():
+            self.transport.close()
 
     def linger(self) -> None:
         """Close after the answer, reading and dropping what still arrives until the

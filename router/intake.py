@@ -30,10 +30,10 @@ The body is kept as the list of chunks the server hands over (each a ``bytes`` o
 its exact size) and joined once at the end: no buffer of the announced size is
 allocated before the bytes arrive (memory a silent client would hold), and none
 grows by reallocation (``bytearray +=`` over-allocates, and its freed buffers
-fragment the heap: 60 chunked 20 MiB uploads peaked at 1.5 GiB RSS under a
-1 GiB budget and stayed there). The join holds one body twice for a moment; the
-event loop runs one join at a time, so that is at most one body over the
-budget. Used by
+fragment the heap; a QA run of 60 chunked 20 MiB uploads peaked at 1.5 GiB RSS
+under a 1 GiB budget and stayed there; see :mod:`router.heap`). The join holds
+one body twice for a moment; the event loop runs one join at a time, so that is
+at most one body over the budget. Used by
 :class:`router.proxy.Proxy`, which releases the reservation when the request ends.
 """
 

@@ -8,19 +8,22 @@ serve``) with its default bounds unless told: bodies held at once
 most 1 GiB).
 
 Then ``--clients`` (200) clients each upload ``--body-mib`` (50) MiB bodies at
-``--rate-mib`` (2) MiB/s, half announcing a Content-Length, half chunked, for
+``--rate-mib`` (2) MiB/s, half announcing a Content-Length, half chunked
+(``--mode``: ``mixed``; ``chunked`` or ``announced`` for all), for
 ``--duration`` (40) seconds: a client refused (503 ``router_overloaded``, or its
 connection closed mid-body) waits the Retry-After and tries again, so the
 router is pressed at its bound the whole time. It reports the router's RSS
-before the load, its peak (``VmHWM``), the bound, uploads completed and refused,
-and whether peak RSS <= bound + ``--overhead-mib`` (the fixed part: the
-interpreter, the app, the connections' buffers).
+before the load, its peak (``VmHWM``), its RSS once the load is over and no body
+is held (idle), the bound, uploads completed and refused, and whether peak RSS
+<= bound + ``--overhead-mib`` (the fixed part: the interpreter, the app, the
+connections' buffers).
 
 Usage::
 
     python bench/slow_uploads.py [--clients 200] [--body-mib 50] [--rate-mib 2]
                                  [--duration 40] [--max-bodies-bytes 0]
-                                 [--overhead-mib 200] [--output json]
+                                 [--overhead-mib 200] [--mode mixed|chunked|announced]
+                                 [--output json]
 
 Exit codes: 0 the target met, 1 missed, 2 setup failed. Stops by itself after
 ``--duration`` seconds (plus at most 30 s to let the uploads in flight end).
@@ -168,7 +171,9 @@ async def load(router: subprocess.Popen, port: int, stub_port: int,
     peak_rss = 0
     stop_at = time.monotonic() + args.duration
     server = await asyncio.start_server(stub, "127.0.0.1", stub_port)
-    clients = [asyncio.ensure_future(client(port, args, i % 2 == 1, stop_at, tally))
+    chunked = {"mixed": lambda i: i % 2 == 1, "chunked": lambda i: True,
+               "announced": lambda i: False}[args.mode]
+    clients = [asyncio.ensure_future(client(port, args, chunked(i), stop_at, tally))
                for i in range(args.clients)]
     try:
         while time.monotonic() < stop_at:
@@ -221,11 +226,15 @@ def measure(args: argparse.Namespace) -> dict:
             before = status_kib(router.pid, "VmRSS") / 1024
             result = asyncio.run(load(router, port, stub_port, args))
             result["peak_rss_mib"] = status_kib(router.pid, "VmHWM") / 1024
+            wait_for(lambda: b"llmgw_router_request_body_bytes 0.0" in http("GET", metrics),
+                     30, "the router to let every body go")
+            http("GET", metrics)  # one more request: the last one's frees are done
+            result["idle_rss_mib"] = status_kib(router.pid, "VmRSS") / 1024
         finally:
             children.close()
     result.update({
         "clients": args.clients, "body_mib": args.body_mib, "rate_mib_s": args.rate_mib,
-        "duration_s": args.duration, "bound_mib": limit / (1 << 20),
+        "duration_s": args.duration, "bound_mib": limit / (1 << 20), "mode": args.mode,
         "rss_before_mib": before, "overhead_mib": args.overhead_mib,
     })
     result["met"] = {
@@ -237,11 +246,12 @@ def measure(args: argparse.Namespace) -> dict:
 
 def print_table(r: dict) -> None:
     print(f"{r['clients']} clients x {r['body_mib']} MiB at {r['rate_mib_s']} MiB/s each, "
-          f"{r['duration_s']:g} s (half chunked)")
+          f"{r['duration_s']:g} s ({r['mode']})")
     print(f"bodies held at once, bound   {r['bound_mib']:10.1f} MiB")
     print(f"router RSS before the load   {r['rss_before_mib']:10.1f} MiB")
     print(f"router peak RSS (VmHWM)      {r['peak_rss_mib']:10.1f} MiB   target <= bound + "
           f"{r['overhead_mib']} MiB: {'yes' if r['met']['peak_rss'] else 'NO'}")
+    print(f"router RSS idle after        {r['idle_rss_mib']:10.1f} MiB")
     print(f"uploads completed {r['completed']}, refused 503 {r['refused_503']}, "
           f"cut mid-body {r['cut_mid_body']}, other {r['other']}")
 
@@ -254,6 +264,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--max-bodies-bytes", type=int, default=0)
     parser.add_argument("--overhead-mib", type=int, default=200)
+    parser.add_argument("--mode", choices=("mixed", "chunked", "announced"), default="mixed",
+                        help="which uploads announce a Content-Length")
     parser.add_argument("--output", choices=("table", "json"), default="table")
     args = parser.parse_args()
     exit_on_sigterm()

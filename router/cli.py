@@ -45,6 +45,7 @@ import typer
 import uvicorn
 
 from llmgw_contract.acl import ROUTER_CONSUL_KEYS_NEEDS, ROUTER_CONSUL_NEEDS
+from router import heap
 from router.app import create_app
 from router.catalog import ConsulCatalog
 from router.errors import CatalogUnavailable
@@ -295,6 +296,8 @@ def serve(
     if denied is not None:
         log.error("%s", denied)
         raise typer.Exit(3)
+    # Large bodies mapped on their own, freed heap memory handed back (router.heap).
+    heap.tune()
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,

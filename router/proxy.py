@@ -124,6 +124,16 @@ def extract_model(body: bytes) -> str:
     return parse_request(body)[0]
 
 
+def hop_by_hop(headers: list[tuple[bytes, bytes]]) -> frozenset[str]:
+    """The header names a request's ``Connection`` headers list (lowercased): they
+    are for this connection only and are not forwarded (RFC 9110 7.6.1)."""
+    names = frozenset()
+    for name, value in headers:
+        if name == b"connection":
+            names |= {t.strip().lower() for t in value.decode("latin-1").split(",")} - {""}
+    return names
+
+
 def authorization(scope: Scope) -> bytes | None:
     """The request's ``Authorization`` header value, or ``None``."""
     for name, value in scope["headers"]:
@@ -282,9 +292,10 @@ class Proxy:
         path = _target(scope)
         headers = []
         has_accept_encoding = False
+        drop = self._drop | hop_by_hop(scope["headers"])
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.decode("latin-1")
-            if name not in self._drop:
+            if name not in drop:
                 headers.append((name, raw_value.decode("latin-1")))
                 has_accept_encoding = has_accept_encoding or name == "accept-encoding"
         if not has_accept_encoding:

@@ -2,16 +2,33 @@
 header-read timeout and a bound on header bytes.
 
 uvicorn (0.54) bounds neither: its only timer, ``timeout_keep_alive``, is armed
-after a response, so a connection that sends nothing, or trickles its request
-line and headers a byte at a time, is held forever; and httptools buffers a
-header value whole, however large, before it hands it over. Here, from a
-connection's first moment and from each request's first byte:
+after a response (and any byte received cancels it), so a connection that sends
+nothing, or trickles its request line and headers a byte at a time, is held
+forever; and httptools buffers a header value whole, however large, before it
+hands it over. Here, for every request on a connection, pipelined or not:
 
 - the request line and headers must arrive within ``header_timeout_s``, else the
   client gets 408 ``request_timeout`` (an OpenAI error object) and the connection
-  is closed;
+  is closed. The clock starts at the connection's first moment, and at the first
+  byte of each later request; while an earlier request's response is still being
+  sent it does not run out (the answer in progress is not cut): it starts again,
+  whole, when that response ends (issue 18, D2: a pipelined request whose clock
+  ran out during a long answer was never timed again);
 - they may take at most :data:`MAX_HEADER_BYTES`, else 431
-  ``request_header_fields_too_large``, closed.
+  ``request_header_fields_too_large``, closed. Bytes are counted *before* the
+  parser sees them, up to the end of the header section (``CRLF CRLF``), so no
+  read can complete an oversized header section unseen (issue 18, D1: a read that
+  crossed the bound and completed the headers was never counted). A request that
+  begins inside a read after another request's body (pipelined) is counted from
+  what the parser reports (request target and each header), and checked again
+  when its headers complete, before the app sees it.
+
+A connection closed with a request's bytes still arriving (a refusal here, or the
+proxy's before it read the body: ``Connection: close``) is closed *lingering*, as
+nginx's ``lingering_close``: the answer, then a FIN, then what the client still
+sends is read and dropped until it closes its side, at most :data:`LINGER_S`.
+Closed at once, the kernel would answer those bytes with a reset, and a client
+still sending its body often loses the answer to it.
 
 The body's timeout is the proxy's (:mod:`router.intake`): it runs once the app
 has the request. Built by :func:`protocol_class` for :mod:`router.cli`, which
@@ -22,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -33,6 +51,17 @@ log = logging.getLogger(__name__)
 # Request line and headers together. cpp-httplib (llama-server) takes 8 KiB per
 # header line; nginx's default large_client_header_buffers is 4 x 8 KiB.
 MAX_HEADER_BYTES = 64 * 1024
+
+# What the parser's callbacks do not report of a header section: the method, the
+# spaces and version of the request line, each header's ": " and CRLF (counted per
+# header), the final CRLF. A lower bound is all the check needs.
+_REQUEST_LINE_OVERHEAD = len(b"GET  HTTP/1.1\r\n\r\n")
+_END = b"\r\n\r\n"
+
+# How long a connection closed with bytes still arriving keeps reading (and
+# dropping) them so that its answer is not lost to a reset; nginx's
+# lingering_timeout is 5 s.
+LINGER_S = 5.0
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -46,74 +75,224 @@ def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
     return BoundedHttpToolsProtocol
 
 
+class _Refused(Exception):
+    """Raised in a parser callback after a refusal was sent: stops the parser."""
+
+
+class _CycleTransport:
+    """The transport as a request's cycle (uvicorn's ``RequestResponseCycle``) sees
+    it: closing it lingers."""
+
+    __slots__ = ("_protocol",)
+
+    def __init__(self, protocol: _Bounded) -> None:
+        self._protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        self._protocol.transport.write(data)
+
+    def close(self) -> None:
+        self._protocol.close_after_answer()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._protocol.transport.is_closing()
+
+
 class _Bounded(HttpToolsProtocol):
     timeout_s: float
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
-        self._reading_headers = False
-        self._header_bytes = 0
+        self._header_deadline = 0.0  # time.monotonic()
+        # The clock ran out while an earlier response was being sent: restarted
+        # when that response ends (on_response_complete).
+        self._late_while_busy = False
+        # Between a request's headers complete and its message complete.
+        self._in_body = False
+        # The current header section's bytes: as read off the wire, and as the
+        # parser reported them; the last bytes read of it (an end split across reads).
+        self._wire_bytes = 0
+        self._parsed_bytes = 0
+        self._tail = b""
+        self._messages = 0
+        self.lingering = False
+        # A refusal that waits for an earlier request's response to end first.
+        self._refusal: errors.RouterError | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._begin_headers()
+        self._start_clock()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._end_headers()
+        self._stop_clock()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering or self._refusal is not None or self.transport.is_closing():
+            return  # refused, or answered with "close": the rest is dropped
+        if not self._in_body:
+            if self._header_timer is None and not self._late_while_busy:
+                self._start_clock()  # the first byte of a next request
+            part = self._header_part(data)
+            if self._wire_bytes + part > MAX_HEADER_BYTES:
+                self._too_large()
+                return
+            self._wire_bytes += part
+        begun = self._messages
         super().data_received(data)
-        if self._reading_headers and not self.transport.is_closing():
-            # Bytes fed while the headers are still incomplete are header bytes
-            # (at most the tail of the previous request's body besides).
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._refuse(errors.HeadersTooLarge(
-                    f"The request line and headers are larger than {MAX_HEADER_BYTES} bytes."
-                ))
+        if self._in_body or self._refusal is not None or self.transport.is_closing():
+            return
+        if self._messages != begun:
+            # A request began inside this read, perhaps after another's body: its
+            # bytes in it are at least what the parser reported of it.
+            self._wire_bytes = max(self._wire_bytes, self._parsed_bytes)
+            if self._wire_bytes > MAX_HEADER_BYTES:
+                self._too_large()
+                return
+        if self._wire_bytes:  # bytes of a next request's headers came in this read
+            self._tail = (self._tail + data)[-3:]
+            if self._header_timer is None and not self._late_while_busy:
+                self._start_clock()
+
+    def _header_part(self, data: bytes) -> int:
+        """How many bytes of ``data`` belong to the header section being read: up to
+        its end, else all."""
+        seen = self._tail + data
+        start = 0
+        if not self._wire_bytes:
+            # Empty lines before a request line are skipped (RFC 9112 2.2).
+            start = len(seen) - len(seen.lstrip(b"\r\n"))
+        end = seen.find(_END, start)
+        return len(data) if end < 0 else end + len(_END) - len(self._tail)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is None and not self.lingering and not self.transport.is_closing():
+            # else already refused (_Refused)
+            super().send_400_response(msg)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if not self._reading_headers:
-            self._begin_headers()
+        self._messages += 1
+        self._parsed_bytes = _REQUEST_LINE_OVERHEAD
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._parsed_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._parsed_bytes += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
-        self._end_headers()
+        if max(self._wire_bytes, self._parsed_bytes) > MAX_HEADER_BYTES:
+            self._too_large()
+            raise _Refused  # the app never sees this request
+        self._stop_clock()
+        self._in_body = True
+        self._wire_bytes = 0
+        self._tail = b""
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _CycleTransport(self)  # type: ignore[assignment]
 
-    def _begin_headers(self) -> None:
-        self._reading_headers = True
-        self._header_bytes = 0
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self.lingering or self._refusal is not None:
+            self.server_state.total_requests += 1
+            if self._refusal is not None:
+                self._refuse(self._refusal)
+            return  # no next request on this connection
+        super().on_response_complete()
+        if self.transport.is_closing() or self._in_body:
+            return
+        if self._late_while_busy or self._wire_bytes:
+            # Part of a next request waited behind this response: its clock starts
+            # now, whole (it would otherwise never run out: D2).
+            self._late_while_busy = False
+            self._stop_clock()
+            self._start_clock()
+
+    def _start_clock(self) -> None:
         if self._header_timer is None:
+            self._header_deadline = time.monotonic() + self.timeout_s
             self._header_timer = self.loop.call_later(self.timeout_s, self._headers_late)
 
-    def _end_headers(self) -> None:
-        self._reading_headers = False
+    def _stop_clock(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+
+    def _busy(self) -> bool:
+        """An earlier request's response is still being sent."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _headers_late(self) -> None:
         self._header_timer = None
         if self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            # Between requests on a busy keep-alive connection (a pipelined one
-            # waits its turn): the answer in progress is not cut.
+        early = self._header_deadline - time.monotonic()
+        if early > 0:
+            # uvloop schedules from the time cached at the start of the loop's
+            # turn, so a timer can fire a little before the deadline.
+            self._header_timer = self.loop.call_later(early, self._headers_late)
+            return
+        if self._busy():
+            self._late_while_busy = True
             return
         self._refuse(errors.RequestTimeout(
             f"The request line and headers were not received within the router's "
             f"{self.timeout_s:g} s."
         ))
 
+    def _too_large(self) -> None:
+        self._refuse(errors.HeadersTooLarge(
+            f"The request line and headers are larger than {MAX_HEADER_BYTES} bytes."
+        ))
+
     def _refuse(self, exc: errors.RouterError) -> None:
-        self._end_headers()
+        self._stop_clock()
+        if self._busy():
+            # A pipelined request refused while an earlier one is answered: the
+            # answer ends first (on_response_complete).
+            if self._refusal is None:
+                self._refusal = exc
+                self.flow.pause_reading()
+            return
+        self._refusal = None
         status, headers, body = errors.render(exc)
         lines = [b"HTTP/1.1 %d %s" % (status, _REASONS[status])]
         lines += [name + b": " + value for name, value in headers]
         lines.append(b"connection: close")
         self.transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
-        self.transport.close()
+        self.linger()
         log.info("%s; connection from %s closed", exc.message, self.client)
+
+    def close_after_answer(self) -> None:
+        """The cycle closes the connection: lingering when its request's body may
+        still be arriving, at once otherwise."""
+        if self._in_body:
+            self.linger()
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def linger(self) -> None:
+        """Close after the answer, reading and dropping what still arrives until the
+        client closes its side, at most :data:`LINGER_S` (see the module docstring)."""
+        if self.lingering or self.transport.is_closing():
+            return
+        self.lingering = True
+        self._stop_clock()
+        self._unset_keepalive_if_required()
+        if not self.transport.can_write_eof():  # TLS: no half-close
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)

@@ -4,8 +4,9 @@ A stub, not a real llama-server, because what it must show is what arrived on th
 wire before any server parsed it: an HTTP library would decode or normalise the
 path first (the very thing under test, issue 18). It reads the request line,
 the headers and a Content-Length body (up to any size, discarded as it comes),
-records ``(method, target, body_bytes)``, and answers a small JSON 200. Runs on its
-own thread with its own event loop, on 127.0.0.1.
+records ``(method, target, body_bytes)``, and answers a small JSON 200 (held back,
+after :meth:`hold`, until :meth:`release`). Runs on its own thread with its own
+event loop, on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class RecordingReplica:
     def __init__(self) -> None:
         self.port = free_port()
         self.received: list[tuple[str, str, int]] = []
+        self._waiting = 0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -35,6 +37,8 @@ class RecordingReplica:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
+        self._gate = asyncio.Event()
+        self._gate.set()
         self._server = self._loop.run_until_complete(
             asyncio.start_server(self._serve, "127.0.0.1", self.port)
         )
@@ -60,6 +64,12 @@ class RecordingReplica:
                         return
                     remaining -= len(chunk)
                 self.received.append((method, target, length))
+                if not self._gate.is_set():
+                    self._waiting += 1
+                    try:
+                        await self._gate.wait()
+                    finally:
+                        self._waiting -= 1
                 body = json.dumps({"object": "recorded", "target": target}).encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
@@ -70,6 +80,23 @@ class RecordingReplica:
             pass
         finally:
             writer.close()
+
+    def _in_loop(self, action) -> None:
+        async def call() -> None:
+            action()
+
+        asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
+
+    def hold(self) -> None:
+        """Answers wait, from now on, until :meth:`release`."""
+        self._in_loop(self._gate.clear)
+
+    def release(self) -> None:
+        self._in_loop(self._gate.set)
+
+    def waiting(self) -> int:
+        """Requests received whose answers are held back."""
+        return self._waiting
 
     def stop(self) -> None:
         async def close() -> None:

@@ -43,11 +43,29 @@ def read(receive, announced, reservation, **kw):
     return asyncio.run(read_body(receive, announced, reservation, **options))
 
 
-def test_an_announced_body_is_reserved_whole_and_read_into_one_buffer() -> None:
+def test_a_body_reserves_only_the_bytes_received() -> None:
+    """Issue 18, D6: a Content-Length was reserved whole before a byte arrived, so
+    connections that announced bodies and sent nothing held the whole budget."""
     budget = BodyBudget(100)
     reservation = Reservation(budget)
-    assert read(scripted(b"a" * 30, b"b" * 30), 60, reservation) == b"a" * 30 + b"b" * 30
-    assert budget.held == 60
+
+    async def scenario() -> None:
+        stalled = Reservation(budget)
+        task = asyncio.ensure_future(read_body(
+            scripted(b"a" * 10, then_wait=True), 90, stalled,
+            max_bytes=1000, timeout_s=5.0, min_rate=1000.0))
+        while stalled.size == 0:
+            await asyncio.sleep(0)
+        assert budget.held == 10  # 90 announced, 10 received
+        # The rest of the budget is free for others.
+        body = await read_body(scripted(b"b" * 50, b"c" * 40), 90, reservation,
+                               max_bytes=1000, timeout_s=5.0, min_rate=1000.0)
+        assert body == b"b" * 50 + b"c" * 40 and budget.held == 100
+        task.cancel()
+        stalled.release()
+
+    asyncio.run(scenario())
+    assert budget.held == 90
     reservation.release()
     reservation.release()  # once only
     assert budget.held == 0
@@ -57,17 +75,14 @@ def test_past_the_budget_is_router_overloaded_and_nothing_is_kept() -> None:
     budget = BodyBudget(100, retry_after_s=3)
     other = Reservation(budget)
     other.grow(70)
-    with pytest.raises(errors.RouterOverloaded) as refused:
-        read(scripted(b"x" * 40), 40, Reservation(budget))
-    assert refused.value.headers() == [(b"retry-after", b"3")]
-    assert budget.held == 70
-    # Chunked: counted as it arrives, refused at the chunk that does not fit.
-    chunked = Reservation(budget)
-    with pytest.raises(errors.RouterOverloaded):
-        read(scripted(b"x" * 20, b"x" * 20), None, chunked)
-    assert chunked.size == 20 and budget.held == 90
-    chunked.release()
-    assert budget.held == 70
+    for announced in (40, None):  # announced or chunked: refused at the chunk that does not fit
+        reservation = Reservation(budget)
+        with pytest.raises(errors.RouterOverloaded) as refused:
+            read(scripted(b"x" * 20, b"x" * 20), announced, reservation)
+        assert refused.value.headers() == [(b"retry-after", b"3")]
+        assert reservation.size == 20 and budget.held == 90
+        reservation.release()
+        assert budget.held == 70
 
 
 def test_larger_than_the_limit_or_the_whole_budget_is_413() -> None:
@@ -127,3 +142,19 @@ def test_the_default_budget_is_a_quarter_of_memory_at_most_1_gib(tmp_path: Path)
     (root / "memory" / "job" / "memory.limit_in_bytes").write_text("268435456\n")
     own.write_text("5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n")
     assert memory_limit_bytes(meminfo, root, own) == 268435456
+
+
+def test_a_body_in_many_small_chunks_comes_back_whole() -> None:
+    """Kept in blocks of BLOCK_BYTES joined from the chunks (router.heap's reason)."""
+    chunk = bytes(range(256)) * 4096  # 1 MiB
+    pieces = [chunk[i : i + 70_001] for i in range(0, len(chunk), 70_001)] * 3
+    body = read(scripted(*pieces), None, Reservation(BodyBudget(4 << 20)), max_bytes=4 << 20,
+                min_rate=1e9)
+    assert body == chunk * 3
+
+
+def test_the_heap_is_trimmed_only_once_tuned() -> None:
+    from router import heap
+
+    heap.released(1 << 30)  # not tuned (tests): nothing happens
+    assert heap._libc is None and not heap._scheduled

@@ -190,3 +190,40 @@ def test_a_replica_that_cannot_be_connected_to_is_retried_on_another() -> None:
             await good.stop()
 
     run(scenario())
+
+
+class HeaderReplica(LocalServer):
+    """A real aiohttp replica that records the headers of each request."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+        super().__init__(web.post("/v1/completions", self._handle))
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        return web.json_response({"object": "text_completion"})
+
+
+def test_headers_the_connection_header_names_are_not_forwarded() -> None:
+    """RFC 9110 7.6.1: a header named in ``Connection`` is for that hop only."""
+
+    async def scenario() -> None:
+        replica = HeaderReplica()
+        address = await replica.start()
+        try:
+            async with in_process_router(
+                RouterSettings(activation=False, replica_concurrency=4)
+            ) as app:
+                app.state.table.set_endpoints("m", [address])
+                sent = [(b"connection", b"keep-alive, X-Hop ,x-other"), (b"x-hop", b"1"),
+                        (b"x-other", b"2"), (b"x-end-to-end", b"3")]
+                status, _, _ = await asgi_post(app, {"model": "m", "prompt": "hi"},
+                                               headers=sent)
+                assert status == 200
+        finally:
+            await replica.stop()
+        got = replica.headers[0]
+        assert got["x-end-to-end"] == "3"
+        assert "x-hop" not in got and "x-other" not in got, got
+
+    run(scenario())

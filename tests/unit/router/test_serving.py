@@ -21,25 +21,36 @@ from tests.support.router_harness import run
 TIMEOUT_S = 1.0
 
 
-async def hello(scope: dict, receive, send) -> None:
-    if scope["type"] != "http":
-        return
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
+class App:
+    """Answers ``ok``; a request to ``/slow`` waits for ``release`` first. Counts
+    the requests it saw."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.seen: list[str] = []
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        self.seen.append(scope["path"])
+        if scope["path"] == "/slow":
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
 
 
 @contextlib.asynccontextmanager
-async def served() -> AsyncIterator[int]:
+async def served(app: App | None = None) -> AsyncIterator[tuple[int, uvicorn.Server]]:
     port = free_port()
-    config = uvicorn.Config(hello, host="127.0.0.1", port=port, lifespan="off",
+    config = uvicorn.Config(app or App(), host="127.0.0.1", port=port, lifespan="off",
                             http=protocol_class(TIMEOUT_S), log_config=None)
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     try:
-        yield port
+        yield port, server
     finally:
         server.should_exit = True
         await task
@@ -63,7 +74,7 @@ def status_and_error(answer: bytes) -> tuple[int, str]:
 
 def test_silent_and_slow_headers_get_408_and_fast_ones_are_served() -> None:
     async def scenario() -> None:
-        async with served() as port:
+        async with served() as (port, _):
             for start in (b"", b"GET / HTTP/1.1\r\nHost: x\r\n"):
                 answer, seconds = await exchange(port, start)
                 assert status_and_error(answer) == (408, "request_timeout"), answer
@@ -77,9 +88,102 @@ def test_silent_and_slow_headers_get_408_and_fast_ones_are_served() -> None:
 
 def test_headers_over_the_bound_get_431() -> None:
     async def scenario() -> None:
-        async with served() as port:
+        async with served() as (port, _):
             big = b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES + 1024)
             answer, _ = await exchange(port, big)
             assert status_and_error(answer) == (431, "request_header_fields_too_large")
+
+    run(scenario())
+
+
+def padded(size: int, *, close: bool = True) -> bytes:
+    """A GET whose request line and headers take exactly ``size`` bytes."""
+    start = b"GET / HTTP/1.1\r\nHost: x\r\n" + (b"Connection: close\r\n" if close else b"")
+    start += b"X-Pad: "
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+def test_the_header_bound_is_exact_whatever_the_reads() -> None:
+    """Issue 18, D1: a header section that completed in the read crossing the bound
+    was never counted (one 66,000-100,000 byte header, or 1,000 of 100 bytes, was
+    served); now it is counted before the parser sees it."""
+    many = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(
+        b"X-H%d: %s\r\n" % (i, b"v" * 90) for i in range(1000)) + b"\r\n"
+
+    async def scenario() -> None:
+        app = App()
+        async with served(app) as (port, _):
+            for request in (padded(MAX_HEADER_BYTES + 1), padded(66_000), padded(100_000),
+                            padded(130_000), many):
+                answer, _ = await exchange(port, request)
+                assert status_and_error(answer) == (431, "request_header_fields_too_large")
+            assert app.seen == []
+            answer, _ = await exchange(port, padded(MAX_HEADER_BYTES))
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
+            # Headers then a body in one write: the body is no header byte.
+            post = padded(MAX_HEADER_BYTES - 30).replace(b"GET", b"PUT", 1)
+            post = post.replace(b"Host: x\r\n", b"Host: x\r\nContent-Length: 9000\r\n", 1)
+            answer, _ = await exchange(port, post + b"b" * 9000)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+    run(scenario())
+
+
+def test_a_pipelined_request_s_headers_are_bounded_too() -> None:
+    """A request that begins inside a read after another's body is checked before
+    the app sees it."""
+
+    async def scenario() -> None:
+        app = App()
+        async with served(app) as (port, _):
+            first = b"PUT /first HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n"
+            answer, _ = await exchange(
+                port, first + b"b" * 20000 + padded(MAX_HEADER_BYTES + 1000))
+            assert answer.startswith(b"HTTP/1.1 200") and b"431" in answer, answer[:300]
+            assert app.seen == ["/first"]
+
+    run(scenario())
+
+
+def test_a_request_waiting_behind_a_long_answer_still_has_the_header_timeout() -> None:
+    """Issue 18, D2: the clock of a pipelined request ran out while the first answer
+    was being sent, and was never restarted: its headers stayed open forever."""
+
+    async def scenario() -> None:
+        app = App()
+        async with served(app) as (port, server):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.1\r\n")
+            # Held until the second request's clock has run out during the answer.
+            while not any(getattr(c, "_late_while_busy", False)
+                          for c in server.server_state.connections):
+                await asyncio.sleep(0.01)
+            app.release.set()
+            first = await reader.readuntil(b"ok")
+            assert first.startswith(b"HTTP/1.1 200"), first
+            started = time.monotonic()
+            writer.write(b"Host: x\r\n")  # cancels uvicorn's keep-alive timer
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert status_and_error(answer) == (408, "request_timeout"), answer
+            assert time.monotonic() - started < TIMEOUT_S + 2
+            assert app.seen == ["/slow"]
+
+    run(scenario())
+
+
+def test_blank_lines_between_requests_do_not_stop_the_clock() -> None:
+    """CRLFs before a request line begin no request (RFC 9112 2.2) but cancel
+    uvicorn's keep-alive timer: the header clock runs from them."""
+
+    async def scenario() -> None:
+        async with served() as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+            writer.write(b"\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert status_and_error(answer) == (408, "request_timeout"), answer
 
     run(scenario())

@@ -40,6 +40,7 @@ at most one body over the budget. Used by
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,11 @@ async def read_body(
     blocks: list[bytes] = []  # of BLOCK_BYTES or a little more
     pending: list[bytes] = []  # the chunks of the next block
     pending_bytes = size = 0
-    deadline = asyncio.get_running_loop().time() + timeout_s
+    # From time.monotonic(), not loop.time(): uvloop's loop clock is the same monotonic
+    # clock read coarsely (up to ~1 ms behind), and a deadline taken from it fired before
+    # timeout_s had passed. The loop's timer fires once its clock reaches the deadline,
+    # so never early.
+    deadline = time.monotonic() + timeout_s
     try:
         async with asyncio.timeout_at(deadline) as timer:
             while True:

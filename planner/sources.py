@@ -186,17 +186,20 @@ def outside_root(path: str, root: str) -> str | None:
     here (root/etc-link/key). Components this machine lacks are judged on their text."""
     if ".." in path.split("/"):
         return f"{path} has a '..' segment; name the file by its path under {root}"
-    problems = [_outside_one(path, one) for one in models_roots(root)]
+    roots = models_roots(root)
+    lexical = posixpath.normpath(path)
+    # Judged by the roots its text lies under; a link problem under one of them is
+    # the answer only if no other root admits it.
+    problems = [_through_a_link(path, one) for one in roots
+                if _under(lexical, posixpath.normpath(one))]
     if None in problems:
         return None
-    return problems[0] if len(problems) == 1 else \
-        f"{path} is under none of the models roots {root} ({'; '.join(problems)})"
+    if problems:
+        return problems[0]
+    return f"{path} is outside the models root{'s' if len(roots) > 1 else ''} {root}"
 
 
-def _outside_one(path: str, root: str) -> str | None:
-    lexical = posixpath.normpath(path)
-    if not _under(lexical, posixpath.normpath(root)):
-        return f"{path} is outside the models root {root}"
+def _through_a_link(path: str, root: str) -> str | None:
     real, real_root = os.path.realpath(path), os.path.realpath(root)
     if not _under(real, real_root):
         return (f"{path} leads through a link on this machine to {real}, outside the models "

@@ -116,8 +116,9 @@ def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
     above = Path(os.path.realpath(models_root)).parent
     sources = [
         ("s-outside", f"file://{outside}/m.gguf",
-         f"source: {outside}/m.gguf is outside the models root {models_root} "
-         "(LLMGW_MODELS_ROOT)"),
+         # The integration tests' roots: their temp folder and /opt/llmgw/models.
+         f"source: {outside}/m.gguf is outside the models roots "
+         f"{os.environ['LLMGW_MODELS_ROOT']} (LLMGW_MODELS_ROOT)"),
         ("s-dotdot", f"file://{models_root}/../../etc/shadow",
          f"source: {models_root}/../../etc/shadow has a '..' segment"),
         ("s-link", f"file://{models_root}/key.gguf",

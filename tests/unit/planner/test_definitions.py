@@ -376,5 +376,5 @@ def test_several_models_roots_joined_by_a_colon_each_admit_their_own(tmp_path: P
         assert load_definitions([tmp_path / f"{sub}.yaml"], models_root=roots)
     write(tmp_path, "c.yaml", VALID.format(name="c").replace(
         "file:///opt/llmgw/models/tiny.gguf", f"file://{tmp_path}/c/m.gguf"))
-    with pytest.raises(InvalidDefinitions, match="is under none of the models roots"):
+    with pytest.raises(InvalidDefinitions, match=f"is outside the models roots {roots}"):
         load_definitions([tmp_path / "c.yaml"], models_root=roots)

@@ -439,13 +439,19 @@ def llama_binary() -> Path:
     return BIN / f"llama-server-{LLAMA_SDIST.removesuffix('.tar.gz')}-{llama_build_key()}"
 
 
+def cpu_flags_line() -> str:
+    """This CPU's feature line of /proc/cpuinfo (`flags` on x86-64, `Features` on
+    aarch64), or platform.processor() where there is none."""
+    return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith(("flags", "Features"))), platform.processor())
+
+
 def llama_crash_note() -> str:
     """What goes with a llama-server crash: its build flags, and the baseline's CPU flags
     this machine lacks (x86-64)."""
     note = "\nbuild: " + " ".join(f for f in llama_cmake_flags() if f.startswith("-DGGML"))
     if machine_arch() == "x86_64":
-        have = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")), "").split())
+        have = set(cpu_flags_line().split())
         if missing := [flag for flag in LLAMA_X86_NEEDS if flag not in have]:
             note += f"\nthis CPU lacks {', '.join(missing)}, which the portable build needs"
     return note
@@ -600,9 +606,7 @@ def gemma_build() -> None:
 
 def cpu_flags_digest() -> str:
     """12 hex digits of this CPU's flags line: a proof holds for the CPU it ran on."""
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith(("flags", "Features"))), platform.processor())
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return hashlib.sha256(cpu_flags_line().encode()).hexdigest()[:12]
 
 
 def tiny_gguf() -> Path:

@@ -91,6 +91,19 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 _JWT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
 
 
+@contextmanager
+def _index_conflict() -> Iterator[None]:
+    """Nomad answers a lost EnforceIndex race with a 500 whose text starts "Enforcing
+    job modify index" (nomad/job_endpoint.go, RegisterEnforceIndexErrPrefix; Scale uses
+    the same prefix): an answer, a no, so NomadRejected rather than NomadUnavailable."""
+    try:
+        yield
+    except NomadUnavailable as exc:
+        if "Enforcing job modify index" in str(exc):
+            raise NomadRejected(str(exc)) from exc
+        raise
+
+
 def _token_shaped(token: str) -> bool:
     """Whether `token` can be a Nomad token at all: an ACL token's secret ID (a UUID)
     or a workload identity (a JWT), nomad/structs ACLToken and IdentityClaims."""
@@ -220,29 +233,30 @@ class NomadClient:
         body: dict[str, Any] = {"Job": job}
         if enforce_index is not None:
             body |= {"EnforceIndex": True, "JobModifyIndex": enforce_index}
-        try:
+        with _index_conflict():
             return self._call(NOMAD_SUBMIT_JOB, f"register job {job['ID']}",
                               lambda: self._api.job.register_job(job["ID"], body))
-        except NomadUnavailable as exc:
-            # Nomad answers a lost EnforceIndex race with a 500 whose text starts so
-            # (nomad/job_endpoint.go, RegisterEnforceIndexErrPrefix): an answer, a no.
-            if "Enforcing job modify index" in str(exc):
-                raise NomadRejected(str(exc)) from exc
-            raise
 
     def plan(self, job: Job) -> dict[str, Any]:
         """Dry-run the scheduler with a diff against the registered version."""
         return self._call(NOMAD_SUBMIT_JOB, f"plan job {job['ID']}",
                           lambda: self._api.job.plan_job(job["ID"], {"Job": job}, diff=True))
 
-    def scale(self, job_id: str, group: str, count: int, message: str) -> str | None:
+    def scale(self, job_id: str, group: str, count: int, message: str,
+              enforce_index: int | None = None) -> str | None:
         """Set a task group's count (/v1/job/:id/scale); returns the evaluation ID.
+        With `enforce_index`, only if the job's JobModifyIndex is still that one
+        (JobScaleRequest.EnforceIndex, nomad/structs/structs.go): NomadRejected otherwise.
 
         Nomad answers 400 "job scaling blocked due to active deployment" while a
         deployment runs; that arrives as NomadRejected with Nomad's words."""
-        body = {"Count": count, "Target": {"Group": group}, "Message": message}
-        answer = self._call(NOMAD_SCALE_JOB, f"scale job {job_id}", lambda: self._api.job.request(
-            job_id, "scale", json=body, method="post").json())
+        body: dict[str, Any] = {"Count": count, "Target": {"Group": group}, "Message": message}
+        if enforce_index is not None:
+            body |= {"EnforceIndex": True, "JobModifyIndex": enforce_index}
+        with _index_conflict():
+            answer = self._call(NOMAD_SCALE_JOB, f"scale job {job_id}",
+                                lambda: self._api.job.request(job_id, "scale", json=body,
+                                                              method="post").json())
         return answer.get("EvalID") or None
 
     def evaluate(self, job_id: str, force_reschedule: bool = False) -> str | None:

@@ -118,6 +118,20 @@ class StateStore:
         _, text = self._consul.get_indexed(kv_key(KVPrefix.STATE, name))
         return _document(name, text)
 
+    def read(self, name: str) -> tuple[int, StateDocument]:
+        """The model's document and its ModifyIndex (0: it has none; then the document
+        is a new one, seeded by `absent` when given, None from it reads as empty)."""
+        index, text = self._consul.get_indexed(kv_key(KVPrefix.STATE, name))
+        document = _document(name, text)
+        if index == 0 and self._absent is not None:
+            document = self._absent(document) or document
+        return index, document
+
+    def write(self, name: str, document: StateDocument, index: int) -> bool:
+        """One check-and-set of `document` at `index` (0: only if it has none), fenced
+        like every write of this store; False when another writer got there first."""
+        return self._put(kv_key(KVPrefix.STATE, name), encode(document), index)
+
     def load_all(self) -> dict[str, StateDocument]:
         """Every model's document: {name: document}."""
         states = {}

@@ -1,0 +1,137 @@
+"""The applier: the only writer of Nomad jobs and of state documents after a decision.
+
+Every command and loop of the planner that changes a model's job hands a
+`Plan` (`planner.model.transition`) to `Applier.apply`, with the
+`Observation` it was decided on. The applier:
+
+1. checks this planner still leads (when fenced: Nomad writes cannot be
+   fenced by a Consul transaction, so the check comes right before them);
+2. carries out the plan's effects in order. The one job write is checked
+   against the job as it was read: `EnforceIndex` with the observed
+   JobModifyIndex on register and scale (0: the job must not exist),
+   `EnforcePriorVersion` on revert. Nomad refusing that check means the plan
+   was decided on an answer that is no longer true: `Stale` is raised and the
+   caller observes and decides again;
+3. writes `plan.state` with one check-and-set at the observed ModifyIndex
+   (fenced by the leader's session): `Stale` again when another writer came
+   first. A Nomad write already made stays made: the next decision reads it
+   (a parked job's meta is the durable record, `planner.actions`).
+
+Effects are idempotent against Nomad by construction: a repeated plan is
+refused by its index check, never applied twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw_contract import StateDocument
+from planner.actions import parked_job, unparked_job
+from planner.errors import NomadRejected
+from planner.model.effects import (
+    Deregister,
+    Effect,
+    Evaluate,
+    Park,
+    Register,
+    Revert,
+    Scale,
+    Unpark,
+)
+from planner.model.observation import Observation
+from planner.model.transition import Plan
+from planner.nomad_client import NomadClient
+from planner.state import StateStore
+
+log = logging.getLogger("planner.applier")
+
+
+class Stale(Exception):
+    """The plan was decided on reads that are no longer true (a Nomad index check or
+    the document's check-and-set failed): observe and decide again."""
+
+
+@dataclass
+class Applied:
+    """What one plan did: the document written, and Nomad's answer to each effect (the
+    job writes' {EvalID, JobModifyIndex, ...}; {"EvalID": id} for scale and evaluate)."""
+
+    state: StateDocument
+    answers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def eval_id(self) -> str | None:
+        """The evaluation of the last effect that created one."""
+        ids = [a.get("EvalID") for a in self.answers if a.get("EvalID")]
+        return ids[-1] if ids else None
+
+
+class Applier:
+    def __init__(self, nomad: NomadClient, store: StateStore) -> None:
+        self.nomad, self.store = nomad, store
+
+    def apply(self, name: str, before: StateDocument, plan: Plan,
+              observation: Observation) -> Applied:
+        """Carry out `plan` for model `name`, decided on `before` (the document read at
+        `observation.state_index`) and `observation`. Raises Stale (nothing more done)
+        when Nomad or Consul moved since; NotLeader when deposed; NomadRejected for any
+        other refusal (e.g. "job scaling blocked due to active deployment")."""
+        applied = Applied(plan.state)
+        if plan.effects:
+            self.store.assert_leading()
+        index = observation.job_index
+        for effect in plan.effects:
+            answer = self._write(name, effect, observation, index)
+            applied.answers.append(answer)
+            index = int(answer.get("JobModifyIndex") or index)
+        if any(isinstance(e, Park | Unpark) for e in plan.effects):
+            # The parking the document caches is the job's as of this write.
+            applied.state = applied.state.model_copy(update={"job_index": index})
+        if applied.state != before and \
+                not self.store.write(name, applied.state, observation.state_index):
+            raise Stale(f"model {name}: its state document changed meanwhile")
+        for note in plan.notes:
+            log.log(note.level, "model %s: %s", name, note.text)
+        return applied
+
+    def _write(self, name: str, effect: Effect, observation: Observation,
+               index: int) -> dict[str, Any]:
+        try:
+            return self._call(name, effect, observation, index)
+        except NomadRejected as exc:
+            if _is_index_conflict(exc):
+                raise Stale(f"model {name}: {exc}") from exc
+            raise
+
+    def _call(self, name: str, effect: Effect, observation: Observation,
+              index: int) -> dict[str, Any]:
+        job = observation.job or {}
+        match effect:
+            case Park(parked=parked):
+                return self.nomad.register(parked_job(job, parked), enforce_index=index)
+            case Unpark():
+                return self.nomad.register(unparked_job(job), enforce_index=index)
+            case Register(job=new):
+                return self.nomad.register(new, enforce_index=index)
+            case Scale(group=group, count=count, words=words):
+                return {"EvalID": self.nomad.scale(name, group, count, f"llmgw: {words}",
+                                                   enforce_index=index)}
+            case Revert(version=version, prior_version=prior):
+                return self.nomad.revert(name, version, prior)
+            case Evaluate(force_reschedule=force):
+                return {"EvalID": self.nomad.evaluate(name, force_reschedule=force)}
+            case Deregister(purge=purge):
+                # Nomad's deregister takes no index (api/jobs.go, DeregisterOpts): the
+                # plan's reads were just checked by the document's CAS at the latest.
+                return self.nomad.deregister(name, purge=purge)
+        raise TypeError(f"unknown effect {effect!r}")
+
+
+def _is_index_conflict(exc: NomadRejected) -> bool:
+    """Nomad's words for a lost EnforceIndex (register, scale) or EnforcePriorVersion
+    (revert) check (nomad/job_endpoint.go)."""
+    text = str(exc)
+    return "Enforcing job modify index" in text or "enforcing version" in text.lower() \
+        or "job exists with conflicting job modify index" in text

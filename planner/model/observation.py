@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmgw_contract import ModelRecord
+from llmgw_contract import ModelRecord, Unplaceable
 
 Job = dict[str, Any]
 Allocation = dict[str, Any]
@@ -30,6 +30,9 @@ class Observation:
     allocations: tuple[Allocation, ...] = ()
     deployments: tuple[dict[str, Any], ...] = ()
     evaluation: dict[str, Any] | None = None  # the latest complete evaluation
+    # Nomad's placement answer for `evaluation` (`planner.unplaceable.answer`, which reads
+    # nodes): None when it placed everything or when there is no evaluation.
+    placement: Unplaceable | None = None
     passing: Mapping[str, int] = field(default_factory=dict)  # alloc id -> since (ns)
     stderr: Mapping[str, str] = field(default_factory=dict)  # failure key -> stderr tail
     state_index: int = 0  # Consul ModifyIndex of the document read (0: it has none)

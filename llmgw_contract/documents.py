@@ -129,14 +129,17 @@ class StateDocument(Document):
 
     The failure figures refer to `definition_hash`: a new definition starts
     them over, and failures of allocations of another definition never count.
-    Failures that ended before `counting_from_ns` (Unix ns) are history from
-    before the document existed: a document recreated after a wiped KV must
-    not count again what Nomad's task events still show.
+    A document recreated after a wiped KV takes the failures Nomad's task events
+    still show as `counted` (history), so none is counted twice.
+
+    `counting_from_ns` is retired (issue 19: it compared the planner's clock with
+    the nodes'): no longer written or read, kept so older documents and readers
+    still decode.
     """
 
     name: str
     definition_hash: str = ""
-    counting_from_ns: int = 0
+    counting_from_ns: int = 0  # retired, see above
     consecutive_failures: int = 0  # across replicas, since the last stable healthy run
     start_failures_total: int = 0  # every failure counted for this model, ever
     last_error: str | None = None

@@ -168,10 +168,9 @@ def ended(alloc: dict[str, Any], task: str, event: dict[str, Any]) -> tuple[int,
 
 
 def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailure]:
-    """Failures in `alloc` not counted yet and not older than the document (the caller
-    checks the definition)."""
-    return [f for f in start_failures(alloc)
-            if f.key not in state.counted and f.at_ns >= state.counting_from_ns]
+    """Failures in `alloc` not counted yet (the caller checks the definition and the
+    job's incarnation: `planner.model.fold`)."""
+    return [f for f in start_failures(alloc) if f.key not in state.counted]
 
 
 # One line of a last error for a table and a log (`llmgw_contract.lasterror.headline`):

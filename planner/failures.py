@@ -230,7 +230,10 @@ def judge(state: StateDocument, failure: StartFailure, stderr_tail: str, rules: 
     # count recounted old failures at the next reconcile (issue 19).
     counted = (*state.counted, failure.key)
     entry = healthy_entry(replica, failure)
-    if entry and failure.at_ns - entry >= rules.stable_after_ns:
+    # A run the stability tick already found stable (its entry and `now` both from the
+    # planner's clock) ended stable, whatever the node's clock says of its end.
+    if entry and (replica.stable_entry == entry or
+                  failure.at_ns - entry >= rules.stable_after_ns):
         return stabilize(state.model_copy(update={"counted": counted}), replica.alloc_id, entry)
     detail = error_lines(stderr_tail)
     message = failure.message

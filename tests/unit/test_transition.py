@@ -268,6 +268,22 @@ def test_a_replica_passing_for_the_stability_window_resets_the_counts() -> None:
     assert tick.state.consecutive_failures == 0 and tick.effects == ()
 
 
+def test_a_run_found_stable_by_the_tick_ends_stable_whatever_the_nodes_clock_says() -> None:
+    # The planner's clock 40 s ahead of the node's: the run passed at node time 100 s
+    # (140 s on the planner's), the tick found it stable at 260 s, and it ended at node
+    # time 230 s: 90 s after its entry by the two clocks, yet stable.
+    ahead = 40 * S
+    serving = alloc("a1", event("Started", 90))
+    seen = observed(STORED, observe(serving, passing={"a1": 100 * S + ahead}))
+    stable = decide(seen.state, observe(serving, passing={"a1": 100 * S + ahead}),
+                    Event.TICK, RULES, datetime.fromtimestamp(260, UTC))
+    [replica] = stable.state.replicas
+    assert replica.stable_entry == 100 * S + ahead
+    ended = alloc("a1", *run(90, 230), event("Restarting", 230), event("Started", 236))
+    plan = observed(stable.state, observe(ended))
+    assert plan.state.consecutive_failures == 0 and len(plan.state.counted) == 1
+
+
 # --- RETRY --------------------------------------------------------------------------------
 
 

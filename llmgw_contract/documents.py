@@ -25,11 +25,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmgw_contract.states import ActivationStatus
 
-# Bounds on the lists a state document keeps, so it never grows without end:
-# enough for every start of every replica a model has before it is parked,
-# with room for planner restarts mid-way.
-MAX_COUNTED = 64
-MAX_REPLICAS = 32
+# A replica record keeps its last healthy entries only. The other lists of a state
+# document are bounded by what Nomad shows, not by count (issue 19): `counted` keeps
+# the keys of allocations Nomad still lists, `replicas` at most the definition's
+# replicas, never dropping a live one (`planner.model.fold`).
 MAX_HEALTHY_ENTRIES = 8
 
 

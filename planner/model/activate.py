@@ -33,7 +33,7 @@ from planner.model import fold
 from planner.model.effects import Effect, Evaluate, Park, Reason, Scale
 from planner.model.observation import Observation
 
-__all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer"]
+__all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]
 
 GROUP = "server"  # the task group in planner/jobspecs/model.nomad.hcl
 
@@ -52,6 +52,12 @@ def parked_answer(state: StateDocument) -> ActivationAnswer | None:
     return ActivationAnswer(name=state.name, status=ActivationStatus.PARKED,
                             reason=parked.reason, last_error=parked.last_error,
                             since=parked.since)
+
+
+def reverting(name: str) -> ActivationAnswer:
+    """The answer while a failed update is rolled back to the version that serves."""
+    return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
+                            reason="a failed update is being rolled back")
 
 
 def _starting(allocations: tuple[dict[str, Any], ...]) -> bool:

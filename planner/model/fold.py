@@ -142,12 +142,12 @@ def fold(document: StateDocument, observation: Observation, rules: Rules,
         state = _prune(state, observation, allocs)
     state = _placement(state, observation, notes)
     effects: tuple[Effect, ...] = ()
-    if job is not None and not job.get("Stop") and not rollback:
+    if job is not None and not job.get("Stop"):
         park = _park(state, allocs, observation, rules, now, notes)
         if park is not None:
             state = state.model_copy(update={"parked": park.parked})
             effects = (park,)
-        else:
+        elif not rollback:  # Nomad reverted it itself
             effects = _revert(job, observation)
     return Folded(state, effects, tuple(notes))
 

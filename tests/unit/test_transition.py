@@ -419,3 +419,31 @@ def test_documents_stay_readable_with_records_of_any_kind() -> None:
     seeded = StateDocument(name="m", replicas=(ReplicaRecord(alloc_id="a1"),),
                            counting_from_ns=5)
     assert observed(seeded, observe(alloc("a1", event("Started", 1)))).state.replicas[0].name
+
+
+def test_the_running_definition_still_parks_while_a_rollback_stands() -> None:
+    # Nomad rolled "bad" back to "good"; then the running definition's replica fails five
+    # times, nothing serving: it parks (a standing rollback must not hide it).
+    v0 = job(definition_hash="good", Version=0, CreateIndex=10)
+    v1 = job(definition_hash="bad", Version=1, CreateIndex=10)
+    v2 = job(definition_hash="good", Version=2, CreateIndex=10)
+    record = RECORD.model_copy(update={"definition_hash": "bad"})
+    obs = observe(failing("old", 5, version=2), the_job=v2, versions=(v2, v1, v0),
+                  record=record,
+                  deployments=(deployment(0, "successful"), deployment(1, "failed")))
+    plan = observed(StateDocument(name="m", definition_hash="bad"), obs)
+    assert plan.state.update_failed is not None
+    [park] = plan.effects
+    assert isinstance(park, Park) and plan.state.definition_hash == "good"
+
+
+def test_activation_during_a_stuck_update_reverts_and_answers() -> None:
+    v1 = job(definition_hash="d1", Version=1, CreateIndex=10)
+    v0 = job(definition_hash="d0", Version=0, CreateIndex=10)
+    obs = observe(alloc("old", event("Started", 1), version=0),
+                  failing("new", 5, version=1), the_job=v1, versions=(v1, v0),
+                  passing={"old": S},
+                  deployments=(deployment(0, "cancelled"), deployment(1, "failed")))
+    plan = activated(STORED, obs)
+    assert [type(e) for e in plan.effects] == [Revert]
+    assert plan.answer is not None and plan.answer.status is ActivationStatus.SERVING

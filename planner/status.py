@@ -27,20 +27,12 @@ from llmgw_contract import (
     UsageRecord,
     service_name,
 )
+from llmgw_contract.states import ReplicaState
 from planner.actions import parked_from_job
 from planner.consul_client import ConsulClient, ServiceHealth
 from planner.failures import STABLE_AFTER_S, headline, iso
 from planner.nomad_client import Job, NomadClient, group_count
 from planner.state import StateStore
-
-
-class ReplicaState:
-    """Words for one replica in `replicas` (not a model state)."""
-
-    SERVING = "serving"
-    LOADING = "loading"
-    FAILING = "failing"  # failed starts, or crashed soon after passing; still restarted
-    STOPPED = "stopped"  # Nomad stopped restarting it (its restart attempts ran out)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ from planner.planmarkdown import error_markdown, outcomes_markdown, status_markd
 from planner.serve import PlannerNode
 from planner.settings import Settings
 from planner.state import StateStore
-from planner.status import ModelStatus, gather, model_status
+from planner.status import ModelStatus
+from planner.statusreads import gather, model_status
 from planner.unplaceable import engine_need
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should

@@ -32,10 +32,10 @@ from planner.actions import parked_from_job
 from planner.model import fold
 from planner.model.effects import Effect, Evaluate, Park, Reason, Scale
 from planner.model.observation import Observation
+from planner.vocab import GROUP, group_count
 
 __all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]
 
-GROUP = "server"  # the task group in planner/jobspecs/model.nomad.hcl
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
             name=name, status=ActivationStatus.STOPPED,
             reason="its Nomad job is not running; run `planner apply` (or `planner retry`) "
                    "first"))
-    count = fold.wanted(job)
+    count = group_count(job)
     if record.idle_after is None and count == 0:
         return Activated(state, answer=ActivationAnswer(
             name=name, status=ActivationStatus.STOPPED,

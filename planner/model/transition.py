@@ -42,6 +42,7 @@ from planner.failures import Rules, due_stable, stabilize
 from planner.model import activate, fold, retry
 from planner.model.effects import Effect, Park, Reason, Scale
 from planner.model.observation import Observation
+from planner.vocab import GROUP, group_count
 
 
 class Event(StrEnum):
@@ -135,7 +136,7 @@ def _idle(observation: Observation) -> tuple[Effect, ...]:
     """Scale an on-demand model's running job to 0 (the idle rule is `planner.idle`)."""
     record, job = observation.record, observation.job
     if record is None or record.idle_after is None or job is None or job.get("Stop") or \
-            fold.wanted(job) == 0:
+            group_count(job) == 0:
         return ()
     return (Scale(Reason.IDLE, f"idle: no request for {record.idle_after} s",
-                  group=activate.GROUP, count=0),)
+                  group=GROUP, count=0),)

@@ -38,7 +38,7 @@ from enum import StrEnum
 
 from llmgw_contract import ActivationAnswer, StateDocument
 from planner.errors import Rejected
-from planner.failures import Rules, due_stable, stabilize
+from planner.failures import Rules, due_stable, headline, stabilize
 from planner.model import activate, fold, retry
 from planner.model.effects import Effect, Park, Reason, Scale
 from planner.model.observation import Observation
@@ -109,7 +109,11 @@ def decide(document: StateDocument, observation: Observation, event: Event, rule
         if folded.effects:  # a stuck update's revert: the one job write of this plan
             return Plan(folded.state, folded.effects, notes,
                         answer=activated.answer or activate.reverting(observation.name))
-        return Plan(activated.state, activated.effects, notes, answer=activated.answer)
+        plan = Plan(activated.state, activated.effects, notes, answer=activated.answer)
+        if activated.state.parked is not None and folded.state.parked is None:
+            plan = plan.note(f"parked ({activated.state.parked.reason}); last error: "
+                             f"{headline(activated.state.last_error)}", logging.ERROR)
+        return plan
     if event is Event.IDLE:
         if folded.effects:
             return Plan(folded.state, folded.effects, notes)

@@ -389,12 +389,14 @@ def test_activation_parks_at_once_when_nomad_stopped_every_replica() -> None:
     plan = activated(four, observe(failing(starts=5)))
     [park] = plan.effects
     assert isinstance(park, Park) and plan.state.parked == park.parked
+    assert any(n.text.startswith("parked (") for n in plan.notes)
     assert plan.answer is not None and plan.answer.status is ActivationStatus.PARKED
     # Even with failures never counted (a lost document): parked, not started again.
     lost = observed(StateDocument(name="m"), observe(failing(), state_index=0)).state
     plan = activated(lost, observe(failing()))
     [park] = plan.effects
     assert isinstance(park, Park) and park.reason is Reason.ALL_STOPPED
+    assert any(n.text.startswith("parked (every replica stopped") for n in plan.notes)
 
 
 def test_activation_of_a_model_never_applied_is_refused() -> None:

@@ -1,6 +1,7 @@
 """A property test of planner.model.transition.decide against a small simulated Nomad.
 
-The simulation (`SimNomad`) is a job of one always-on model with 1 or 2 replicas:
+The simulation (`SimNomad`) is a job of one model (always on, or on demand: scaled to
+0 when idle, up again on a request) with 1 or 2 replicas:
 each start of an allocation fails or passes (bad definitions always fail, good ones
 always pass, flaky ones fail their first k starts), Nomad restarts a failed task in
 place until its 5th start (planner/jobspecs/model.nomad.hcl: restart attempts = 4)
@@ -16,8 +17,8 @@ check-and-set at the observed index). The planner's clock runs ahead of the node
 
 Invariants:
 - at most 5 starts (park_after) per replica of a definition between its resets (a park,
-  a retry, the apply that brought it), i.e. nothing but `planner retry` ever places a
-  replica Nomad stopped after its restart attempts;
+  a retry, the apply that brought it, a scale-up a request asked for), i.e. nothing but
+  `planner retry` ever places again a replica Nomad stopped after its restart attempts;
 - a `Park` is decided only when no replica of the current definition passes in what
   was observed, and a forced reschedule only by RETRY;
 - at rest (Nomad done, a fresh observation decided and applied until nothing changes),
@@ -42,6 +43,7 @@ from planner.failures import Rules
 from planner.model.effects import Effect, Evaluate, Park, Revert, Scale, Unpark
 from planner.model.observation import Observation
 from planner.model.transition import Event, Plan, decide
+from planner.vocab import group_count
 from tests.support.nomad_mock import TASK, S, event, job
 
 RULES = Rules(park_after=5, stable_after_ns=120 * S)
@@ -60,7 +62,8 @@ class SimAlloc:
 class SimNomad:
     rng: random.Random
     count: int
-    skew_s: float  # how far the planner's clock runs ahead of the nodes'
+    skew_s: float
+    on_demand: bool = False  # how far the planner's clock runs ahead of the nodes'
     index: int = 100
     t: float = 1_000.0  # the nodes' clock, seconds
     kinds: dict[str, int] = field(default_factory=dict)  # definition -> failing starts
@@ -106,7 +109,8 @@ class SimNomad:
         """`planner apply` of a new definition: record, document kept, job registered."""
         definition = f"d{len(self.kinds)}"
         self.kinds[definition] = kind
-        self.record = ModelRecord(name="m", definition_hash=definition, replicas=self.count)
+        self.record = ModelRecord(name="m", definition_hash=definition, replicas=self.count,
+                                  on_demand={"idle_after": 600} if self.on_demand else None)
         if self.doc_index == 0:
             self.doc_index = self._next()  # apply creates a new model's document
         base = unparked_job(self.job) if self.job else job(count=self.count)
@@ -162,8 +166,12 @@ class SimNomad:
                 sim.data["DesiredStatus"] = "stop"
         wanted = [s for s in self.allocs.values() if s.data["DesiredStatus"] == "run"
                   and not s.data.get("NextAllocation")]
+        count = group_count(self.job)
+        for sim in wanted:
+            if int(sim.data["Name"][-2]) >= count:
+                self._stop(sim)  # scaled down
         taken = {int(s.data["Name"][-2]) for s in wanted}
-        for slot in range(self.count):
+        for slot in range(count):
             if slot not in taken:
                 self._place(slot)
 
@@ -247,6 +255,9 @@ class SimNomad:
         elif isinstance(effect, Scale):
             groups = [{**g, "Count": effect.count} for g in read["TaskGroups"]]
             self.register({**read, "TaskGroups": groups})
+            if effect.count:  # new placements a request asked for, each with its restarts
+                for definition in self.starts_since_reset:
+                    self.starts_since_reset[definition] = 0
         else:
             raise AssertionError(f"no such effect in these runs: {effect!r}")
         return True
@@ -290,18 +301,18 @@ def _document_at(sim: SimNomad, observation: Observation) -> StateDocument:
 
 OPS = st.sampled_from(["progress", "progress", "nomad", "observe", "observe", "stale",
                        "duplicate", "snapshot", "tick", "retry", "activate", "apply",
-                       "wipe"])
+                       "wipe", "idle"])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32), count=st.integers(1, 2),
+@given(seed=st.integers(0, 2**32), count=st.integers(1, 2), on_demand=st.booleans(),
        skew=st.sampled_from([0.0, 40.0, 86_400.0 * 365]),
        first=st.sampled_from([STARTS, 0, -1]),
        ops=st.lists(st.tuples(OPS, st.integers(0, 10**6)), min_size=5, max_size=60))
 def test_decide_keeps_its_promises_in_any_order_of_events(
-        seed: int, count: int, skew: float, first: int,
+        seed: int, count: int, on_demand: bool, skew: float, first: int,
         ops: list[tuple[str, int]]) -> None:
-    sim = SimNomad(random.Random(seed), count, skew)
+    sim = SimNomad(random.Random(seed), count, skew, on_demand)
     sim.apply(first)
     snapshots: list[Observation] = []
     last: tuple[Event, Observation] | None = None
@@ -331,6 +342,8 @@ def test_decide_keeps_its_promises_in_any_order_of_events(
             step(sim, Event.RETRY, remember(sim.observe()))
         elif op == "activate":
             step(sim, Event.ACTIVATE, remember(sim.observe()))
+        elif op == "idle":  # the idle scaler found it unused (decide scales on-demand ones)
+            step(sim, Event.IDLE, remember(sim.observe()))
         elif op == "apply":
             sim.apply([STARTS, 0, -1][arg % 3])
         elif op == "wipe":  # `consul kv delete -recurse llmgw/state/`: the document lost

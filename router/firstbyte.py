@@ -1,37 +1,46 @@
-"""The first-byte timeout: a replica that sends nothing in time is asked whether it is alive.
+"""Waiting for a replica's first byte: a dead replica is given up fast, a busy one never.
 
 Why not a plain timeout on the response headers: llama-server sends a
-non-streaming answer's headers only when the generation has ended, so a
-60 s cap on the first byte would cut every generation longer than a minute
-(and, retried, run it twice). A wedged replica and a busy one look the same
-from the request; they differ in whether the server's inference loop still
-answers. ``GET /slots`` is served through that loop (llama-server posts it to
-its task queue, tools/server in llama.cpp), unlike ``/health``, which its HTTP
-thread answers even when the loop is stuck. So:
+non-streaming answer's headers only when the generation has ended, and a
+stream's only once its first token is out, so a cap on the first byte would
+cut every long generation (and, retried, run it twice). A wedged replica and a
+busy one look the same from the request. Two questions tell them apart, each
+answered by a different part of llama-server (llama.cpp tools/server, the
+build the bootstrap pins: ``server.cpp`` routes, ``server-context.cpp``
+handlers):
 
-- :data:`probe window <probe_window_s>` before the first-byte deadline the
-  router sends ``GET /slots`` to the replica on its control session, with that
-  window as its timeout;
-- any HTTP answer (``200``; ``501`` from a server started with ``--no-slots``;
-  ``401`` behind an API key) proves the replica is alive: the request keeps
-  waiting, with a new first-byte deadline from the answer (so the replica is
-  asked again every timeout minus the window), until the headers come or the
-  long silence timeout (``upstream_read_timeout_s``) ends it; requests
-  waiting on the same replica share one question, and an answer younger than
-  the window serves them all;
-- no answer within the window: the request is cancelled at the first-byte
-  deadline (:attr:`FirstByteWatch.expired`), the proxy counts it against the
-  replica (:mod:`router.outliers`) and, since nothing went to the client yet,
-  tries another replica (:mod:`router.proxy`).
+- **Is its HTTP server alive?** ``GET /health`` is answered by the HTTP
+  thread pool alone (``get_health`` touches no task queue; a pool of at least
+  slots + 4 threads, and the router keeps one free: :mod:`router.admission`),
+  so a replica busy with a long prompt answers it at once. No answer within
+  the probe window, a refused connection or a 5xx there (llama-server's 503
+  "loading" or 500 "error" state): the replica is **dead**. The request is
+  cancelled, the proxy ejects the replica at once (:mod:`router.outliers`,
+  ``liveness_failed``) and, since nothing went to the client yet, tries
+  another replica (:mod:`router.proxy`). Any other answer: the request keeps
+  waiting with a new first-byte deadline, and is asked about again every
+  timeout minus the window, until the headers come or the long silence
+  timeout (``upstream_read_timeout_s``) ends it; it is never sent again.
+- **Does its inference loop still turn?** ``GET /slots`` is posted to the
+  loop's task queue and answered between two batch steps, so its silence says
+  nothing over a window shorter than a batch step (one 8k-token step of
+  ``-b 8192 -ub 8192`` on a CPU takes minutes). While requests wait on a
+  replica whose HTTP server is alive, one ``/slots`` question at a time runs
+  with the **stall timeout** (300 s by default); unanswered, the replica is
+  **stalled**: a warning in the log and an ejection with reason ``stalled``,
+  so new requests go elsewhere. The requests waiting on it are neither cut
+  nor sent again (it may still run them); the silence timeout ends them.
 
-So a request never waits longer than the first-byte timeout on a replica that
-accepts connections and never answers (case C21), and a long generation on a
-healthy one is never cut. A ``--no-slots`` replica whose loop is stuck is not
-caught this way; its silence timeout still ends the request.
+Defaults (:mod:`router.settings`): a first-byte timeout of 10 s, so the
+probe starts 5 s after the request went out and a replica that accepts
+connections and never answers costs that one request at most 10 s (plus a
+sweep's tick) before another replica answers it (case C21); after its
+ejection :mod:`router.outliers` asks ``/health`` again before sending it
+anything, so it costs no further request while it stays dead.
 
 Used only by :mod:`router.proxy`: one :class:`FirstByteWatch` per proxy, one
-:class:`Attempt` per try on a replica, one timer for them all, and a probe
-only for a request still waiting near its deadline.
+:class:`Attempt` per try on a replica, one timer for them all, and probes only
+for requests still waiting past half their timeout.
 """
 
 from __future__ import annotations
@@ -43,12 +52,15 @@ from collections.abc import Callable
 import aiohttp
 
 from router.balancer import Endpoint
+from router.outliers import Failure
 
 log = logging.getLogger(__name__)
 
-PROBE_PATH = "/slots"
-# The probe's share of the first-byte timeout: long enough for a busy replica
-# to answer between two decoding steps, short enough to leave the rest to it.
+# Answered by llama-server's HTTP thread (alive), and by its inference loop (turning).
+HEALTH_PATH = "/health"
+LOOP_PATH = "/slots"
+# The probe's share of the first-byte timeout: ample for an HTTP thread's answer
+# on a loaded node, and it leaves the rest to the replica.
 MAX_PROBE_WINDOW_S = 5.0
 
 
@@ -59,30 +71,64 @@ def probe_window_s(first_byte_timeout_s: float) -> float:
 
 
 async def alive(session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: float) -> bool:
-    """``True`` when ``endpoint`` answers ``GET /slots`` (any status) within ``timeout_s``."""
+    """``True`` when ``endpoint`` answers ``GET /health`` within ``timeout_s`` with a
+    status below 500 (llama-server answers 200; 503 while loading, 500 in its error
+    state: both mean it serves nothing)."""
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.get(endpoint.url(PROBE_PATH), timeout=timeout) as response:
+        async with session.get(endpoint.url(HEALTH_PATH), timeout=timeout) as response:
             await response.read()
-            return True
+            return response.status < 500
     except (aiohttp.ClientError, TimeoutError):
         return False
 
 
+async def loop_turns(
+    session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: float
+) -> bool | None:
+    """``True`` when ``endpoint`` answers ``GET /slots`` (any status: ``501`` from a
+    ``--no-slots`` server proves nothing, but says nothing against it either) within
+    ``timeout_s``; ``False`` when it stays silent; ``None`` when the connection
+    failed (a question for :func:`alive`, not this one)."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(endpoint.url(LOOP_PATH), timeout=timeout) as response:
+            await response.read()
+            return True
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+        return None
+    except TimeoutError:
+        return False
+    except aiohttp.ClientError:
+        return None
+
+
 class Attempt:
-    """One request waiting for a replica's first byte (see :class:`FirstByteWatch`)."""
+    """One request waiting for a replica's first byte (see :class:`FirstByteWatch`).
 
-    __slots__ = ("deadline", "endpoint", "expired", "probe_at", "probing", "task")
+    ``owner`` is the proxy's, handed back to its stall callback (the model entry)."""
 
-    def __init__(self, task: asyncio.Task[object] | None, endpoint: Endpoint, now: float,
-                 timeout_s: float, window_s: float) -> None:  # fmt: skip
+    __slots__ = (
+        "deadline", "endpoint", "expired", "heard", "owner", "probe_at", "probing", "task",
+    )  # fmt: skip
+
+    def __init__(self, task: asyncio.Task[object] | None, endpoint: Endpoint, owner: object,
+                 now: float, timeout_s: float, window_s: float) -> None:  # fmt: skip
         self.task = task
         self.endpoint = endpoint
+        self.owner = owner
         self.deadline = now + timeout_s
         self.probe_at = self.deadline - window_s
         self.probing = False
+        # Its replica answered /health at least once while it waited: from then
+        # on the loop question (stall) runs for it.
+        self.heard = False
         # Set when the watch cancelled the task: the proxy then retries elsewhere.
         self.expired = False
+
+
+Stalled = Callable[[Attempt], None]
+"""Told, once per stall, one attempt waiting on a replica whose loop stopped answering."""
 
 
 class FirstByteWatch:
@@ -95,15 +141,23 @@ class FirstByteWatch:
     and its timeout is what is left to the deadline.
 
     ``session`` returns the control session the probes go on (``None``: no probe,
-    a plain timeout). :meth:`start` before sending, :meth:`stop` once the
-    headers came or the attempt failed; :meth:`close` cancels probes (shutdown).
+    a plain timeout). ``stall_timeout_s`` bounds the loop question and
+    ``stalled`` hears of one unanswered (see the module's docstring).
+    :meth:`start` before sending, :meth:`stop` once the headers came or the
+    attempt failed; :meth:`close` cancels probes (shutdown).
     """
 
     def __init__(
-        self, session: Callable[[], aiohttp.ClientSession | None], timeout_s: float
+        self,
+        session: Callable[[], aiohttp.ClientSession | None],
+        timeout_s: float,
+        stall_timeout_s: float = 300.0,
+        stalled: Stalled | None = None,
     ) -> None:
         self._session = session
         self.timeout_s = timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._stalled = stalled
         self._window_s = probe_window_s(timeout_s)
         self._tick_s = self._window_s / 4
         self._waiting: dict[Attempt, None] = {}
@@ -113,12 +167,15 @@ class FirstByteWatch:
         # on it; an answer younger than the window serves every request's turn.
         self._asking: dict[Endpoint, asyncio.Task[bool]] = {}
         self._answered: dict[Endpoint, float] = {}
+        # One loop question per replica at a time, and when its loop last answered.
+        self._looping: dict[Endpoint, asyncio.Task[None]] = {}
+        self._turned: dict[Endpoint, float] = {}
 
-    def start(self, endpoint: Endpoint) -> Attempt:
+    def start(self, endpoint: Endpoint, owner: object = None) -> Attempt:
         """Watch the current task's attempt on ``endpoint``."""
         loop = asyncio.get_running_loop()
         attempt = Attempt(
-            asyncio.current_task(), endpoint, loop.time(), self.timeout_s, self._window_s
+            asyncio.current_task(), endpoint, owner, loop.time(), self.timeout_s, self._window_s
         )
         self._waiting[attempt] = None
         if self._timer is None:
@@ -137,6 +194,10 @@ class FirstByteWatch:
             stale = [e for e, at in self._answered.items() if now - at >= self._window_s]
             for endpoint in stale:
                 del self._answered[endpoint]
+        if self._turned:
+            stale = [e for e, at in self._turned.items() if now - at >= self._window_s]
+            for endpoint in stale:
+                del self._turned[endpoint]
         if not self._waiting:
             return
         for attempt in self._waiting:
@@ -146,10 +207,18 @@ class FirstByteWatch:
                 # window: a sweep that ran late must not make an alive replica
                 # look dead.
                 timeout_s = max(attempt.deadline - now, self._window_s / 2)
-                probe = loop.create_task(self._probe(attempt, timeout_s))
-                self._probes.add(probe)
-                probe.add_done_callback(self._probes.discard)
+                self._spawn(self._probe(attempt, timeout_s))
+            endpoint = attempt.endpoint
+            if attempt.heard and endpoint not in self._looping and endpoint not in self._turned:
+                task = self._spawn(self._ask_loop(endpoint))
+                self._looping[endpoint] = task
         self._timer = loop.call_later(self._tick_s, self._sweep)
+
+    def _spawn(self, coroutine: object) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+        return task
 
     async def _alive(self, endpoint: Endpoint, timeout_s: float) -> bool:
         asking = self._asking.get(endpoint)
@@ -179,9 +248,10 @@ class FirstByteWatch:
                 log.debug(
                     "replica %s: no first byte yet, but it answers %s: still waiting",
                     attempt.endpoint.base_url,
-                    PROBE_PATH,
+                    HEALTH_PATH,
                 )
                 now = loop.time()
+                attempt.heard = True
                 attempt.deadline = now + self.timeout_s
                 attempt.probe_at = attempt.deadline - self._window_s
                 attempt.probing = False
@@ -190,6 +260,42 @@ class FirstByteWatch:
             self._waiting.pop(attempt, None)
             attempt.expired = True
             attempt.task.cancel()
+
+    async def _ask_loop(self, endpoint: Endpoint) -> None:
+        try:
+            session = self._session()
+            if session is None:
+                return
+            turns = await loop_turns(session, endpoint, self.stall_timeout_s)
+            if turns:
+                self._turned[endpoint] = asyncio.get_running_loop().time()
+                return
+            if turns is None or self._stalled is None:
+                return
+            waiting = [a for a in self._waiting if a.endpoint is endpoint]
+            if waiting:
+                log.warning(
+                    "replica %s: its HTTP server answers %s, but its inference loop answered "
+                    "no %s for %g s while %d request(s) waited on it: stalled",
+                    endpoint.base_url,
+                    HEALTH_PATH,
+                    LOOP_PATH,
+                    self.stall_timeout_s,
+                    len(waiting),
+                )
+                self._stalled(waiting[0])
+        finally:
+            self._looping.pop(endpoint, None)
+
+    async def check(self, endpoint: Endpoint, failure: Failure) -> bool:
+        """Ask a replica ejected for ``failure`` the question it failed, within the
+        probe window (:attr:`router.outliers.OutlierDetector.check`)."""
+        session = self._session()
+        if session is None:
+            return True
+        if failure is Failure.STALLED:
+            return bool(await loop_turns(session, endpoint, self._window_s))
+        return await alive(session, endpoint, self._window_s)
 
     async def close(self) -> None:
         """Stop the sweep and cancel probes in flight."""

@@ -21,15 +21,22 @@ handlers):
   waiting with a new first-byte deadline, and is asked about again every
   timeout minus the window, until the headers come or the long silence
   timeout (``upstream_read_timeout_s``) ends it; it is never sent again.
-- **Does its inference loop still turn?** ``GET /slots`` is posted to the
-  loop's task queue and answered between two batch steps, so its silence says
-  nothing over a window shorter than a batch step (one 8k-token step of
-  ``-b 8192 -ub 8192`` on a CPU takes minutes). While requests wait on a
-  replica whose HTTP server is alive, one ``/slots`` question at a time runs
-  with the **stall timeout** (300 s by default); unanswered, the replica is
-  **stalled**: a warning in the log and an ejection with reason ``stalled``,
-  so new requests go elsewhere. The requests waiting on it are neither cut
-  nor sent again (it may still run them); the silence timeout ends them.
+- **Does its inference loop still make progress?** Not a question of
+  answering: the pinned llama.cpp answers ``/slots`` and ``/metrics`` from its
+  queue's worker even while a batch step runs (``yield_to_queue``; measured
+  1-8 ms into a 27 s prompt step), so a decode stuck forever answers them too.
+  What a stuck loop cannot do is count: while requests wait on a replica
+  whose HTTP server is alive, its ``GET /metrics`` (the planner starts every
+  replica with ``--metrics``) is read once a probe window, and its work
+  counters (``llamacpp:n_decode_total``, ``prompt_tokens_total``,
+  ``tokens_predicted_total``) are compared. Unchanged for the **stall
+  timeout** (300 s by default: longer than one batch step, and one 8k-token
+  step of ``-b 8192 -ub 8192`` on a CPU takes minutes, during which nothing
+  counts) while requests kept waiting, the replica is **stalled**: a warning
+  in the log and an ejection with reason ``stalled``, so new requests go
+  elsewhere. The requests waiting on it are neither cut nor sent again (it
+  may still run them); the silence timeout ends them. A replica without
+  ``/metrics`` (501) is not judged.
 
 Defaults (:mod:`router.settings`): a first-byte timeout of 10 s, so the
 probe starts 5 s after the request went out and a replica that accepts
@@ -56,9 +63,15 @@ from router.outliers import Failure
 
 log = logging.getLogger(__name__)
 
-# Answered by llama-server's HTTP thread (alive), and by its inference loop (turning).
+# Answered by llama-server's HTTP thread (alive); its work counters (progress).
 HEALTH_PATH = "/health"
-LOOP_PATH = "/slots"
+METRICS_PATH = "/metrics"
+# The counters that move with every batch step (llama.cpp server_task_result_metrics).
+PROGRESS_COUNTERS = (
+    b"llamacpp:n_decode_total",
+    b"llamacpp:prompt_tokens_total",
+    b"llamacpp:tokens_predicted_total",
+)
 # The probe's share of the first-byte timeout: ample for an HTTP thread's answer
 # on a loaded node, and it leaves the rest to the replica.
 MAX_PROBE_WINDOW_S = 5.0
@@ -83,24 +96,48 @@ async def alive(session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: f
         return False
 
 
-async def loop_turns(
+Progress = tuple[bytes, ...]
+"""A replica's work counters, as the text of their values (only equality matters)."""
+
+
+def progress_of(text: bytes) -> Progress:
+    """The :data:`PROGRESS_COUNTERS` in a ``/metrics`` answer, in that order (empty
+    when it has none of them)."""
+    values = dict.fromkeys(PROGRESS_COUNTERS, b"")
+    for line in text.splitlines():
+        name, _, value = line.partition(b" ")
+        if name in values:
+            values[name] = value.strip()
+    return tuple(values.values()) if any(values.values()) else ()
+
+
+async def progress(
     session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: float
-) -> bool | None:
-    """``True`` when ``endpoint`` answers ``GET /slots`` (any status: ``501`` from a
-    ``--no-slots`` server proves nothing, but says nothing against it either) within
-    ``timeout_s``; ``False`` when it stays silent; ``None`` when the connection
-    failed (a question for :func:`alive`, not this one)."""
+) -> Progress | None:
+    """``endpoint``'s work counters (:func:`progress_of`); ``()`` when it answered
+    without them (``/metrics`` off: 501) or the connection failed (a question for
+    :func:`alive`); ``None`` when it did not answer within ``timeout_s``."""
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.get(endpoint.url(LOOP_PATH), timeout=timeout) as response:
-            await response.read()
-            return True
+        async with session.get(endpoint.url(METRICS_PATH), timeout=timeout) as response:
+            text = await response.read()
+            return progress_of(text) if response.status == 200 else ()
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-        return None
+        return ()
     except TimeoutError:
-        return False
-    except aiohttp.ClientError:
         return None
+    except aiohttp.ClientError:
+        return ()
+
+
+class Tally:
+    """One replica's last counters and since when they have not changed."""
+
+    __slots__ = ("progress", "since")
+
+    def __init__(self, value: Progress | None, now: float) -> None:
+        self.progress = value
+        self.since = now
 
 
 class Attempt:
@@ -121,7 +158,7 @@ class Attempt:
         self.probe_at = self.deadline - window_s
         self.probing = False
         # Its replica answered /health at least once while it waited: from then
-        # on the loop question (stall) runs for it.
+        # on its progress is watched (stall).
         self.heard = False
         # Set when the watch cancelled the task: the proxy then retries elsewhere.
         self.expired = False
@@ -141,8 +178,8 @@ class FirstByteWatch:
     and its timeout is what is left to the deadline.
 
     ``session`` returns the control session the probes go on (``None``: no probe,
-    a plain timeout). ``stall_timeout_s`` bounds the loop question and
-    ``stalled`` hears of one unanswered (see the module's docstring).
+    a plain timeout). ``stalled`` hears of a replica whose counters stood still
+    for ``stall_timeout_s`` while requests waited (see the module's docstring).
     :meth:`start` before sending, :meth:`stop` once the headers came or the
     attempt failed; :meth:`close` cancels probes (shutdown).
     """
@@ -167,9 +204,12 @@ class FirstByteWatch:
         # on it; an answer younger than the window serves every request's turn.
         self._asking: dict[Endpoint, asyncio.Task[bool]] = {}
         self._answered: dict[Endpoint, float] = {}
-        # One loop question per replica at a time, and when its loop last answered.
-        self._looping: dict[Endpoint, asyncio.Task[None]] = {}
-        self._turned: dict[Endpoint, float] = {}
+        # Progress, per replica that requests wait on: one read at a time, at most
+        # one a window, and the counters at a stall (compared when it returns).
+        self._reading: dict[Endpoint, asyncio.Task[None]] = {}
+        self._read_at: dict[Endpoint, float] = {}
+        self._tallies: dict[Endpoint, Tally] = {}
+        self._stalled_at: dict[Endpoint, Progress | None] = {}
 
     def start(self, endpoint: Endpoint, owner: object = None) -> Attempt:
         """Watch the current task's attempt on ``endpoint``."""
@@ -194,12 +234,22 @@ class FirstByteWatch:
             stale = [e for e, at in self._answered.items() if now - at >= self._window_s]
             for endpoint in stale:
                 del self._answered[endpoint]
-        if self._turned:
-            stale = [e for e, at in self._turned.items() if now - at >= self._window_s]
-            for endpoint in stale:
-                del self._turned[endpoint]
+        watched = {a.endpoint for a in self._waiting if a.heard}
+        if len(watched) != len(self._tallies) or not watched.issuperset(self._tallies):
+            # A replica nobody waits on any more: its stall window starts afresh.
+            for endpoint in [e for e in self._tallies if e not in watched]:
+                del self._tallies[endpoint]
+        if len(self._read_at) > len(watched):
+            for endpoint in [e for e in self._read_at if e not in watched]:
+                del self._read_at[endpoint]
         if not self._waiting:
             return
+        for endpoint in watched:
+            if endpoint not in self._reading and now - self._read_at.get(
+                endpoint, -self._window_s
+            ) >= self._window_s:
+                self._read_at[endpoint] = now
+                self._reading[endpoint] = self._spawn(self._read_progress(endpoint))
         for attempt in self._waiting:
             if not attempt.probing and now >= attempt.probe_at:
                 attempt.probing = True
@@ -208,10 +258,6 @@ class FirstByteWatch:
                 # look dead.
                 timeout_s = max(attempt.deadline - now, self._window_s / 2)
                 self._spawn(self._probe(attempt, timeout_s))
-            endpoint = attempt.endpoint
-            if attempt.heard and endpoint not in self._looping and endpoint not in self._turned:
-                task = self._spawn(self._ask_loop(endpoint))
-                self._looping[endpoint] = task
         self._timer = loop.call_later(self._tick_s, self._sweep)
 
     def _spawn(self, coroutine: object) -> asyncio.Task[None]:
@@ -261,41 +307,55 @@ class FirstByteWatch:
             attempt.expired = True
             attempt.task.cancel()
 
-    async def _ask_loop(self, endpoint: Endpoint) -> None:
+    async def _read_progress(self, endpoint: Endpoint) -> None:
         try:
             session = self._session()
             if session is None:
                 return
-            turns = await loop_turns(session, endpoint, self.stall_timeout_s)
-            if turns:
-                self._turned[endpoint] = asyncio.get_running_loop().time()
+            value = await progress(session, endpoint, self._window_s)
+            now = asyncio.get_running_loop().time()
+            tally = self._tallies.get(endpoint)
+            if value == ():
+                self._tallies.pop(endpoint, None)  # nothing to judge by
                 return
-            if turns is None or self._stalled is None:
+            if tally is None or (value is not None and value != tally.progress):
+                self._tallies[endpoint] = Tally(value, now)
                 return
-            waiting = [a for a in self._waiting if a.endpoint is endpoint]
-            if waiting:
-                log.warning(
-                    "replica %s: its HTTP server answers %s, but its inference loop answered "
-                    "no %s for %g s while %d request(s) waited on it: stalled",
-                    endpoint.base_url,
-                    HEALTH_PATH,
-                    LOOP_PATH,
-                    self.stall_timeout_s,
-                    len(waiting),
-                )
-                self._stalled(waiting[0])
+            if now - tally.since < self.stall_timeout_s:
+                return
+            waiting = [a for a in self._waiting if a.endpoint is endpoint and a.heard]
+            tally.since = now  # told once a stall timeout, not once a read
+            if not waiting or self._stalled is None:
+                return
+            log.warning(
+                "replica %s: its HTTP server answers %s, but its work counters (%s) have "
+                "not moved for %g s while %d request(s) waited on it: inference loop stalled",
+                endpoint.base_url,
+                HEALTH_PATH,
+                METRICS_PATH,
+                self.stall_timeout_s,
+                len(waiting),
+            )
+            self._stalled_at[endpoint] = tally.progress
+            self._stalled(waiting[0])
         finally:
-            self._looping.pop(endpoint, None)
+            self._reading.pop(endpoint, None)
 
     async def check(self, endpoint: Endpoint, failure: Failure) -> bool:
         """Ask a replica ejected for ``failure`` the question it failed, within the
-        probe window (:attr:`router.outliers.OutlierDetector.check`)."""
+        probe window (:attr:`router.outliers.OutlierDetector.check`): a dead one
+        must answer ``/health``; a stalled one must have counted since, unless the
+        router has no request on it any more (an idle replica counts nothing)."""
         session = self._session()
         if session is None:
             return True
-        if failure is Failure.STALLED:
-            return bool(await loop_turns(session, endpoint, self._window_s))
-        return await alive(session, endpoint, self._window_s)
+        if failure is not Failure.STALLED:
+            return await alive(session, endpoint, self._window_s)
+        before = self._stalled_at.pop(endpoint, None)
+        if endpoint.inflight == 0:
+            return True
+        now = await progress(session, endpoint, self._window_s)
+        return now == () or (now is not None and now != before)
 
     async def close(self) -> None:
         """Stop the sweep and cancel probes in flight."""

@@ -26,8 +26,9 @@ clean record):
 - an ejection lasts ``base_ejection_s`` x the times it was ejected in a row
   (30 s, 60 s, 90 s ..., at most ``max_ejection_s``, 300 s); then, given a
   ``check`` (the proxy's: :meth:`router.firstbyte.FirstByteWatch.check`), it is
-  asked the question it failed (``/health`` for a dead one, ``/slots`` for a
-  stalled one, within the probe window) before any request goes to it: still
+  asked the question it failed (``/health`` for a dead one; for a stalled one
+  with requests still on it, whether its work counters moved) before any
+  request goes to it: still
   failing, it is ejected again for longer, so a replica that stays dead costs
   no request after the first; passing, or without a check, it returns **on
   probation**: its first failure ejects it again for longer, its
@@ -71,7 +72,7 @@ class Failure(StrEnum):
     CONNECT = "connect_error"
     # No first byte, and /health unanswered (or 5xx): ejected at once.
     DEAD = "liveness_failed"
-    # /health answered, /slots not for the stall timeout: ejected at once.
+    # /health answered, its work counters still for the stall timeout: ejected at once.
     STALLED = "stalled"
     HTTP_5XX = "http_5xx"
 

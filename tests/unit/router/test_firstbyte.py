@@ -1,12 +1,12 @@
 """Dead fast, busy never (router.firstbyte, router.outliers), through the proxy, against
 real aiohttp replicas on 127.0.0.1.
 
-The replicas are FAKES of llama-server's two answering parts, because a real one
-cannot be made to hold its inference loop for a set time on demand: ``/health``
-(its HTTP thread: answers at once, or never for a dead replica) and ``/slots``
-(its inference loop: answers between batch steps, so after ``loop_after_s``, or
-never for a stalled loop). Their timing is llama.cpp's (tools/server:
-``get_health`` touches no task queue, ``get_slots`` posts a task and waits).
+The replicas are FAKES of llama-server's parts, because a real one cannot be made
+to hold its inference loop for a set time on demand: ``/health`` (its HTTP thread:
+answers at once, or never for a dead replica), ``/slots`` (answered between batch
+steps by older builds: after ``loop_after_s``) and ``/metrics`` (its work
+counters: moving while it works, still when ``stuck``). Their behaviour is
+llama.cpp's (tools/server: ``get_health`` touches no task queue).
 tests/integration/test_router_faults.py does the same with a real llama-server.
 """
 
@@ -45,11 +45,14 @@ class Replica(LocalServer):
         health: bool = True,
         loop_after_s: float = 0.0,
         health_status: int = 200,
+        stuck: bool = False,
     ) -> None:
         self.answer_after_s = answer_after_s
         self.health = health
         self.health_status = health_status
         self.loop_after_s = loop_after_s
+        self.stuck = stuck
+        self.decodes = 0
         self.completions = 0
         self.health_probes = 0
         self.loop_probes = 0
@@ -58,6 +61,7 @@ class Replica(LocalServer):
             web.post("/v1/completions", self._complete),
             web.get("/health", self._health),
             web.get("/slots", self._slots),
+            web.get("/metrics", self._metrics),
         )
 
     async def _hold(self, seconds: float) -> None:
@@ -80,6 +84,12 @@ class Replica(LocalServer):
         self.loop_probes += 1
         await self._hold(self.loop_after_s)
         return web.json_response([{"id": 0, "is_processing": True}])
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if not self.stuck:
+            self.decodes += 1  # working: a batch step ended since the last read
+        text = f"llamacpp:n_decode_total {self.decodes}\nllamacpp:prompt_tokens_total 7\n"
+        return web.Response(text=text, content_type="text/plain")
 
     async def stop(self) -> None:
         self.released.set()
@@ -125,12 +135,13 @@ def test_a_slow_replica_that_answers_its_health_keeps_the_request() -> None:
 
 
 def test_a_busy_replica_whose_loop_answers_late_is_never_ejected_nor_asked_twice() -> None:
-    """One batch step longer than the whole first-byte timeout: /slots answers only
-    after 3 timeouts (the old liveness probe's question would have failed twice and
-    ejected it), /health at once; the answer comes after 4."""
+    """One batch step four first-byte timeouts long: /slots (an older build's loop)
+    answers only after 3 timeouts (the old liveness probe's question would have
+    failed twice and ejected it), the work counters stand still (shorter than the
+    stall timeout), /health answers at once."""
 
     async def scenario() -> None:
-        busy = Replica(answer_after_s=4 * TIMEOUT_S, loop_after_s=3 * TIMEOUT_S)
+        busy = Replica(answer_after_s=4 * TIMEOUT_S, loop_after_s=3 * TIMEOUT_S, stuck=True)
         other = Replica(answer_after_s=0)
         await busy.start()
         await other.start()
@@ -148,7 +159,7 @@ def test_a_busy_replica_whose_loop_answers_late_is_never_ejected_nor_asked_twice
                 status, _, body = await asgi_post(app, {"model": "m"})
                 assert status == 200
                 assert busy.completions + other.completions == 2
-                assert busy.loop_probes >= 1  # the loop was asked, and waited for
+                assert busy.health_probes >= 2  # asked, and waited for
                 assert not any(ejections(router, f) for f in Failure)
         finally:
             await busy.stop()
@@ -230,12 +241,12 @@ def test_a_stalled_loop_is_found_logged_and_ejected_and_its_request_not_resent(
     caplog: object,
 ) -> None:
     async def scenario() -> None:
-        stalled = Replica(answer_after_s=NEVER, loop_after_s=NEVER)
+        stalled = Replica(answer_after_s=NEVER, loop_after_s=NEVER, stuck=True)
         good = Replica(answer_after_s=0)
         await stalled.start()
         await good.start()
         try:
-            async with in_process_router(settings(stall_timeout_s=1.0)) as app:
+            async with in_process_router(settings(stall_timeout_s=1.0, ejection_base_s=0.3)) as app:
                 router = RouterUnderTest(app, stalled)
                 router.pass_endpoint()
                 waiting = asyncio.ensure_future(asgi_post(app, {"model": "m"}))
@@ -249,6 +260,15 @@ def test_a_stalled_loop_is_found_logged_and_ejected_and_its_request_not_resent(
                 # The waiting request is neither cut nor sent elsewhere.
                 assert not waiting.done()
                 assert stalled.completions == 1 and good.completions == 1
+                # At the end of its ejection its request is still on it and its
+                # counters still stand: ejected again, before any request goes there.
+                await until(lambda: ejections(router, Failure.STALLED) >= 2)
+                # Counting again: back on probation.
+                stalled.stuck = False
+                endpoint = next(
+                    e for e in app.state.table.get("m").endpoints if e.address.port == stalled.port
+                )
+                await until(lambda: endpoint.health.probation)
                 waiting.cancel()
                 await asyncio.gather(waiting, return_exceptions=True)
         finally:
@@ -256,4 +276,22 @@ def test_a_stalled_loop_is_found_logged_and_ejected_and_its_request_not_resent(
             await good.stop()
 
     run(scenario())
-    assert "inference loop answered no /slots for 1 s" in caplog.text  # type: ignore[attr-defined]
+    assert "have not moved for 1 s while 1 request(s) waited" in caplog.text  # type: ignore[attr-defined]
+
+
+def test_a_replica_that_keeps_counting_is_never_stalled() -> None:
+    async def scenario() -> None:
+        working = Replica(answer_after_s=4 * TIMEOUT_S, loop_after_s=NEVER)
+        await working.start()
+        try:
+            async with in_process_router(settings(stall_timeout_s=TIMEOUT_S)) as app:
+                router = RouterUnderTest(app, working)
+                router.pass_endpoint()
+                status, _, _ = await asgi_post(app, {"model": "m"})
+                assert status == 200 and working.completions == 1
+                assert working.decodes >= 2  # its progress was read, and moved
+                assert not any(ejections(router, f) for f in Failure)
+        finally:
+            await working.stop()
+
+    run(scenario())

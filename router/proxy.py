@@ -11,6 +11,10 @@ past ``max_requests`` held at once, 503 ``router_overloaded``.
 - Non-streaming answers are read whole and returned with a Content-Length.
 - ``text/event-stream`` answers are relayed chunk by chunk as they arrive
   (:mod:`router.streaming`).
+- A replica's error answers, and the error events of its streams, reach the
+  client as OpenAI error objects (:mod:`router.replica_errors`).
+- A streaming request that waits for its on-demand model gets SSE comments
+  meanwhile (:mod:`router.heartbeat`).
 - A client that leaves, mid-stream, while a long non-streaming answer is
   being generated or while it waits for a slot, closes the upstream
   connection (or leaves the queue): that is how llama-server learns to free
@@ -22,8 +26,9 @@ past ``max_requests`` held at once, 503 ``router_overloaded``.
   retried on another replica when it provably never reached one: the
   connection could not be made (:data:`_NEVER_SENT`); or when the replica sent
   no first byte in time and then failed its liveness probe
-  (:mod:`router.firstbyte`). Both, and 5xx answers, count towards ejecting
-  the replica (:mod:`router.outliers`). A connection that breaks after the
+  (:mod:`router.firstbyte`: ``GET /health``, answered by its HTTP thread, so
+  a busy replica always passes). Both, and 5xx answers, count towards
+  ejecting the replica (:mod:`router.outliers`). A connection that breaks after the
   request went out (closed, reset) may have run it, so that is 502
   ``upstream_unavailable``, and the client decides.
 

@@ -3,9 +3,20 @@ objects as its format_error_response writes them (llama.cpp tools/server)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+from aiohttp import web
+
 from router.replica_errors import StreamErrors, error_answer, translate
+from router.settings import RouterSettings
+from tests.support.router_harness import (
+    LocalServer,
+    RouterUnderTest,
+    asgi_post,
+    in_process_router,
+    run,
+)
 
 CONTEXT = {
     "code": 400,
@@ -85,3 +96,75 @@ def test_a_stream_without_errors_passes_unchanged_and_unheld() -> None:
     assert rewriter.feed(event) is event  # no copy
     assert rewriter.feed(b'data: {"choi') == b'data: {"choi'  # not an error: not held
     assert rewriter.feed(b'ces":[]}\n\n') == b'ces":[]}\n\n'
+
+
+class ErringReplica(LocalServer):
+    """A FAKE llama-server whose generation fails: a stream that ends with its error
+    event, and a plain 400 (llama-server cannot be made to fail mid-stream on demand)."""
+
+    def __init__(self) -> None:
+        super().__init__(web.post("/v1/completions", self._complete))
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"error": CONTEXT}, status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(STREAM)
+        await response.write_eof()
+        return response
+
+
+def test_the_proxy_translates_plain_and_streamed_errors() -> None:
+    async def scenario() -> None:
+        replica = ErringReplica()
+        await replica.start()
+        try:
+            settings = RouterSettings(activation=False, replica_concurrency=4)
+            async with in_process_router(settings) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                status, headers, body = await asgi_post(app, {"model": "m"})
+                assert status == 400 and headers["content-type"] == "application/json"
+                assert body["error"]["code"] == "context_length_exceeded"
+                assert body["error"]["n_ctx"] == 1024
+                sent: list[dict] = []
+                scope = {
+                    "type": "http", "method": "POST", "path": "/v1/completions",
+                    "query_string": b"", "headers": [],
+                }  # fmt: skip
+                await app(
+                    scope,
+                    _once(json.dumps({"model": "m", "stream": True}).encode()),
+                    _collect(sent),
+                )
+                data = b"".join(m.get("body", b"") for m in sent[1:])
+                last = data.rstrip().split(b"\n\n")[-1]
+                error = json.loads(last.removeprefix(b"data: "))["error"]
+                assert error["type"] == "server_error" and error["code"] is None
+                assert "code" in error and error["message"] == "boom"
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def _once(payload: bytes):  # type: ignore[no-untyped-def]
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()
+        return {}
+
+    return receive
+
+
+def _collect(sent: list[dict]):  # type: ignore[no-untyped-def]
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    return send

@@ -1,7 +1,8 @@
 """The router under replica faults (issue 21), on a real Consul dev agent and real
 llama-servers: a dead replica costs one short wait with the default settings, a busy
 one is never ejected nor asked twice, a replica's errors reach the client in OpenAI's
-shape, and a client leaving a long non-streaming completion frees its slot.
+shape, a client leaving a long non-streaming completion frees its slot, and a stream
+waiting for its on-demand model is told it is waiting.
 
 Parts: ``consul agent -dev`` and two routers as subprocesses (test_router_consul.py's
 classes: one with every default, one with a 2 s first-byte timeout so a short busy
@@ -9,11 +10,13 @@ step outlasts several probes), llama-server on the tiny random model and on Gemm
 270M (the bootstrap's model, where a ~2,200-token prompt in one ``-ub 4096`` batch
 step takes about 10 s on this CPU), and one FAKE: :class:`tests.support.wedged.WedgedReplica`
 (accepts and never answers; a stopped real llama-server, ``SIGSTOP``, is the real
-twin of it and is tested too).
+twin of it and is tested too). On-demand loading asks a scripted planner
+(test_router_consul.py's :class:`PlannerStub`).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -29,7 +32,10 @@ import pytest
 
 from devcluster.bootstrap import BIN, CACHE
 from tests.integration.test_router_consul import (
+    LOADING,
+    PLANNER_TOKEN,
     Consul,
+    PlannerStub,
     Router,
     consul_binary,
     eventually,
@@ -304,3 +310,69 @@ def test_a_client_leaving_a_long_completion_frees_the_slot(
     print(f"\nnon-streaming client left: slot released {after_close:.2f} s after the close")
     # llama-server notices within its 1 s poll, then cancels after the current step.
     assert after_close < 2.5, after_close
+
+
+@pytest.fixture(scope="module")
+def activating(parts: Parts) -> Iterator[tuple[Router, PlannerStub]]:
+    """A router with on-demand activation against a scripted planner (the planner is
+    not what is tested here; tests/integration/test_on_demand.py runs the real one),
+    its loading heartbeat every 0.5 s."""
+    planner = PlannerStub()
+    router = None
+    try:
+        router = Router(
+            parts.consul, parts.workdir, "activating",
+            "--activation", "--planner-url", planner.url, "--planner-token", PLANNER_TOKEN,
+            "--activation-window", "4", "--loading-heartbeat", "0.5",
+        )  # fmt: skip
+        yield router, planner
+    finally:
+        if router is not None:
+            router.stop()
+        planner.stop()
+
+
+def test_a_stream_waiting_for_its_model_gets_comments_then_the_replica_stream(
+    parts: Parts, activating: tuple[Router, PlannerStub]
+) -> None:
+    router, planner = activating
+    planner.answers["cold-stream"] = LOADING
+    parts.consul.define("cold-stream", replicas=1)
+    eventually(lambda: router.metric("llmgw_router_endpoints", model="cold-stream") == 0)
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
+    body = {"model": "cold-stream", "prompt": "hi", "max_tokens": 4, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.getheader("Content-Type") == "text/event-stream"
+    received = b""
+    while received.count(b": loading model cold-stream\n\n") < 3:
+        received += response.read1(65536)
+    parts.consul.register("cold-stream", "tiny", parts.tiny.port)
+    while chunk := response.read1(65536):
+        received += chunk
+    conn.close()
+    events = [e for e in received.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]", received
+    assert all(b'"choices"' in e for e in events[:-1]), received
+
+
+def test_the_openai_client_waits_through_the_load_and_gets_the_refusal_as_an_error(
+    parts: Parts, activating: tuple[Router, PlannerStub]
+) -> None:
+    """Its read timeout (1.5 s) is shorter than the wait (the 4 s window): the comments
+    keep it reading, and the refusal at the end is raised as the SDK's APIError."""
+    router, planner = activating
+    planner.answers["never"] = LOADING
+    parts.consul.define("never", replicas=1)
+    eventually(lambda: router.metric("llmgw_router_endpoints", model="never") == 0)
+    client = openai.OpenAI(
+        base_url=f"{router.url}/v1", api_key="unused", max_retries=0,
+        timeout=openai.Timeout(30.0, read=1.5),
+    )  # fmt: skip
+    stream = client.completions.create(model="never", prompt="hi", max_tokens=4, stream=True)
+    with pytest.raises(openai.APIError) as caught:
+        for _ in stream:
+            pass
+    assert not isinstance(caught.value, openai.APITimeoutError)
+    assert caught.value.code == "model_loading", caught.value

@@ -24,7 +24,7 @@ handlers):
 - **Does its inference loop still make progress?** Not a question of
   answering: the pinned llama.cpp answers ``/slots`` and ``/metrics`` from its
   queue's worker even while a batch step runs (``yield_to_queue``; measured
-  1-8 ms into a 27 s prompt step), so a decode stuck forever answers them too.
+  at most 18 ms into prompt steps of 5 to 27 s), so a decode stuck forever answers them too.
   What a stuck loop cannot do is count: while requests wait on a replica
   whose HTTP server is alive, its ``GET /metrics`` (the planner starts every
   replica with ``--metrics``) is read once a probe window, and its work
@@ -165,7 +165,7 @@ class Attempt:
 
 
 Stalled = Callable[[Attempt], None]
-"""Told, once per stall, one attempt waiting on a replica whose loop stopped answering."""
+"""Told, once a stall timeout, one attempt waiting on a replica whose counters stood still."""
 
 
 class FirstByteWatch:

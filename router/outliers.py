@@ -15,8 +15,8 @@ clean record):
 
 - a **dead** replica (no first byte, and its ``/health`` went unanswered or
   answered 5xx: :mod:`router.firstbyte`) is ejected at once, and so is a
-  **stalled** one (its HTTP server answers, its inference loop has not for the
-  stall timeout);
+  **stalled** one (its HTTP server answers, but its work counters stood still
+  for the stall timeout while requests waited on it);
 - a **connect error** is a local failure too; ``consecutive_failures`` of them
   in a row (default 2) eject it;
 - an answer with a **5xx status** other than 501 (llama-server's "not
@@ -28,8 +28,8 @@ clean record):
   ``check`` (the proxy's: :meth:`router.firstbyte.FirstByteWatch.check`), it is
   asked the question it failed (``/health`` for a dead one; for a stalled one
   with requests still on it, whether its work counters moved) before any
-  request goes to it: still
-  failing, it is ejected again for longer, so a replica that stays dead costs
+  request goes to it: still failing, it is ejected again for longer, so a
+  replica that stays dead costs
   no request after the first; passing, or without a check, it returns **on
   probation**: its first failure ejects it again for longer, its
   first good answer clears its record; meanwhile it takes one request at a

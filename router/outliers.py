@@ -29,10 +29,9 @@ clean record):
   asked the question it failed (``/health`` for a dead one; for a stalled one
   with requests still on it, whether its work counters moved) before any
   request goes to it: still failing, it is ejected again for longer, so a
-  replica that stays dead costs
-  no request after the first; passing, or without a check, it returns **on
-  probation**: its first failure ejects it again for longer, its
-  first good answer clears its record; meanwhile it takes one request at a
+  replica that stays dead costs no request after the first; passing, or
+  without a check, it returns **on probation**: its first failure ejects it
+  again for longer, its first good answer clears its record; meanwhile it takes one request at a
   time (a circuit breaker's half-open state), so a burst does not all meet a
   replica still wedged (a new user saw 4 of 10 do so);
 - an ejected replica, or one on probation with a request in flight, gets no

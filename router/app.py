@@ -247,6 +247,8 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         keys=keys,
         forward_authorization=settings.forward_authorization,
         first_byte_timeout_s=settings.first_byte_timeout_s,
+        stall_timeout_s=settings.stall_timeout_s,
+        loading_heartbeat_s=settings.loading_heartbeat_s,
         max_requests=settings.max_requests,
         budget=BodyBudget(settings.max_bodies_bytes or default_budget(),
                           settings.busy_retry_after_s),
@@ -326,6 +328,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
                 await planner.close()
             log.info("shutdown: closing upstream connection pools")
             await proxy.first_byte.close()
+            await proxy.outliers.close()
             if capacity is not None:
                 await capacity.close()
             await proxy.session.close()

@@ -185,8 +185,23 @@ def serve(
     first_byte_timeout: Annotated[
         float | None,
         typer.Option(
-            help="Seconds to a replica's first byte before it is probed and, silent, "
-            "the request goes to another replica (env LLMGW_ROUTER_FIRST_BYTE_TIMEOUT, 60)."
+            help="Seconds to a replica's first byte before, failing GET /health, it is "
+            "ejected and the request goes to another replica "
+            "(env LLMGW_ROUTER_FIRST_BYTE_TIMEOUT, 10)."
+        ),
+    ] = None,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds a replica with requests waiting may leave GET /slots unanswered "
+            "before it is ejected as stalled (env LLMGW_ROUTER_STALL_TIMEOUT, 300)."
+        ),
+    ] = None,
+    loading_heartbeat: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between SSE comments to a stream waiting for its model to load; "
+            "0: none (env LLMGW_ROUTER_LOADING_HEARTBEAT, 5)."
         ),
     ] = None,
     max_connections_per_replica: Annotated[
@@ -272,6 +287,8 @@ def serve(
             api_keys_file=api_keys_file,
             api_keys_consul=api_keys_consul,
             first_byte_timeout_s=first_byte_timeout,
+            stall_timeout_s=stall_timeout,
+            loading_heartbeat_s=loading_heartbeat,
             max_connections_per_replica=max_connections_per_replica,
             max_requests=max_requests,
             max_body_bytes=max_body_bytes,

@@ -33,7 +33,10 @@ class Failure(StrEnum):
     """What a replica did wrong (the ``reason`` label of the ejection counter)."""
 
     CONNECT = "connect_error"
-    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    # No first byte, and /health unanswered (or 5xx): ejected at once.
+    DEAD = "liveness_failed"
+    # /health answered, its work counters still for the stall timeout: ejected at once.
+    STALLED = "stalled"
     HTTP_5XX = "http_5xx"
 
 
@@ -41,7 +44,10 @@ class ReplicaHealth:
     """One replica's outlier record (the rules: :mod:`router.outliers`). ``ejected``
     is the only field the hot path reads."""
 
-    __slots__ = ("consecutive", "consecutive_5xx", "ejected", "ejections", "probation", "timer")
+    __slots__ = (
+        "consecutive", "consecutive_5xx", "ejected", "ejections", "failure", "probation",
+        "timer",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.consecutive = 0
@@ -51,6 +57,8 @@ class ReplicaHealth:
         self.ejections = 0
         self.probation = False
         self.timer: asyncio.TimerHandle | None = None
+        # What the last ejection was for: the question asked when it ends.
+        self.failure: Failure | None = None
 
 
 class Endpoint:

@@ -399,6 +399,11 @@ def error_body(
     ).encode()
 
 
+def error_object(exc: RouterError) -> dict[str, str | None]:
+    """``exc`` as the inside of OpenAI's ``{"error": ...}``."""
+    return {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+
+
 def render(exc: RouterError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """Turn ``exc`` into ``(status, headers, body)`` ready for an ASGI response."""
     body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)

@@ -13,17 +13,25 @@ The rules, per replica (:class:`router.endpoint.ReplicaHealth`, one per
 that leaves Consul's passing list and comes back is a new endpoint, with a
 clean record):
 
-- a **local failure** is a connection that could not be made or a first byte
-  that did not come within the first-byte timeout (:mod:`router.firstbyte`);
-  ``consecutive_failures`` of them in a row (default 2) eject it;
+- a **dead** replica (no first byte, and its ``/health`` went unanswered or
+  answered 5xx: :mod:`router.firstbyte`) is ejected at once, and so is a
+  **stalled** one (its HTTP server answers, but its work counters stood still
+  for the stall timeout while requests waited on it);
+- a **connect error** is a local failure too; ``consecutive_failures`` of them
+  in a row (default 2) eject it;
 - an answer with a **5xx status** other than 501 (llama-server's "not
   supported by this server", a property of the route, not of the replica)
   counts separately; ``consecutive_5xx`` in a row (default 5, Envoy's) eject it;
 - any other answer resets both counts;
 - an ejection lasts ``base_ejection_s`` x the times it was ejected in a row
-  (30 s, 60 s, 90 s ..., at most ``max_ejection_s``, 300 s); then the replica
-  returns **on probation**: its first failure ejects it again for longer, its
-  first good answer clears its record; meanwhile it takes one request at a
+  (30 s, 60 s, 90 s ..., at most ``max_ejection_s``, 300 s); then, given a
+  ``check`` (the proxy's: :meth:`router.firstbyte.FirstByteWatch.check`), it is
+  asked the question it failed (``/health`` for a dead one; for a stalled one
+  with requests still on it, whether its work counters moved) before any
+  request goes to it: still failing, it is ejected again for longer, so a
+  replica that stays dead costs no request after the first; passing, or
+  without a check, it returns **on probation**: its first failure ejects it
+  again for longer, its first good answer clears its record; meanwhile it takes one request at a
   time (a circuit breaker's half-open state), so a burst does not all meet a
   replica still wedged (a new user saw 4 of 10 do so);
 - an ejected replica, or one on probation with a request in flight, gets no
@@ -45,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -57,6 +65,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# Failures a check designed for them found: one is proof enough.
+_AT_ONCE = frozenset({Failure.DEAD, Failure.STALLED})
+
+
 # llama-server answers 501 for a route its flags turned off (--embeddings,
 # --reranking): the request's fault, never the replica's.
 _NOT_A_FAILURE_5XX = frozenset({501})
@@ -66,7 +78,13 @@ class Capacity(Protocol):
     """What the detector tells when an ejected replica returns
     (:class:`router.admission.Slots`)."""
 
+    endpoints: Sequence[Endpoint]
+
     def capacity_changed(self) -> None: ...
+
+
+Check = Callable[["Endpoint", Failure], Awaitable[bool]]
+"""Asks a returning replica the question it failed; ``True`` when it passes now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +127,10 @@ def _held_back(endpoint: Endpoint) -> bool:
 class OutlierDetector:
     """Applies :class:`OutlierPolicy` to what the proxy observes."""
 
-    def __init__(self, policy: OutlierPolicy | None = None) -> None:
+    def __init__(self, policy: OutlierPolicy | None = None, check: Check | None = None) -> None:
         self.policy = policy or OutlierPolicy()
+        self.check = check
+        self._checks: set[asyncio.Task[None]] = set()
 
     def answered(
         self,
@@ -141,10 +161,14 @@ class OutlierDetector:
         endpoint: Endpoint,
         failure: Failure,
     ) -> None:
-        """The connection could not be made, or no first byte came in time."""
+        """The connection could not be made, or a liveness check failed (:class:`Failure`)."""
         health = endpoint.health
         health.consecutive += 1
-        if health.probation or health.consecutive >= self.policy.consecutive_failures:
+        if (
+            failure in _AT_ONCE
+            or health.probation
+            or health.consecutive >= self.policy.consecutive_failures
+        ):
             self._eject(model, metrics, slots, endpoint, failure)
 
     def _eject(
@@ -161,6 +185,7 @@ class OutlierDetector:
         health.ejections += 1
         duration = self.policy.ejection_s(health.ejections)
         health.ejected = True
+        health.failure = failure
         health.probation = False
         health.consecutive = health.consecutive_5xx = 0
         metrics.ejections[failure].inc()
@@ -174,16 +199,55 @@ class OutlierDetector:
             health.ejections,
         )
         loop = asyncio.get_running_loop()
-        health.timer = loop.call_later(duration, self._return, model, slots, endpoint)
+        health.timer = loop.call_later(duration, self._return, model, metrics, slots, endpoint)
 
-    def _return(self, model: str, slots: Capacity, endpoint: Endpoint) -> None:
+    def _return(
+        self, model: str, metrics: ModelMetrics, slots: Capacity, endpoint: Endpoint
+    ) -> None:
+        health = endpoint.health
+        health.timer = None
+        failure = health.failure
+        if self.check is None or failure is None or failure not in _AT_ONCE:
+            self._probation(model, slots, endpoint)
+            return
+        if endpoint not in slots.endpoints:
+            # It left Consul's passing list: its record ends with it.
+            health.ejected = False
+            return
+        task = asyncio.ensure_future(self._recheck(model, metrics, slots, endpoint, failure))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _recheck(
+        self,
+        model: str,
+        metrics: ModelMetrics,
+        slots: Capacity,
+        endpoint: Endpoint,
+        failure: Failure,
+    ) -> None:
+        assert self.check is not None
+        if await self.check(endpoint, failure):
+            self._probation(model, slots, endpoint)
+            return
+        log.info("model %s: replica %s still fails (%s)", model, endpoint.base_url, failure)
+        endpoint.health.ejected = False
+        self._eject(model, metrics, slots, endpoint, failure)
+
+    def _probation(self, model: str, slots: Capacity, endpoint: Endpoint) -> None:
         health = endpoint.health
         health.ejected = False
         health.probation = True
-        health.timer = None
         log.info(
             "model %s: replica %s back on probation (its next failure ejects it again)",
             model,
             endpoint.base_url,
         )
         slots.capacity_changed()
+
+    async def close(self) -> None:
+        """Cancel the checks of returning replicas in flight (shutdown)."""
+        tasks = list(self._checks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

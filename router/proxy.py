@@ -11,6 +11,10 @@ past ``max_requests`` held at once, 503 ``router_overloaded``.
 - Non-streaming answers are read whole and returned with a Content-Length.
 - ``text/event-stream`` answers are relayed chunk by chunk as they arrive
   (:mod:`router.streaming`).
+- A replica's error answers, and the error events of its streams, reach the
+  client as OpenAI error objects (:mod:`router.replica_errors`).
+- A streaming request that waits for its on-demand model gets SSE comments
+  meanwhile (:mod:`router.heartbeat`).
 - A client that leaves, mid-stream, while a long non-streaming answer is
   being generated or while it waits for a slot, closes the upstream
   connection (or leaves the queue): that is how llama-server learns to free
@@ -22,8 +26,9 @@ past ``max_requests`` held at once, 503 ``router_overloaded``.
   retried on another replica when it provably never reached one: the
   connection could not be made (:data:`_NEVER_SENT`); or when the replica sent
   no first byte in time and then failed its liveness probe
-  (:mod:`router.firstbyte`). Both, and 5xx answers, count towards ejecting
-  the replica (:mod:`router.outliers`). A connection that breaks after the
+  (:mod:`router.firstbyte`: ``GET /health``, answered by its HTTP thread, so
+  a busy replica always passes). Both, and 5xx answers, count towards
+  ejecting the replica (:mod:`router.outliers`). A connection that breaks after the
   request went out (closed, reset) may have run it, so that is 502
   ``upstream_unavailable``, and the client decides.
 
@@ -55,7 +60,8 @@ from router.balancer import Affinity
 from router.bodies import BodyParser, parse_request
 from router.endpoint import Endpoint, Failure
 from router.endpoints import EndpointTable, ModelEntry
-from router.firstbyte import FirstByteWatch
+from router.firstbyte import Attempt, FirstByteWatch
+from router.heartbeat import LoadingHeartbeat, event
 from router.intake import (
     BodyBudget,
     ClientGone,
@@ -68,6 +74,7 @@ from router.keys import KeySource
 from router.metrics import RequestMetrics, RouterMetrics
 from router.outliers import OutlierDetector
 from router.prefix import PrefixChooser
+from router.replica_errors import error_answer
 from router.routes import model_route, upstream_query
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
@@ -159,7 +166,9 @@ class Proxy:
         prefix: PrefixChooser | None = None,
         keys: KeySource | None = None,
         forward_authorization: bool = False,
-        first_byte_timeout_s: float = 60.0,
+        first_byte_timeout_s: float = 10.0,
+        stall_timeout_s: float = 300.0,
+        loading_heartbeat_s: float = 5.0,
         max_requests: int = 0,
         outliers: OutlierDetector | None = None,
         bodies: BodyParser | None = None,
@@ -182,11 +191,18 @@ class Proxy:
         self.keys = keys
         self._drop = _DROP_REQUEST if forward_authorization else _DROP_REQUEST | {"authorization"}
         self.first_byte_timeout_s = first_byte_timeout_s
-        self.first_byte = FirstByteWatch(self._control, first_byte_timeout_s)
+        # SSE comments to a stream waiting for its model to load (router.heartbeat).
+        self.loading_heartbeat_s = loading_heartbeat_s
+        self.first_byte = FirstByteWatch(
+            self._control, first_byte_timeout_s, stall_timeout_s, self._stalled
+        )
         # Requests in the router at once (waiting for a slot included); 0: no limit.
         self.max_requests = max_requests
         self.active = 0
         self.outliers = outliers or OutlierDetector()
+        if self.outliers.check is None:
+            # A replica returning from an ejection is asked what it failed first.
+            self.outliers.check = self.first_byte.check
         self.bodies = bodies or BodyParser()
         # Bytes of bodies held at once, and how long one may take (router.intake).
         self.budget = budget or BodyBudget(default_budget(), busy_retry_after_s)
@@ -207,6 +223,7 @@ class Proxy:
         # A refusal sent before the whole body was read closes the connection:
         # uvicorn would otherwise read the rest of the body only to drop it.
         body_read = False
+        heartbeat: LoadingHeartbeat | None = None
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
@@ -261,12 +278,22 @@ class Proxy:
             # connection takes the next request, which fails once written (502
             # "Can not write request body", found by bench/prefix_routing.py).
             # Saying "close" up front keeps it out of the pool.
-            close = doc is None or doc.get("stream") is True
-            status = await self._forward(entry, scope, body, receive, send, affinity, close)
+            stream = doc is not None and doc.get("stream") is True
+            close = doc is None or stream
+            if stream and self.loading_heartbeat_s > 0:
+                heartbeat = LoadingHeartbeat(send, entry.name, self.loading_heartbeat_s)
+            status = await self._forward(
+                entry, scope, body, receive, send, affinity, close, heartbeat
+            )
         except errors.RouterError as exc:
             if exc.refusal is not None:
                 bound.refused(exc.refusal)
-            status = await send_error(send, exc, close=not body_read)
+            if heartbeat is not None and heartbeat.started:
+                # The stream began while the model loaded: the error is its last event.
+                await heartbeat.fail(errors.error_object(exc))
+                status = exc.status
+            else:
+                status = await send_error(send, exc, close=not body_read)
         except ClientGone:
             status = STATUS_CLIENT_CLOSED
         except Exception:
@@ -289,6 +316,7 @@ class Proxy:
         send: Send,
         affinity: Affinity | None = None,
         close: bool = False,
+        heartbeat: LoadingHeartbeat | None = None,
     ) -> int:
         path = _target(scope)
         headers = []
@@ -311,7 +339,7 @@ class Proxy:
         watch = DisconnectWatch(receive)
         try:
             return await self._attempts(
-                entry, path, headers, body, receive, send, watch, affinity
+                entry, path, headers, body, receive, send, watch, affinity, heartbeat
             )
         except asyncio.CancelledError:
             if not watch.client_gone:
@@ -333,18 +361,19 @@ class Proxy:
         send: Send,
         watch: DisconnectWatch,
         affinity: Affinity | None,
+        heartbeat: LoadingHeartbeat | None = None,
     ) -> int:
         tried: list[Endpoint] = []
         failure: BaseException | None = None
         outliers = self.outliers
         first_bytes = self.first_byte
         for _ in range(self.max_attempts):
-            endpoint = await self._slot(entry, tried, affinity)
+            endpoint = await self._slot(entry, tried, affinity, heartbeat)
             if endpoint is None:
                 break
             with Held(entry.slots, endpoint):
                 assert self.session is not None, "Proxy used outside the app lifespan"
-                first_byte = first_bytes.start(endpoint)
+                first_byte = first_bytes.start(endpoint, entry)
                 try:
                     upstream = await self.session.request(
                         "POST", endpoint.url(path), data=_payload(body), headers=headers
@@ -352,20 +381,20 @@ class Proxy:
                 except asyncio.CancelledError:
                     if not first_byte.expired or watch.client_gone:
                         raise
-                    # Our own cancellation: no first byte, and the replica did
-                    # not answer its liveness probe. Nothing went to the client.
+                    # Our own cancellation: no first byte, and the replica's
+                    # HTTP server failed its liveness probe: dead, so the request
+                    # cannot run there. Nothing went to the client.
                     asyncio.current_task().uncancel()  # type: ignore[union-attr]
                     tried.append(endpoint)
                     failure = errors.UpstreamTimeout(
                         f"The model `{entry.name}` replica at {endpoint.base_url} sent no "
                         f"first byte within {self.first_byte_timeout_s:g} s and did not "
-                        f"answer a liveness probe."
+                        f"answer its liveness check (GET /health)."
                     )
                     log.warning("model %s: %s", entry.name, failure.message)
                     outliers.failed(
-                        entry.name, entry.metrics, entry.slots, endpoint,
-                        Failure.FIRST_BYTE_TIMEOUT,
-                    )  # fmt: skip
+                        entry.name, entry.metrics, entry.slots, endpoint, Failure.DEAD
+                    )
                     continue
                 except aiohttp.SocketTimeoutError:
                     # Connected, sent, and the replica stayed silent for the
@@ -391,11 +420,12 @@ class Proxy:
                 finally:
                     first_bytes.stop(first_byte)
                 outliers.answered(entry.name, entry.metrics, entry.slots, endpoint, upstream.status)
+                started = heartbeat is not None and heartbeat.started
                 try:
                     if upstream.content_type == "text/event-stream":
                         watch.disarm()
-                        return await relay_stream(entry.name, upstream, receive, send)
-                    return await self._relay_whole(entry, upstream, send)
+                        return await relay_stream(entry.name, upstream, receive, send, started)
+                    return await self._relay_whole(entry, upstream, send, started)
                 except BaseException:
                     # Drop the connection rather than pool it half-read; for a
                     # cancelled request this is what tells llama-server to stop.
@@ -410,15 +440,25 @@ class Proxy:
     def _control(self) -> aiohttp.ClientSession | None:
         return self.control
 
+    def _stalled(self, attempt: Attempt) -> None:
+        entry: ModelEntry = attempt.owner  # type: ignore[assignment]
+        self.outliers.failed(
+            entry.name, entry.metrics, entry.slots, attempt.endpoint, Failure.STALLED
+        )
+
     async def _slot(
-        self, entry: ModelEntry, tried: list[Endpoint], affinity: Affinity | None = None
+        self,
+        entry: ModelEntry,
+        tried: list[Endpoint],
+        affinity: Affinity | None = None,
+        heartbeat: LoadingHeartbeat | None = None,
     ) -> Endpoint | None:
         """A granted slot on one of ``entry``'s endpoints not in ``tried``; ``None``
         when every endpoint already failed this request.
 
-        Waits for an endpoint (the :data:`NoEndpoint` policy) when there is
-        none, and for a free slot when every endpoint is at its limit, at most
-        the queue timeout. Raises the policy's refusal, or
+        Waits for an endpoint (the :data:`NoEndpoint` policy, with ``heartbeat``
+        beating meanwhile) when there is none, and for a free slot when every
+        endpoint is at its limit, at most the queue timeout. Raises the policy's refusal, or
         :class:`errors.ReplicasBusy` when the queue timeout runs out.
         """
         slots = entry.slots
@@ -430,7 +470,13 @@ class Proxy:
         deadline: float | None = None
         while True:
             if not slots.endpoints:
-                await self.no_endpoint(entry)
+                if heartbeat is not None:
+                    heartbeat.start()
+                try:
+                    await self.no_endpoint(entry)
+                finally:
+                    if heartbeat is not None:
+                        await heartbeat.stop()
                 endpoint = slots.take(tried, first=first, affinity=affinity)
                 if endpoint is not None:
                     return endpoint
@@ -470,8 +516,16 @@ class Proxy:
         )
 
     async def _relay_whole(
-        self, entry: ModelEntry, upstream: aiohttp.ClientResponse, send: Send
+        self,
+        entry: ModelEntry,
+        upstream: aiohttp.ClientResponse,
+        send: Send,
+        started: bool = False,
     ) -> int:
+        """Read the whole answer and send it; an error answer (status >= 400) in
+        OpenAI's shape (:func:`router.replica_errors.error_answer`). ``started``:
+        the response began already (a loading heartbeat), so the answer goes as
+        one event and ends the stream."""
         try:
             data = await upstream.read()
         except TimeoutError as exc:
@@ -482,11 +536,19 @@ class Proxy:
             raise errors.UpstreamUnavailable(
                 f"The model `{entry.name}` replica failed while answering: {exc!r}."
             ) from None
+        status = upstream.status
         headers = response_headers(upstream)
+        if status >= 400:
+            data = error_answer(data, status, entry.name)
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+            headers.append((b"content-type", b"application/json"))
+        if started:
+            await send({"type": "http.response.body", "body": event(data), "more_body": False})
+            return status
         headers.append((b"content-length", str(len(data)).encode()))
-        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
-        return upstream.status
+        return status
 
 
 def _payload(body: bytes | bytearray) -> bytes | bytearray | AsyncIterator[memoryview]:

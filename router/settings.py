@@ -23,8 +23,14 @@ Environment variables (all optional):
 - ``LLMGW_ROUTER_UPSTREAM_CONNECT_TIMEOUT``: seconds to open a connection to a replica (5)
 - ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``: seconds without a byte from a replica (600)
 - ``LLMGW_ROUTER_FIRST_BYTE_TIMEOUT``: seconds a replica may take to its first
-  byte (streaming or not) unless it answers a liveness probe (60;
-  :mod:`router.firstbyte`); then the request goes to another replica
+  byte (streaming or not) unless it answers ``GET /health`` (10;
+  :mod:`router.firstbyte`); then it is ejected and the request goes to another
+  replica
+- ``LLMGW_ROUTER_STALL_TIMEOUT``: seconds a replica whose requests wait may leave
+  ``GET /slots`` (its inference loop) unanswered before it is ejected as stalled
+  (300; :mod:`router.firstbyte`)
+- ``LLMGW_ROUTER_LOADING_HEARTBEAT``: seconds between the SSE comments a streaming
+  request gets while its on-demand model loads (5; 0: none; :mod:`router.heartbeat`)
 - ``LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA``: upstream connections per replica (64)
 - ``LLMGW_ROUTER_MAX_CONNECTIONS``: upstream connections to all replicas together
   (0, the default: no cap beyond each replica's)
@@ -43,7 +49,7 @@ Environment variables (all optional):
 - ``LLMGW_ROUTER_CORS_ORIGINS``: comma-separated origins browsers may call the
   router from (``*`` for any; default none: no CORS headers, no preflight)
 - ``LLMGW_ROUTER_EJECT_AFTER_FAILURES`` / ``LLMGW_ROUTER_EJECT_AFTER_5XX``:
-  consecutive connect errors or first-byte timeouts (2) / 5xx answers (5) that
+  consecutive connect errors (2) / 5xx answers (5) that
   eject a replica; ``LLMGW_ROUTER_EJECTION_BASE`` / ``LLMGW_ROUTER_EJECTION_MAX``:
   seconds of the first ejection and the longest (30 / 300; :mod:`router.outliers`)
 - ``LLMGW_ROUTER_DRAIN_TIMEOUT``: seconds to let in-flight requests finish on shutdown (30)
@@ -137,9 +143,15 @@ class RouterSettings:
     # A non-streaming completion sends nothing until generation ends, so this is
     # "longest generation we tolerate", not a network timeout.
     upstream_read_timeout_s: float = 600.0
-    # Bounds a non-streaming request until its first byte (its whole
-    # generation) only when the replica also fails a liveness probe.
-    first_byte_timeout_s: float = 60.0
+    # Bounds a request until its first byte (a non-streaming one's whole
+    # generation) only when the replica also fails its /health probe, started
+    # half of it (at most 5 s) before: a wedged replica costs one request at
+    # most this long (issue 21 asks for its answer within 15 s).
+    first_byte_timeout_s: float = 10.0
+    # Longer than any batch step we expect: one 8k-token step on a CPU takes minutes.
+    stall_timeout_s: float = 300.0
+    # SSE comments to a streaming request waiting for its model to load; 0: none.
+    loading_heartbeat_s: float = 5.0
     # Per replica, not one pool for all: one busy model's connections never
     # keep another's requests waiting. Above any replica's slot count, so the
     # per-replica limit (router.admission) binds first.
@@ -277,8 +289,10 @@ class RouterSettings:
                              "not both")
         if self.api_keys_file:
             ApiKeys.load(self.api_keys_file)
-        if self.first_byte_timeout_s <= 0:
-            raise ValueError("the first-byte timeout must be > 0 s")
+        if self.first_byte_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError("the first-byte and stall timeouts must be > 0 s")
+        if self.loading_heartbeat_s < 0:
+            raise ValueError("the loading heartbeat must be >= 0 s (0: none)")
         if self.max_connections_per_replica < 1 or self.max_connections < 0:
             raise ValueError(
                 "max connections per replica must be >= 1 and max connections >= 0 (0: no cap)"
@@ -378,6 +392,8 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTER_MAX_CONNECTIONS", "max_connections", int),
     ("LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA", "max_connections_per_replica", int),
     ("LLMGW_ROUTER_FIRST_BYTE_TIMEOUT", "first_byte_timeout_s", float),
+    ("LLMGW_ROUTER_STALL_TIMEOUT", "stall_timeout_s", float),
+    ("LLMGW_ROUTER_LOADING_HEARTBEAT", "loading_heartbeat_s", float),
     ("LLMGW_ROUTER_MAX_REQUESTS", "max_requests", int),
     ("LLMGW_ROUTER_MAX_BODY_BYTES", "max_body_bytes", int),
     ("LLMGW_ROUTER_MAX_BODIES_BYTES", "max_bodies_bytes", int),

@@ -23,6 +23,8 @@ from typing import Any
 
 import aiohttp
 
+from router.replica_errors import StreamErrors
+
 log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
@@ -107,21 +109,29 @@ class DisconnectWatch:
 
 
 async def relay_stream(
-    model: str, upstream: aiohttp.ClientResponse, receive: Receive, send: Send
+    model: str,
+    upstream: aiohttp.ClientResponse,
+    receive: Receive,
+    send: Send,
+    started: bool = False,
 ) -> int:
-    """Copy an event stream to the client until it ends or the client leaves.
+    """Copy an event stream to the client until it ends or the client leaves,
+    its error events in OpenAI's shape (:class:`router.replica_errors.StreamErrors`).
 
-    Returns the status to record: the replica's, :data:`STATUS_CLIENT_CLOSED`
-    when the client left first, 502 when the replica broke mid-stream. On
-    either failure the upstream connection is closed, not pooled.
+    ``started``: the client's response began already (a loading heartbeat,
+    :mod:`router.heartbeat`), so only the events are sent. Returns the status to
+    record: the replica's, :data:`STATUS_CLIENT_CLOSED` when the client left
+    first, 502 when the replica broke mid-stream. On either failure the upstream
+    connection is closed, not pooled.
     """
-    await send(
-        {
-            "type": "http.response.start",
-            "status": upstream.status,
-            "headers": response_headers(upstream),
-        }
-    )
+    if not started:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": response_headers(upstream),
+            }
+        )
     pump = asyncio.ensure_future(_pump(upstream, send))
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
@@ -147,6 +157,9 @@ async def relay_stream(
 
 
 async def _pump(upstream: aiohttp.ClientResponse, send: Send) -> None:
+    errors = StreamErrors(upstream.status)
     async for chunk in upstream.content.iter_any():
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        out = errors.feed(chunk)
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+    await send({"type": "http.response.body", "body": errors.flush(), "more_body": False})

@@ -104,6 +104,7 @@ async def in_process_router(
         if state.capacity is not None:
             await state.capacity.close()
         await state.proxy.first_byte.close()
+        await state.proxy.outliers.close()
         await state.proxy.session.close()
         await state.proxy.control.close()
         await state.proxy.bodies.close()

@@ -1,6 +1,14 @@
-"""The first-byte timeout and its liveness probe (router.firstbyte), through the proxy,
-against real aiohttp replicas on 127.0.0.1: one slow but alive (it answers ``/slots``),
-one whose inference loop is stuck (``/slots`` hangs too, as on a wedged llama-server)."""
+"""Dead fast, busy never (router.firstbyte, router.outliers), through the proxy, against
+real aiohttp replicas on 127.0.0.1.
+
+The replicas are FAKES of llama-server's parts, because a real one cannot be made
+to hold its inference loop for a set time on demand: ``/health`` (its HTTP thread:
+answers at once, or never for a dead replica), ``/slots`` (answered between batch
+steps by older builds: after ``loop_after_s``) and ``/metrics`` (its work
+counters: moving while it works, still when ``stuck``). Their behaviour is
+llama.cpp's (tools/server: ``get_health`` touches no task queue).
+tests/integration/test_router_faults.py does the same with a real llama-server.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ import time
 from aiohttp import web
 
 from router.catalog import ServiceAddress
+from router.endpoint import Failure
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -23,46 +32,91 @@ from tests.support.router_harness import (
 # Short, but with a probe window (half of it) that a loaded 2-core machine's
 # local round trip fits in many times over.
 TIMEOUT_S = 1.0
+NEVER = 3600.0
 
 
 class Replica(LocalServer):
-    """Answers completions after ``answer_after_s``; ``/slots`` at once, or never."""
+    """Answers completions after ``answer_after_s``; ``/health`` at once (or never, or
+    with ``health_status``); ``/slots`` after ``loop_after_s`` (``NEVER``: never)."""
 
-    def __init__(self, answer_after_s: float, slots_answer: bool) -> None:
+    def __init__(
+        self,
+        answer_after_s: float,
+        health: bool = True,
+        loop_after_s: float = 0.0,
+        health_status: int = 200,
+        stuck: bool = False,
+    ) -> None:
         self.answer_after_s = answer_after_s
-        self.slots_answer = slots_answer
+        self.health = health
+        self.health_status = health_status
+        self.loop_after_s = loop_after_s
+        self.stuck = stuck
+        self.decodes = 0
         self.completions = 0
-        self.probes = 0
+        self.health_probes = 0
+        self.loop_probes = 0
         self.released = asyncio.Event()  # ends every wait, so stop() does not hang
         super().__init__(
-            web.post("/v1/completions", self._complete), web.get("/slots", self._slots)
+            web.post("/v1/completions", self._complete),
+            web.get("/health", self._health),
+            web.get("/slots", self._slots),
+            web.get("/metrics", self._metrics),
         )
+
+    async def _hold(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.released.wait(), seconds)
 
     async def _complete(self, request: web.Request) -> web.Response:
         await request.read()
         self.completions += 1
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.released.wait(), self.answer_after_s)
+        await self._hold(self.answer_after_s)
         return web.json_response({"object": "text_completion", "served_by": self.port})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_probes += 1
+        if not self.health:
+            await self.released.wait()
+        return web.json_response({"status": "ok"}, status=self.health_status)
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        self.loop_probes += 1
+        await self._hold(self.loop_after_s)
+        return web.json_response([{"id": 0, "is_processing": True}])
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if not self.stuck:
+            self.decodes += 1  # working: a batch step ended since the last read
+        text = f"llamacpp:n_decode_total {self.decodes}\nllamacpp:prompt_tokens_total 7\n"
+        return web.Response(text=text, content_type="text/plain")
 
     async def stop(self) -> None:
         self.released.set()
         await super().stop()
 
-    async def _slots(self, request: web.Request) -> web.Response:
-        self.probes += 1
-        if not self.slots_answer:
-            await self.released.wait()
-        return web.json_response([{"id": 0, "is_processing": True}])
+
+def settings(**changes: object) -> RouterSettings:
+    return RouterSettings(
+        activation=False, replica_concurrency=4, first_byte_timeout_s=TIMEOUT_S, **changes
+    )
 
 
-def settings() -> RouterSettings:
-    return RouterSettings(activation=False, replica_concurrency=4, first_byte_timeout_s=TIMEOUT_S)
+def ejections(router: RouterUnderTest, reason: Failure) -> float:
+    return router.metric("llmgw_router_replica_ejections_total", model="m", reason=reason) or 0
 
 
-def test_a_slow_replica_that_answers_its_probes_keeps_the_request() -> None:
+async def until(condition: object, timeout_s: float = 10.0) -> None:
+    """Wait until ``condition()`` holds (polled), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_slow_replica_that_answers_its_health_keeps_the_request() -> None:
     async def scenario() -> None:
-        slow = Replica(answer_after_s=2.5 * TIMEOUT_S, slots_answer=True)
+        slow = Replica(answer_after_s=2.5 * TIMEOUT_S)
         await slow.start()
         try:
             async with in_process_router(settings()) as app:
@@ -73,41 +127,171 @@ def test_a_slow_replica_that_answers_its_probes_keeps_the_request() -> None:
                 assert slow.completions == 2
                 # About one every (timeout - probe window) = 0.5 s over 2.5 s, shared
                 # by both requests (not one each: 8 or more).
-                assert 2 <= slow.probes <= 5, slow.probes
+                assert 2 <= slow.health_probes <= 5, slow.health_probes
         finally:
             await slow.stop()
 
     run(scenario())
 
 
-def test_a_stuck_replica_is_given_up_at_the_deadline_and_another_answers() -> None:
+def test_a_busy_replica_whose_loop_answers_late_is_never_ejected_nor_asked_twice() -> None:
+    """One batch step four first-byte timeouts long: /slots (an older build's loop)
+    answers only after 3 timeouts (the old liveness probe's question would have
+    failed twice and ejected it), the work counters stand still (shorter than the
+    stall timeout), /health answers at once."""
+
     async def scenario() -> None:
-        stuck = Replica(answer_after_s=3600, slots_answer=False)
-        good = Replica(answer_after_s=0, slots_answer=True)
-        await stuck.start()
-        await good.start()
+        busy = Replica(answer_after_s=4 * TIMEOUT_S, loop_after_s=3 * TIMEOUT_S, stuck=True)
+        other = Replica(answer_after_s=0)
+        await busy.start()
+        await other.start()
         try:
             async with in_process_router(settings()) as app:
-                router = RouterUnderTest(app, stuck)
+                router = RouterUnderTest(app, busy)
+                router.pass_endpoint()
+                status, _, body = await asgi_post(app, {"model": "m"})
+                assert status == 200 and body["served_by"] == busy.port
+                app.state.table.set_endpoints(
+                    "m",
+                    [ServiceAddress("127.0.0.1", p) for p in (busy.port, other.port)],
+                )
+                # And beside another replica: still its own answer, never sent twice.
+                status, _, body = await asgi_post(app, {"model": "m"})
+                assert status == 200
+                assert busy.completions + other.completions == 2
+                assert busy.health_probes >= 2  # asked, and waited for
+                assert not any(ejections(router, f) for f in Failure)
+        finally:
+            await busy.stop()
+            await other.stop()
+
+    run(scenario())
+
+
+def test_a_dead_replica_costs_one_request_at_the_deadline_and_is_ejected_at_once() -> None:
+    async def scenario() -> None:
+        dead = Replica(answer_after_s=NEVER, health=False)
+        good = Replica(answer_after_s=0)
+        await dead.start()
+        await good.start()
+        try:
+            async with in_process_router(settings(ejection_base_s=0.3)) as app:
+                router = RouterUnderTest(app, dead)
                 router.pass_endpoint()
                 started = time.monotonic()
                 status, _, body = await asgi_post(app, {"model": "m"})
                 # The only replica: nothing else to try, 504 at the deadline.
                 assert status == 504 and body["error"]["code"] == "upstream_timeout"
+                assert "GET /health" in body["error"]["message"]
                 # The deadline, plus at most a late sweep on a loaded machine.
                 assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 1.0
+                # Ejected by that one failure, not two.
+                assert ejections(router, Failure.DEAD) == 1
                 app.state.table.set_endpoints(
                     "m",
-                    [
-                        ServiceAddress("127.0.0.1", stuck.port),
-                        ServiceAddress("127.0.0.1", good.port),
-                    ],
+                    [ServiceAddress("127.0.0.1", p) for p in (dead.port, good.port)],
                 )
-                for _ in range(4):
+                # The table kept the ejected endpoint (same address): nothing goes to
+                # it, and at the end of each ejection it is asked /health again
+                # before any request, so it stays out while it stays dead.
+                for _ in range(6):
                     status, _, body = await asgi_post(app, {"model": "m"})
                     assert status == 200 and body["served_by"] == good.port
+                await until(lambda: ejections(router, Failure.DEAD) >= 3)
+                status, _, body = await asgi_post(app, {"model": "m"})
+                assert status == 200 and body["served_by"] == good.port
+                assert dead.completions == 1
+                # Alive again: back on probation, and it gets requests.
+                dead.health = True
+                dead.answer_after_s = 0
+                endpoint = next(
+                    e for e in app.state.table.get("m").endpoints if e.address.port == dead.port
+                )
+                await until(lambda: endpoint.health.probation)
+                served = set()
+                for _ in range(4):
+                    status, _, body = await asgi_post(app, {"model": "m"})
+                    served.add(body["served_by"])
+                assert dead.port in served
         finally:
-            await stuck.stop()
+            await dead.stop()
             await good.stop()
+
+    run(scenario())
+
+
+def test_a_replica_whose_health_says_500_is_dead_too() -> None:
+    async def scenario() -> None:
+        failing = Replica(answer_after_s=NEVER, health_status=500)
+        await failing.start()
+        try:
+            async with in_process_router(settings()) as app:
+                router = RouterUnderTest(app, failing)
+                router.pass_endpoint()
+                status, _, _ = await asgi_post(app, {"model": "m"})
+                assert status == 504
+                assert ejections(router, Failure.DEAD) == 1
+        finally:
+            await failing.stop()
+
+    run(scenario())
+
+
+def test_a_stalled_loop_is_found_logged_and_ejected_and_its_request_not_resent(
+    caplog: object,
+) -> None:
+    async def scenario() -> None:
+        stalled = Replica(answer_after_s=NEVER, loop_after_s=NEVER, stuck=True)
+        good = Replica(answer_after_s=0)
+        await stalled.start()
+        await good.start()
+        try:
+            async with in_process_router(settings(stall_timeout_s=1.0, ejection_base_s=0.3)) as app:
+                router = RouterUnderTest(app, stalled)
+                router.pass_endpoint()
+                waiting = asyncio.ensure_future(asgi_post(app, {"model": "m"}))
+                await until(lambda: ejections(router, Failure.STALLED) == 1)
+                app.state.table.set_endpoints(
+                    "m",
+                    [ServiceAddress("127.0.0.1", p) for p in (stalled.port, good.port)],
+                )
+                status, _, body = await asgi_post(app, {"model": "m"})
+                assert status == 200 and body["served_by"] == good.port
+                # The waiting request is neither cut nor sent elsewhere.
+                assert not waiting.done()
+                assert stalled.completions == 1 and good.completions == 1
+                # At the end of its ejection its request is still on it and its
+                # counters still stand: ejected again, before any request goes there.
+                await until(lambda: ejections(router, Failure.STALLED) >= 2)
+                # Counting again: back on probation.
+                stalled.stuck = False
+                endpoint = next(
+                    e for e in app.state.table.get("m").endpoints if e.address.port == stalled.port
+                )
+                await until(lambda: endpoint.health.probation)
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+        finally:
+            await stalled.stop()
+            await good.stop()
+
+    run(scenario())
+    assert "have not moved for 1 s while 1 request(s) waited" in caplog.text  # type: ignore[attr-defined]
+
+
+def test_a_replica_that_keeps_counting_is_never_stalled() -> None:
+    async def scenario() -> None:
+        working = Replica(answer_after_s=4 * TIMEOUT_S, loop_after_s=NEVER)
+        await working.start()
+        try:
+            async with in_process_router(settings(stall_timeout_s=TIMEOUT_S)) as app:
+                router = RouterUnderTest(app, working)
+                router.pass_endpoint()
+                status, _, _ = await asgi_post(app, {"model": "m"})
+                assert status == 200 and working.completions == 1
+                assert working.decodes >= 2  # its progress was read, and moved
+                assert not any(ejections(router, f) for f in Failure)
+        finally:
+            await working.stop()
 
     run(scenario())

@@ -95,15 +95,21 @@ def test_request_path_settings_from_env_and_their_errors() -> None:
             "LLMGW_ROUTER_FIRST_BYTE_TIMEOUT": "15",
             "LLMGW_ROUTER_MAX_REQUESTS": "100",
             "LLMGW_ROUTER_EJECTION_BASE": "10",
+            "LLMGW_ROUTER_STALL_TIMEOUT": "120",
+            "LLMGW_ROUTER_LOADING_HEARTBEAT": "2.5",
         }
     )
+    assert (settings.stall_timeout_s, settings.loading_heartbeat_s) == (120.0, 2.5)
+    assert RouterSettings().first_byte_timeout_s == 10.0  # issue 21: a dead replica within 15 s
     assert settings.cors_origins == ("https://a.example.com", "http://b.example.com:8080")
     assert (settings.first_byte_timeout_s, settings.max_requests) == (15.0, 100)
     assert settings.ejection_base_s == 10.0 and settings.max_body_bytes == 100 * 1024 * 1024
     settings.validate()
     for bad, words in (
         ({"cors_origins": ("app.example.com",)}, "CORS origin 'app.example.com'"),
-        ({"first_byte_timeout_s": 0}, "first-byte timeout"),
+        ({"first_byte_timeout_s": 0}, "first-byte and stall timeouts"),
+        ({"stall_timeout_s": 0}, "first-byte and stall timeouts"),
+        ({"loading_heartbeat_s": -1}, "loading heartbeat"),
         ({"ejection_base_s": 400.0}, "base <= max"),
         ({"max_connections_per_replica": 0}, "per replica"),
     ):

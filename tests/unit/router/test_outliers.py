@@ -47,13 +47,26 @@ def test_consecutive_failures_eject_and_a_good_answer_resets_the_count() -> None
         detector.answered("m", bound, slots, a, 200)
         detector.failed("m", bound, slots, a, Failure.CONNECT)
         assert not a.health.ejected  # not two in a row
-        detector.failed("m", bound, slots, a, Failure.FIRST_BYTE_TIMEOUT)
+        detector.failed("m", bound, slots, a, Failure.CONNECT)
         assert a.health.ejected
-        assert ejections(metrics, Failure.FIRST_BYTE_TIMEOUT) == 1
-        assert ejections(metrics, Failure.CONNECT) == 0
+        assert ejections(metrics, Failure.CONNECT) == 1
+        assert ejections(metrics, Failure.DEAD) == 0
         assert ejected_now(metrics) == 1
         # No new request goes to it while b can take one.
         assert {pick(slots.endpoints, turn) for turn in range(4)} == {b}
+
+    run(scenario())
+
+
+def test_a_failed_liveness_check_or_a_stall_ejects_at_once() -> None:
+    async def scenario() -> None:
+        detector, slots, (a, b), metrics = setup()
+        bound = metrics.for_model("m")
+        detector.failed("m", bound, slots, a, Failure.DEAD)
+        detector.failed("m", bound, slots, b, Failure.STALLED)
+        assert a.health.ejected and b.health.ejected
+        assert ejections(metrics, Failure.DEAD) == 1
+        assert ejections(metrics, Failure.STALLED) == 1
 
     run(scenario())
 

@@ -1,0 +1,161 @@
+"""A replica's errors in OpenAI's shape, so a client sees one kind of error object.
+
+llama-server's errors (``format_error_response`` in llama.cpp
+tools/server/server-common.cpp) carry a numeric ``code`` (the HTTP status)
+and a ``type`` of its own (``exceed_context_size_error``,
+``unavailable_error`` ...), sometimes with extra fields
+(``n_prompt_tokens``, ``n_ctx``)::
+
+    {"error": {"code": 400, "message": "...", "type": "exceed_context_size_error",
+               "n_prompt_tokens": 1500, "n_ctx": 1024}}
+
+OpenAI's error object has ``message``, ``type``, ``param`` and ``code``, the
+last a string or null (platform.openai.com/docs/guides/error-codes; an
+over-long prompt is ``invalid_request_error`` / ``context_length_exceeded``).
+:func:`translate` maps llama-server's ``type`` to OpenAI's ``type`` and a
+string ``code`` (:data:`TYPES`; an unknown one keeps its name as the code),
+and keeps every other field beside them. Two places need it, both in
+:mod:`router.proxy` and :mod:`router.streaming`:
+
+- a non-streaming error answer (status >= 400): :func:`error_answer`, which
+  also wraps a body that is not an error object at all (an HTML page from a
+  proxy, httplib's plain 404) as one;
+- an error event inside a stream (``data: {"error": {...}}``, what
+  llama-server sends when generation fails after the stream began):
+  :class:`StreamErrors`, which rewrites such events and passes every other
+  byte through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# llama-server's error type -> (OpenAI's type, OpenAI-style code).
+TYPES: dict[str, tuple[str, str | None]] = {
+    "invalid_request_error": ("invalid_request_error", None),
+    "exceed_context_size_error": ("invalid_request_error", "context_length_exceeded"),
+    "authentication_error": ("invalid_request_error", "invalid_api_key"),
+    "permission_error": ("invalid_request_error", "permission_denied"),
+    "not_found_error": ("invalid_request_error", "not_found"),
+    "not_supported_error": ("invalid_request_error", "not_supported"),
+    "unavailable_error": ("server_error", "replica_unavailable"),
+    "server_error": ("server_error", None),
+}
+
+# The start of an error event in llama-server's stream (format_oai_sse).
+_ERROR_EVENT = b'data: {"error"'
+_EVENT_END = b"\n\n"
+# Bytes of a body that is not an error object kept in the message.
+_TEXT_LIMIT = 2000
+
+
+def _type_for(status: int) -> str:
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def translate(error: dict[str, Any], status: int) -> dict[str, Any]:
+    """``error`` (the inside of ``{"error": ...}``) in OpenAI's shape: ``message``,
+    ``type``, ``param``, ``code`` (a string or ``None``) first, then llama-server's
+    other fields unchanged. ``status`` decides the type of an error without one.
+    An error already in OpenAI's shape (a string or null ``code``) is kept as is."""
+    code = error.get("code")
+    kind = error.get("type")
+    if (code is None or isinstance(code, str)) and isinstance(kind, str) and kind not in TYPES:
+        return error
+    openai_type, openai_code = TYPES.get(kind, (None, None)) if isinstance(kind, str) else (
+        None, None,
+    )  # fmt: skip
+    if openai_type is None:
+        openai_type = _type_for(status)
+        openai_code = kind if isinstance(kind, str) else None
+    if openai_code is None and isinstance(code, str):
+        openai_code = code
+    message = error.get("message")
+    out: dict[str, Any] = {
+        "message": message if isinstance(message, str) else json.dumps(error),
+        "type": openai_type,
+        "param": error.get("param") if isinstance(error.get("param"), str) else None,
+        "code": openai_code,
+    }
+    for key, value in error.items():
+        if key not in out:
+            out[key] = value
+    return out
+
+
+def error_answer(body: bytes, status: int, model: str) -> bytes:
+    """The body a client gets for a replica's error answer with ``status``: its
+    error object translated, or, for a body that holds none, one that quotes it."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        error = translate(doc["error"], status)
+    else:
+        text = body[:_TEXT_LIMIT].decode("utf-8", "replace").strip()
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+            text = doc["error"]
+        error = {
+            "message": f"The model `{model}` replica answered {status}: {text or '(no body)'}",
+            "type": _type_for(status),
+            "param": None,
+            "code": "upstream_error",
+        }
+    return json.dumps({"error": error}).encode()
+
+
+class StreamErrors:
+    """Rewrites the error events of one event stream, chunk by chunk.
+
+    Only a chunk that ends inside an event is held back (until the event ends,
+    or :meth:`flush`), so a stream framed as llama-server frames it (one write
+    per event) passes with no delay and no copy; a chunk is scanned for an
+    error event's start, which is all a token costs.
+    """
+
+    __slots__ = ("_held", "_status")
+
+    def __init__(self, status: int = 500) -> None:
+        self._held = b""
+        self._status = status
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` (after what was held) can go to the client now."""
+        if self._held:
+            chunk = self._held + chunk
+            self._held = b""
+        if not chunk.endswith(_EVENT_END):
+            end = chunk.rfind(_EVENT_END)
+            # Held only when the unfinished event may be an error (or may grow
+            # into one): other partial events pass as they come.
+            tail = chunk[end + 2 :] if end >= 0 else chunk
+            start = tail.lstrip(b"\r\n")
+            if start.startswith(_ERROR_EVENT) or _ERROR_EVENT.startswith(start):
+                self._held = tail
+                chunk = chunk[: len(chunk) - len(tail)]
+        if _ERROR_EVENT not in chunk:
+            return chunk
+        return _EVENT_END.join(self._event(e) for e in chunk.split(_EVENT_END))
+
+    def flush(self) -> bytes:
+        """What was held when the stream ended."""
+        held, self._held = self._held, b""
+        return self._event(held) if held else b""
+
+    def _event(self, event: bytes) -> bytes:
+        body = event.lstrip(b"\r\n")
+        if not body.startswith(_ERROR_EVENT):
+            return event
+        try:
+            doc = json.loads(body[len(b"data: ") :])
+        except (ValueError, UnicodeDecodeError):
+            return event
+        if not isinstance(doc, dict) or not isinstance(doc.get("error"), dict):
+            return event
+        error = doc["error"]
+        code = error.get("code")
+        status = code if isinstance(code, int) else self._status
+        head = event[: len(event) - len(body)]
+        return head + b"data: " + json.dumps({"error": translate(error, status)}).encode()

@@ -1,0 +1,170 @@
+"""A replica's errors in OpenAI's shape (router.replica_errors): llama-server's error
+objects as its format_error_response writes them (llama.cpp tools/server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from router.replica_errors import StreamErrors, error_answer, translate
+from router.settings import RouterSettings
+from tests.support.router_harness import (
+    LocalServer,
+    RouterUnderTest,
+    asgi_post,
+    in_process_router,
+    run,
+)
+
+CONTEXT = {
+    "code": 400,
+    "message": "request (1500 tokens) exceeds the available context size (1024 tokens)",
+    "type": "exceed_context_size_error",
+    "n_prompt_tokens": 1500,
+    "n_ctx": 1024,
+}
+
+
+def test_a_llama_server_error_gets_openai_fields_and_keeps_its_extras() -> None:
+    out = translate(CONTEXT, 400)
+    assert out == {
+        "message": CONTEXT["message"],
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+        "n_prompt_tokens": 1500,
+        "n_ctx": 1024,
+    }
+    assert list(out)[:4] == ["message", "type", "param", "code"]
+
+
+def test_every_type_gets_a_string_or_null_code_and_an_openai_type() -> None:
+    for kind, status in (
+        ("invalid_request_error", 400), ("authentication_error", 401),
+        ("not_found_error", 404), ("server_error", 500), ("permission_error", 403),
+        ("not_supported_error", 501), ("unavailable_error", 503), ("new_error", 418),
+        ("new_error", 502),
+    ):  # fmt: skip
+        out = translate({"code": status, "message": "m", "type": kind}, status)
+        assert out["code"] is None or isinstance(out["code"], str), out
+        assert out["type"] in {"invalid_request_error", "server_error"}, out
+    unknown = translate({"code": 502, "message": "m", "type": "new_error"}, 502)
+    assert (unknown["type"], unknown["code"]) == ("server_error", "new_error")
+
+
+def test_an_error_already_in_openai_shape_is_kept() -> None:
+    error = {"message": "m", "type": "invalid_request_error", "param": "model", "code": "x"}
+    assert translate(error, 400) == error
+
+
+def test_a_body_that_is_no_error_object_is_quoted_in_one() -> None:
+    body = json.loads(error_answer(b"<html>Bad Gateway</html>", 502, "m"))
+    assert body["error"]["type"] == "server_error"
+    assert body["error"]["code"] == "upstream_error"
+    assert "answered 502: <html>Bad Gateway</html>" in body["error"]["message"]
+    body = json.loads(error_answer(json.dumps({"error": CONTEXT}).encode(), 400, "m"))
+    assert body["error"]["code"] == "context_length_exceeded"
+
+
+STREAM = (
+    b'data: {"choices":[{"text":"a"}]}\n\n'
+    b'data: {"choices":[{"text":"b"}]}\n\n'
+    b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+)
+
+
+def test_error_events_in_a_stream_are_rewritten_wherever_the_chunks_split() -> None:
+    expected = STREAM.replace(
+        b'{"error":{"code":500,"message":"boom","type":"server_error"}}',
+        json.dumps(
+            {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+        ).encode(),
+    )
+    for cut in range(len(STREAM) + 1):
+        for second in range(cut, len(STREAM) + 1):
+            rewriter = StreamErrors()
+            parts = [STREAM[:cut], STREAM[cut:second], STREAM[second:]]
+            out = b"".join(rewriter.feed(p) for p in parts if p) + rewriter.flush()
+            assert out == expected, (cut, second)
+
+
+def test_a_stream_without_errors_passes_unchanged_and_unheld() -> None:
+    rewriter = StreamErrors()
+    event = b'data: {"choices":[{"text":"a"}]}\n\n'
+    assert rewriter.feed(event) is event  # no copy
+    assert rewriter.feed(b'data: {"choi') == b'data: {"choi'  # not an error: not held
+    assert rewriter.feed(b'ces":[]}\n\n') == b'ces":[]}\n\n'
+
+
+class ErringReplica(LocalServer):
+    """A FAKE llama-server whose generation fails: a stream that ends with its error
+    event, and a plain 400 (llama-server cannot be made to fail mid-stream on demand)."""
+
+    def __init__(self) -> None:
+        super().__init__(web.post("/v1/completions", self._complete))
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"error": CONTEXT}, status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(STREAM)
+        await response.write_eof()
+        return response
+
+
+def test_the_proxy_translates_plain_and_streamed_errors() -> None:
+    async def scenario() -> None:
+        replica = ErringReplica()
+        await replica.start()
+        try:
+            settings = RouterSettings(activation=False, replica_concurrency=4)
+            async with in_process_router(settings) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                status, headers, body = await asgi_post(app, {"model": "m"})
+                assert status == 400 and headers["content-type"] == "application/json"
+                assert body["error"]["code"] == "context_length_exceeded"
+                assert body["error"]["n_ctx"] == 1024
+                sent: list[dict] = []
+                scope = {
+                    "type": "http", "method": "POST", "path": "/v1/completions",
+                    "query_string": b"", "headers": [],
+                }  # fmt: skip
+                await app(
+                    scope,
+                    _once(json.dumps({"model": "m", "stream": True}).encode()),
+                    _collect(sent),
+                )
+                data = b"".join(m.get("body", b"") for m in sent[1:])
+                last = data.rstrip().split(b"\n\n")[-1]
+                error = json.loads(last.removeprefix(b"data: "))["error"]
+                assert error["type"] == "server_error" and error["code"] is None
+                assert "code" in error and error["message"] == "boom"
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def _once(payload: bytes):  # type: ignore[no-untyped-def]
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()
+        return {}
+
+    return receive
+
+
+def _collect(sent: list[dict]):  # type: ignore[no-untyped-def]
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    return send

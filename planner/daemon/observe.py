@@ -16,7 +16,8 @@ Reads, in order (Nomad 1.6's HTTP API):
          TaskStates); /v1/job/<name>/deployments; /v1/job/<name>/evaluations (the
          latest complete one, and its placement answer: `planner.unplaceable`);
          the stderr tail of each start failure the document has not counted yet
-         (`NomadClient.task_stderr_tail`: once counted, never read again).
+         (`NomadClient.task_stderr_tail`: once counted, never read again; none for a
+         document not stored yet, which takes Nomad's failures as history).
 
 Job versions never change, so they are cached per job incarnation (its
 CreateIndex: a purged job created again starts its versions over) and read
@@ -38,7 +39,7 @@ from llmgw_contract import KVPrefix, ModelRecord, StateDocument, decode, kv_key
 from planner import unplaceable as unplaced
 from planner.consul_client import ConsulClient
 from planner.errors import NomadRejected
-from planner.failures import new_failures
+from planner.failures import start_failures
 from planner.model.observation import Observation
 from planner.nomad_client import Job, NomadClient
 from planner.rollout import definition_of
@@ -139,13 +140,16 @@ def _stderr_tails(nomad: NomadClient, document: StateDocument, definitions: set[
                   allocations: list[dict[str, Any]],
                   definition_of_version: Callable[[int], str]) -> dict[str, str]:
     """The stderr tail of every start failure not counted yet, for allocations of the
-    definitions the document may judge by (key: `StartFailure.key`)."""
+    definitions the document may judge by (key: `StartFailure.key`). By key alone, never
+    by this machine's clock against the node's (issue 19, "Clocks")."""
     tails = {}
+    counted = set(document.counted)
     for alloc in allocations:
         if definition_of_version(int(alloc.get("JobVersion", -1))) not in definitions:
             continue
-        for failure in new_failures(document, alloc):
-            tails[failure.key] = nomad.task_stderr_tail(failure.alloc_id, failure.task)
+        for failure in start_failures(alloc):
+            if failure.key not in counted:
+                tails[failure.key] = nomad.task_stderr_tail(failure.alloc_id, failure.task)
     return tails
 
 
@@ -187,8 +191,10 @@ class Observer:
                                     now) if evaluation is not None and record else None
         definitions = {document.definition_hash, record.definition_hash if record else ""}
         definitions.discard("")
+        # A document not stored yet takes what Nomad shows as history (counted without
+        # reading it: `planner.model.fold`), so nothing of it is read.
         stderr = _stderr_tails(self.nomad, document, definitions, allocations,
-                               lambda v: by_version.get(v, ""))
+                               lambda v: by_version.get(v, "")) if state_index else {}
         mine = {a["ID"] for a in allocations}
         return document, Observation(
             name=name, record=record, job=job, versions=versions,

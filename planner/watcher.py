@@ -257,6 +257,9 @@ class Watcher:
                                              ssl=self.nomad.ssl_context):
                 index = int(event.get("Index") or 0)
                 verdict = cursor.judge(index)
+                if cursor.first == index and cursor.last == index:
+                    log.info("event stream: asked for index %d, first event at %d (%s)",
+                             cursor.asked, index, verdict)
                 if verdict == Verdict.CHECK:
                     verdict = await asyncio.to_thread(self._check_reset, index)
                 if verdict == Verdict.SEEN:

@@ -225,6 +225,8 @@ class Workers:
                 raise Skipped(f"{event}: no longer wanted")
             document, observation = self._observe(name)
             plan = self._decide(document, observation, event)
+            log.debug("model %s: %s pass, attempt %d: %d effect(s)", name, event, attempt,
+                      len(plan.effects))
             if guard is not None and plan.effects and not guard():
                 raise Skipped(f"{event}: no longer wanted")
             try:

@@ -25,11 +25,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmgw_contract.states import ActivationStatus
 
-# Bounds on the lists a state document keeps, so it never grows without end:
-# enough for every start of every replica a model has before it is parked,
-# with room for planner restarts mid-way.
-MAX_COUNTED = 64
-MAX_REPLICAS = 32
+# A replica record keeps its last healthy entries only. The other lists of a state
+# document are bounded by what Nomad shows, not by count (issue 19): `counted` keeps
+# the keys of allocations Nomad still lists, `replicas` at most the definition's
+# replicas, never dropping a live one (`planner.model.fold`).
 MAX_HEALTHY_ENTRIES = 8
 
 
@@ -129,14 +128,17 @@ class StateDocument(Document):
 
     The failure figures refer to `definition_hash`: a new definition starts
     them over, and failures of allocations of another definition never count.
-    Failures that ended before `counting_from_ns` (Unix ns) are history from
-    before the document existed: a document recreated after a wiped KV must
-    not count again what Nomad's task events still show.
+    A document recreated after a wiped KV takes the failures Nomad's task events
+    still show as `counted` (history), so none is counted twice.
+
+    `counting_from_ns` is retired (issue 19: it compared the planner's clock with
+    the nodes'): no longer written or read, kept so older documents and readers
+    still decode.
     """
 
     name: str
     definition_hash: str = ""
-    counting_from_ns: int = 0
+    counting_from_ns: int = 0  # retired, see above
     consecutive_failures: int = 0  # across replicas, since the last stable healthy run
     start_failures_total: int = 0  # every failure counted for this model, ever
     last_error: str | None = None

@@ -63,9 +63,14 @@ def parked_from_job(job: Job | None) -> Parked | None:
 
 
 def set_parked(state: StateDocument, parked: Parked | None, job_index: int) -> StateDocument:
-    """The KV cache of parking, as of the Nomad job at modify index `job_index`; an
-    answer older than the one the document already reflects changes nothing."""
-    if job_index < state.job_index:
+    """The KV cache of parking, as of the Nomad job at modify index `job_index`; a park
+    older than the answer the document already reflects changes nothing. Un-parking is
+    never refused: its callers write it right after their own job write, and after a
+    Nomad index reset (rebuilt servers) a lower JobModifyIndex is the truth (issue 19:
+    the guard kept a KV copy parked that even `planner retry` could not lift). The
+    daemon keeps the copy equal to the job's meta at every observation
+    (`planner.model.fold`)."""
+    if parked is not None and job_index < state.job_index:
         return state
     if parked is None and state.parked is not None:
         state = retried(state)

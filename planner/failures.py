@@ -168,10 +168,9 @@ def ended(alloc: dict[str, Any], task: str, event: dict[str, Any]) -> tuple[int,
 
 
 def new_failures(state: StateDocument, alloc: dict[str, Any]) -> list[StartFailure]:
-    """Failures in `alloc` not counted yet and not older than the document (the caller
-    checks the definition)."""
-    return [f for f in start_failures(alloc)
-            if f.key not in state.counted and f.at_ns >= state.counting_from_ns]
+    """Failures in `alloc` not counted yet (the caller checks the definition and the
+    job's incarnation: `planner.model.fold`)."""
+    return [f for f in start_failures(alloc) if f.key not in state.counted]
 
 
 # One line of a last error for a table and a log (`llmgw_contract.lasterror.headline`):
@@ -231,7 +230,10 @@ def judge(state: StateDocument, failure: StartFailure, stderr_tail: str, rules: 
     # count recounted old failures at the next reconcile (issue 19).
     counted = (*state.counted, failure.key)
     entry = healthy_entry(replica, failure)
-    if entry and failure.at_ns - entry >= rules.stable_after_ns:
+    # A run the stability tick already found stable (its entry and `now` both from the
+    # planner's clock) ended stable, whatever the node's clock says of its end.
+    if entry and (replica.stable_entry == entry or
+                  failure.at_ns - entry >= rules.stable_after_ns):
         return stabilize(state.model_copy(update={"counted": counted}), replica.alloc_id, entry)
     detail = error_lines(stderr_tail)
     message = failure.message

@@ -18,7 +18,6 @@ the document as it was writes nothing.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,23 +60,20 @@ class Updated:
         return self.before != self.after
 
 
-def now_ns() -> int:
-    return time.time_ns()
-
-
 def _document(name: str, text: str | None) -> StateDocument:
-    """The document stored as `text`; a missing one counts failures from now on: it is
-    a new model's, or one lost from KV whose history Nomad still shows (and which must
-    not be counted twice)."""
+    """The document stored as `text`; an empty one when there is none. What Nomad
+    already shows of a model whose document was missing is history, taken as counted
+    by the decision (`planner.model.fold`) from what Nomad shows, never from this
+    machine's clock (issue 19: a clock ahead of the nodes' hid every failure)."""
     if not text:
-        return StateDocument(name=name, counting_from_ns=now_ns())
+        return StateDocument(name=name)
     try:
         return decode(StateDocument, text)
     except ValueError as exc:
         # A document we cannot read is replaced, not fatal: it is a cache of what
         # Nomad holds (parking lives in the job's meta, failures in its events).
         log.error("model %s: unreadable state document, starting from empty (%s)", name, exc)
-        return StateDocument(name=name, counting_from_ns=now_ns())
+        return StateDocument(name=name)
 
 
 class StateStore:

@@ -32,10 +32,10 @@ from planner.actions import parked_from_job
 from planner.model import fold
 from planner.model.effects import Effect, Evaluate, Park, Reason, Scale
 from planner.model.observation import Observation
+from planner.vocab import GROUP, group_count
 
-__all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer"]
+__all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]
 
-GROUP = "server"  # the task group in planner/jobspecs/model.nomad.hcl
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,12 @@ def parked_answer(state: StateDocument) -> ActivationAnswer | None:
     return ActivationAnswer(name=state.name, status=ActivationStatus.PARKED,
                             reason=parked.reason, last_error=parked.last_error,
                             since=parked.since)
+
+
+def reverting(name: str) -> ActivationAnswer:
+    """The answer while a failed update is rolled back to the version that serves."""
+    return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
+                            reason="a failed update is being rolled back")
 
 
 def _starting(allocations: tuple[dict[str, Any], ...]) -> bool:
@@ -80,7 +86,7 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
             name=name, status=ActivationStatus.STOPPED,
             reason="its Nomad job is not running; run `planner apply` (or `planner retry`) "
                    "first"))
-    count = fold.wanted(job)
+    count = group_count(job)
     if record.idle_after is None and count == 0:
         return Activated(state, answer=ActivationAnswer(
             name=name, status=ActivationStatus.STOPPED,

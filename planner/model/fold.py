@@ -56,9 +56,10 @@ from planner.failures import (
 )
 from planner.jobspec import ENGINE_KIND_META
 from planner.model.effects import Effect, Park, Reason, Revert
-from planner.model.observation import Allocation, Job, Observation
+from planner.model.observation import Observation
 from planner.rollout import definition_of, record_rollback, rolled_back, stuck_update
 from planner.unplaceable import with_unplaceable
+from planner.vocab import Allocation, Job, group_count
 
 NoteLine = tuple[int, str]  # (logging level, text)
 
@@ -68,13 +69,6 @@ class Folded:
     state: StateDocument
     effects: tuple[Effect, ...] = ()
     notes: tuple[NoteLine, ...] = ()
-
-
-def wanted(job: Job | None) -> int:
-    """Replicas the job asks for now (0 for a missing or stopped job)."""
-    if job is None or job.get("Stop"):
-        return 0
-    return sum(int(tg.get("Count") or 0) for tg in job.get("TaskGroups") or [])
 
 
 def current_definition(observation: Observation) -> str:
@@ -142,12 +136,12 @@ def fold(document: StateDocument, observation: Observation, rules: Rules,
         state = _prune(state, observation, allocs)
     state = _placement(state, observation, notes)
     effects: tuple[Effect, ...] = ()
-    if job is not None and not job.get("Stop") and not rollback:
+    if job is not None and not job.get("Stop"):
         park = _park(state, allocs, observation, rules, now, notes)
         if park is not None:
             state = state.model_copy(update={"parked": park.parked})
             effects = (park,)
-        else:
+        elif not rollback:  # Nomad reverted it itself
             effects = _revert(job, observation)
     return Folded(state, effects, tuple(notes))
 
@@ -268,7 +262,7 @@ def _prune(state: StateDocument, observation: Observation,
     live = [r for r in shown if allocs[r.alloc_id].live]
     rest = sorted((r for r in shown if not allocs[r.alloc_id].live),
                   key=lambda r: created.get(r.alloc_id, 0), reverse=True)
-    bound = max(wanted(observation.job),
+    bound = max(group_count(observation.job),
                 observation.record.replicas if observation.record else 0, 1)
     keep = {r.alloc_id for r in (*live, *rest[:max(bound - len(live), 0)])}
     replicas = tuple(r for r in state.replicas if r.alloc_id in keep)
@@ -277,7 +271,7 @@ def _prune(state: StateDocument, observation: Observation,
 
 def all_running(observation: Observation) -> bool:
     """Every replica the job wants runs."""
-    count = wanted(observation.job)
+    count = group_count(observation.job)
     running = [a for a in observation.allocations
                if a.get("ClientStatus") == "running" and a.get("DesiredStatus") == "run"]
     return count > 0 and len(running) >= count

@@ -19,8 +19,10 @@ rollbacks, placement), then does what the event asks:
   ACTIVATE  a request for the model (`planner.model.activate`): `Plan.answer` when
             it can be answered without an attempt, else a `Scale` or a non-forced
             `Evaluate` (answer None: the caller waits for the evaluation and decides
-            OBSERVED on it). Raises `planner.errors.Rejected` for a model never
-            applied (`observation.record` None): callers answer 404 first.
+            OBSERVED on it). A park the fold decides comes first (answer parked); a
+            stuck update's revert replaces the attempt (answer loading). Raises
+            `planner.errors.Rejected` for a model never applied
+            (`observation.record` None): callers answer 404 first.
   IDLE      an on-demand model the idle scaler found unused: `Scale(0)`.
 
 Extensions of the interface of a43e503: `Plan.summary` (RETRY's words).
@@ -36,10 +38,11 @@ from enum import StrEnum
 
 from llmgw_contract import ActivationAnswer, StateDocument
 from planner.errors import Rejected
-from planner.failures import Rules, due_stable, stabilize
+from planner.failures import Rules, due_stable, headline, stabilize
 from planner.model import activate, fold, retry
-from planner.model.effects import Effect, Reason, Scale
+from planner.model.effects import Effect, Park, Reason, Scale
 from planner.model.observation import Observation
+from planner.vocab import GROUP, group_count
 
 
 class Event(StrEnum):
@@ -99,11 +102,18 @@ def decide(document: StateDocument, observation: Observation, event: Event, rule
     if event is Event.ACTIVATE:
         if observation.record is None:
             raise Rejected(f"model {observation.name!r} was never applied")
-        if folded.effects:  # parking due (or a revert): that comes first
+        if any(isinstance(e, Park) for e in folded.effects):  # parking due: at once
             return Plan(folded.state, folded.effects, notes,
                         answer=activate.parked_answer(folded.state))
         activated = activate.activate(folded.state, observation, now)
-        return Plan(activated.state, activated.effects, notes, answer=activated.answer)
+        if folded.effects:  # a stuck update's revert: the one job write of this plan
+            return Plan(folded.state, folded.effects, notes,
+                        answer=activated.answer or activate.reverting(observation.name))
+        plan = Plan(activated.state, activated.effects, notes, answer=activated.answer)
+        if activated.state.parked is not None and folded.state.parked is None:
+            plan = plan.note(f"parked ({activated.state.parked.reason}); last error: "
+                             f"{headline(activated.state.last_error)}", logging.ERROR)
+        return plan
     if event is Event.IDLE:
         if folded.effects:
             return Plan(folded.state, folded.effects, notes)
@@ -130,7 +140,7 @@ def _idle(observation: Observation) -> tuple[Effect, ...]:
     """Scale an on-demand model's running job to 0 (the idle rule is `planner.idle`)."""
     record, job = observation.record, observation.job
     if record is None or record.idle_after is None or job is None or job.get("Stop") or \
-            fold.wanted(job) == 0:
+            group_count(job) == 0:
         return ()
     return (Scale(Reason.IDLE, f"idle: no request for {record.idle_after} s",
-                  group=activate.GROUP, count=0),)
+                  group=GROUP, count=0),)

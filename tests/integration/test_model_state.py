@@ -435,8 +435,8 @@ def test_a_kv_wipe_never_counts_history_again_nor_forgets_a_stable_run(
     wiped = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true",
                                    method="DELETE")
     urllib.request.urlopen(wiped, timeout=10).close()
-    wait_for(lambda: kv_state(cluster, "wipe-history").counting_from_ns > 0, 40,
-             "the state document recreated")
+    wait_for(lambda: ConsulClient(cluster.consul_addr).get_indexed(
+        "llmgw/state/wipe-history")[1] is not None, 40, "the state document recreated")
     model = planner_daemon.model("wipe-history")
     assert (model["state"], model["consecutive_failures"]) == ("serving", 0), model
     assert replica()["stable"], (model, kv_state(cluster, "wipe-history"))  # seeded

@@ -268,6 +268,22 @@ def test_a_replica_passing_for_the_stability_window_resets_the_counts() -> None:
     assert tick.state.consecutive_failures == 0 and tick.effects == ()
 
 
+def test_a_run_found_stable_by_the_tick_ends_stable_whatever_the_nodes_clock_says() -> None:
+    # The planner's clock 40 s ahead of the node's: the run passed at node time 100 s
+    # (140 s on the planner's), the tick found it stable at 260 s, and it ended at node
+    # time 230 s: 90 s after its entry by the two clocks, yet stable.
+    ahead = 40 * S
+    serving = alloc("a1", event("Started", 90))
+    seen = observed(STORED, observe(serving, passing={"a1": 100 * S + ahead}))
+    stable = decide(seen.state, observe(serving, passing={"a1": 100 * S + ahead}),
+                    Event.TICK, RULES, datetime.fromtimestamp(260, UTC))
+    [replica] = stable.state.replicas
+    assert replica.stable_entry == 100 * S + ahead
+    ended = alloc("a1", *run(90, 230), event("Restarting", 230), event("Started", 236))
+    plan = observed(stable.state, observe(ended))
+    assert plan.state.consecutive_failures == 0 and len(plan.state.counted) == 1
+
+
 # --- RETRY --------------------------------------------------------------------------------
 
 
@@ -373,12 +389,14 @@ def test_activation_parks_at_once_when_nomad_stopped_every_replica() -> None:
     plan = activated(four, observe(failing(starts=5)))
     [park] = plan.effects
     assert isinstance(park, Park) and plan.state.parked == park.parked
+    assert any(n.text.startswith("parked (") for n in plan.notes)
     assert plan.answer is not None and plan.answer.status is ActivationStatus.PARKED
     # Even with failures never counted (a lost document): parked, not started again.
     lost = observed(StateDocument(name="m"), observe(failing(), state_index=0)).state
     plan = activated(lost, observe(failing()))
     [park] = plan.effects
     assert isinstance(park, Park) and park.reason is Reason.ALL_STOPPED
+    assert any(n.text.startswith("parked (every replica stopped") for n in plan.notes)
 
 
 def test_activation_of_a_model_never_applied_is_refused() -> None:
@@ -403,3 +421,31 @@ def test_documents_stay_readable_with_records_of_any_kind() -> None:
     seeded = StateDocument(name="m", replicas=(ReplicaRecord(alloc_id="a1"),),
                            counting_from_ns=5)
     assert observed(seeded, observe(alloc("a1", event("Started", 1)))).state.replicas[0].name
+
+
+def test_the_running_definition_still_parks_while_a_rollback_stands() -> None:
+    # Nomad rolled "bad" back to "good"; then the running definition's replica fails five
+    # times, nothing serving: it parks (a standing rollback must not hide it).
+    v0 = job(definition_hash="good", Version=0, CreateIndex=10)
+    v1 = job(definition_hash="bad", Version=1, CreateIndex=10)
+    v2 = job(definition_hash="good", Version=2, CreateIndex=10)
+    record = RECORD.model_copy(update={"definition_hash": "bad"})
+    obs = observe(failing("old", 5, version=2), the_job=v2, versions=(v2, v1, v0),
+                  record=record,
+                  deployments=(deployment(0, "successful"), deployment(1, "failed")))
+    plan = observed(StateDocument(name="m", definition_hash="bad"), obs)
+    assert plan.state.update_failed is not None
+    [park] = plan.effects
+    assert isinstance(park, Park) and plan.state.definition_hash == "good"
+
+
+def test_activation_during_a_stuck_update_reverts_and_answers() -> None:
+    v1 = job(definition_hash="d1", Version=1, CreateIndex=10)
+    v0 = job(definition_hash="d0", Version=0, CreateIndex=10)
+    obs = observe(alloc("old", event("Started", 1), version=0),
+                  failing("new", 5, version=1), the_job=v1, versions=(v1, v0),
+                  passing={"old": S},
+                  deployments=(deployment(0, "cancelled"), deployment(1, "failed")))
+    plan = activated(STORED, obs)
+    assert [type(e) for e in plan.effects] == [Revert]
+    assert plan.answer is not None and plan.answer.status is ActivationStatus.SERVING

@@ -17,6 +17,14 @@ def test_the_kv_copy_of_parking_follows_the_newest_nomad_answer() -> None:
     assert set_parked(lifted, parked, 25) == lifted
 
 
+def test_unparking_is_never_refused_by_an_index_lower_than_remembered() -> None:
+    # A Nomad index reset (rebuilt servers): the job's indexes start over (issue 19).
+    parked = Parked(reason="5 consecutive start failures")
+    state = set_parked(StateDocument(name="m", consecutive_failures=5), parked, 5000)
+    lifted = set_parked(state, None, 12)
+    assert lifted.parked is None and lifted.job_index == 12
+
+
 def test_parking_is_read_from_the_job_meta() -> None:
     meta = {"llmgw_parked_reason": "r", "llmgw_parked_last_error": "e",
             "llmgw_parked_since": "t"}

@@ -59,6 +59,7 @@ from planner.settings import Settings
 from planner.state import StateStore
 from planner.status import ModelStatus, ReplicaState, gather, model_status
 from planner.unplaceable import engine_need
+from planner.watcher import RECONCILE_EVERY_S
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have (an engine is not installed on some node); 2 invalid model or engine files, settings or
@@ -540,6 +541,10 @@ def serve(
     stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
                                                    "before its failures are forgiven")]
     = STABLE_AFTER_S,
+    reconcile_every: Annotated[float, typer.Option(help="seconds between full reconciles "
+                                                        "of every model from Nomad (the "
+                                                        "backstop for lost events)")]
+    = RECONCILE_EVERY_S,
     tls_cert: Annotated[str | None, typer.Option(help="serve the admin API over HTTPS with "
                                                       "this PEM certificate (env "
                                                       "LLMGW_TLS_CERT)")] = None,
@@ -571,7 +576,8 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
     node = PlannerNode(nomad, consul, url, rules,
-                       settings.datacenters, certificate_paths=settings.certificate_files)
+                       settings.datacenters, certificate_paths=settings.certificate_files,
+                       reconcile_every=reconcile_every)
     forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
     admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,
                        forward_ssl=forward_ssl)

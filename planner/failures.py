@@ -20,8 +20,9 @@ periodic tick that notices runs that stayed healthy. The rules
   for allocations of the model's current definition: a new definition starts
   over, and a late event of an old one never counts against it.
 - The model is **parked** when its count reaches `Rules.park_after` and no
-  replica of the current definition protects it: one running with no failure
-  of its own (serving, or still loading), or one whose current run is stable.
+  replica of the current definition protects it: one passing its check now
+  (whatever it failed before), or one running with no failure of its own
+  (still loading).
   A replica that keeps failing beside a healthy one leaves the model
   `degraded`, never parked; Nomad stops that replica by itself after its
   restart attempts (planner/jobspecs/model.nomad.hcl: no reschedule).
@@ -39,9 +40,7 @@ from typing import Any
 
 from llmgw_contract import lasterror
 from llmgw_contract.documents import (
-    MAX_COUNTED,
     MAX_HEALTHY_ENTRIES,
-    MAX_REPLICAS,
     Parked,
     ReplicaRecord,
     StateDocument,
@@ -184,8 +183,11 @@ headline = lasterror.headline
 
 
 def _with_replica(state: StateDocument, replica: ReplicaRecord) -> StateDocument:
+    # No bound by count here: the records are bounded by the definition's replicas, by
+    # allocations Nomad still shows (`planner.model.fold`), never evicting a live one
+    # (issue 19: with more than 32 replicas healthy records went first).
     others = tuple(r for r in state.replicas if r.alloc_id != replica.alloc_id)
-    return state.model_copy(update={"replicas": (*others, replica)[-MAX_REPLICAS:]})
+    return state.model_copy(update={"replicas": (*others, replica)})
 
 
 def track(state: StateDocument, info: AllocInfo) -> StateDocument:
@@ -225,7 +227,9 @@ def judge(state: StateDocument, failure: StartFailure, stderr_tail: str, rules: 
     `error_lines` is the model's engine's reading of its stderr (`Engine.error_lines`)."""
     replica = state.replica(failure.alloc_id) or ReplicaRecord(alloc_id=failure.alloc_id,
                                                                definition_hash=state.definition_hash)
-    counted = (*state.counted, failure.key)[-MAX_COUNTED:]
+    # Pruned by what Nomad still shows (`planner.model.fold`), not by count: evicting by
+    # count recounted old failures at the next reconcile (issue 19).
+    counted = (*state.counted, failure.key)
     entry = healthy_entry(replica, failure)
     if entry and failure.at_ns - entry >= rules.stable_after_ns:
         return stabilize(state.model_copy(update={"counted": counted}), replica.alloc_id, entry)
@@ -285,19 +289,15 @@ def due_stable(state: StateDocument, passing_since: Mapping[str, int], now_ns: i
 
 
 def protective(state: StateDocument, allocs: Mapping[str, AllocInfo],
-               passing_now: frozenset[str]) -> list[ReplicaRecord]:
-    """Replicas of the current definition that forbid parking: live with no failure of
-    their own (serving or still loading), or passing in a run that became stable."""
-    keep = []
-    for replica in state.replicas:
-        info = allocs.get(replica.alloc_id)
-        if info is None or not info.live or replica.definition_hash != state.definition_hash:
-            continue
-        stable = replica.alloc_id in passing_now and replica.stable_entry != 0 and \
-            replica.stable_entry == max(replica.healthy_entries, default=0)
-        if replica.consecutive_failures == 0 or stable:
-            keep.append(replica)
-    return keep
+               passing_now: frozenset[str]) -> list[str]:
+    """Allocations of the current definition that forbid parking: live and passing their
+    check now (whatever their past failures: a passing replica always protects, the
+    README's "no replica healthy", issue 19), or live with no failure of their own
+    (still loading)."""
+    clean = {r.alloc_id for r in state.replicas if r.consecutive_failures == 0}
+    return sorted(a.alloc_id for a in allocs.values()
+                  if a.live and a.definition_hash == state.definition_hash
+                  and (a.alloc_id in passing_now or a.alloc_id in clean))
 
 
 def serving_before(state: StateDocument, allocs: Mapping[str, AllocInfo],

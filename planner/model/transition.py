@@ -4,18 +4,41 @@ Pure: everything it needs was read before (`Observation`), and what it wants
 written comes back as values (`Plan`). The same inputs always give the same
 plan, so tests drive it with `tests/support/nomad_mock.py` and a fixed `now`,
 and the daemon may decide again, on fresh reads, whenever a write is refused.
+
+Every event but TICK first folds the observation into the document
+(`planner.model.fold`: parking as the job's meta says, replicas, new failures,
+rollbacks, placement), then does what the event asks:
+
+  OBSERVED  the fold's own decisions: park (`Park`), or revert a stuck update
+            (`Revert`).
+  TICK      replicas passing for the whole stability window reset the counts; it
+            reads only `observation.passing` (and the document), so the daemon may
+            pass the observation it last made.
+  RETRY     `planner retry` (`planner.model.retry`); `Plan.summary` says what was
+            done, in words. Raises `planner.errors.Rejected` when Nomad has no job.
+  ACTIVATE  a request for the model (`planner.model.activate`): `Plan.answer` when
+            it can be answered without an attempt, else a `Scale` or a non-forced
+            `Evaluate` (answer None: the caller waits for the evaluation and decides
+            OBSERVED on it). Raises `planner.errors.Rejected` for a model never
+            applied (`observation.record` None): callers answer 404 first.
+  IDLE      an on-demand model the idle scaler found unused: `Scale(0)`.
+
+Extensions of the interface of a43e503: `Plan.summary` (RETRY's words).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
 from llmgw_contract import ActivationAnswer, StateDocument
-from planner.failures import Rules
-from planner.model.effects import Effect
+from planner.errors import Rejected
+from planner.failures import Rules, due_stable, stabilize
+from planner.model import activate, fold, retry
+from planner.model.effects import Effect, Reason, Scale
 from planner.model.observation import Observation
 
 
@@ -39,20 +62,75 @@ class Note:
 
 @dataclass(frozen=True)
 class Plan:
-    """The next document, the Nomad writes that go with it (in order), notes, and for
-    `Event.ACTIVATE` the answer when one can be given without a placement attempt."""
+    """The next document, the Nomad writes that go with it (in order), notes, for
+    `Event.ACTIVATE` the answer when one can be given without a placement attempt, and
+    for `Event.RETRY` what was done in words (`summary`, printed by `planner retry`)."""
 
     state: StateDocument
     effects: tuple[Effect, ...] = ()
     notes: tuple[Note, ...] = ()
     answer: ActivationAnswer | None = None
+    summary: str = ""
 
     def note(self, text: str, level: int = logging.INFO) -> Plan:
-        return Plan(self.state, self.effects, (*self.notes, Note(level, text)), self.answer)
+        return dataclasses.replace(self, notes=(*self.notes, Note(level, text)))
 
 
 def decide(document: StateDocument, observation: Observation, event: Event, rules: Rules,
            now: datetime) -> Plan:
     """The plan for one model after `event`, given `document` (as stored at
-    `observation.state_index`) and what `observation` read."""
-    raise NotImplementedError("issue 19: being written")
+    `observation.state_index`; 0: none stored, the document is a new one) and what
+    `observation` read. Raises Rejected for RETRY without a job and ACTIVATE without
+    a record (see the module's docstring)."""
+    if event is Event.TICK:
+        return _tick(document, observation, rules, now)
+    folded = fold.fold(document, observation, rules, now)
+    notes = tuple(Note(level, text) for level, text in folded.notes)
+    if event is Event.OBSERVED:
+        return Plan(folded.state, folded.effects, notes)
+    if event is Event.RETRY:
+        if observation.job is None:
+            raise Rejected(f"model {observation.name!r} has no Nomad job; run "
+                           "`planner apply` first")
+        retried = retry.retry(folded.state, observation)
+        return Plan(retried.state, retried.effects, (*notes, Note(logging.INFO,
+                                                                  retried.summary)),
+                    summary=retried.summary)
+    if event is Event.ACTIVATE:
+        if observation.record is None:
+            raise Rejected(f"model {observation.name!r} was never applied")
+        if folded.effects:  # parking due (or a revert): that comes first
+            return Plan(folded.state, folded.effects, notes,
+                        answer=activate.parked_answer(folded.state))
+        activated = activate.activate(folded.state, observation, now)
+        return Plan(activated.state, activated.effects, notes, answer=activated.answer)
+    if event is Event.IDLE:
+        if folded.effects:
+            return Plan(folded.state, folded.effects, notes)
+        return Plan(folded.state, _idle(observation), notes)
+    raise ValueError(f"unknown event {event!r}")
+
+
+def _tick(document: StateDocument, observation: Observation, rules: Rules,
+          now: datetime) -> Plan:
+    state = fold.healthy_runs(document, observation.passing)
+    now_ns = int(now.timestamp() * 10**9)
+    due = due_stable(state, observation.passing, now_ns, rules)
+    reset = state.consecutive_failures > 0 and bool(due)
+    for alloc_id, entry in due:
+        state = stabilize(state, alloc_id, entry)
+    plan = Plan(state)
+    if reset:
+        plan = plan.note(f"healthy for {rules.stable_after_ns // 10**9} s; consecutive "
+                         "failures reset")
+    return plan
+
+
+def _idle(observation: Observation) -> tuple[Effect, ...]:
+    """Scale an on-demand model's running job to 0 (the idle rule is `planner.idle`)."""
+    record, job = observation.record, observation.job
+    if record is None or record.idle_after is None or job is None or job.get("Stop") or \
+            fold.wanted(job) == 0:
+        return ()
+    return (Scale(Reason.IDLE, f"idle: no request for {record.idle_after} s",
+                  group=activate.GROUP, count=0),)

@@ -1,0 +1,69 @@
+"""`planner retry` as a decision (pure): what to write to try a model again.
+
+Ported from `planner.actions.retry`, whose order it keeps:
+
+  parked, or its job stopped  -> `Unpark`, then `Evaluate(force_reschedule=True)` (a
+                                 replica Nomad stopped after its restart attempts keeps
+                                 its place in the count, stopped job or not: only a
+                                 forced reschedule starts it again); counts forgiven
+  an update Nomad rolled back -> `Revert` to its job version (only while the job is at
+                                 the version read), `update_failed` cleared
+  replicas Nomad stopped      -> counts forgiven, `Evaluate(force_reschedule=True)`
+  unplaceable                 -> counts forgiven, `Evaluate()`
+  otherwise                   -> counts forgiven, nothing written to Nomad
+
+The caller checks there is a job (`transition.decide` raises Rejected otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmgw_contract import StateDocument
+from planner.actions import parked_from_job
+from planner.failures import forgiven, retried
+from planner.model.effects import Effect, Evaluate, Reason, Revert, Unpark
+from planner.model.observation import Observation
+
+
+@dataclass(frozen=True)
+class Retried:
+    state: StateDocument
+    effects: tuple[Effect, ...]
+    summary: str  # what was done, for the CLI and the admin API
+
+
+def stopped_replicas(observation: Observation) -> int:
+    """Allocations Nomad stopped after their restart attempts (failed, still wanted,
+    nothing placed in their stead)."""
+    return sum(1 for a in observation.allocations
+               if a.get("ClientStatus") == "failed" and a.get("DesiredStatus") == "run"
+               and not a.get("NextAllocation"))
+
+
+def retry(state: StateDocument, observation: Observation) -> Retried:
+    """The retry of the model in `state` (folded from `observation`, whose job exists)."""
+    job = observation.job or {}
+    if parked_from_job(job) is not None or job.get("Stop"):
+        summary = "parking lifted; the job is starting again" if parked_from_job(job) \
+            else "the stopped job is starting again"
+        return Retried(retried(state), (Unpark(Reason.RETRY, summary),
+                                        Evaluate(Reason.RETRY, "place the stopped replicas "
+                                                 "again", force_reschedule=True)), summary)
+    failed = state.update_failed
+    if failed is not None:
+        summary = (f"rolling definition {failed.definition_hash[:12]} out again (job "
+                   f"version {failed.job_version}) beside the one serving")
+        return Retried(state.model_copy(update={"update_failed": None}),
+                       (Revert(Reason.RETRY, summary, version=failed.job_version,
+                               prior_version=observation.job_version),), summary)
+    state = forgiven(state)
+    stopped = stopped_replicas(observation)
+    if stopped:
+        summary = f"{stopped} stopped replica(s) placed again"
+        return Retried(state, (Evaluate(Reason.RETRY, summary, force_reschedule=True),),
+                       summary)
+    if state.unplaceable is not None:
+        summary = "asked the scheduler to place it again"
+        return Retried(state, (Evaluate(Reason.RETRY, summary),), summary)
+    return Retried(state, (), "not parked, unplaceable or stopped; nothing to retry")

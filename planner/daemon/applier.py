@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmgw_contract import StateDocument
 from planner.actions import parked_job, unparked_job
@@ -48,9 +48,13 @@ from planner.model.effects import (
     Unpark,
 )
 from planner.model.observation import Observation
-from planner.model.transition import Plan
 from planner.nomad_client import Job, NomadClient
 from planner.state import Change, StateStore, Updated
+
+if TYPE_CHECKING:
+    # Only a type here: `transition` imports the decisions, and they the placement
+    # views, which import the engines, whose install jobs this module writes.
+    from planner.model.transition import Plan
 
 log = logging.getLogger("planner.applier")
 

@@ -21,6 +21,8 @@ from planner import apply
 from planner.actions import parked_from_job
 from planner.consul_client import ConsulClient
 from planner.daemon.applier import Applier
+from planner.daemon.observe import Observer
+from planner.daemon.retry import retry as retry_model
 from planner.errors import NomadRejected, PlannerError
 from planner.model.effects import Park, Reason
 from planner.nomad_client import NomadClient
@@ -146,3 +148,81 @@ def test_apply_never_unparks_a_job_parked_after_it_read_it(
     assert after["Stop"] and parked_from_job(after) is not None
     assert after["JobModifyIndex"] == parked_index  # nothing registered over the park
     assert record(consul, "w-parked") == definitions["w-parked"].record()
+
+
+def park_now(nomad: NomadClient, name: str) -> int:
+    """Park `name` as the leader's pass would (its Park effect through the applier, at
+    the job's index); the job's index after."""
+    job = nomad.job(name)
+    Applier(nomad).write_job(name, [Park(Reason.START_FAILURES, "parked", PARKED)],
+                             job["JobModifyIndex"], job)
+    return nomad.job(name)["JobModifyIndex"]
+
+
+def test_retry_never_registers_a_parked_definition_over_one_apply_just_registered(
+        agents: Agents, tiny_model: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19, "Writers race": retry read the parked job (definition A); an apply of
+    definition B (which lifts the parking) registers before retry writes. Retry's Unpark
+    of A is refused by its index, it reads again, and finds nothing to retry: B stays."""
+    _, nomad, consul = agents
+    folder = write_model(tmp_path / "m", "w-retry", tiny_model, replicas=0)
+    applied(agents, folder)
+    park_now(nomad, "w-retry")
+    write_model(folder, "w-retry", write_tiny_gguf(tmp_path / "b.gguf"), replicas=0)
+    observe, observed = Observer.observe, []
+
+    def apply_between(self: Observer, name: str, *args: object) -> object:
+        seen = observe(self, name, *args)  # type: ignore[arg-type]
+        observed.append(seen[1].job)
+        if len(observed) == 1:
+            [outcome] = only_outcomes(applied(agents, folder), "w-retry")
+            assert outcome.change.unpark  # B lifts the parking
+        return seen
+
+    monkeypatch.setattr(Observer, "observe", apply_between)
+    state, done = retry("w-retry", nomad, consul)
+
+    assert parked_from_job(observed[0]) is not None  # retry decided first on parked A
+    assert len(observed) == 2  # refused once, then decided on B
+    assert done == "not parked, unplaceable or stopped; nothing to retry"
+    job = nomad.job("w-retry")
+    assert job["Meta"][JobMeta.DEFINITION_HASH] == record(consul, "w-retry").definition_hash
+    assert not job["Stop"] and parked_from_job(job) is None
+    assert job["JobModifyIndex"] == observed[1]["JobModifyIndex"]  # nothing over B
+    assert state.parked is None
+
+
+def test_apply_after_a_retry_it_did_not_see_registers_its_definition(
+        agents: Agents, tiny_model: Path, tmp_path: Path) -> None:
+    """The other order: apply read the parked job, a retry lifted the parking before
+    apply wrote. Apply's registration is refused by its index, it reads again (a job no
+    longer parked, the definition still changed) and registers its definition."""
+    _, nomad, consul = agents
+    folder = write_model(tmp_path / "m", "w-retry", tiny_model, replicas=0)
+    applied(agents, folder)
+    park_now(nomad, "w-retry")
+    write_model(folder, "w-retry", write_tiny_gguf(tmp_path / "c.gguf"), replicas=0)
+    definitions, changes = prepared(agents, folder)
+    [change] = only(changes, "w-retry")
+    assert change.unpark
+
+    _, done = retry("w-retry", nomad, consul)
+    assert done == "parking lifted; the job is starting again"
+    [outcome] = apply.execute(definitions, [change], nomad, consul, dry_run=False)
+
+    assert outcome.change.action is apply.Action.UPDATE
+    assert apply.CHANGED_MEANWHILE in outcome.change.reason
+    job = nomad.job("w-retry")
+    assert job["Meta"][JobMeta.DEFINITION_HASH] == \
+        definitions["w-retry"].record().definition_hash
+    assert not job["Stop"] and parked_from_job(job) is None
+
+
+def retry(name: str, nomad: NomadClient, consul: ConsulClient) -> tuple:
+    """`planner retry`'s pass, as the CLI runs it."""
+    return retry_model(nomad, consul, name)
+
+
+def only_outcomes(outcomes: list[apply.Outcome], name: str) -> list[apply.Outcome]:
+    return [o for o in outcomes if o.change.model == name]

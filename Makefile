@@ -24,9 +24,11 @@ unit:
 	$(PY) -m devcluster.bootstrap --venv-only
 	$(VENV)/python -m pytest tests/unit -q
 
+# Lint, import contracts, types (mypy: the packages and flags in pyproject's [tool.mypy]).
 lint:
 	$(VENV)/ruff check .
 	$(VENV)/lint-imports
+	$(VENV)/mypy
 
 down:
 	$(VENV)/python -m devcluster down

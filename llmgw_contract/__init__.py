@@ -3,8 +3,8 @@
 Both `planner` and `router` import this package; it imports neither (the
 import-linter contracts in pyproject.toml check both). It holds:
 
-- `states`: the model states every view shows (`ModelState`) and the answers
-  of the activation API (`ActivationStatus`);
+- `states`: the model states every view shows (`ModelState`), a replica's
+  (`ReplicaState`) and the answers of the activation API (`ActivationStatus`);
 - `keys`: the Consul KV layout, the Consul service names and the Nomad job
   meta keys;
 - `reserved`: the job IDs and services llmgw uses for itself, which no model
@@ -60,7 +60,7 @@ from llmgw_contract.keys import (
     service_name,
 )
 from llmgw_contract.reserved import ENGINE_JOB_PREFIX, PLANNER_JOB, ROUTER_JOB, reserved_name
-from llmgw_contract.states import SATISFIED_STATES, ActivationStatus, ModelState
+from llmgw_contract.states import SATISFIED_STATES, ActivationStatus, ModelState, ReplicaState
 
 __all__ = [
     "ENGINE_JOB_PREFIX",
@@ -83,6 +83,7 @@ __all__ = [
     "ModelState",
     "Parked",
     "ReplicaRecord",
+    "ReplicaState",
     "StateDocument",
     "Unplaceable",
     "UpdateFailed",

@@ -1,9 +1,9 @@
 """The model states and the activation answers: one vocabulary for every view.
 
 `planner status`, `planner models`, the admin API, the planner's metrics and
-the router's refusals all use these words. docs/architecture.md draws the
-state machine; `planner.status.observe` is the one function that decides which
-state a model is in.
+the router's refusals all use these words; a replica's words are `ReplicaState`.
+docs/architecture.md draws the state machine; `planner.status.observe` is the one
+function that decides which state a model is in.
 """
 
 from __future__ import annotations
@@ -42,6 +42,26 @@ class ModelState(StrEnum):
 
 # States in which a model has what it should have (`planner status` exits 0).
 SATISFIED_STATES = frozenset({ModelState.SERVING, ModelState.IDLE})
+
+
+class ReplicaState(StrEnum):
+    """What an operator is told about one replica (an allocation) of a model: the
+    `replicas` rows of `planner status`, `planner models --output json` and the admin
+    API. Not a model state: a model's state (:class:`ModelState`) is judged from its
+    replicas' (`planner.status.observe`).
+
+    serving      its current run passes its health check, and either never failed or
+                 has passed for the stability window (its failures are forgiven)
+    loading      placed and starting; nothing failed yet
+    failing      failed starts, or crashed soon after passing; Nomad still restarts it
+    stopped      Nomad stopped restarting it: its restart attempts ran out (5 starts);
+                 only `planner retry` places it again
+    """
+
+    SERVING = "serving"
+    LOADING = "loading"
+    FAILING = "failing"
+    STOPPED = "stopped"
 
 
 class ActivationStatus(StrEnum):

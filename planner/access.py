@@ -23,7 +23,7 @@ How each is checked without changing anything:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmgw_contract.acl import (
     CONSUL_KV_READ,
@@ -40,9 +40,14 @@ from llmgw_contract.acl import (
 )
 from planner.errors import PermissionDenied
 
-if TYPE_CHECKING:
-    from planner.consul_client import ConsulClient
-    from planner.nomad_client import NomadClient
+
+class AnswersDenied(Protocol):
+    """An agent's client (`NomadClient`, `ConsulClient`): which of `needs` its token
+    lacks, with the token's status and the agent's words; None when none (a protocol,
+    so this module, which the clients import, imports neither of them)."""
+
+    def denied(self, needs: list[Permission]
+               ) -> tuple[list[Permission], TokenStatus, str] | None: ...
 
 NAMESPACE = "default"
 PROBE_JOB = "_llmgw-acl-probe"
@@ -85,7 +90,7 @@ def denied_error(agent: Agent, rules: list[str], token: TokenStatus, action: str
                                    detail), agent, rules)
 
 
-def check(nomad: NomadClient, consul: ConsulClient, needs: tuple[Permission, ...]) -> None:
+def check(nomad: AnswersDenied, consul: AnswersDenied, needs: tuple[Permission, ...]) -> None:
     """Raise PermissionDenied naming every permission in `needs` the tokens lack, both
     agents' in one message (NomadUnavailable / ConsulUnavailable when an agent cannot
     be asked)."""

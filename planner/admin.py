@@ -51,7 +51,7 @@ from llmgw_contract.leadership import LeaderRefused
 from planner.activation import ModelNotFound
 from planner.errors import PlannerError, Rejected
 from planner.serve import PlannerNode
-from planner.status import gather, model_status
+from planner.statusreads import gather, model_status
 
 FORWARD_TIMEOUT_S = 30.0  # activation waits at most ~2 s for Nomad; room for a slow Nomad
 

@@ -40,6 +40,7 @@ from rich.table import Table
 from llmgw_contract import ModelState
 from llmgw_contract.acl import Permission
 from llmgw_contract.leadership import parse_admin_url
+from llmgw_contract.states import ReplicaState
 from planner import access
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
@@ -57,7 +58,8 @@ from planner.plandiff import format_diff
 from planner.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.serve import PlannerNode
 from planner.settings import Settings
-from planner.status import ModelStatus, ReplicaState, gather, model_status
+from planner.status import ModelStatus
+from planner.statusreads import gather, model_status
 from planner.unplaceable import engine_need
 from planner.watcher import RECONCILE_EVERY_S
 

@@ -43,17 +43,9 @@ from planner.access import (
 )
 from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied, no_answer
 from planner.settings import NOMAD_TLS_VARS, ClientTLS
-
-Job = dict[str, Any]
+from planner.vocab import Job, group_count
 
 log = logging.getLogger("planner.nomad")
-
-
-def group_count(job: Job | None) -> int:
-    """Replicas the job asks for now (0 for a missing or stopped job)."""
-    if job is None or job.get("Stop"):
-        return 0
-    return sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
 
 
 def _response_text(exc: nomad_exc.BaseNomadException) -> str:
@@ -387,3 +379,6 @@ class NomadClient:
                 log.error("%s; last errors will lack the task's stderr", exc)
                 self._logs_denied = True
             return ""
+
+
+__all__ = ["Job", "NomadClient", "group_count"]

@@ -1,8 +1,8 @@
 """`planner status` / `planner models` / the admin API: what each model should have, and has.
 
 `observe` is pure (a model's record, its Nomad job and allocations, its
-Consul health, its state document and last use -> one ModelStatus); `gather`
-and `model_status` read the agents and call it. The states are the
+Consul health, its state document and last use -> one ModelStatus);
+`planner.statusreads` reads the agents and calls it. The states are the
 contract's (`llmgw_contract.ModelState`; docs/architecture.md draws them).
 
 Parking is read from the job's meta first (the durable record) and from the
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmgw_contract import (
     SATISFIED_STATES,
@@ -25,22 +25,14 @@ from llmgw_contract import (
     ReplicaRecord,
     StateDocument,
     UsageRecord,
-    service_name,
 )
+from llmgw_contract.states import ReplicaState
 from planner.actions import parked_from_job
-from planner.consul_client import ConsulClient, ServiceHealth
 from planner.failures import STABLE_AFTER_S, headline, iso
-from planner.nomad_client import Job, NomadClient, group_count
-from planner.state import StateStore
+from planner.nomad_client import Job, group_count
 
-
-class ReplicaState:
-    """Words for one replica in `replicas` (not a model state)."""
-
-    SERVING = "serving"
-    LOADING = "loading"
-    FAILING = "failing"  # failed starts, or crashed soon after passing; still restarted
-    STOPPED = "stopped"  # Nomad stopped restarting it (its restart attempts ran out)
+if TYPE_CHECKING:  # a type only: this module reads nothing
+    from planner.consul_client import ServiceHealth
 
 
 @dataclass(frozen=True)
@@ -254,27 +246,4 @@ def _wants_none(record: ModelRecord, job: Job | None, state: StateDocument,
     return status(ModelState.IDLE, "0 replicas wanted")
 
 
-def observed(nomad: NomadClient, consul: ConsulClient, name: str) -> Observed:
-    job = nomad.job(name)
-    allocations = nomad.allocations(name) if job is not None else []
-    return Observed(job, allocations, consul.service_health(service_name(name)))
-
-
-def model_status(nomad: NomadClient, consul: ConsulClient, name: str, record: ModelRecord,
-                 state: StateDocument | None = None) -> ModelStatus:
-    usage = consul.usage_records().get(name) if record.idle_after is not None else None
-    state = state if state is not None else StateStore(consul).load(name)
-    return observe(name, record, observed(nomad, consul, name), state, usage)
-
-
-def gather(nomad: NomadClient, consul: ConsulClient) -> list[ModelStatus]:
-    """Status of every applied model (the KV records), sorted by name."""
-    states = StateStore(consul).load_all()
-    usage = consul.usage_records()
-    return [observe(name, record, observed(nomad, consul, name),
-                    states.get(name), usage.get(name))
-            for name, record in sorted(consul.model_records().items())]
-
-
-__all__ = ["ModelStatus", "Observed", "ReplicaStatus", "gather", "headline", "model_status",
-           "observe"]
+__all__ = ["ModelStatus", "Observed", "ReplicaStatus", "headline", "observe"]

@@ -32,7 +32,8 @@ from planner.consul_client import ConsulClient
 from planner.errors import PlannerError
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
-from planner.status import ModelStatus, observe, observed
+from planner.status import ModelStatus, observe
+from planner.statusreads import observed
 from planner.usage import UsageBook
 
 log = logging.getLogger("planner.statusbook")

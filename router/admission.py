@@ -4,7 +4,7 @@ Why: a burst of 1,000 requests on one llama-server took every one of its HTTP
 threads, its ``/health`` went unanswered, and Nomad's ``check_restart`` killed
 the busy, healthy server (issue 7, case C18). llama-server generates for
 ``total_slots`` requests at once and parks the rest on HTTP threads; the router
-sends each replica at most its ``limit`` (:attr:`router.balancer.Endpoint.limit`,
+sends each replica at most its ``limit`` (:attr:`router.endpoint.Endpoint.limit`,
 read by :mod:`router.capacity`) and holds the rest here, where a waiting
 request costs a future, not a replica's thread.
 
@@ -45,7 +45,8 @@ from collections import deque
 from collections.abc import Collection
 from types import TracebackType
 
-from router.balancer import Affinity, Endpoint, pick
+from router.balancer import Affinity, pick
+from router.endpoint import Endpoint
 from router.metrics import ModelMetrics
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import aiohttp
 
 from router.admission import Slots
-from router.balancer import Endpoint
+from router.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

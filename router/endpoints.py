@@ -17,7 +17,7 @@ normally, its replica count is unknown.
 
 The diffs are pure functions (:func:`diff_models`, :func:`diff_endpoints`)
 so unit tests can check them. An endpoint that stays keeps its
-:class:`~router.balancer.Endpoint` object, and so its in-flight count and its
+:class:`~router.endpoint.Endpoint` object, and so its in-flight count and its
 limit; who left is computed before the list is replaced. A joining endpoint
 starts at the table's default limit and is handed to ``on_joined``
 (:class:`router.capacity.CapacityReader`), which may raise it.
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable, service_name
 from router.admission import Slots
-from router.balancer import Endpoint
 from router.catalog import ServiceAddress
+from router.endpoint import Endpoint
 from router.metrics import ModelMetrics, RouterMetrics
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.balancer import Endpoint
+from router.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ comes from the heap; freed, they leave holes between other connections' live
 ones that the heap cannot give back. Measured (bench/slow_uploads.py, 1 GiB
 budget, RSS idle after the load): 200 clients x 50 MiB, half chunked, 253 MiB
 before, 113 MiB with this module and router.intake's blocks; 60 x 20 MiB
-chunked, 172 MiB before, 136 MiB after (README, the router section).
+chunked, 172 MiB before, 136 MiB after (docs/router.md).
 
 - :func:`tune`: a fixed ``M_MMAP_THRESHOLD`` (:data:`MMAP_THRESHOLD_BYTES`;
   fixing it also ends the raising), so each block and body is its own mapping,

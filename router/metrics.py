@@ -56,8 +56,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw_contract import ActivationStatus
+from router.endpoint import Failure
 from router.errors import ROUTER_REFUSALS, Refusal
-from router.outliers import Failure
 
 UNKNOWN_MODEL = ""
 

@@ -8,8 +8,8 @@ path itself observes, as Envoy's outlier detection does
 (envoyproxy.io, "Outlier detection": consecutive 5xx, consecutive
 local-origin failures, ejection time = base x times ejected, capped).
 
-The rules, per replica (:class:`ReplicaHealth`, one per
-:class:`router.balancer.Endpoint`, so it ends with the endpoint: a replica
+The rules, per replica (:class:`router.endpoint.ReplicaHealth`, one per
+:class:`router.endpoint.Endpoint`, so it ends with the endpoint: a replica
 that leaves Consul's passing list and comes back is a new endpoint, with a
 clean record):
 
@@ -47,22 +47,14 @@ import asyncio
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
+from router.endpoint import Endpoint, Failure
+
 if TYPE_CHECKING:
-    from router.balancer import Endpoint
     from router.metrics import ModelMetrics
 
 log = logging.getLogger(__name__)
-
-
-class Failure(StrEnum):
-    """What a replica did wrong (the ``reason`` label of the ejection counter)."""
-
-    CONNECT = "connect_error"
-    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
-    HTTP_5XX = "http_5xx"
 
 
 # llama-server answers 501 for a route its flags turned off (--embeddings,
@@ -89,21 +81,6 @@ class OutlierPolicy:
     def ejection_s(self, times: int) -> float:
         """How long the ``times``-th ejection in a row lasts."""
         return min(self.base_ejection_s * times, self.max_ejection_s)
-
-
-class ReplicaHealth:
-    """One replica's record. ``ejected`` is the only field the hot path reads."""
-
-    __slots__ = ("consecutive", "consecutive_5xx", "ejected", "ejections", "probation", "timer")
-
-    def __init__(self) -> None:
-        self.consecutive = 0
-        self.consecutive_5xx = 0
-        self.ejected = False
-        # Ejections in a row, without a good answer in between: the back-off multiplier.
-        self.ejections = 0
-        self.probation = False
-        self.timer: asyncio.TimerHandle | None = None
 
 
 def not_ejected(

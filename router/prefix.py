@@ -56,7 +56,7 @@ _MAX_RINGS = 1024
 
 
 class Loaded(Protocol):
-    """What :func:`choose` reads of an endpoint (:class:`router.balancer.Endpoint`)."""
+    """What :func:`choose` reads of an endpoint (:class:`router.endpoint.Endpoint`)."""
 
     @property
     def base_url(self) -> str: ...

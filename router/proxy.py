@@ -51,8 +51,9 @@ import aiohttp
 
 from router import errors, refusals
 from router.admission import Held
-from router.balancer import Affinity, Endpoint
+from router.balancer import Affinity
 from router.bodies import BodyParser, parse_request
+from router.endpoint import Endpoint, Failure
 from router.endpoints import EndpointTable, ModelEntry
 from router.firstbyte import FirstByteWatch
 from router.intake import (
@@ -65,7 +66,7 @@ from router.intake import (
 )
 from router.keys import KeySource
 from router.metrics import RequestMetrics, RouterMetrics
-from router.outliers import Failure, OutlierDetector
+from router.outliers import OutlierDetector
 from router.prefix import PrefixChooser
 from router.routes import model_route, upstream_query
 from router.streaming import (

@@ -20,7 +20,7 @@ UTF-8). A path that is one of a fixed set of plain ASCII strings
 (``[a-z/-]`` only) means the same thing to all of them, so no encoding form of
 anything else can be judged allowed. The replica receives the route from this
 table, not the client's bytes, and the upstream URL is built with no further
-decoding (:meth:`router.balancer.Endpoint.url`). Not reachable through the
+decoding (:meth:`router.endpoint.Endpoint.url`). Not reachable through the
 router, whatever the encoding: ``/slots*``, ``/props``, ``/lora-adapters``, a
 replica's ``/metrics`` and ``/health``, ``/v1/chat/completions/control``, and any
 route a later llama-server adds until it is listed here.

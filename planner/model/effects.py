@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from llmgw_contract import Parked
-
-Job = dict[str, Any]
+from planner.vocab import Job
 
 
 class Reason(StrEnum):

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw_contract import ModelRecord, Unplaceable
-
-Job = dict[str, Any]
-Allocation = dict[str, Any]
+from planner.vocab import Allocation, Job
 
 
 @dataclass(frozen=True)

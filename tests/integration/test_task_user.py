@@ -82,8 +82,9 @@ def test_a_model_task_runs_as_the_task_user(
         open_cluster: Cluster, binaries: Path, tiny_model: Path, readable_folder: Path,
         tmp_path: Path) -> None:
     cluster = open_cluster
-    # What the task user costs: it must read the engine and the model (README, "Model
-    # definitions"); the cache's copies lie under /root, which `nobody` cannot enter.
+    # What the task user costs: it must read the engine and the model (docs/definitions.md,
+    # "Running model tasks as another user"); the cache's copies lie under /root, which
+    # `nobody` cannot enter.
     engine, model = readable_folder / "llama-server", readable_folder / "tiny.gguf"
     shutil.copy2((binaries / "llama-server").resolve(), engine)
     shutil.copy2(tiny_model, model)

@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 
 from router.admission import Held, Slots
-from router.balancer import Endpoint
 from router.capacity import total_slots
 from router.catalog import ServiceAddress
+from router.endpoint import Endpoint
 from router.metrics import RouterMetrics
 from router.settings import RouterSettings
 from tests.support.router_harness import (

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from router.balancer import Endpoint, pick
+from router.balancer import pick
 from router.catalog import ServiceAddress
+from router.endpoint import Endpoint
 
 
 def endpoints(*loads: int, limit: int = 4) -> list[Endpoint]:

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from router import errors
-from router.balancer import URL_CACHE_SIZE, Endpoint
 from router.bodies import BodyParser, extract_model
 from router.catalog import ServiceAddress
+from router.endpoint import URL_CACHE_SIZE, Endpoint
 from tests.support.router_harness import run
 
 

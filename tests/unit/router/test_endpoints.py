@@ -7,7 +7,6 @@ import base64
 import json
 
 from llmgw_contract import PLANNER_SERVICE, ROUTER_SERVICE, ModelRecord, encode
-from router.balancer import Endpoint
 from router.catalog import (
     ServiceAddress,
     parse_check_states,
@@ -15,6 +14,7 @@ from router.catalog import (
     parse_models,
     parse_services,
 )
+from router.endpoint import Endpoint
 from router.endpoints import EndpointTable, diff_endpoints, diff_models
 from router.metrics import RouterMetrics
 

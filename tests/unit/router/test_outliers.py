@@ -10,11 +10,12 @@ import asyncio
 
 from llmgw_contract import ModelRecord
 from router.admission import Slots
-from router.balancer import Endpoint, pick
+from router.balancer import pick
 from router.catalog import ServiceAddress
+from router.endpoint import Endpoint, Failure
 from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
-from router.outliers import Failure, OutlierDetector, OutlierPolicy, not_ejected
+from router.outliers import OutlierDetector, OutlierPolicy, not_ejected
 from tests.support.router_harness import run
 
 

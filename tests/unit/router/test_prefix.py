@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.balancer import Endpoint, pick, usable
+from router.balancer import pick, usable
 from router.catalog import ServiceAddress
+from router.endpoint import Endpoint
 from router.prefix import PrefixChooser, Ring, hash64, request_prefix
 
 

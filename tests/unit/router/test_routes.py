@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import urllib.parse
 
-from router.balancer import Endpoint
 from router.catalog import ServiceAddress
+from router.endpoint import Endpoint
 from router.routes import LLAMA_SERVER_ROUTES, MODEL_ROUTES, model_route, upstream_query
 from tests.support.path_forms import REFUSED
 

@@ -41,10 +41,11 @@ from llmgw_contract import ModelState
 from llmgw_contract.acl import Permission
 from llmgw_contract.leadership import parse_admin_url
 from llmgw_contract.states import ReplicaState
-from planner import access, actions
+from planner import access
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
+from planner.daemon.retry import retry as retry_model
 from planner.definitions import ModelDefinition
 from planner.engines.install import NodeInstall, execute_engines, installs, prepare_engines
 from planner.errors import InvalidDefinitions, PlannerError, Unavailable
@@ -57,7 +58,6 @@ from planner.plandiff import format_diff
 from planner.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.serve import PlannerNode
 from planner.settings import Settings
-from planner.state import StateStore
 from planner.status import ModelStatus
 from planner.statusreads import gather, model_status
 from planner.unplaceable import engine_need
@@ -512,7 +512,7 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
             if output == Output.json:
                 _print_error(2, "UnknownModel", f"model {model!r} was never applied")
             raise typer.Exit(2)
-        state, done = actions.retry(nomad, StateStore(consul), model)
+        state, done = retry_model(nomad, consul, model)
         row = model_status(nomad, consul, model, record, state)
     except PlannerError as exc:
         raise _fail(exc, output) from exc

@@ -32,9 +32,11 @@ from datetime import datetime
 
 import aiohttp
 
+from llmgw_contract import StateDocument
 from llmgw_contract.leadership import LeaderRoute
 from planner.activation import Activator
 from planner.consul_client import ConsulClient
+from planner.daemon.retry import answered
 from planner.daemon.workers import Guard, Outcome
 from planner.engines.install import NodeInstall, installs
 from planner.errors import NotLeader
@@ -92,6 +94,12 @@ class PlannerNode:
     def _mark(self, name: str) -> None:
         if self.watcher is not None:
             self.watcher.mark(name)
+
+    def retry(self, name: str) -> tuple[StateDocument, str]:
+        """Try model `name` again through its worker (`planner.daemon.retry`): the
+        document written and what was done, in words. Blocks (run it in a thread).
+        Raises NotLeader, Rejected (no job) or Unavailable."""
+        return answered(self._submit(name, Event.RETRY), name)
 
     def _engine_installs(self) -> list[NodeInstall]:
         """Engines per node for the metrics: the leader's to publish, like the models'."""

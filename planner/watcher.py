@@ -20,7 +20,7 @@ writes its state document itself.
   health     a Consul blocking query on every passing check: which allocations pass
              now and since when (`PassingBook`); a model whose set changed is marked.
   tick       every second: models with a replica passing for the stability window
-             and not yet judged stable are marked (Event.TICK); every 30 s, records
+             that no TICK pass judged yet are marked (Event.TICK); every 30 s, records
              and parking lost from Consul (a wiped `llmgw/`) are restored from the
              jobs' meta (`planner.repair`) and models without a state document are
              marked (their worker seeds one); every `reconcile_every` seconds (5 min by
@@ -34,7 +34,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -111,13 +111,18 @@ class PassingBook:
             return {a: since for a, (m, since) in self._since.items() if m == model}
 
     def due(self, now_ns: int, stable_after_ns: int) -> set[str]:
-        """Models with a replica passing for `stable_after_ns` not marked for it yet
-        (each healthy run is marked once; the periodic reconcile is the backstop)."""
+        """Models with a replica passing for `stable_after_ns` whose healthy run no TICK
+        pass has judged yet (`settle`): asked again every tick until one has."""
         with self._lock:
-            due = {(a, m, s) for a, (m, s) in self._since.items()
-                   if now_ns - s >= stable_after_ns and (a, s) not in self._ticked}
-            self._ticked |= {(a, s) for a, _, s in due}
-        return {m for _, m, _ in due}
+            return {m for a, (m, s) in self._since.items()
+                    if now_ns - s >= stable_after_ns and (a, s) not in self._ticked}
+
+    def settle(self, passing: Mapping[str, int], now_ns: int, stable_after_ns: int) -> None:
+        """A TICK pass judged these healthy runs (alloc -> since, as it observed them)."""
+        with self._lock:
+            self._ticked |= {(a, s) for a, s in passing.items()
+                             if now_ns - s >= stable_after_ns and
+                             self._since.get(a, ("", -1))[1] == s}
 
 
 class Watcher:
@@ -179,6 +184,9 @@ class Watcher:
 
     def _done(self, name: str, outcome: Outcome) -> None:
         observation = outcome.observation
+        if outcome.event == Event.TICK:
+            self.passing.settle(observation.passing, self.now_ns(),
+                                self.rules.stable_after_ns)
         if observation.record is None and observation.job is None:
             # Pruned: its record and job are gone; later events of the purged job are
             # not a model's (a worker's slot and its versions go with it).

@@ -9,7 +9,8 @@ serial pass loop, so:
   slow Nomad answer for one model never delays another's stability tick);
 - a burst of events for one model while its pass runs becomes ONE more pass
   (`mark` only sets the model's pending event: the next pass reads everything
-  again anyway);
+  again anyway); a pending TICK is kept apart (only a TICK pass judges stability
+  windows) and runs after the pending OBSERVED one;
 - memory is bounded: one slot per model with work pending or running, removed
   when its loop finds nothing more to do (the worker of a model gone ends).
 
@@ -51,7 +52,7 @@ Guard = Callable[[], bool]
 # the next event decides again.
 MAX_ATTEMPTS = 5
 MAX_PASSES = 16  # passes running at once, all models together
-# Events a mark coalesces: OBSERVED reads and decides everything, a TICK included.
+# Events a mark coalesces, in the order their passes run.
 _BACKGROUND = (Event.OBSERVED, Event.TICK)
 
 
@@ -64,6 +65,7 @@ class Skipped(Exception):
 class Outcome:
     """One pass: what was read, decided and done."""
 
+    event: Event
     document: StateDocument
     observation: Observation
     plan: Plan
@@ -80,7 +82,7 @@ class _Command:
 
 @dataclass
 class _Slot:
-    background: Event | None = None  # the coalesced OBSERVED/TICK pending
+    background: set[Event] = field(default_factory=set)  # OBSERVED and/or TICK pending
     commands: list[_Command] = field(default_factory=list)
 
 
@@ -114,8 +116,7 @@ class Workers:
             if self._stopped:
                 return
             slot, new = self._slot(name)
-            if slot.background != Event.OBSERVED:
-                slot.background = event
+            slot.background.add(event)
         if new:
             self._start(name)
 
@@ -184,14 +185,15 @@ class Workers:
             if slot is None:
                 return None
             if slot.commands:
-                # A command's pass reads and decides everything too: it covers the marks
-                # made before it starts.
+                # A command's pass reads and decides everything too: it covers the
+                # OBSERVED marks made before it starts (not a TICK's stability windows).
                 command = slot.commands.pop(0)
-                slot.background = None
+                slot.background.discard(Event.OBSERVED)
                 return command.event, command
-            if slot.background is not None:
-                event, slot.background = slot.background, None
-                return event, None
+            for event in _BACKGROUND:
+                if event in slot.background:
+                    slot.background.discard(event)
+                    return event, None
             del self._slots[name]
             return None
 
@@ -237,7 +239,7 @@ class Workers:
                          attempt, self.max_attempts)
                 continue
             self.passes += 1
-            outcome = Outcome(document, observation, plan, applied, attempt)
+            outcome = Outcome(event, document, observation, plan, applied, attempt)
             self._done(name, outcome)
             return outcome
         self.given_up += 1

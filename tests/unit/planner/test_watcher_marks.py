@@ -71,11 +71,14 @@ def test_health_changes_mark_the_models_whose_passing_set_changed() -> None:
     assert marks.marked == [("m", Event.OBSERVED), ("m", Event.OBSERVED)]
 
 
-def test_a_replica_passing_for_the_window_is_ticked_once_per_healthy_run() -> None:
+def test_a_replica_passing_for_the_window_is_ticked_until_a_tick_pass_judged_it() -> None:
     book = PassingBook()
     book.update({("m", "a1"), ("n", "b1")}, at_ns=0)
     assert book.due(10 * S, 20 * S) == set()
     assert book.due(20 * S, 20 * S) == {"m", "n"}
+    book.settle({"a1": 0}, 20 * S, 20 * S)  # m's TICK pass done; n's failed
+    assert book.due(21 * S, 20 * S) == {"n"}
+    book.settle({"b1": 0}, 21 * S, 20 * S)
     assert book.due(40 * S, 20 * S) == set()
     book.update({("n", "b1")}, at_ns=41 * S)  # a1 stopped passing
     book.update({("m", "a1"), ("n", "b1")}, at_ns=42 * S)  # a new healthy run

@@ -108,11 +108,12 @@ def test_a_burst_for_one_model_is_one_more_pass_never_two_at_once(
     assert model.entered["m"].wait(WAIT)
     for _ in range(100):
         workers.mark("m")
-    workers.mark("m", Event.TICK)  # an OBSERVED pass covers a TICK
+    workers.mark("m", Event.TICK)  # kept apart: only a TICK pass judges stability
+    workers.mark("m", Event.TICK)
     gate.set()
     wait(lambda: workers.pending() == 0)
-    assert model.observed["m"] == 2
-    assert model.decided == [("m", Event.OBSERVED), ("m", Event.OBSERVED)]
+    assert model.observed["m"] == 3
+    assert model.decided == [("m", Event.OBSERVED), ("m", Event.OBSERVED), ("m", Event.TICK)]
     assert not model.overlap
 
 
@@ -136,6 +137,20 @@ def test_a_guard_that_says_no_writes_nothing(model: Model, workers: Workers) -> 
     with pytest.raises(Skipped):
         workers.submit("m", Event.IDLE, guard=lambda: next(asks)).result(WAIT)
     assert applied == []
+
+
+def test_a_command_covers_pending_observations_but_not_a_tick(model: Model,
+                                                              workers: Workers) -> None:
+    gate = model.gate("m")
+    workers.mark("m")
+    assert model.entered["m"].wait(WAIT)
+    workers.mark("m")
+    workers.mark("m", Event.TICK)
+    future = workers.submit("m", Event.ACTIVATE)
+    gate.set()
+    future.result(WAIT)
+    wait(lambda: workers.pending() == 0)
+    assert model.decided == [("m", Event.OBSERVED), ("m", Event.ACTIVATE), ("m", Event.TICK)]
 
 
 def test_submissions_of_one_event_share_a_pass(model: Model, workers: Workers) -> None:

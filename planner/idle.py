@@ -18,6 +18,7 @@ uses are in the leader's memory, `planner.usage`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -90,8 +91,9 @@ class IdleScaler:
                 outcome = future.result(PASS_WAIT)
             except Skipped:
                 continue  # asked for meanwhile
-            except Stale as exc:
-                log.warning("model %s: idle scale-down refused: %s", name, exc)
+            except (Stale, concurrent.futures.TimeoutError) as exc:
+                log.warning("model %s: idle scale-down not decided: %s", name,
+                            exc or "no pass within the wait")
                 continue
             if any(isinstance(e, Scale) for e in outcome.plan.effects):
                 scaled.append(name)

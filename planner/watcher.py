@@ -264,8 +264,9 @@ class Watcher:
                                              self.nomad.token, on_message=seen,
                                              ssl=self.nomad.ssl_context):
                 index = int(event.get("Index") or 0)
+                first = cursor.first is None
                 verdict = cursor.judge(index)
-                if cursor.first == index and cursor.last == index:
+                if first:
                     log.info("event stream: asked for index %d, first event at %d (%s)",
                              cursor.asked, index, verdict)
                 if verdict == Verdict.CHECK:

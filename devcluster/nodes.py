@@ -154,7 +154,9 @@ class AclTokens:
 class Cluster:
     """Where one dev cluster lives, which ports it uses, its extra client nodes, and,
     with `tls`, the files that make both agents serve HTTPS only; with `acl`, the
-    management tokens of agents that enforce ACLs (default deny).
+    management tokens of agents that enforce ACLs (default deny). `event_buffer_size`
+    sets the dev server's event buffer (Nomad's `server.event_buffer_size`, default
+    100 items): a tiny one makes a slow event reader lose events, for the tests.
 
     Raises ValueError for more than MAX_CLIENTS clients, a name used twice (or the
     dev node's), a name that is not a lower-case DNS label, or client nodes in a TLS
@@ -165,6 +167,7 @@ class Cluster:
     clients: tuple[ClientNode, ...] = ()
     tls: TlsFiles | None = None
     acl: AclTokens | None = None
+    event_buffer_size: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls is not None or self.acl is not None) and self.clients:
@@ -380,6 +383,8 @@ def nomad_config(cluster: Cluster) -> str:
     if cluster.acl is not None:
         acl = "acl {\n  enabled = true\n}\n"
         consul_tls += f"  token = {json.dumps(cluster.acl.consul)}\n"
+    server = "" if cluster.event_buffer_size is None else \
+        f"server {{\n  event_buffer_size = {cluster.event_buffer_size}\n}}\n"
     return f"""
 data_dir  = "{cluster.root / 'nomad'}"
 bind_addr = "127.0.0.1"
@@ -389,7 +394,7 @@ ports {{
   rpc  = {4647 + o}
   serf = {4648 + o}
 }}
-{tls}{acl}consul {{
+{tls}{acl}{server}consul {{
   address = "127.0.0.1:{8500 + o}"
 {consul_tls}}}
 {_client_block(cluster, cluster.node_name, 0, [])}"""

@@ -1,19 +1,21 @@
 """Activation: a fresh placement answer for a model someone is asking for.
 
 Called by the admin API's `POST /v1/models/{name}/activate` on the leader
-(the router calls it when a defined model has no passing endpoint). Answers
-are the contract's `ActivationAnswer`:
+(the router calls it when a defined model has no passing endpoint). The
+decision is the model's transition (`decide(..., Event.ACTIVATE, ...)`,
+`planner.model.transition`), run by the model's worker
+(`planner.daemon.workers`) and written by the applier: activation itself
+writes nothing to Nomad. Answers are the contract's `ActivationAnswer`:
 
-  parked               -> at once, with the reason (no attempt)
-  job stopped, or replicas: 0 on an always-on model -> "stopped" (no attempt)
-  passing somewhere    -> "serving"
-  starting already     -> "loading" (an allocation is pending or running; no attempt)
-  otherwise            -> clear the old placement answer and make a fresh attempt:
-                          scale the group up to its replicas (on-demand, from 0), or
-                          force a new evaluation when it is already scaled; then wait
-                          for *that* evaluation (at most `EVAL_WAIT`) and answer
-                          "unplaceable" with Nomad's reason, or "loading" (placed, or
-                          room is being made: `planner.unplaceable`).
+  the plan answers at once (parked with its reason, serving, stopped, loading:
+  no attempt)  -> that answer
+  the plan asks for an attempt (scale the group up to its replicas, or a new
+  evaluation; never a forced reschedule: an allocation Nomad stopped after its
+  restart attempts is `planner retry`'s alone, issue 19)
+               -> wait for the evaluation the applier's answer names (at most
+                  `EVAL_WAIT`) and answer "unplaceable" with Nomad's reason, or
+                  "loading" (placed, or room is being made: `planner.unplaceable`).
+                  The model is then marked, so its next pass records the answer.
 
 Concurrent activations of one model share one attempt (single flight):
 twenty clients asking at once make one evaluation, and each later request
@@ -25,6 +27,7 @@ never make two attempts for one burst.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -34,16 +37,16 @@ from typing import Any
 from llmgw_contract import (
     ActivationAnswer,
     ActivationStatus,
-    ModelRecord,
-    StateDocument,
     Unplaceable,
-    service_name,
 )
 from planner import unplaceable as unplaced
-from planner.actions import parked_from_job
 from planner.consul_client import ConsulClient
-from planner.errors import NomadRejected, Rejected
-from planner.nomad_client import Job, NomadClient, group_count
+from planner.daemon.applier import Stale
+from planner.daemon.observe import read_record
+from planner.daemon.workers import Guard, Outcome
+from planner.errors import NotLeader, Rejected, Unavailable
+from planner.model.transition import Event
+from planner.nomad_client import NomadClient
 from planner.state import StateStore
 from planner.usage import UsageBook
 
@@ -52,8 +55,13 @@ log = logging.getLogger("planner.activation")
 # An evaluation of one job on a small cluster completes in milliseconds; two
 # seconds bounds the router's question, not the scheduler's work.
 EVAL_WAIT = 2.0
+# One pass of the model (a handful of reads and one write), queued behind at most
+# one other of the same model: a Nomad slower than this is answered as unavailable.
+PASS_WAIT = 20.0
 EVAL_DONE = frozenset({"complete", "failed", "canceled", "blocked"})
 GROUP = "server"  # the task group in planner/jobspecs/model.nomad.hcl
+
+Submit = Callable[[str, Event, Guard | None], "concurrent.futures.Future[Outcome]"]
 
 
 class ModelNotFound(Rejected):
@@ -64,29 +72,38 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _starting(allocations: list[dict[str, Any]]) -> bool:
-    return any(a.get("DesiredStatus") == "run" and a.get("ClientStatus") in ("pending", "running")
-               for a in allocations)
+def not_leading(name: str, event: Event, guard: Guard | None = None) \
+        -> concurrent.futures.Future[Outcome]:
+    """The `submit` of a planner that does not lead: raises NotLeader."""
+    raise NotLeader("this planner does not lead: no worker decides for models here")
 
 
 class Activator:
-    """Makes and shares fresh placement attempts; records use for idle scale-down."""
+    """Asks the model's worker for an activation and waits for its evaluation; records
+    use for idle scale-down."""
 
     def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
                  usage: UsageBook, clock: Callable[[], datetime] = _now,
                  eval_wait: float = EVAL_WAIT, datacenters: tuple[str, ...] = ("*",),
-                 changed: Callable[[str], None] = lambda name: None) -> None:
+                 changed: Callable[[str], None] = lambda name: None,
+                 submit: Submit = not_leading,
+                 mark: Callable[[str], None] = lambda name: None) -> None:
+        """`submit` hands an event to the model's worker (the leader's `Workers.submit`);
+        `mark` asks for one more pass of the model (`Watcher.mark`)."""
         self.nomad, self.consul, self.store, self.usage = nomad, consul, store, usage
         self.changed = changed  # told each model asked for (it may want replicas now)
         self.clock = clock
         self.eval_wait = eval_wait
         self.datacenters = datacenters
+        self.submit = submit
+        self.mark = mark
         self._inflight: dict[str, asyncio.Task[ActivationAnswer]] = {}
         self.attempts = 0  # fresh placement attempts made, for tests and metrics
 
     async def activate(self, name: str) -> ActivationAnswer:
         """The answer for `name`, sharing an attempt already in flight. Raises
-        ModelNotFound for a model never applied, Unavailable when Nomad is down."""
+        ModelNotFound for a model never applied, Unavailable when Nomad is down or the
+        model's job keeps changing under the decision, NotLeader when not leading."""
         task = self._inflight.get(name)
         if task is None:
             task = asyncio.create_task(asyncio.to_thread(self._activate, name))
@@ -95,55 +112,25 @@ class Activator:
         return await asyncio.shield(task)
 
     def _activate(self, name: str) -> ActivationAnswer:
-        record = self.consul.model_records().get(name)
+        record = read_record(self.consul, name)
         if record is None:
             raise ModelNotFound(f"model {name!r} was never applied")
+        # Used before deciding: an idle scale-down decided from here on is refused
+        # (its guard reads this), and one already written is undone by this pass.
         self.usage.used([name], persist_now=True)
         self.changed(name)
-        job = self.nomad.job(name)
-        state = self.store.load(name)
-        parked = parked_from_job(job) or (state.parked if job is None or job.get("Stop")
-                                          else None)
-        if parked is not None:
-            return ActivationAnswer(name=name, status=ActivationStatus.PARKED,
-                                    reason=parked.reason, last_error=parked.last_error,
-                                    since=parked.since)
-        if self.consul.service_health(service_name(name)).passing > 0:
-            return ActivationAnswer(name=name, status=ActivationStatus.SERVING,
-                                    reason="an instance passes its health check")
-        if job is None or job.get("Stop"):
-            return ActivationAnswer(name=name, status=ActivationStatus.STOPPED,
-                                    reason="its Nomad job is not running; run `planner apply` "
-                                           "(or `planner retry`) first")
-        if record.idle_after is None and group_count(job) == 0:
-            return ActivationAnswer(name=name, status=ActivationStatus.STOPPED,
-                                    reason="0 replicas wanted (replicas: 0 in its definition)")
-        short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional \
-            else None
-        if _starting(self.nomad.allocations(name)) and short is None:
-            return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
-                                    reason=state.unplaceable.reason if state.unplaceable
-                                    else "an instance is starting")
-        target = max(record.replicas, 1) if record.idle_after is not None else group_count(job)
-        return self._attempt(name, record, job, target, state)
-
-    def _attempt(self, name: str, record: ModelRecord, job: Job, target: int,
-                 state: StateDocument) -> ActivationAnswer:
-        """One fresh placement attempt, answered by the evaluation it creates. The old
-        answer is cleared first; a new one with the same reason keeps its `since`."""
+        try:
+            outcome = self.submit(name, Event.ACTIVATE, None).result(PASS_WAIT)
+        except Stale as exc:
+            raise Unavailable(f"model {name}: its job kept changing while deciding ({exc}); "
+                              "ask again") from exc
+        except concurrent.futures.TimeoutError:
+            raise Unavailable(f"model {name}: no decision within {PASS_WAIT:.0f} s (Nomad "
+                              "or Consul slow)") from None
+        if outcome.plan.answer is not None:
+            return outcome.plan.answer
         self.attempts += 1
-        self.store.update(name, lambda s: s.model_copy(update={"unplaceable": None}))
-        if group_count(job) < target:
-            try:
-                eval_id = self.nomad.scale(name, GROUP, target, "llmgw activation")
-            except NomadRejected as exc:
-                if "active deployment" not in str(exc):
-                    raise
-                eval_id = self.nomad.evaluate(name, force_reschedule=True)
-        else:
-            # Forced: a replica Nomad stopped after its restart attempts is placed again
-            # (it keeps its place in the count otherwise, and nothing would start).
-            eval_id = self.nomad.evaluate(name, force_reschedule=True)
+        eval_id = outcome.applied.eval_id
         log.info("model %s: placement attempt (evaluation %s)", name, (eval_id or "")[:8])
         evaluation = self._wait(eval_id)
         if evaluation is None:
@@ -151,10 +138,10 @@ class Activator:
                                     reason="placed; the server is starting", eval_id=eval_id)
         answer = unplaced.answer(self.nomad, record, self.nomad.job(name), evaluation,
                                  self.datacenters, self.clock())
-        if answer is not None and state.unplaceable is not None and \
-                state.unplaceable.reason == answer.reason:
-            answer = answer.model_copy(update={"since": state.unplaceable.since})
-        self.store.update(name, lambda s: unplaced.with_unplaceable(s, answer))
+        before = outcome.document.unplaceable
+        if answer is not None and before is not None and before.reason == answer.reason:
+            answer = answer.model_copy(update={"since": before.since})
+        self.mark(name)  # its next pass records this evaluation's answer
         return _answer(name, answer, eval_id)
 
     def _wait(self, eval_id: str | None) -> dict[str, Any] | None:

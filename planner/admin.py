@@ -48,7 +48,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from llmgw_contract.leadership import LeaderRefused
-from planner import actions
 from planner.activation import ModelNotFound
 from planner.errors import PlannerError, Rejected
 from planner.serve import PlannerNode
@@ -193,7 +192,7 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
         record = consul.model_records().get(name)
         if record is None:
             return _error(404, "model_not_found", f"model {name!r} was never applied")
-        state, done = await asyncio.to_thread(actions.retry, nomad, node.store, name)
+        state, done = await asyncio.to_thread(node.retry, name)
         row = await asyncio.to_thread(model_status, nomad, consul, name, record, state)
         return {**row.as_dict(), "retry": done}
 

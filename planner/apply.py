@@ -5,29 +5,41 @@ Called by the CLI. Three steps, in this order, so bad input changes nothing:
      model's fit from its GGUF header (`fit.check_models`), and render every job
      through Nomad's parser (`jobspec.render`);
   2. decide, in a pure function, what each model needs (`decide`);
-  3. carry that out: register, deregister, write the model records.
+  3. carry that out, model by model, through the applier
+     (`planner.daemon.applier`): write its record, then register its job
+     checked against the job as step 1 read it (EnforceIndex), or deregister it.
 A model whose rendered job hash matches the registered job's
 `llmgw_spec_hash` is left alone, so a second run registers nothing.
+
+Each model is applied whole or not at all (issue 19, item 7): when its
+registration fails, its record is put back as it was, so the leader never
+judges the running job's replicas by a definition that is not registered.
+When Nomad refuses the index (the job changed since step 1 read it: the
+leader parked it, another apply ran), the model is read and decided again,
+at most MAX_DECISIONS times, and its reason says so; a job parked meanwhile
+is never started again by a definition that does not lift its parking.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from llmgw_contract import JobMeta, KVPrefix, Parked, UpdateFailed, kv_key
+from llmgw_contract import JobMeta, KVPrefix, ModelRecord, Parked, UpdateFailed, kv_key
 from llmgw_contract.acl import Permission
 from planner import access, rollout
 from planner.actions import parked_from_job, parked_job, set_parked
 from planner.consul_client import ConsulClient
+from planner.daemon.applier import Applier, Stale
 from planner.definitions import ModelDefinition, load_definitions
 from planner.engines.install import engine_refs
-from planner.errors import DefinitionError, InvalidDefinitions
+from planner.errors import DefinitionError, InvalidDefinitions, NomadRejected
 from planner.fit import Fit, check_models
 from planner.jobspec import SPEC_HASH_KEY, render, replicas_of
+from planner.model.effects import Deregister, Effect, Evaluate, Reason, Register
 from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
 from planner.state import StateStore
@@ -44,7 +56,13 @@ class Action(StrEnum):
 
 
 MUTATIONS = frozenset({Action.CREATE, Action.UPDATE, Action.DEREGISTER})
+REGISTRATIONS = frozenset({Action.CREATE, Action.UPDATE})
 STOPPED_REASON = "job was stopped"
+# How often one model is read and decided again when Nomad refuses the index its
+# registration was checked against: each refusal means another writer changed the job
+# in the moment between a read and a write; three in a row is a writer in a loop.
+MAX_DECISIONS = 3
+CHANGED_MEANWHILE = "its job changed while apply ran; read again"
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,12 @@ class Change:
     # operator stopped, whose record the leader restores after a wiped KV
     # (`planner.repair`); False when Nomad has no job left to deregister.
     purge: bool = False
+    # The registered job's JobModifyIndex as it was read (0: Nomad had none): the
+    # registration is checked against it (EnforceIndex).
+    job_index: int = 0
+    # The job rendered from git (None for a model no longer defined): what a model is
+    # decided again from when its job changed meanwhile.
+    rendered: Job | None = field(default=None, compare=False, repr=False)
 
     @property
     def restart(self) -> bool:
@@ -166,9 +190,23 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
     `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID;
     `parked` the parked models' parking records; `rolled_back` the updates Nomad
     rolled back whose definition is the one rendered now; `records` the models with a
-    KV record (applied before, whether or not Nomad still has their job).
+    KV record (applied before, whether or not Nomad still has their job). Each Change
+    carries the registered job's JobModifyIndex (`job_index`) and the rendered job.
     """
-    parked, rolled_back = parked or {}, rolled_back or {}
+    changes = [replace(change, job_index=_job_index(registered.get(change.model)),
+                       rendered=rendered.get(change.model))
+               for change in _changes(rendered, registered, prune, parked or {},
+                                      rolled_back or {}, records)]
+    return changes
+
+
+def _job_index(job: Job | None) -> int:
+    return int((job or {}).get("JobModifyIndex") or 0)
+
+
+def _changes(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
+             parked: dict[str, Parked], rolled_back: dict[str, UpdateFailed],
+             records: Iterable[str]) -> list[Change]:
     changes = []
     for name, job in sorted(rendered.items()):
         old = registered.get(name)
@@ -266,58 +304,135 @@ def _rolled_back(rendered: dict[str, Job], registered: dict[str, Job],
 
 def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
             nomad: NomadClient, consul: ConsulClient, dry_run: bool) -> list[Outcome]:
-    """Carry out `changes` (or, with dry_run, ask Nomad for each plan instead).
+    """Carry out `changes` (or, with dry_run, ask Nomad for each plan instead), one
+    model after the other, each whole or not at all (`_apply_model`).
 
-    Model records go to Consul first: the watcher and the router learn a model
-    from its record, and must know it before Nomad's first evaluation of it
-    arrives (C08 wants the unplaceable answer within 2 s of apply). A pruned
-    model's record goes last, after its job is stopped, so the leader never
-    sees a running job without a record (which it would restore)."""
-    if not dry_run:
-        _write_records(definitions, consul)
+    A model's record goes to Consul before its job: the watcher and the router learn a
+    model from its record, and must know it before Nomad's first evaluation of it
+    arrives (C08 wants the unplaceable answer within 2 s of apply). A pruned model's
+    record goes after its job is stopped, so the leader never sees a running job
+    without a record (which it would restore). Raises what the agents raise
+    (NomadRejected, also when a model's job kept changing, MAX_DECISIONS times, under
+    the registration; Unavailable), after putting that model's record back."""
+    if dry_run:
+        return [_planned(change, nomad) for change in changes]
+    applier = Applier(nomad, StateStore(consul))
+    existing = consul.model_records()
     outcomes = []
     for change in changes:
-        outcome = Outcome(change)
-        if change.action in (Action.CREATE, Action.UPDATE) and change.job is not None:
-            if dry_run:
-                outcome.plan = nomad.plan(change.job)
-            else:
-                answer = nomad.register(change.job)
-                if change.restart:
-                    # Replicas Nomad stopped after their restart attempts keep their place
-                    # in the count across a job stop (no reschedule): place them again.
-                    nomad.evaluate(change.model, force_reschedule=True)
-                if change.unpark:
-                    index = int(answer.get("JobModifyIndex") or 0)
-                    StateStore(consul).update(change.model,
-                                              lambda s, i=index: set_parked(s, None, i))
-                outcome.eval_id = answer.get("EvalID") or None
-                outcome.job_version = _version_after(nomad, change.model)
-        elif change.action is Action.DEREGISTER and not dry_run:
-            if change.purge:
-                outcome.eval_id = nomad.deregister(change.model, purge=True) \
-                    .get("EvalID") or None
-            _forget(change.model, consul)
-        outcomes.append(outcome)
+        definition = definitions.get(change.model)
+        if change.action is Action.DEREGISTER:
+            outcomes.append(_deregister(change, applier, consul))
+        elif definition is None:
+            outcomes.append(Outcome(change))
+        else:
+            outcomes.append(_apply_model(change, definition.record(),
+                                         existing.get(change.model), applier, consul))
     return outcomes
+
+
+def _planned(change: Change, nomad: NomadClient) -> Outcome:
+    outcome = Outcome(change)
+    if change.action in REGISTRATIONS and change.job is not None:
+        outcome.plan = nomad.plan(change.job)
+    return outcome
+
+
+def _apply_model(change: Change, record: ModelRecord, old: ModelRecord | None,
+                 applier: Applier, consul: ConsulClient) -> Outcome:
+    """One model whole or not at all: its record written (only where it differs; a new
+    model's state document too), then its job registered; when that fails, whatever
+    the reason, the record is put back as it was (`old`; None: removed, with the state
+    document made for it) and the error raised."""
+    if old != record:
+        consul.put_model_record(record)
+    # Failures count from now, even if the planner is down when they happen.
+    created = old is None and StateStore(consul).create(change.model)
+    try:
+        return _register(change, applier)
+    except BaseException:
+        _restore(change.model, record, old, created, consul)
+        raise
+
+
+def _restore(name: str, record: ModelRecord, old: ModelRecord | None, created: bool,
+             consul: ConsulClient) -> None:
+    if old is None:
+        consul.delete_model_record(name)
+    elif old != record:
+        consul.put_model_record(old)
+    if created:
+        StateStore(consul).delete(name)
+
+
+def _register(change: Change, applier: Applier) -> Outcome:
+    """Register `change`'s job checked against the index it was decided on; when Nomad
+    refuses that index, read the model again, decide again, and carry that out (at
+    most MAX_DECISIONS decisions). Raises NomadRejected when the job kept changing."""
+    for attempt in range(MAX_DECISIONS):
+        if attempt:
+            change = _noted(_decide_again(change, applier.nomad), CHANGED_MEANWHILE)
+        if change.action not in REGISTRATIONS or change.job is None:
+            return Outcome(change)
+        try:
+            return _registered(change, applier)
+        except Stale:
+            continue
+    raise NomadRejected(f"model {change.model}: its job changed {MAX_DECISIONS} times "
+                        "while apply registered it (another writer); run apply again")
+
+
+def _noted(change: Change, note: str) -> Change:
+    return replace(change, reason=f"{change.reason} ({note})")
+
+
+def _registered(change: Change, applier: Applier) -> Outcome:
+    """Register the job (EnforceIndex: `change.job_index`), start the replicas of a
+    stopped or parked job again, and clear the KV cache of a lifted parking."""
+    assert change.job is not None
+    effects: list[Effect] = [Register(Reason.APPLY, change.reason, change.job)]
+    if change.restart:
+        # Replicas Nomad stopped after their restart attempts keep their place in the
+        # count across a job stop (no reschedule): place them again.
+        effects.append(Evaluate(Reason.APPLY, "the stopped job is starting again",
+                                force_reschedule=True))
+    answers = applier.write_job(change.model, effects, change.job_index)
+    index = _job_index(answers[0])
+    if change.unpark:
+        applier.update(change.model, lambda s: set_parked(s, None, index))
+    return Outcome(change, eval_id=answers[0].get("EvalID") or None,
+                   job_version=_version_after(applier.nomad, change.model))
+
+
+def _decide_again(change: Change, nomad: NomadClient) -> Change:
+    """`change`'s model decided anew from its rendered job and Nomad's job now."""
+    name, rendered = change.model, change.rendered
+    if rendered is None:
+        raise TypeError(f"model {name}: a change without its rendered job")
+    job = nomad.job(name)
+    if job is not None and not is_managed(job):
+        raise NomadRejected(f"model {name}: Nomad now has a job {name!r} that llmgw does "
+                            "not manage (no llmgw_model meta)")
+    registered = {name: job} if job is not None else {}
+    parked = {name: p} if (p := parked_from_job(job)) is not None else {}
+    [again] = decide({name: rendered}, registered, False, parked,
+                     _rolled_back({name: rendered}, registered, nomad))
+    return again
+
+
+def _deregister(change: Change, applier: Applier, consul: ConsulClient) -> Outcome:
+    outcome = Outcome(change)
+    if change.purge:
+        [answer] = applier.write_job(change.model, [
+            Deregister(Reason.PRUNE, change.reason, purge=True)], change.job_index)
+        outcome.eval_id = answer.get("EvalID") or None
+    _forget(change.model, consul)
+    return outcome
 
 
 def _version_after(nomad: NomadClient, job_id: str) -> int | None:
     job = nomad.job(job_id)
     return None if job is None else job.get("Version")
-
-
-def _write_records(definitions: dict[str, ModelDefinition], consul: ConsulClient) -> None:
-    """Write each model's KV record only where it differs."""
-    existing = consul.model_records()
-    store = StateStore(consul)
-    for name, definition in definitions.items():
-        record = definition.record()
-        if existing.get(name) != record:
-            consul.put_model_record(record)
-        if name not in existing:
-            # Failures count from now, even if the planner is down when they happen.
-            store.create(name)
 
 
 def _forget(name: str, consul: ConsulClient) -> None:

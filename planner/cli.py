@@ -41,10 +41,11 @@ from llmgw_contract import ModelState
 from llmgw_contract.acl import Permission
 from llmgw_contract.leadership import parse_admin_url
 from llmgw_contract.states import ReplicaState
-from planner import access, actions
+from planner import access
 from planner.admin import create_app
 from planner.apply import MUTATIONS, Action, Outcome, execute, prepare
 from planner.consul_client import ConsulClient
+from planner.daemon.retry import retry as retry_model
 from planner.definitions import ModelDefinition
 from planner.engines.install import NodeInstall, execute_engines, installs, prepare_engines
 from planner.errors import InvalidDefinitions, PlannerError, Unavailable
@@ -57,10 +58,10 @@ from planner.plandiff import format_diff
 from planner.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.serve import PlannerNode
 from planner.settings import Settings
-from planner.state import StateStore
 from planner.status import ModelStatus
 from planner.statusreads import gather, model_status
 from planner.unplaceable import engine_need
+from planner.watcher import RECONCILE_EVERY_S
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
 have (an engine is not installed on some node); 2 invalid model or engine files, settings or
@@ -511,7 +512,7 @@ def retry(model: Annotated[str, typer.Argument(help="the model to start again")]
             if output == Output.json:
                 _print_error(2, "UnknownModel", f"model {model!r} was never applied")
             raise typer.Exit(2)
-        state, done = actions.retry(nomad, StateStore(consul), model)
+        state, done = retry_model(nomad, consul, model)
         row = model_status(nomad, consul, model, record, state)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
@@ -542,6 +543,10 @@ def serve(
     stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
                                                    "before its failures are forgiven")]
     = STABLE_AFTER_S,
+    reconcile_every: Annotated[float, typer.Option(help="seconds between full reconciles "
+                                                        "of every model from Nomad (the "
+                                                        "backstop for lost events)")]
+    = RECONCILE_EVERY_S,
     tls_cert: Annotated[str | None, typer.Option(help="serve the admin API over HTTPS with "
                                                       "this PEM certificate (env "
                                                       "LLMGW_TLS_CERT)")] = None,
@@ -573,7 +578,8 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
     node = PlannerNode(nomad, consul, url, rules,
-                       settings.datacenters, certificate_paths=settings.certificate_files)
+                       settings.datacenters, certificate_paths=settings.certificate_files,
+                       reconcile_every=reconcile_every)
     forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
     admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,
                        forward_ssl=forward_ssl)

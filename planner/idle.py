@@ -1,8 +1,15 @@
 """Idle scale-down: an on-demand model unused for `idle_after` goes back to 0.
 
 Run by the leading `planner serve` beside the watcher. `idle_models` is the
-pure decision (records, current counts, last uses, now -> names to scale to
-0); `IdleScaler` polls it every `interval` seconds and acts. Polling, not
+pure choice (records, current counts, last uses, now -> names to scale to
+0); `IdleScaler` polls it every `interval` seconds and hands each model found
+idle to its worker as `Event.IDLE` (`planner.daemon.workers`): the model's
+transition decides the scale-down and the applier writes it, checked against
+the job as it was read (EnforceIndex), so a scale-down decided before an
+activation scaled the job up is refused and decided again. The pass asks, right
+before deciding and again before writing, whether the model is still unused (an
+activation records its use before asking its own worker), so a replica just asked
+for is never scaled away. Polling, not
 events: "nothing happened for 15 minutes" is not an event anybody sends, and
 a check every few seconds costs one job read per active on-demand model (last
 uses are in the leader's memory, `planner.usage`).
@@ -11,18 +18,29 @@ uses are in the leader's memory, `planner.usage`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from llmgw_contract import ModelRecord
-from planner.activation import GROUP
+from planner.activation import PASS_WAIT, Submit, not_leading
 from planner.consul_client import ConsulClient
+from planner.daemon.applier import Stale
+from planner.daemon.workers import Skipped
 from planner.errors import PlannerError
+from planner.model.effects import Scale
+from planner.model.transition import Event
 from planner.nomad_client import NomadClient, group_count
 from planner.usage import UsageBook
 
 log = logging.getLogger("planner.idle")
+
+
+def still_idle(record: ModelRecord, last_used: datetime | None, now: datetime) -> bool:
+    """Unused for its idle_after (a model never used is not idle: see idle_models)."""
+    return record.idle_after is not None and last_used is not None and \
+        now - last_used >= timedelta(seconds=record.idle_after)
 
 
 def idle_models(records: dict[str, ModelRecord], counts: dict[str, int],
@@ -34,8 +52,7 @@ def idle_models(records: dict[str, ModelRecord], counts: dict[str, int],
     for name, record in sorted(records.items()):
         if record.idle_after is None or counts.get(name, 0) == 0:
             continue
-        used = last_used.get(name)
-        if used is not None and now - used >= timedelta(seconds=record.idle_after):
+        if still_idle(record, last_used.get(name), now):
             idle.append(name)
     return idle
 
@@ -43,11 +60,14 @@ def idle_models(records: dict[str, ModelRecord], counts: dict[str, int],
 class IdleScaler:
     def __init__(self, nomad: NomadClient, consul: ConsulClient, usage: UsageBook,
                  clock: Callable[[], datetime], interval: float = 5.0,
-                 assert_leading: Callable[[], None] = lambda: None) -> None:
+                 assert_leading: Callable[[], None] = lambda: None,
+                 submit: Submit = not_leading) -> None:
+        """`submit` hands an event to the model's worker (the leader's `Workers.submit`)."""
         self.nomad, self.consul, self.usage = nomad, consul, usage
         self.clock = clock
         self.interval = interval
         self.assert_leading = assert_leading  # raises NotLeader once deposed
+        self.submit = submit
 
     def active(self) -> dict[str, int]:
         """Current counts of the on-demand models: {name: count}."""
@@ -56,17 +76,30 @@ class IdleScaler:
                 if record.idle_after is not None}
 
     def check(self) -> list[str]:
-        """Scale every idle on-demand model to 0; returns their names."""
+        """Hand every idle on-demand model to its worker (Event.IDLE); returns the names
+        of those it scaled down."""
         records = self.consul.model_records()
         counts = self.active()
         last = {name: self.usage.last_used(name) for name, count in counts.items() if count}
-        idle = idle_models(records, counts, last, self.clock())
-        for name in idle:
+        scaled = []
+        for name in idle_models(records, counts, last, self.clock()):
             self.assert_leading()
-            self.nomad.scale(name, GROUP, 0, "llmgw: idle")
-            log.info("model %s: scaled to 0 after %s s without requests", name,
-                     records[name].idle_after)
-        return idle
+            record = records[name]
+            future = self.submit(name, Event.IDLE, lambda n=name, r=record: still_idle(
+                r, self.usage.last_used(n), self.clock()))
+            try:
+                outcome = future.result(PASS_WAIT)
+            except Skipped:
+                continue  # asked for meanwhile
+            except (Stale, concurrent.futures.TimeoutError) as exc:
+                log.warning("model %s: idle scale-down not decided: %s", name,
+                            exc or "no pass within the wait")
+                continue
+            if any(isinstance(e, Scale) for e in outcome.plan.effects):
+                scaled.append(name)
+                log.info("model %s: scaled to 0 after %s s without requests", name,
+                         record.idle_after)
+        return scaled
 
     async def run(self) -> None:
         while True:

@@ -20,6 +20,10 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_planner_leader_forward_refusals_total{code}  writes a follower refused: llmgw/leader
                                                    disagrees with the lock holder's registration
     llmgw_planner_event_stream_reconnects_total
+    llmgw_planner_event_stream_losses_total{kind}  gap: the stream started later than asked
+                                                   (Nomad's buffer had dropped events); reset:
+                                                   Nomad's index went back. Each is followed by
+                                                   a reconcile of every model
     llmgw_planner_event_stream_last_message_timestamp_seconds
     llmgw_planner_reconcile_duration_seconds       histogram
     llmgw_certificate_expiry_timestamp_seconds{path}, llmgw_certificate_read_success{path}
@@ -157,6 +161,11 @@ class PlannerMetrics:
         self.reconnects = Counter(
             "llmgw_planner_event_stream_reconnects", "Reconnects of the leader's Nomad event "
             "stream (each followed by a reconcile).", registry=self.registry)
+        self.losses = Counter(
+            "llmgw_planner_event_stream_losses", "Events the leader's Nomad event stream may "
+            "have lost: kind=gap (it started later than the index asked for: Nomad's bounded "
+            "event buffer had dropped them), kind=reset (Nomad's index went back). Each is "
+            "followed by a reconcile of every model.", ["kind"], registry=self.registry)
         self.last_message = Gauge(
             "llmgw_planner_event_stream_last_message_timestamp_seconds", "Unix time of the "
             "last event or heartbeat on the leader's Nomad event stream (a heartbeat comes "

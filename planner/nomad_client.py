@@ -346,6 +346,21 @@ class NomadClient:
             method="get", params={"prefix": "\x00"}))
         return int(response.headers.get("X-Nomad-Index", 0))
 
+    def latest_index(self) -> int:
+        """The highest index of the tables the watcher's event topics come from (jobs,
+        allocs, evals, deployment, nodes: each list's X-Nomad-Index is its table's index,
+        nomad/*_endpoint.go `state.Index(...)`): no event the stream delivered can be
+        newer, so a watcher that saw a higher one talks to a reset Nomad."""
+        lists = ((NOMAD_LIST_JOBS, self._api.jobs), (NOMAD_READ_JOB, self._api.allocations),
+                 (NOMAD_READ_JOB, self._api.evaluations),
+                 (NOMAD_READ_JOB, self._api.deployments), (NOMAD_NODE_READ, self._api.nodes))
+        latest = 0
+        for needs, endpoint in lists:
+            response = self._call(needs, "read index", lambda e=endpoint: e.request(
+                method="get", params={"prefix": "ffffffff-0000"}))
+            latest = max(latest, int(response.headers.get("X-Nomad-Index", 0)))
+        return latest
+
     def task_stderr_tail(self, alloc_id: str, task: str, size: int = 8192) -> str:
         """The last `size` bytes a task wrote to stderr, through the client filesystem
         API (/v1/client/fs/logs). Empty when the allocation's files are gone."""

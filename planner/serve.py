@@ -5,9 +5,12 @@ Called by the CLI's `serve` command, which runs the admin app
 Every instance campaigns for leadership (`planner.leader`); the leader alone
 runs the work that acts on Nomad and writes state:
 
-  watcher      start failures, parking, placement answers (`planner.watcher`)
-  idle scaler  on-demand models back to 0 (`planner.idle`)
-  activator    fresh placement attempts for the router (`planner.activation`)
+  watcher      which models need a decision (`planner.watcher`), and their workers:
+               observe, decide, apply (`planner.daemon`): start failures, parking,
+               placement answers, rollbacks
+  idle scaler  on-demand models back to 0, through their workers (`planner.idle`)
+  activator    fresh placement attempts for the router, through their workers
+               (`planner.activation`)
   usage book   when each model was last asked for (`planner.usage`)
   status book  every model's status, for /metrics (`planner.statusbook`)
 
@@ -22,25 +25,31 @@ check-and-set, so nothing is counted twice.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime
 
 import aiohttp
 
+from llmgw_contract import StateDocument
 from llmgw_contract.leadership import LeaderRoute
 from planner.activation import Activator
 from planner.consul_client import ConsulClient
+from planner.daemon.retry import answered
+from planner.daemon.workers import Guard, Outcome
 from planner.engines.install import NodeInstall, installs
+from planner.errors import NotLeader
 from planner.failures import Rules
 from planner.idle import IdleScaler
 from planner.leader import Leadership
 from planner.metrics import PlannerMetrics
+from planner.model.transition import Event
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
 from planner.statusbook import StatusBook
 from planner.usage import UsageBook
-from planner.watcher import Watcher, utcnow
+from planner.watcher import RECONCILE_EVERY_S, Watcher, utcnow
 
 log = logging.getLogger("planner.serve")
 
@@ -51,8 +60,10 @@ class PlannerNode:
     def __init__(self, nomad: NomadClient, consul: ConsulClient, address: str,
                  rules: Rules | None = None, datacenters: tuple[str, ...] = ("*",),
                  clock: Callable[[], datetime] = utcnow, idle_interval: float = 5.0,
-                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: ()) -> None:
+                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
+                 reconcile_every: float = RECONCILE_EVERY_S) -> None:
         self.nomad, self.consul = nomad, consul
+        self.reconcile_every = reconcile_every
         self.rules = rules or Rules()
         self.datacenters = datacenters
         self.clock = clock
@@ -64,12 +75,31 @@ class PlannerNode:
         self.book = StatusBook(nomad, consul, self.usage, clock)
         self.metrics = PlannerMetrics(self.book.rows, certificate_paths, self._engine_installs)
         self.activator = Activator(nomad, consul, self.store, self.usage, clock=clock,
-                                   datacenters=datacenters, changed=self.book.mark)
+                                   datacenters=datacenters, changed=self.book.mark,
+                                   submit=self._submit, mark=self._mark)
         self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval,
-                               assert_leading=self.store.assert_leading)
+                               assert_leading=self.store.assert_leading, submit=self._submit)
         self.watcher: Watcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+
+    def _submit(self, name: str, event: Event,
+                guard: Guard | None = None) -> concurrent.futures.Future[Outcome]:
+        """Hand `event` to the model's worker (the leader's); NotLeader otherwise."""
+        watcher = self.watcher
+        if watcher is None:
+            raise NotLeader("this planner does not lead: no worker decides for models here")
+        return watcher.workers.submit(name, event, guard)
+
+    def _mark(self, name: str) -> None:
+        if self.watcher is not None:
+            self.watcher.mark(name)
+
+    def retry(self, name: str) -> tuple[StateDocument, str]:
+        """Try model `name` again through its worker (`planner.daemon.retry`): the
+        document written and what was done, in words. Blocks (run it in a thread).
+        Raises NotLeader, Rejected (no job) or Unavailable."""
+        return answered(self._submit(name, Event.RETRY), name)
 
     def _engine_installs(self) -> list[NodeInstall]:
         """Engines per node for the metrics: the leader's to publish, like the models'."""
@@ -114,7 +144,8 @@ class PlannerNode:
         await asyncio.to_thread(self.usage.start_over, [n for n, c in active.items() if c])
         self.watcher = Watcher(self.nomad, self.consul, self.rules, self.clock,
                                self.datacenters, self.metrics, self.book.mark,
-                               fence=self.leadership.session)
+                               fence=self.leadership.session,
+                               reconcile_every=self.reconcile_every)
         self._tasks = [asyncio.create_task(self.watcher.run(self._session), name="watcher"),
                        asyncio.create_task(self.idle.run(), name="idle-scaler"),
                        asyncio.create_task(self.book.run(), name="status-book")]

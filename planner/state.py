@@ -170,9 +170,11 @@ class StateStore:
         False when it does."""
         return self._put(key, text, 0)
 
-    def create(self, name: str) -> None:
-        """Write a new model's document (counting failures from now) unless it has one."""
-        self._consul.cas_put(kv_key(KVPrefix.STATE, name), encode(_document(name, None)), 0)
+    def create(self, name: str) -> bool:
+        """Write a new model's document (counting failures from now) unless it has one;
+        whether it wrote one."""
+        return self._consul.cas_put(kv_key(KVPrefix.STATE, name),
+                                    encode(_document(name, None)), 0)
 
     def delete(self, name: str) -> None:
         self._consul.delete_key(kv_key(KVPrefix.STATE, name))

@@ -19,13 +19,20 @@ Every command and loop of the planner that changes a model's job hands a
 
 Effects are idempotent against Nomad by construction: a repeated plan is
 refused by its index check, never applied twice.
+
+Two more doors, for writes decided without a state document at an observed
+index: `write_job` (the engines' install jobs, `planner apply`'s registrations:
+the same index checks, the same `Stale`) and `update` (a pure change of a
+state document under check-and-set, for one that is ordered by the job index
+it carries, such as `planner.actions.set_parked`, and may run again).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmgw_contract import StateDocument
 from planner.actions import parked_job, unparked_job
@@ -41,9 +48,13 @@ from planner.model.effects import (
     Unpark,
 )
 from planner.model.observation import Observation
-from planner.model.transition import Plan
-from planner.nomad_client import NomadClient
-from planner.state import StateStore
+from planner.nomad_client import Job, NomadClient
+from planner.state import Change, StateStore, Updated
+
+if TYPE_CHECKING:
+    # Only a type here: `transition` imports the decisions, and they the placement
+    # views, which import the engines, whose install jobs this module writes.
+    from planner.model.transition import Plan
 
 log = logging.getLogger("planner.applier")
 
@@ -69,7 +80,10 @@ class Applied:
 
 
 class Applier:
-    def __init__(self, nomad: NomadClient, store: StateStore) -> None:
+    """`store` None: a writer of jobs only (`write_job`), for a command that writes no
+    state document (`planner engines apply`)."""
+
+    def __init__(self, nomad: NomadClient, store: StateStore | None = None) -> None:
         self.nomad, self.store = nomad, store
 
     def apply(self, name: str, before: StateDocument, plan: Plan,
@@ -78,36 +92,63 @@ class Applier:
         `observation.state_index`) and `observation`. Raises Stale (nothing more done)
         when Nomad or Consul moved since; NotLeader when deposed; NomadRejected for any
         other refusal (e.g. "job scaling blocked due to active deployment")."""
+        store = self._store()
         applied = Applied(plan.state)
-        if plan.effects:
-            self.store.assert_leading()
-        index = observation.job_index
-        for effect in plan.effects:
-            answer = self._write(name, effect, observation, index)
-            applied.answers.append(answer)
-            index = int(answer.get("JobModifyIndex") or index)
+        answers = self._effects(name, plan.effects, observation.job, observation.job_index)
+        applied.answers.extend(answers)
+        index = _index_after(answers, observation.job_index)
         if any(isinstance(e, Park | Unpark) for e in plan.effects):
             # The parking the document caches is the job's as of this write.
             applied.state = applied.state.model_copy(update={"job_index": index})
         if applied.state != before and \
-                not self.store.write(name, applied.state, observation.state_index):
+                not store.write(name, applied.state, observation.state_index):
             raise Stale(f"model {name}: its state document changed meanwhile")
         for note in plan.notes:
             log.log(note.level, "model %s: %s", name, note.text)
         return applied
 
-    def _write(self, name: str, effect: Effect, observation: Observation,
+    def write_job(self, job_id: str, effects: Sequence[Effect], job_index: int,
+                  job: Job | None = None) -> list[dict[str, Any]]:
+        """Carry out `effects` on job `job_id` as it was read at JobModifyIndex
+        `job_index` (0: it did not exist; `job`: the job read, which Park and Unpark
+        change), with `apply`'s index checks, for a write no state document is decided
+        with. Returns Nomad's answers, one per effect. Raises Stale when the job changed
+        since (nothing more done), NotLeader when a fenced store's leadership is lost,
+        NomadRejected for any other refusal."""
+        return self._effects(job_id, effects, job, job_index)
+
+    def update(self, name: str, change: Change) -> Updated:
+        """Apply `change` to model `name`'s document under check-and-set (again on a
+        conflict: `change` must be pure and ordered by the job index it carries, like
+        `planner.actions.set_parked`, so a late answer never undoes a newer one)."""
+        return self._store().update(name, change)
+
+    def _store(self) -> StateStore:
+        if self.store is None:
+            raise TypeError("this Applier writes jobs only: it was given no StateStore")
+        return self.store
+
+    def _effects(self, name: str, effects: Sequence[Effect], job: Job | None,
+                 index: int) -> list[dict[str, Any]]:
+        if effects and self.store is not None:
+            self.store.assert_leading()
+        answers = []
+        for effect in effects:
+            answer = self._write(name, effect, job, index)
+            answers.append(answer)
+            index = _index_after([answer], index)
+        return answers
+
+    def _write(self, name: str, effect: Effect, job: Job | None,
                index: int) -> dict[str, Any]:
         try:
-            return self._call(name, effect, observation, index)
+            return self._call(name, effect, job or {}, index)
         except NomadRejected as exc:
             if _is_index_conflict(exc):
                 raise Stale(f"model {name}: {exc}") from exc
             raise
 
-    def _call(self, name: str, effect: Effect, observation: Observation,
-              index: int) -> dict[str, Any]:
-        job = observation.job or {}
+    def _call(self, name: str, effect: Effect, job: Job, index: int) -> dict[str, Any]:
         match effect:
             case Park(parked=parked):
                 return self.nomad.register(parked_job(job, parked), enforce_index=index)
@@ -121,12 +162,21 @@ class Applier:
             case Revert(version=version, prior_version=prior):
                 return self.nomad.revert(name, version, prior)
             case Evaluate(force_reschedule=force):
+                # Nomad's evaluate takes no index (api/jobs.go, EvalOptions): it follows
+                # the plan's job write, or stands alone on a job that needs no change.
                 return {"EvalID": self.nomad.evaluate(name, force_reschedule=force)}
             case Deregister(purge=purge):
                 # Nomad's deregister takes no index (api/jobs.go, DeregisterOpts): the
                 # plan's reads were just checked by the document's CAS at the latest.
                 return self.nomad.deregister(name, purge=purge)
         raise TypeError(f"unknown effect {effect!r}")
+
+
+def _index_after(answers: Sequence[dict[str, Any]], index: int) -> int:
+    """The JobModifyIndex after `answers` (a write that made a new version says so)."""
+    for answer in answers:
+        index = int(answer.get("JobModifyIndex") or index)
+    return index
 
 
 def _is_index_conflict(exc: NomadRejected) -> bool:

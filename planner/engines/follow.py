@@ -10,7 +10,9 @@ An evaluation of the engine's job places it there.
 
 Each (node, engine job version) is evaluated once: a node whose install failed keeps
 its failed allocation (`planner engines apply` runs it again), and the node's own
-re-registration when its metadata changes must not evaluate again and again.
+re-registration when its metadata changes must not evaluate again and again. The
+evaluation goes through the applier (`planner.daemon.applier`), the planner's one
+writer of Nomad.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from planner.daemon.applier import Applier
 from planner.engines.install import META_ENGINE, META_VERSION, definitions_of, registered
 from planner.errors import PlannerError
+from planner.model.effects import Evaluate, Reason
 from planner.nomad_client import Job, NomadClient
 from planner.placement import schedulable
 
@@ -37,8 +41,12 @@ def missing(node: Mapping[str, Any], jobs: Mapping[str, Job]) -> list[str]:
 class EngineFollower:
     """Keeps the engines' install jobs in view and evaluates them for new nodes."""
 
-    def __init__(self, nomad: NomadClient, datacenters: Sequence[str] = ("*",)) -> None:
+    def __init__(self, nomad: NomadClient, datacenters: Sequence[str] = ("*",),
+                 applier: Applier | None = None) -> None:
+        """`applier` writes the evaluations (the leader's, fenced by its store); None: an
+        unfenced one over `nomad`."""
         self.nomad, self.datacenters = nomad, datacenters
+        self.applier = applier or Applier(nomad)
         self._jobs: dict[str, Job] = {}
         self._evaluated: set[tuple[str, str, int]] = set()  # (node, job, JobModifyIndex)
 
@@ -65,7 +73,8 @@ class EngineFollower:
             if key in self._evaluated:
                 continue
             try:
-                self.nomad.evaluate(job["ID"])
+                self.applier.write_job(job["ID"], [Evaluate(
+                    Reason.ENGINE, f"node {node.get('Name')} lacks it")], key[2], job)
             except PlannerError as exc:
                 log.warning("engine %s: cannot evaluate %s for node %s: %s", name, job["ID"],
                             node.get("Name"), exc)

@@ -26,12 +26,13 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from llmgw_contract import lasterror
+from planner.daemon.applier import Applier, Stale
 from planner.engines import MODEL_FILE, engine
 from planner.engines.definitions import (
     JOB_PREFIX,
@@ -42,8 +43,9 @@ from planner.engines.definitions import (
     meta_key,
     unmanaged,
 )
-from planner.errors import DefinitionError, InvalidDefinitions
+from planner.errors import DefinitionError, InvalidDefinitions, NomadRejected
 from planner.jobspec import variable_file
+from planner.model.effects import Effect, Evaluate, Reason, Register
 from planner.nomad_client import Job, NomadClient
 from planner.placement import schedulable
 from planner.settings import Settings
@@ -82,6 +84,9 @@ class EngineChange:
     action: EngineAction
     reason: str
     job: Job | None = None
+    # The install job's JobModifyIndex as it was read (0: Nomad had none): a
+    # registration is checked against it (EnforceIndex).
+    job_index: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -241,29 +246,35 @@ def failed_nodes(job: Job, allocations: Sequence[Mapping[str, Any]]) -> list[str
 
 
 def decide(rendered: Mapping[str, Job], jobs: Mapping[str, Job],
-           failed: Mapping[str, Sequence[str]]) -> list[EngineChange]:
+           failed: Mapping[str, Sequence[str]],
+           stopped: Mapping[str, int] | None = None) -> list[EngineChange]:
     """What each engine needs (pure): `jobs` the registered install jobs, `failed` the
-    nodes where the current version's install failed, by engine."""
+    nodes where the current version's install failed, by engine, `stopped` the
+    JobModifyIndex of a stopped install job Nomad still keeps, by engine. Each change
+    carries the index its registration is checked against."""
     changes = []
     for name, job in sorted(rendered.items()):
         old = jobs.get(name)
         if old is None:
-            changes.append(EngineChange(name, EngineAction.CREATE, "new engine", job))
+            changes.append(EngineChange(name, EngineAction.CREATE, "new engine", job,
+                                        (stopped or {}).get(name, 0)))
             continue
+        index = int(old.get("JobModifyIndex") or 0)
         old_meta = old.get("Meta") or {}
         if old_meta.get(META_SPEC_HASH) != job["Meta"][META_SPEC_HASH]:
             reason = (f"version {old_meta.get(META_VERSION)} -> {job['Meta'][META_VERSION]}"
                       if old_meta.get(META_VERSION) != job["Meta"][META_VERSION]
                       else "definition changed")
-            changes.append(EngineChange(name, EngineAction.UPDATE, reason, job))
+            changes.append(EngineChange(name, EngineAction.UPDATE, reason, job, index))
         elif failed.get(name):
             round_ = int(old_meta.get(META_ROUND) or 0) + 1
             again = {**job, "Meta": {**job["Meta"], META_ROUND: str(round_)}}
             changes.append(EngineChange(name, EngineAction.RETRY, (
                 f"install failed on {', '.join(failed[name])}: running it again "
-                f"(round {round_})"), again))
+                f"(round {round_})"), again, index))
         else:
-            changes.append(EngineChange(name, EngineAction.UNCHANGED, "no changes"))
+            changes.append(EngineChange(name, EngineAction.UNCHANGED, "no changes",
+                                        job_index=index))
     return changes
 
 
@@ -281,26 +292,38 @@ def prepare_engines(paths: list[Path], settings: Settings,
     rendered = {name: render(d, settings, nomad, template) for name, (_, d) in engines.items()}
     failed = {name: failed_nodes(job, nomad.allocations(job["ID"]))
               for name, job in jobs.items() if name in rendered}
-    return decide(rendered, jobs, failed)
+    # A stopped install job (`registered` leaves it out) is still Nomad's: registering
+    # the engine again updates it, at its index.
+    stopped = {name: int(job.get("JobModifyIndex") or 0) for name in rendered
+               if name not in jobs and (job := nomad.job(f"{JOB_PREFIX}{name}")) is not None}
+    return decide(rendered, jobs, failed, stopped)
 
 
 def execute_engines(changes: Sequence[EngineChange], nomad: NomadClient,
                     dry_run: bool = False) -> list[dict[str, Any]]:
     """Register what changed, evaluate what did not (a node that joined since gets the
     engine); with `dry_run`, Nomad's plan instead. One dict per engine: engine, action,
-    reason, job_id, eval_id (and plan with dry_run)."""
+    reason, job_id, eval_id (and plan with dry_run). Raises NomadRejected (also when an
+    install job changed since `prepare_engines` read it: run again) or
+    NomadUnavailable."""
+    applier = Applier(nomad)
     outcomes = []
     for change in changes:
         job_id = f"{JOB_PREFIX}{change.engine}"
         outcome: dict[str, Any] = {"engine": change.engine, "action": str(change.action),
                                    "reason": change.reason, "job_id": job_id, "eval_id": None}
-        if change.job is not None:
-            if dry_run:
+        if dry_run:
+            if change.job is not None:
                 outcome["plan"] = nomad.plan(change.job)
-            else:
-                outcome["eval_id"] = nomad.register(change.job).get("EvalID") or None
-        elif not dry_run:
-            outcome["eval_id"] = nomad.evaluate(job_id)
+        else:
+            effect: Effect = Evaluate(Reason.ENGINE, "a node that joined since gets it") \
+                if change.job is None else Register(Reason.ENGINE, change.reason, change.job)
+            try:
+                [answer] = applier.write_job(job_id, [effect], change.job_index)
+            except Stale as exc:
+                raise NomadRejected(f"engine {change.engine}: its install job changed "
+                                    "while this ran (another writer); run it again") from exc
+            outcome["eval_id"] = answer.get("EvalID") or None
         outcomes.append(outcome)
     return outcomes
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,11 @@ from devcluster.cluster import Cluster
 from llmgw_contract import LEADER_KEY, LeaderRecord, Parked, StateDocument, decode
 from planner import actions
 from planner.consul_client import ConsulClient
+from planner.daemon.applier import Applier, Stale
 from planner.errors import NotLeader
+from planner.model.effects import Park, Reason
+from planner.model.observation import Observation
+from planner.model.transition import Plan
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
 from tests.conftest import (
@@ -102,6 +107,20 @@ def test_c15_crash_after_ready_counts_and_parks_never_shown_serving_between_cras
     assert starts(cluster, "c15-crash") == 5
 
 
+def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> None:
+    """The park a leader's pass applies (`Park` decided on the job as read, written by
+    the applier at that index, with the document's CAS): refused, it does nothing."""
+    index, document = store.read(name)
+    job = nomad.job(name)
+    if job is None or job.get("Stop"):
+        return  # stopped meanwhile: an operator's stop is not a park
+    observation = Observation(name=name, record=None, job=job, state_index=index)
+    plan = Plan(actions.set_parked(document, parked, observation.job_index),
+                (Park(Reason.START_FAILURES, parked.reason, parked),))
+    with contextlib.suppress(Stale):
+        Applier(nomad, store).apply(name, document, plan, observation)
+
+
 def test_c17_retry_racing_a_park_and_usage_reports_leaves_kv_and_nomad_agreeing(
         cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
         tiny_model: Path, tmp_path: Path) -> None:
@@ -125,7 +144,7 @@ def test_c17_retry_racing_a_park_and_usage_reports_leaves_kv_and_nomad_agreeing(
     disagreements = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         for round_ in range(200):
-            work = [pool.submit(actions.park, nomad, store, "c17-race", parked),
+            work = [pool.submit(park, nomad, store, "c17-race", parked),
                     pool.submit(post, "/v1/models/c17-race/retry")]
             work += [pool.submit(post, "/v1/usage", {"models": ["c17-race"]})
                      for _ in range(50)]

@@ -240,7 +240,7 @@ def test_c08_gpu_profile_is_unplaceable_within_2s_and_warned_once(
         http_json(f"{cluster.nomad_addr}/v1/job/c08-gpu/evaluate", {"JobID": "c08-gpu"})
     time.sleep(2)
     warnings = [line for line in planner_daemon.log.read_text().splitlines()
-                if "c08-gpu is unplaceable" in line]
+                if "model c08-gpu: unplaceable:" in line]
     assert len(warnings) == 1, warnings
     status = planner("status")
     assert status.returncode == 1 and "unplaceable" in status.stdout

@@ -66,3 +66,16 @@ def test_a_replica_count_change_alone_is_an_update_that_keeps_the_spec_hash() ->
     rendered = {"m": spec("s1", count=3)}
     [change] = decide(rendered, {"m": spec("s1", count=1)}, prune=False)
     assert (change.action, change.reason) == (Action.UPDATE, "replicas 1 -> 3")
+
+
+def test_each_change_carries_the_index_its_registration_is_checked_against() -> None:
+    """Issue 19: apply registers with EnforceIndex at the JobModifyIndex it read (0 for
+    a model Nomad has no job of), and keeps the rendered job to decide again from."""
+    rendered = {"new": spec("s1"), "changed": spec("s2")}
+    registered = {"changed": spec("s1", JobModifyIndex=42), "gone": spec("s1",
+                                                                          JobModifyIndex=7)}
+    changes = {c.model: c for c in decide(rendered, registered, prune=True)}
+    assert (changes["new"].job_index, changes["changed"].job_index,
+            changes["gone"].job_index) == (0, 42, 7)
+    assert changes["changed"].rendered == rendered["changed"]
+    assert changes["gone"].rendered is None

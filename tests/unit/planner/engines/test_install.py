@@ -53,6 +53,16 @@ def test_decide_creates_updates_retries_and_leaves_alone() -> None:
     assert (changes["same"].action, changes["same"].job) == (EngineAction.UNCHANGED, None)
 
 
+def test_each_registration_is_checked_against_the_index_read() -> None:
+    """Issue 19: EnforceIndex at the install job's JobModifyIndex as read; a stopped
+    job Nomad still keeps (`registered` leaves it out) at its own, else 0."""
+    rendered = {"new": job(), "again": job(), "bumped": job("11500", "h2")}
+    registered = {"bumped": {**job(), "JobModifyIndex": 31}}
+    changes = {c.engine: c for c in decide(rendered, registered, {}, {"again": 12})}
+    assert (changes["new"].job_index, changes["again"].job_index,
+            changes["bumped"].job_index) == (0, 12, 31)
+
+
 def test_failed_nodes_reads_each_nodes_latest_allocation_of_this_version() -> None:
     allocations = [alloc("a", "failed", 10), alloc("a", "complete", 20),  # retried, fine
                    alloc("b", "failed", 30), alloc("c", "failed", 5, job_version=0),

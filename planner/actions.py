@@ -4,7 +4,7 @@ Used by the applier (`planner.daemon.applier`: a `Park` effect registers
 `parked_job`, an `Unpark` `unparked_job`), by the decisions that read parking
 (`planner.model`), by `apply` (a parked model's new job version is registered
 stopped, with the parking meta, until its definition changes), by the status
-views and by `planner.repair` (`sync_parking`). Nomad is written only by the
+views and by `planner.repair`. Nomad is written only by the
 applier.
 
 Nomad first, Consul KV second. A parked job is stopped but kept, so the
@@ -29,8 +29,7 @@ from typing import Any
 from llmgw_contract import PARKED_META, JobMeta, Parked, StateDocument
 from llmgw_contract.lasterror import clipped
 from planner.failures import retried
-from planner.nomad_client import Job
-from planner.state import StateStore
+from planner.vocab import Job
 
 META_VALUE_LIMIT = 2000
 
@@ -73,9 +72,3 @@ def set_parked(state: StateDocument, parked: Parked | None, job_index: int) -> S
     if parked is None and state.parked is not None:
         state = retried(state)
     return state.model_copy(update={"parked": parked, "job_index": job_index})
-
-
-def sync_parking(store: StateStore, name: str, job: Job) -> None:
-    """Make the KV cache say what the job (read at its JobModifyIndex) says."""
-    index = int(job.get("JobModifyIndex") or 0)
-    store.update(name, lambda s: set_parked(s, parked_from_job(job), index))

@@ -39,7 +39,7 @@ from llmgw_contract import (
     ActivationStatus,
     Unplaceable,
 )
-from planner import unplaceable as unplaced
+from planner import placement_answer as unplaced
 from planner.consul_client import ConsulClient
 from planner.daemon.applier import Stale
 from planner.daemon.observe import read_record

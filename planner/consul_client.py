@@ -24,7 +24,6 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -57,20 +56,13 @@ from llmgw_contract.documents import Document
 from planner.access import denied_error
 from planner.errors import ConsulUnavailable, NotLeader, Rejected, no_answer
 from planner.settings import CONSUL_TLS_VARS, ClientTLS
+from planner.vocab import ServiceHealth
 
 D = TypeVar("D", bound=Document)
 
 log = logging.getLogger("planner.consul")
 
 
-@dataclass(frozen=True)
-class ServiceHealth:
-    """Instances of one Consul service: how many exist, how many pass every check, and
-    the Nomad allocations of those that pass."""
-
-    total: int
-    passing: int
-    passing_allocs: frozenset[str] = frozenset()
 
 
 @contextmanager

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw_contract import JobMeta, ModelRecord
 from planner.definitions import ModelDefinition, resolve_source
 from planner.engines import DEFAULT_KIND, engine
 from planner.engines.definitions import EngineRef
-from planner.nomad_client import Job, NomadClient
 from planner.settings import Settings
+from planner.vocab import Job
 
 SPEC_HASH_KEY = JobMeta.SPEC_HASH
 
@@ -42,6 +42,13 @@ DOWNLOAD_ALLOWANCE_S = 1800
 ENGINE_KIND_META = "llmgw_engine_kind"
 # Service meta key for the defined replicas (see the job template).
 REPLICAS_META = "llmgw_replicas"
+
+
+class ParsesJobs(Protocol):
+    """What rendering asks of Nomad (`NomadClient.parse`, POST /v1/jobs/parse): HCL and
+    its variables in, the job as JSON out (a protocol: definitions import no client)."""
+
+    def parse(self, hcl: str, variables: str) -> Job: ...
 
 
 def _hcl_value(value: Any) -> str:
@@ -148,7 +155,7 @@ def record_of(job: Job) -> ModelRecord:
     return ModelRecord.model_validate({**data, "replicas": replicas_of(job)})
 
 
-def render(definition: ModelDefinition, settings: Settings, nomad: NomadClient,
+def render(definition: ModelDefinition, settings: Settings, nomad: ParsesJobs,
            template: str | None = None, ref: EngineRef | None = None) -> Job:
     """The Nomad job for one model run by engine `ref` (see `variables`), parsed and
     canonicalized by Nomad, hashes in its meta.

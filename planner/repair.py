@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 
 from llmgw_contract import JobMeta, KVPrefix, encode, kv_key
-from planner import actions
+from planner.actions import parked_from_job, set_parked
 from planner.consul_client import ConsulClient
 from planner.jobspec import record_of
 from planner.nomad_client import NomadClient
 from planner.state import StateStore
+from planner.vocab import Job
 
 log = logging.getLogger("planner.repair")
 
@@ -54,5 +55,11 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
         if parked:
             job = nomad.job(name)
             if job is not None:
-                actions.sync_parking(store, name, job)
+                _sync_parking(store, name, job)
     return restored
+
+
+def _sync_parking(store: StateStore, name: str, job: Job) -> None:
+    """Make the KV cache say what the job (read at its JobModifyIndex) says."""
+    index = int(job.get("JobModifyIndex") or 0)
+    store.update(name, lambda s: set_parked(s, parked_from_job(job), index))

@@ -21,7 +21,7 @@ from typing import Any
 
 from llmgw_contract import JobMeta, StateDocument, UpdateFailed
 from planner.failures import for_definition
-from planner.nomad_client import Job
+from planner.vocab import Job
 
 # Nomad's deployment status for one that will not complete (structs.DeploymentStatusFailed).
 FAILED = "failed"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmgw_contract import (
     SATISFIED_STATES,
@@ -29,10 +29,7 @@ from llmgw_contract import (
 from llmgw_contract.states import ReplicaState
 from planner.actions import parked_from_job
 from planner.failures import STABLE_AFTER_S, headline, iso
-from planner.nomad_client import Job, group_count
-
-if TYPE_CHECKING:  # a type only: this module reads nothing
-    from planner.consul_client import ServiceHealth
+from planner.vocab import Job, ServiceHealth, group_count
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,8 @@
 """A model's placement answer from one evaluation: placed, short (why), or waiting for room.
 
-Called by the watcher (every completed evaluation of a model's job) and by
-activation (the evaluation of its fresh placement attempt). It adds to the
-pure reasons of `planner.placement` what only Nomad knows now: the GPU
-inventory of the nodes (read only when the model asks for GPUs and a
-replica went unplaced), and whether allocations are stopping anywhere.
+The pure half: what a job needs (GPUs, an engine), whether room can help, and
+the document's placement answer. `planner.placement_answer` reads what only
+Nomad knows now and makes the answer from one evaluation.
 
 Room being made is not "no room" (issue "Model state done right", item 9):
 when some node lacked free resources and an allocation the scheduler told to
@@ -20,20 +18,14 @@ an answer that is already stale or seconds from being so.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from datetime import datetime
 from typing import Any
 
 from llmgw_contract import ModelRecord, StateDocument, Unplaceable
-from planner.engines.install import progress
-from planner.nomad_client import Job, NomadClient, group_count
+from planner.nomad_client import Job
 from planner.placement import (
     ENGINE_META_PREFIX,
     EngineNeed,
     GpuNeed,
-    Shortfall,
-    evaluation_shortfall,
-    gpu_inventory,
 )
 
 
@@ -59,38 +51,9 @@ def engine_need(job: Job | None) -> EngineNeed | None:
     return None
 
 
-def _filtered_for(engine: EngineNeed, evaluation: dict[str, Any]) -> bool:
+def filtered_for(engine: EngineNeed, evaluation: dict[str, Any]) -> bool:
     return any(engine.constraint in ((metric or {}).get("ConstraintFiltered") or {})
                for metric in (evaluation.get("FailedTGAllocs") or {}).values())
-
-
-def shortfall(nomad: NomadClient, record: ModelRecord, job: Job | None,
-              evaluation: dict[str, Any], datacenters: tuple[str, ...],
-              engine: EngineNeed | None = None) -> Shortfall | None:
-    """What the evaluation left unplaced and why; None when it placed everything.
-    `engine`: the engine need with its counts (default: read from the job, counted
-    only when the scheduler filtered nodes for it)."""
-    if not evaluation.get("FailedTGAllocs"):
-        return None
-    need = gpu_need(record)
-    gpus = gpu_inventory(nomad.nodes(), datacenters=datacenters) if need else []
-    if engine is None:
-        engine, _ = _engine_coming(nomad, job, evaluation, datacenters)
-    return evaluation_shortfall(evaluation, max(group_count(job), 1), need, gpus,
-                                engine=engine)
-
-
-def _engine_coming(nomad: NomadClient, job: Job | None, evaluation: dict[str, Any],
-                   datacenters: tuple[str, ...]) -> tuple[EngineNeed | None, int]:
-    """The engine the scheduler filtered nodes for, counted, and on how many nodes its
-    install is still on its way (0: it is not, or no engine was missing)."""
-    engine = engine_need(job)
-    if engine is None or not _filtered_for(engine, evaluation):
-        return None, 0
-    counted = progress(nomad, engine.name, engine.version, datacenters)
-    return (replace(engine, installed=counted.installed, nodes=counted.nodes,
-                    crashed=counted.crashed),
-            counted.installing)
 
 
 def room_helps(evaluation: dict[str, Any]) -> bool:
@@ -100,34 +63,6 @@ def room_helps(evaluation: dict[str, Any]) -> bool:
     GPU model on a CPU cluster waited 45 s because a CPU model was scaling down)."""
     return any((metric or {}).get("NodesExhausted")
                for metric in (evaluation.get("FailedTGAllocs") or {}).values())
-
-
-def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
-           evaluation: dict[str, Any], datacenters: tuple[str, ...],
-           now: datetime) -> Unplaceable | None:
-    """The Unplaceable record an evaluation calls for, provisional while allocations
-    stop somewhere; None when it placed every replica."""
-    if not evaluation.get("FailedTGAllocs"):
-        return None
-    engine, installing = _engine_coming(nomad, job, evaluation, datacenters)
-    short = shortfall(nomad, record, job, evaluation, datacenters, engine)
-    if short is None:
-        return None
-    stopping = nomad.stopping_allocations(int(evaluation.get("SnapshotIndex") or 0)) \
-        if room_helps(evaluation) else []
-    reason = short.reason
-    if installing and engine is not None:
-        # The node's metadata change unblocks Nomad's blocked evaluation (nomad/fsm.go,
-        # a node upsert unblocks its class): it places the model when the install ends.
-        reason = (f"waiting for engine {engine.name} {engine.version} to install on "
-                  f"{installing} node(s); Nomad places it when it is recorded ({reason})")
-    elif stopping:
-        nodes = sorted({a.get("NodeName") or a.get("NodeID", "")[:8] for a in stopping})
-        reason = (f"waiting for room: {len(stopping)} allocation(s) stopping or stopped on "
-                  f"{', '.join(nodes)}; Nomad places it again when they end ({reason})")
-    return Unplaceable(reason=reason, since=now.isoformat(timespec="seconds"),
-                       eval_id=evaluation.get("ID"), placed=short.placed,
-                       desired=short.desired, provisional=bool(stopping or installing))
 
 
 def with_unplaceable(state: StateDocument, unplaceable: Unplaceable | None) -> StateDocument:

@@ -1,9 +1,11 @@
-"""Nomad's words as the planner uses them, written once: the shapes of its answers and
-the names it gives things (api/jobs.go, api/allocations.go, nomad/structs/structs.go).
-Every layer may import this module; it imports nothing of the planner."""
+"""Nomad's (and Consul's) words as the planner uses them, written once: the shapes of
+their answers and the names the planner gives things (Nomad's api/jobs.go,
+api/allocations.go, nomad/structs/structs.go; Consul's api/health.go). Every layer
+may import this module; it imports nothing of the planner."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 # A job as Nomad's API returns it (ID, Version, Stop, Meta, TaskGroups, JobModifyIndex,
@@ -20,3 +22,13 @@ def group_count(job: Job | None) -> int:
     if job is None or job.get("Stop"):
         return 0
     return sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
+
+
+@dataclass(frozen=True)
+class ServiceHealth:
+    """Instances of one Consul service: how many exist, how many pass every check, and
+    the Nomad allocations of those that pass (/v1/health/service/:service)."""
+
+    total: int
+    passing: int
+    passing_allocs: frozenset[str] = frozenset()

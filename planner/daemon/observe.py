@@ -36,7 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from llmgw_contract import KVPrefix, ModelRecord, StateDocument, decode, kv_key
-from planner import unplaceable as unplaced
+from planner import placement_answer as unplaced
 from planner.consul_client import ConsulClient
 from planner.errors import NomadRejected
 from planner.failures import start_failures

@@ -28,7 +28,7 @@ class Observation:
     allocations: tuple[Allocation, ...] = ()
     deployments: tuple[dict[str, Any], ...] = ()
     evaluation: dict[str, Any] | None = None  # the latest complete evaluation
-    # Nomad's placement answer for `evaluation` (`planner.unplaceable.answer`, which reads
+    # Nomad's placement answer for `evaluation` (`planner.placement_answer.answer`, which reads
     # nodes): None when it placed everything or when there is no evaluation.
     placement: Unplaceable | None = None
     passing: Mapping[str, int] = field(default_factory=dict)  # alloc id -> since (ns)

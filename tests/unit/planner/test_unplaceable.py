@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from llmgw_contract import ModelRecord
-from planner.unplaceable import answer
+from planner.placement_answer import answer
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 STOPPING = [{"ID": "a1", "NodeName": "node-a", "DesiredStatus": "stop",

@@ -8,7 +8,7 @@ from typing import Any
 
 from llmgw_contract import ModelRecord
 from planner.engines.install import META_VERSION
-from planner.unplaceable import answer
+from planner.placement_answer import answer
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 KEY = "llmgw_engine_llama.cpp"

@@ -175,7 +175,7 @@ class Bench:
             "LLMGW_ADMIN_TOKEN": self.token,
         }
         applied = subprocess.run(
-            [sys.executable, "-m", "planner.cli", "apply", str(models)],
+            [sys.executable, "-m", "planner.cli.main", "apply", str(models)],
             env=env,
             cwd=REPO,
             capture_output=True,
@@ -186,7 +186,7 @@ class Bench:
             raise RuntimeError(f"planner apply failed:\n{applied.stdout}{applied.stderr}")
         planner_port = self.planner_url.rsplit(":", 1)[1]
         self.children.spawn(
-            [sys.executable, "-m", "planner.cli", "serve", "--port", planner_port],
+            [sys.executable, "-m", "planner.cli.main", "serve", "--port", planner_port],
             "planner",
             env=env,
             cwd=REPO,

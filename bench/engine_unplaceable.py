@@ -93,7 +93,7 @@ def setup(workdir: Path, children: Children, cluster: Cluster) -> tuple[dict, st
     (engines / "llama.cpp.yaml").write_text(
         f'name: llama.cpp\nversion: "11434"\npath: {(BIN / "llama-server").resolve()}\n'
         f'sha256: "{"0" * 64}"\n')
-    installed = subprocess.run([sys.executable, "-m", "planner.cli", "engines", "apply",
+    installed = subprocess.run([sys.executable, "-m", "planner.cli.main", "engines", "apply",
                                 str(engines), "--wait", "--timeout", "120"], env=env,
                                cwd=REPO, capture_output=True, text=True, timeout=180)
     if installed.returncode != 1 or "failed to install on node-b" not in installed.stderr:
@@ -103,7 +103,7 @@ def setup(workdir: Path, children: Children, cluster: Cluster) -> tuple[dict, st
 
     write_tiny_gguf(workdir / "tiny.gguf")
     planner = f"http://127.0.0.1:{free_port()}"
-    children.spawn([sys.executable, "-m", "planner.cli", "serve", "--port",
+    children.spawn([sys.executable, "-m", "planner.cli.main", "serve", "--port",
                     planner.rsplit(":", 1)[1]], "planner", env=env, cwd=REPO)
     wait_for(lambda: get_json(f"{planner}/health")["ready"], 60, "planner serve")
     return env, planner
@@ -116,7 +116,7 @@ def cycle(workdir: Path, env: dict, planner: str, cluster: Cluster, name: str) -
         f"name: {name}\nsource: file://{workdir / 'tiny.gguf'}\nprofile:\n"
         "  engine: llama.cpp\n  context: 512\n  cpu: 100\n  memory: 256MiB\nreplicas: 1\n")
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(folder)], env=env,
+    subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder)], env=env,
                    cwd=REPO, check=True, capture_output=True, timeout=60)
     returned = time.monotonic()
     deadline = returned + 10

@@ -1,4 +1,4 @@
-"""Compare `planner.fit`'s memory estimate with what llama-server itself allocates.
+"""Compare `planner.spec.fit`'s memory estimate with what llama-server itself allocates.
 
 For each model, context and slot count, starts the real llama-server (the dev
 cache's ~/.cache/llmgw/bin/llama-server, on 127.0.0.1, CPU) as llmgw's job does
@@ -37,9 +37,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from planner.fit import estimate  # noqa: E402
-from planner.fitargs import server_args  # noqa: E402
-from planner.ggufhead import read_local  # noqa: E402
+from planner.engines.fitargs import server_args  # noqa: E402
+from planner.spec.fit import estimate  # noqa: E402
+from planner.spec.ggufhead import read_local  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.tiny_gguf import write_tiny_gguf  # noqa: E402
 

@@ -68,13 +68,13 @@ def measure(args: argparse.Namespace, workdir: Path, children: Children) -> dict
                "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
                "LLMGW_MODELS_ROOT": str(workdir)}
         started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(workdir / "models")],
+        subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(workdir / "models")],
                        env=env, cwd=REPO, check=True, capture_output=True, timeout=1800)
         applied = time.monotonic() - started
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
-        children.spawn([sys.executable, "-m", "planner.cli", "serve", "--port", str(port),
+        children.spawn([sys.executable, "-m", "planner.cli.main", "serve", "--port", str(port),
                         "--log-level", "warning"], "planner", env=env, cwd=REPO)
         wait_for(lambda: models_listed(scrape(url)[2]) == args.models, 600,
                  f"/metrics listing {args.models} models")

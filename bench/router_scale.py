@@ -179,7 +179,7 @@ class Bench:
         env = {**os.environ, **self.cluster.env, "PYTHONPATH": str(REPO),
                "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
                "LLMGW_MODELS_ROOT": str(self.workdir)}
-        done = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--output", "json"],
+        done = subprocess.run([sys.executable, "-m", "planner.cli.main", *args, "--output", "json"],
                               env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"planner {args[0]} failed:\n{done.stdout[-2000:]}"

@@ -519,7 +519,7 @@ def llama_build() -> None:
                   CACHE / "logs" / "llama.log")
 
 
-# The node layout the planner assumes by default (planner.settings): engines in
+# The node layout the planner assumes by default (planner.spec.settings): engines in
 # /opt/llmgw/bin, models in /opt/llmgw/models. On this one-node dev cluster
 # they are links into the cache.
 NODE_ROOT = Path("/opt/llmgw")
@@ -555,7 +555,7 @@ def gemma_path() -> Path:
 
 def link_gemma() -> None:
     """/opt/llmgw/models is a link to the cache's models folder, not a folder of links: a
-    file:// source must resolve inside the models root (planner.sources.outside_root), which
+    file:// source must resolve inside the models root (planner.spec.sources.outside_root), which
     a link from the root to a file elsewhere does not."""
     if NODE_MODELS.is_dir() and not NODE_MODELS.is_symlink():
         entries = list(NODE_MODELS.iterdir())

@@ -1,6 +1,6 @@
 # llmgw's planner as a Nomad service job: `planner serve`, two instances by
 # default. They elect a leader through a Consul session lock on `llmgw/leader`
-# (planner/leader.py); the other stands by, answers reads and forwards writes,
+# (planner/daemon/leader.py); the other stands by, answers reads and forwards writes,
 # and takes over within about 8 s when the leader's allocation is lost.
 #
 #   nomad job run -var wheel_url=https://pkgs.example.com/llmgw-0.1.0-py3-none-any.whl \
@@ -111,7 +111,7 @@ variable "consul_addr" {
   description = "Consul HTTP API, host:port or http(s)://host:port (CONSUL_HTTP_ADDR), as seen from the node: the agent the planner registers its service and leadership check with."
 }
 
-# TLS to the agents: the variables the planner reads (planner/settings.py), under the
+# TLS to the agents: the variables the planner reads (planner/spec/settings.py), under the
 # names of the `nomad` and `consul` CLIs. Paths of PEM files on the node (e.g. the
 # client agent's own certificates, for an exec task mounted into the task's view);
 # empty: not set. With `verify_https_client`/`verify_incoming_https` on the agents,
@@ -231,7 +231,7 @@ locals {
   } : name => value if value != "" }
 
   # The PEM files an item <VARIABLE>_PEM of the Nomad variable may carry (written to
-  # secrets/, the variable pointed at it); what the planner reads (planner/settings.py).
+  # secrets/, the variable pointed at it); what the planner reads (planner/spec/settings.py).
   tls_files = ["NOMAD_CACERT", "NOMAD_CLIENT_CERT", "NOMAD_CLIENT_KEY", "CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY", "LLMGW_TLS_CERT", "LLMGW_TLS_KEY", "LLMGW_PLANNER_CACERT"]
 
   install_script = <<-EOT

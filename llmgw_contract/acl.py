@@ -4,7 +4,7 @@ The policies are HCL files in the repository (`acl/nomad/planner.hcl`,
 `acl/consul/planner.hcl`, `acl/consul/router.hcl`; the router never calls Nomad,
 so it has no Nomad policy). Each `Permission` is one rule of those files, named as
 the file writes it, so an operator reads the same words in an error and in the
-policy. The planner (`planner.access`) and the router (`router.cli`) check their
+policy. The planner (`planner.agents.access`) and the router (`router.cli`) check their
 permissions before they act, and translate a 403 met later into the same message.
 
 Why a check first, not only the 403s: Consul answers a read its rules do not

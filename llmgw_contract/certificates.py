@@ -11,7 +11,7 @@ which the alert "certificate expired or unreadable" watches. For a bundle of
 several certificates (a CA chain), the earliest notAfter counts: the chain
 stops working when its first member expires.
 
-Used by `planner.metrics` and `router.metrics`; the series names are part of the
+Used by `planner.daemon.metrics` and `router.metrics`; the series names are part of the
 alerting contract (monitoring/llmgw.rules.yml).
 """
 

@@ -70,7 +70,7 @@ class UpdateFailed(Document):
     definition that did and the model keeps serving on it.
 
     Its durable copy is Nomad's: the job versions and the failed deployment of the
-    newest version of `definition_hash` (`planner.rollout`). Re-applying the same
+    newest version of `definition_hash` (`planner.model.rollout`). Re-applying the same
     definition does not try it again; another definition or `planner retry` does."""
 
     definition_hash: str  # the definition that failed to roll out

@@ -1,7 +1,7 @@
 """A model's last error, in words written once: how a crash is named, which stderr
 lines say what went wrong, and the one-line headline every view shows.
 
-The planner writes `last_error` (planner.failures.judge: the task event's line, then
+The planner writes `last_error` (planner.model.failures.judge: the task event's line, then
 the engine's chosen stderr lines); `planner status`, `planner models`, the admin API,
 the parked job's meta and the router's `model_parked` refusal all read it, and each
 shows `headline` of it first, so an operator reads the same words everywhere.

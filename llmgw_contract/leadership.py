@@ -2,12 +2,12 @@
 never from the text in `llmgw/leader` alone.
 
 Followers forward admin writes, with the admin token, to the leader
-(`planner.admin`), and routers send their activate calls and usage reports to it
+(`planner.api.admin`), and routers send their activate calls and usage reports to it
 (`router.planners`). The key's value (a `LeaderRecord`) is written by the lock
 holder, but any token with `key_prefix "llmgw/" write` can rewrite it without
 taking the lock (a plain PUT keeps the holder's session), so its address cannot
 be trusted on its own. What a KV write cannot change is which session holds the
-lock and what that session is bound to. `planner.leader` binds its session to the
+lock and what that session is bound to. `planner.daemon.leader` binds its session to the
 TTL check of its own `llmgw-planner` service instance, so the lock holder's admin
 address is:
 
@@ -41,7 +41,7 @@ ADMIN_PORT = 4650
 # the registration carries the scheme, so a rewritten key cannot downgrade it.
 SCHEME_META = "llmgw_scheme"
 SCHEMES = ("http", "https")
-# A planner instance's service ID is this prefix and its id (`planner.leader`).
+# A planner instance's service ID is this prefix and its id (`planner.daemon.leader`).
 SERVICE_ID_PREFIX = f"{PLANNER_SERVICE}-"
 CHECK_PREFIX = f"service:{SERVICE_ID_PREFIX}"
 

@@ -15,7 +15,7 @@ A model's name is its Nomad job ID and, as `llmgw-<name>`, its Consul service
 A model named after one of those jobs would be overwritten by deploying llmgw (or
 overwrite it) and could read that job's Nomad variables (`nomad/jobs/<job>`: the
 planner's tokens); one whose service is llmgw's own would mix its replicas into it.
-So `planner apply` refuses them (`planner.definitions`), and the router's 404 for
+So `planner apply` refuses them (`planner.spec.definitions`), and the router's 404 for
 such a name says why no model has it (`router.errors`). tests/unit/test_reserved_names.py
 holds the jobspecs and the Terraform module to these values.
 """

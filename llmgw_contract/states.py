@@ -2,7 +2,7 @@
 
 `planner status`, `planner models`, the admin API, the planner's metrics and
 the router's refusals all use these words; a replica's words are `ReplicaState`.
-docs/architecture.md draws the state machine; `planner.status.observe` is the one
+docs/architecture.md draws the state machine; `planner.model.status.observe` is the one
 function that decides which state a model is in.
 """
 
@@ -48,7 +48,7 @@ class ReplicaState(StrEnum):
     """What an operator is told about one replica (an allocation) of a model: the
     `replicas` rows of `planner status`, `planner models --output json` and the admin
     API. Not a model state: a model's state (:class:`ModelState`) is judged from its
-    replicas' (`planner.status.observe`).
+    replicas' (`planner.model.status.observe`).
 
     serving      its current run passes its health check, and either never failed or
                  has passed for the stability window (its failures are forgiven)

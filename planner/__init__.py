@@ -1,10 +1,9 @@
 """llmgw planner: turns model definitions from git into Nomad jobs and reports their state.
 
-The public face is small: the `planner` command (`planner.cli`) and the
+The public face is small: the `planner` command (`planner.cli.main`) and the
 pieces below for code that embeds it. Everything else is internal.
 """
 
-from planner.definitions import ModelDefinition, Profile, load_definitions
 from planner.errors import (
     InvalidDefinitions,
     NomadRejected,
@@ -12,7 +11,8 @@ from planner.errors import (
     Rejected,
     Unavailable,
 )
-from planner.settings import Settings
+from planner.spec.definitions import ModelDefinition, Profile, load_definitions
+from planner.spec.settings import Settings
 
 __all__ = [
     "InvalidDefinitions",

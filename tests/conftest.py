@@ -115,7 +115,7 @@ def planner(planner_env: dict[str, str]) -> Callable[..., subprocess.CompletedPr
     """Run the real `planner` CLI against the test cluster."""
 
     def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=planner_env,
+        return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=planner_env,
                               capture_output=True, text=True, timeout=timeout)
 
     return run
@@ -216,7 +216,7 @@ class PlannerDaemon:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port),
+                [sys.executable, "-m", "planner.cli.main", "serve", "--port", str(self.port),
                  "--stable-after", str(STABLE_AFTER_S)],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT)
         wait_for(lambda: http_json(f"{self.url}/health", timeout=2)["ready"], 30,

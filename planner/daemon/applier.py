@@ -15,7 +15,7 @@ Every command and loop of the planner that changes a model's job hands a
 3. writes `plan.state` with one check-and-set at the observed ModifyIndex
    (fenced by the leader's session): `Stale` again when another writer came
    first. A Nomad write already made stays made: the next decision reads it
-   (a parked job's meta is the durable record, `planner.actions`).
+   (a parked job's meta is the durable record, `planner.model.parking`).
 
 Effects are idempotent against Nomad by construction: a repeated plan is
 refused by its index check, never applied twice.
@@ -24,7 +24,7 @@ Two more doors, for writes decided without a state document at an observed
 index: `write_job` (the engines' install jobs, `planner apply`'s registrations:
 the same index checks, the same `Stale`) and `update` (a pure change of a
 state document under check-and-set, for one that is ordered by the job index
-it carries, such as `planner.actions.set_parked`, and may run again).
+it carries, such as `planner.model.parking.set_parked`, and may run again).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmgw_contract import StateDocument
-from planner.actions import parked_job, unparked_job
+from planner.agents.nomad import Job, NomadClient
+from planner.agents.state import Change, StateStore, Updated
 from planner.errors import NomadRejected
 from planner.model.effects import (
     Deregister,
@@ -48,8 +49,7 @@ from planner.model.effects import (
     Unpark,
 )
 from planner.model.observation import Observation
-from planner.nomad_client import Job, NomadClient
-from planner.state import Change, StateStore, Updated
+from planner.model.parking import parked_job, unparked_job
 
 if TYPE_CHECKING:
     # Only a type here: `transition` imports the decisions, and they the placement
@@ -120,7 +120,7 @@ class Applier:
     def update(self, name: str, change: Change) -> Updated:
         """Apply `change` to model `name`'s document under check-and-set (again on a
         conflict: `change` must be pure and ordered by the job index it carries, like
-        `planner.actions.set_parked`, so a late answer never undoes a newer one)."""
+        `planner.model.parking.set_parked`, so a late answer never undoes a newer one)."""
         return self._store().update(name, change)
 
     def _store(self) -> StateStore:

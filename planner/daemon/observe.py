@@ -14,7 +14,7 @@ Reads, in order (Nomad 1.6's HTTP API):
   Nomad  current index; /v1/job/<name>; /v1/job/<name>/versions (only when a
          version is not cached); /v1/job/<name>/allocations (stubs: JobVersion,
          TaskStates); /v1/job/<name>/deployments; /v1/job/<name>/evaluations (the
-         latest complete one, and its placement answer: `planner.unplaceable`);
+         latest complete one, and its placement answer: `planner.model.unplaceable`);
          the stderr tail of each start failure the document has not counted yet
          (`NomadClient.task_stderr_tail`: once counted, never read again; none for a
          document not stored yet, which takes Nomad's failures as history).
@@ -36,14 +36,14 @@ from datetime import datetime
 from typing import Any
 
 from llmgw_contract import KVPrefix, ModelRecord, StateDocument, decode, kv_key
-from planner import placement_answer as unplaced
-from planner.consul_client import ConsulClient
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import Job, NomadClient
+from planner.agents.state import StateStore
+from planner.daemon import placement_answer as unplaced
 from planner.errors import NomadRejected
-from planner.failures import start_failures
+from planner.model.failures import start_failures
 from planner.model.observation import Observation
-from planner.nomad_client import Job, NomadClient
-from planner.rollout import definition_of
-from planner.state import StateStore
+from planner.model.rollout import definition_of
 
 log = logging.getLogger("planner.observe")
 

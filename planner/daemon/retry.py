@@ -23,15 +23,15 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from llmgw_contract import StateDocument
-from planner.consul_client import ConsulClient
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import NomadClient
+from planner.agents.state import StateStore
 from planner.daemon.applier import Applier, Stale
 from planner.daemon.observe import Observer
 from planner.daemon.workers import Outcome, Workers
 from planner.errors import Unavailable
-from planner.failures import Rules
+from planner.model.failures import Rules
 from planner.model.transition import Event, decide
-from planner.nomad_client import NomadClient
-from planner.state import StateStore
 
 # How long a retry waits for its pass: a few reads and writes of one model, each
 # bounded by the clients' own 10 s timeout; a pass still queued after this is a

@@ -1,8 +1,8 @@
 """Per-model workers: observe → decide → apply, one model at a time per model, many at once.
 
-Used by the watcher (`planner.watcher`: Nomad events, health changes, ticks,
-reconciles), activation (`planner.activation`) and the idle scaler
-(`planner.idle`). As kopf runs one worker per object, each model gets its own
+Used by the watcher (`planner.daemon.watcher`: Nomad events, health changes, ticks,
+reconciles), activation (`planner.daemon.activation`) and the idle scaler
+(`planner.daemon.idle`). As kopf runs one worker per object, each model gets its own
 serial pass loop, so:
 
 - two passes for one model never overlap (no lock shared between models: a

@@ -4,14 +4,14 @@ An *engine kind* is a server program (llama.cpp's `llama-server` today); each ki
 one module here holding everything the planner must know about it: the arguments
 that start it on the port Nomad gives, the HTTP path its Consul check asks, and which
 lines of its log say why a start failed (the model's `last_error`). The job template
-(`planner/jobspecs/model.nomad.hcl`) and the failure counting (`planner.failures`)
+(`planner/jobspecs/model.nomad.hcl`) and the failure counting (`planner.model.failures`)
 take those from here and know nothing of any one engine; adding an engine (vLLM, say)
 is one new module and one line in `KINDS`.
 
-An *engine* (`engines/*.yaml`, `planner.engines.definitions`) is a named, versioned
+An *engine* (`engines/*.yaml`, `planner.spec.engine_definitions`) is a named, versioned
 build of a kind that nodes install; a model's `profile.engine` names one.
 
-Called by `planner.jobspec` (arguments, health path), the watcher (error lines) and
+Called by `planner.spec.jobspec` (arguments, health path), the watcher (error lines) and
 the engine definitions (valid kinds). Pure: nothing here talks to Nomad or Consul.
 """
 

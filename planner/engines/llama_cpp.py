@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from llmgw_contract.lasterror import LOG_PREFIX, is_error
 from planner.engines import MODEL_FILE, NOMAD_IP, NOMAD_PORT
-from planner.fitargs import slots
+from planner.engines.fitargs import slots
 
 # What a last error says of a file that is not GGUF, instead of llama.cpp's quote of its
 # first bytes: a `file://` source naming, say, an SSH key would send "----" to API
@@ -51,7 +51,7 @@ class LlamaCpp:
         --ctx-size is the whole cache, which llama.cpp splits evenly between the slots
         when the cache is not unified (src/llama-context.cpp, n_ctx_seq = n_ctx /
         n_seq_max), so it is `context` x slots: each request can use `context` tokens
-        (rounded up to a multiple of 256 by llama.cpp; `planner.fitargs`)."""
+        (rounded up to a multiple of 256 by llama.cpp; `planner.engines.fitargs`)."""
         parallel = slots(args)
         server = ["--model", MODEL_FILE, "--alias", model, "--host", NOMAD_IP,
                   "--port", NOMAD_PORT, "--parallel", str(parallel),

@@ -1,7 +1,7 @@
 """Which llama-server flags a model file's `profile.args` may carry, and the judge of them.
 
-Called by `planner.definitions` (each model's `profile.args`, at `planner apply`) and
-`planner.fitargs` (the spelling of a flag). Pure: reads its table, nothing else.
+Called by `planner.spec.definitions` (each model's `profile.args`, at `planner apply`) and
+`planner.engines.fitargs` (the spelling of a flag). Pure: reads its table, nothing else.
 
 A model's args run on every node it is placed on, as the Nomad task's user (the agent's,
 root, under raw_exec unless LLMGW_TASK_USER says otherwise). Many llama-server flags take
@@ -17,7 +17,7 @@ element whole (`--threads=1` is an unknown flag), a long flag with `_` read as `
 (`--log_file` is `--log-file`), then exactly as many following elements as the option
 has values, whatever they look like. `judge` walks the args the same way, so a value
 (`--reverse-prompt "--log-file"`) is a value and every flag is seen where llama-server
-sees one. It refuses the `_` spelling: other readers of args (`planner.fitargs`, the fit
+sees one. It refuses the `_` spelling: other readers of args (`planner.engines.fitargs`, the fit
 check) look flags up as written.
 
 Updating the table for a new llama.cpp build:

@@ -3,7 +3,7 @@
 # A sysbatch job: one allocation per eligible node, run once per job version
 # (Nomad places a node's allocation again only when the job changes:
 # scheduler/system_util.go). The planner renders this file through Nomad's
-# parser (`planner engines apply`, planner/engines/install.py); by hand:
+# parser (`planner engines apply`, planner/daemon/engine_install.py); by hand:
 #
 #   nomad job run -var engine=llama.cpp -var version=11434 \
 #     -var path=/opt/llmgw/bin/llama-server planner/jobspecs/engine.nomad.hcl
@@ -161,7 +161,7 @@ locals {
       fi
     fi
     # Run it once before recording it. The planner reads "exited with status N" of the
-    # last line and names a signal's death (planner/engines/install.py, check_crash).
+    # last line and names a signal's death (planner/daemon/engine_install.py, check_crash).
     out="$NOMAD_TASK_DIR/check.out"
     timeout -k 5 "$CHECK_TIMEOUT_S" "$target" $CHECK_ARGS </dev/null >"$out" 2>&1
     status=$?

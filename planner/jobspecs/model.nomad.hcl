@@ -220,7 +220,7 @@ job "model" {
       unlimited      = false
     }
 
-    # A changed definition rolls out beside the old one (planner/rollout.py):
+    # A changed definition rolls out beside the old one (planner/model/rollout.py):
     # one canary per replica, promoted once every canary has passed its check
     # for 5 s (then the old replicas stop), and the job reverted to its last
     # stable version if a canary does not become healthy. A canary turns

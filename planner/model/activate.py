@@ -1,6 +1,6 @@
 """Activation as a decision (pure): an answer now, or one placement attempt.
 
-Ported from `planner.activation.Activator._activate`; the order of answers:
+Ported from `planner.daemon.activation.Activator._activate`; the order of answers:
 
   parked                      -> PARKED, with the reason (no attempt)
   passing somewhere           -> SERVING
@@ -18,7 +18,7 @@ Ported from `planner.activation.Activator._activate`; the order of answers:
                                  `Scale(GROUP, target)` when the job wants fewer than the
                                  target, else `Evaluate(force_reschedule=False)`; no
                                  answer: the caller waits for that evaluation and
-                                 answers from it (`planner.activation._answer`).
+                                 answers from it (`planner.daemon.activation._answer`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from datetime import datetime
 from typing import Any
 
 from llmgw_contract import ActivationAnswer, ActivationStatus, Parked, StateDocument
-from planner.actions import parked_from_job
 from planner.model import fold
 from planner.model.effects import Effect, Evaluate, Park, Reason, Scale
 from planner.model.observation import Observation
+from planner.model.parking import parked_from_job
 from planner.vocab import GROUP, group_count
 
 __all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]

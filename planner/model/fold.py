@@ -7,7 +7,7 @@ What every decision but TICK starts from (`planner.model.transition.decide`):
    record written, the job not yet registered) the running definition's failures
    still count (issue 19). With no job, the record's.
 2. **Parking** in the document is the job's meta (the durable record,
-   `planner.actions`), whatever `job_index` the document remembers: with one
+   `planner.model.parking`), whatever `job_index` the document remembers: with one
    writer per model and the applier's CAS at the observed index, no older answer
    can arrive later, and after a Nomad index reset a lower JobModifyIndex is the
    truth (issue 19). A job without parking meta lifts the document's parking and
@@ -41,8 +41,8 @@ from typing import Any
 
 from llmgw_contract import StateDocument
 from planner import engines
-from planner.actions import parked_from_job
-from planner.failures import (
+from planner.model.effects import Effect, Park, Reason, Revert
+from planner.model.failures import (
     AllocInfo,
     Rules,
     StartFailure,
@@ -54,11 +54,11 @@ from planner.failures import (
     start_failures,
     track,
 )
-from planner.jobspec import ENGINE_KIND_META
-from planner.model.effects import Effect, Park, Reason, Revert
 from planner.model.observation import Observation
-from planner.rollout import definition_of, record_rollback, rolled_back, stuck_update
-from planner.unplaceable import with_unplaceable
+from planner.model.parking import parked_from_job
+from planner.model.rollout import definition_of, record_rollback, rolled_back, stuck_update
+from planner.model.unplaceable import with_unplaceable
+from planner.spec.jobspec import ENGINE_KIND_META
 from planner.vocab import Allocation, Job, group_count
 
 NoteLine = tuple[int, str]  # (logging level, text)

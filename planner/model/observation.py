@@ -28,8 +28,9 @@ class Observation:
     allocations: tuple[Allocation, ...] = ()
     deployments: tuple[dict[str, Any], ...] = ()
     evaluation: dict[str, Any] | None = None  # the latest complete evaluation
-    # Nomad's placement answer for `evaluation` (`planner.placement_answer.answer`, which reads
-    # nodes): None when it placed everything or when there is no evaluation.
+    # Nomad's placement answer for `evaluation` (read by the daemon: it reads nodes,
+    # `planner.daemon.placement_answer`): None when it placed everything or when there is
+    # no evaluation.
     placement: Unplaceable | None = None
     passing: Mapping[str, int] = field(default_factory=dict)  # alloc id -> since (ns)
     stderr: Mapping[str, str] = field(default_factory=dict)  # failure key -> stderr tail

@@ -1,6 +1,6 @@
 """`planner retry` as a decision (pure): what to write to try a model again.
 
-Ported from `planner.actions.retry`, whose order it keeps:
+Ported from `planner.model.parking.retry`, whose order it keeps:
 
   parked, or its job stopped  -> `Unpark`, then `Evaluate(force_reschedule=True)` (a
                                  replica Nomad stopped after its restart attempts keeps
@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmgw_contract import StateDocument
-from planner.actions import parked_from_job
-from planner.failures import forgiven, retried
 from planner.model.effects import Effect, Evaluate, Reason, Revert, Unpark
+from planner.model.failures import forgiven, retried
 from planner.model.observation import Observation
+from planner.model.parking import parked_from_job
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from enum import StrEnum
 
 from llmgw_contract import ActivationAnswer, StateDocument
 from planner.errors import Rejected
-from planner.failures import Rules, due_stable, headline, stabilize
 from planner.model import activate, fold, retry
 from planner.model.effects import Effect, Park, Reason, Scale
+from planner.model.failures import Rules, due_stable, headline, stabilize
 from planner.model.observation import Observation
 from planner.vocab import GROUP, group_count
 
@@ -137,7 +137,7 @@ def _tick(document: StateDocument, observation: Observation, rules: Rules,
 
 
 def _idle(observation: Observation) -> tuple[Effect, ...]:
-    """Scale an on-demand model's running job to 0 (the idle rule is `planner.idle`)."""
+    """Scale an on-demand model's running job to 0 (the idle rule is `planner.daemon.idle`)."""
     record, job = observation.record, observation.job
     if record is None or record.idle_after is None or job is None or job.get("Stop") or \
             group_count(job) == 0:

@@ -102,7 +102,7 @@ def planner_env(acl_cluster: Cluster, binaries: Path, tokens: Tokens) -> dict[st
 
 
 def planner_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -241,7 +241,7 @@ def test_a_missing_permission_is_named_with_exit_3(
     assert "Consul does not know the token in CONSUL_HTTP_TOKEN (ACL not found)" in run.stderr
 
     # The daemons refuse to start, naming what they lack.
-    with exited(["planner.cli", "serve", "--port", "1"], {**weak,
+    with exited(["planner.cli.main", "serve", "--port", "1"], {**weak,
                 "LLMGW_ADMIN_TOKEN": ADMIN_TOKEN}) as serve:
         assert serve.returncode == 3 and "Traceback" not in serve.stderr
         assert ('Consul denied key_prefix "llmgw/" write, session_prefix "" write, '
@@ -257,7 +257,7 @@ def test_a_missing_permission_is_named_with_exit_3(
                 router.stderr
             assert says in router.stderr and "acl/consul/router.hcl" in router.stderr
 
-    for command in (["planner.cli", "--help"], ["router.cli", "--help"]):
+    for command in (["planner.cli.main", "--help"], ["router.cli", "--help"]):
         shown = subprocess.run([sys.executable, "-m", *command], capture_output=True,
                                text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
         assert "3 " in shown.stdout and "ACL token" in shown.stdout, shown.stdout

@@ -77,7 +77,7 @@ def daemon(nodes: Cluster, env: dict[str, str]) -> Iterator[PlannerDaemon]:
 @pytest.fixture(scope="module")
 def planner(env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=env,
                               capture_output=True, text=True, timeout=300)
     return run
 
@@ -184,7 +184,7 @@ def test_a_model_whose_engine_is_on_no_node_is_unplaceable_at_once_then_placed_w
     # Re-applied, its job runs the installed artifact (the command changed: a rollout),
     # where the install put it, whatever LLMGW_ENGINE_ROOT this `planner apply` has.
     elsewhere = {**env, "LLMGW_ENGINE_ROOT": str(tmp_path / "not-the-install-root")}
-    reapplied = subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(folder),
+    reapplied = subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder),
                                 "--wait", "--timeout", "120"], env=elsewhere,
                                capture_output=True, text=True, timeout=300)
     assert reapplied.returncode == 0, reapplied.stderr

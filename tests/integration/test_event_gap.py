@@ -34,11 +34,11 @@ import pytest
 
 from devcluster.cluster import Cluster
 from llmgw_contract import StateDocument, decode
-from planner.consul_client import ConsulClient
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import NomadClient
+from planner.daemon.watcher import Watcher
 from planner.errors import NomadUnavailable
-from planner.failures import Rules
-from planner.nomad_client import NomadClient
-from planner.watcher import Watcher
+from planner.model.failures import Rules
 from tests.conftest import http_json, own_cluster, wait_for
 from tests.integration.test_parking import SMALL, starts, write_model
 
@@ -151,7 +151,7 @@ def test_a_fifth_failure_lost_from_the_event_buffer_is_still_counted_and_parks(
                "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
         folder = write_model(tmp_path / "m", NAME, tiny_model,
                              profile=SMALL + "\n  engine: gate-llama.cpp")
-        applied = subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(folder)],
+        applied = subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
                                  env=env, capture_output=True, text=True, timeout=300)
         assert applied.returncode == 0, applied.stderr
         nomad = NomadClient(cluster.nomad_addr)

@@ -83,7 +83,7 @@ def apply(gpu_cluster: Cluster, gpu_planner: PlannerDaemon, tiny_model: Path,
         else:
             write_model(folder, name, tiny_model, replicas=replicas, profile=profile)
         applied.append(name)
-        done = subprocess.run([sys.executable, "-m", "planner.cli", "apply", str(folder)],
+        done = subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
                               env=gpu_planner.env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -6,7 +6,7 @@ recording stub, a local HTTP server standing in for an attacker's host.
 The stub must receive nothing, the token least of all; writes sent to the follower are
 refused with the reason (503 `leader_mismatch`), and the router's activation call goes
 to a registered planner. With the record written back, writes go through again
-(llmgw_contract.leadership, planner.admin, router.planners).
+(llmgw_contract.leadership, planner.api.admin, router.planners).
 """
 
 from __future__ import annotations

@@ -23,15 +23,15 @@ import pytest
 from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
 from devcluster.cluster import Cluster
 from llmgw_contract import LEADER_KEY, LeaderRecord, Parked, StateDocument, decode
-from planner import actions
-from planner.consul_client import ConsulClient
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import NomadClient
+from planner.agents.state import StateStore
 from planner.daemon.applier import Applier, Stale
 from planner.errors import NotLeader
+from planner.model import parking as actions
 from planner.model.effects import Park, Reason
 from planner.model.observation import Observation
 from planner.model.transition import Plan
-from planner.nomad_client import NomadClient
-from planner.state import StateStore
 from tests.conftest import (
     ADMIN_TOKEN,
     STABLE_AFTER_S,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import Cluster
-from planner.settings import DEFAULT_JOBSPEC
+from planner.spec.settings import DEFAULT_JOBSPEC
 from tests.conftest import forget_models, nomad_get, passing_endpoints
 from tests.support.wheel import ROOT, build_wheel, install_fresh
 
@@ -50,7 +50,7 @@ def test_the_wheel_carries_the_job_template(wheel: Path) -> None:
     assert "planner/jobspecs/model.nomad.hcl" in names, names
     assert "planner/jobspecs/engine.nomad.hcl" in names, names  # `planner engines apply`
     # The planner reads it beside its own modules, wherever it is installed.
-    beside = Path(sys.modules["planner.settings"].__file__).parent
+    beside = Path(sys.modules["planner"].__file__).parent
     assert beside / "jobspecs" / "model.nomad.hcl" == DEFAULT_JOBSPEC
     assert DEFAULT_JOBSPEC.is_file()
 

@@ -99,7 +99,7 @@ def test_a_model_task_runs_as_the_task_user(
            "LLMGW_MODELS_ROOT": str(readable_folder), "LLMGW_ENGINES": f"llama.cpp={engine}"}
     try:
         applied = subprocess.run(
-            [sys.executable, "-m", "planner.cli", "apply", str(folder), "--wait", "--timeout",
+            [sys.executable, "-m", "planner.cli.main", "apply", str(folder), "--wait", "--timeout",
              "180"], env=env, capture_output=True, text=True, timeout=300)
         assert applied.returncode == 0, applied.stderr + task_events(cluster, MODEL)
         task = nomad_get(cluster, f"/v1/job/{MODEL}")["TaskGroups"][0]["Tasks"][0]

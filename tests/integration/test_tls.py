@@ -111,7 +111,7 @@ def scrape(url: str, context: ssl.SSLContext) -> dict[tuple[str, str], float]:
 
 
 def planner_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -144,7 +144,7 @@ def tls_planner(env: dict[str, str], pki: Pki, log: Path) -> Iterator[str]:
     """`planner serve --tls-cert` (followers verify the leader with LLMGW_PLANNER_CACERT);
     yields its https:// URL once it leads and reconciled, or knows the leader."""
     port = free_port()
-    with process(["planner.cli", "serve", "--port", str(port), "--tls-cert",
+    with process(["planner.cli.main", "serve", "--port", str(port), "--tls-cert",
                   str(pki.planner_cert), "--tls-key", str(pki.planner_key)],
                  {**env, "LLMGW_ADMIN_TOKEN": ADMIN_TOKEN,
                   "LLMGW_PLANNER_CACERT": str(pki.ca.ca_cert)}, log):

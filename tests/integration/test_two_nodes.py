@@ -67,7 +67,7 @@ def planner2(two_nodes: Cluster, env: dict[str, str]) -> Iterator[PlannerDaemon]
 @pytest.fixture(scope="module")
 def planner_cli(env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner.cli", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=env,
                               capture_output=True, text=True, timeout=300)
     return run
 

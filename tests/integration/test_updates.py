@@ -17,7 +17,7 @@ import pytest
 
 from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
 from devcluster.cluster import Cluster
-from planner.definitions import load_definitions
+from planner.spec.definitions import load_definitions
 from tests.conftest import PlannerDaemon, forget_models, http_json, nomad_get, wait_for
 from tests.integration.test_on_demand import complete
 from tests.integration.test_parking import KEV_ERROR, write_model

@@ -17,16 +17,16 @@ import pytest
 
 from devcluster.cluster import Cluster
 from llmgw_contract import JobMeta, ModelRecord, Parked
-from planner import apply
-from planner.actions import parked_from_job
-from planner.consul_client import ConsulClient
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import NomadClient
+from planner.cli.main import apply
 from planner.daemon.applier import Applier
 from planner.daemon.observe import Observer
 from planner.daemon.retry import retry as retry_model
 from planner.errors import NomadRejected, PlannerError
 from planner.model.effects import Park, Reason
-from planner.nomad_client import NomadClient
-from planner.settings import Settings
+from planner.model.parking import parked_from_job
+from planner.spec.settings import Settings
 from tests.conftest import forget_models
 from tests.integration.test_parking import write_model
 from tests.support.tiny_gguf import write_tiny_gguf

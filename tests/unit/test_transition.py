@@ -20,11 +20,11 @@ from llmgw_contract import (
     Unplaceable,
     UpdateFailed,
 )
-from planner.actions import parked_job
 from planner.errors import Rejected
-from planner.failures import Rules
 from planner.model.effects import Evaluate, Park, Reason, Revert, Scale, Unpark
+from planner.model.failures import Rules
 from planner.model.observation import Observation
+from planner.model.parking import parked_job
 from planner.model.transition import Event, Plan, decide
 from tests.support.nomad_mock import S, alloc, event, job, run
 

@@ -38,10 +38,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_contract import JobMeta, ModelRecord, StateDocument
-from planner.actions import parked_from_job, parked_job, unparked_job
-from planner.failures import Rules
 from planner.model.effects import Effect, Evaluate, Park, Revert, Scale, Unpark
+from planner.model.failures import Rules
 from planner.model.observation import Observation
+from planner.model.parking import parked_from_job, parked_job, unparked_job
 from planner.model.transition import Event, Plan, decide
 from planner.vocab import group_count
 from tests.support.nomad_mock import TASK, S, event, job

@@ -1,5 +1,5 @@
 """The denial sentence (llmgw_contract.acl) and the planner's check that joins both
-agents' answers (planner.access); the agents' own answers are test_acl.py's."""
+agents' answers (planner.agents.access); the agents' own answers are test_acl.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from llmgw_contract.acl import (
     TokenStatus,
     denial,
 )
-from planner import access
+from planner.agents import access
 from planner.errors import PermissionDenied
 
 

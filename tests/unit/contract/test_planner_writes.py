@@ -17,12 +17,12 @@ from llmgw_contract import (
     encode,
     kv_key,
 )
-from planner.actions import set_parked
-from planner.activation import answers_for_every_status
-from planner.definitions import ModelDefinition
-from planner.failures import AllocInfo, Rules, decide_parking, for_definition, judge, track
-from planner.failures import start_failures as failures_of
-from planner.unplaceable import with_unplaceable
+from planner.daemon.activation import answers_for_every_status
+from planner.model.failures import AllocInfo, Rules, decide_parking, for_definition, judge, track
+from planner.model.failures import start_failures as failures_of
+from planner.model.parking import set_parked
+from planner.model.unplaceable import with_unplaceable
+from planner.spec.definitions import ModelDefinition
 from router.catalog import parse_models, parse_states
 from tests.support.nomad_mock import alloc, run
 from tests.unit.contract.test_router_reads import ACTIVATION_OUTCOMES
@@ -66,7 +66,7 @@ def test_the_router_reads_every_state_document_the_planner_writes() -> None:
 
 
 def test_the_router_reads_the_record_of_a_split_source() -> None:
-    """A split source's sha256 is a list, one per shard (planner/sources.py)."""
+    """A split source's sha256 is a list, one per shard (planner/spec/sources.py)."""
     definition = ModelDefinition.model_validate({
         "name": "m", "source": "https://h/m-00001-of-00002.gguf",
         "sha256": ["a" * 64, "b" * 64], "profile": {}})

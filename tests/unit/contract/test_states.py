@@ -12,7 +12,7 @@ def test_replica_states_are_the_words_the_views_print() -> None:
 
 
 def test_the_old_import_path_names_the_contracts_enum() -> None:
-    from planner.status import ReplicaState as from_status
+    from planner.model.status import ReplicaState as from_status
 
     assert from_status is ReplicaState
 

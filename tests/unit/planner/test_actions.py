@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmgw_contract import Parked, StateDocument
-from planner.actions import parked_from_job, set_parked
+from planner.model.parking import parked_from_job, set_parked
 from tests.support.nomad_mock import job
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmgw_contract import Parked
-from planner.apply import Action, decide
+from planner.cli.apply import Action, decide
 from tests.support.nomad_mock import job
 
 

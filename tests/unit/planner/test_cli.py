@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw_contract import ModelState
-from planner.cli import _rollout, advertised_url, app
-from planner.status import ModelStatus, ReplicaState, ReplicaStatus
+from planner.cli.main import _rollout, advertised_url, app
+from planner.model.status import ModelStatus, ReplicaState, ReplicaStatus
 
 # Nothing listens here: validation must fail before any agent is asked. The models
 # root is the default whatever the shell (or the integration tests) set.

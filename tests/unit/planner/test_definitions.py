@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from planner.definitions import (
+from planner.errors import InvalidDefinitions
+from planner.spec.definitions import (
     ModelDefinition,
     load_definitions,
     parse_bytes,
     parse_seconds,
     resolve_source,
 )
-from planner.errors import InvalidDefinitions
 
 VALID = """\
 name: {name}

@@ -1,10 +1,10 @@
-"""How the watcher judges the indexes of one event stream (planner.events.Cursor), after
+"""How the watcher judges the indexes of one event stream (planner.agents.events.Cursor), after
 Nomad's broker: a subscription starts at the closest item it still buffers
 (nomad/stream/event_buffer.go, StartAtClosest), silently."""
 
 from __future__ import annotations
 
-from planner.events import Cursor, Verdict
+from planner.agents.events import Cursor, Verdict
 
 
 def test_a_stream_that_starts_where_asked_is_new_all_along() -> None:

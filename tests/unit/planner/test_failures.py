@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from llmgw_contract import StateDocument
-from planner.failures import (
+from planner.model.failures import (
     AllocInfo,
     Rules,
     decide_parking,

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from planner.definitions import ModelDefinition, load_definitions
+from planner.engines.fitargs import server_args
 from planner.errors import InvalidDefinitions
-from planner.fit import OVERHEAD, Estimate, check_models, estimate, judge, size_text
-from planner.fitargs import server_args
-from planner.ggufhead import SourceError, read_local
-from planner.sources import Shard
+from planner.spec.definitions import ModelDefinition, load_definitions
+from planner.spec.fit import OVERHEAD, Estimate, check_models, estimate, judge, size_text
+from planner.spec.ggufhead import SourceError, read_local
+from planner.spec.sources import Shard
 from tests.support.sparse_gguf import write_sparse_gguf
 from tests.support.tiny_gguf import write_tiny_gguf
 

@@ -1,10 +1,11 @@
-"""planner.fitargs: the args that change llama-server's memory need, read as it reads them."""
+"""planner.engines.fitargs: the args that change llama-server's memory need, read as it
+reads them."""
 
 from __future__ import annotations
 
 import pytest
 
-from planner.fitargs import (
+from planner.engines.fitargs import (
     DEFAULT,
     ServerArgs,
     bytes_per_element,

@@ -1,5 +1,5 @@
 """A follower forwards a write, with the admin token, only to where the lock holder
-registered (planner.admin `_forward`, fed by planner.leader's resolution).
+registered (planner.api.admin `_forward`, fed by planner.daemon.leader's resolution).
 
 The admin app runs in process over ASGI (its lifespan included); the leaders are
 real aiohttp servers on 127.0.0.1 that record what reaches them. The follower's
@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from llmgw_contract.leadership import LeaderRefused, LeaderRoute, Refusal, Resolution
-from planner.admin import create_app
-from planner.metrics import PlannerMetrics
+from planner.api.admin import create_app
+from planner.daemon.metrics import PlannerMetrics
 from tests.support.ports import free_port
 
 TOKEN = "admin-secret"

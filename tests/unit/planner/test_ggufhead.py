@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from planner.ggufhead import FIRST_READ, ArrayLength, SourceError, read_local, read_remote
+from planner.spec.ggufhead import FIRST_READ, ArrayLength, SourceError, read_local, read_remote
 from tests.support.sparse_gguf import write_sparse_gguf
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.tls import make_ca, serve_https

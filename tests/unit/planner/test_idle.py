@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from llmgw_contract import ModelRecord
+from planner.daemon.idle import IdleScaler, idle_models
 from planner.daemon.workers import Skipped
-from planner.idle import IdleScaler, idle_models
 from planner.model.transition import Event
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -45,7 +45,7 @@ class _Records:
 
 def test_the_idle_pass_asks_again_before_writing_and_a_use_meanwhile_wins() -> None:
     """The scaler hands the model to its worker with a guard; a request recorded after
-    the scaler's choice (an activation's use) makes the guard refuse (planner.idle)."""
+    the scaler's choice (an activation's use) makes the guard refuse (planner.daemon.idle)."""
     record = ModelRecord(name="od", definition_hash="h", replicas=1,
                          on_demand={"idle_after": 60})
     book = _Book(T0 - timedelta(seconds=61))

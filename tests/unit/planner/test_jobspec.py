@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from planner.definitions import ModelDefinition
-from planner.jobspec import replicas_of, spec_hash, variable_file, variables
-from planner.settings import Settings
+from planner.spec.definitions import ModelDefinition
+from planner.spec.jobspec import replicas_of, spec_hash, variable_file, variables
+from planner.spec.settings import Settings
 from tests.support.nomad_mock import job
 
 

@@ -3,11 +3,11 @@ and the version a defined engine constrains on."""
 
 from __future__ import annotations
 
-from planner.definitions import ModelDefinition
 from planner.engines import MODEL_FILE
-from planner.engines.definitions import EngineRef
-from planner.jobspec import variables
-from planner.settings import Settings
+from planner.spec.definitions import ModelDefinition
+from planner.spec.engine_definitions import EngineRef
+from planner.spec.jobspec import variables
+from planner.spec.settings import Settings
 
 
 def definition(**profile: object) -> ModelDefinition:

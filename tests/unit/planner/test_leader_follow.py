@@ -1,5 +1,5 @@
 """A follower resolves where the lock holder registered once per change of the key, and
-again after Consul failed to answer (planner.leader `Leadership._follow`).
+again after Consul failed to answer (planner.daemon.leader `Leadership._follow`).
 
 Consul is a stand-in answering its 1.8 JSON shapes (the rule itself:
 tests/unit/contract/test_leadership.py; on real agents:
@@ -15,8 +15,8 @@ import pytest
 
 from llmgw_contract import LeaderRecord, encode
 from llmgw_contract.leadership import LeaderRefused, LeaderRoute, Refusal
+from planner.daemon.leader import Leadership
 from planner.errors import ConsulUnavailable
-from planner.leader import Leadership
 
 CHECK = "service:llmgw-planner-lead1"
 
@@ -59,7 +59,7 @@ def test_resolved_once_per_change_and_again_after_a_failure(
         assert follower.route == LeaderRoute("lead1", "http://10.0.0.1:4650", "n1", "s1")
         await follower._follow(key("http://10.0.0.1:4650", 5))  # the watch's wait ran out
         assert consul.reads == 1
-        with caplog.at_level(logging.WARNING, logger="planner.leader"):
+        with caplog.at_level(logging.WARNING, logger="planner.daemon.leader"):
             await follower._follow(key("http://203.0.113.9:4650", 6))  # rewritten
         assert isinstance(follower.route, LeaderRefused)
         assert follower.route.code is Refusal.MISMATCH

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from llmgw_contract import ModelRecord, ModelState, StateDocument, Unplaceable
-from planner.engines.install import NodeInstall
-from planner.metrics import PlannerMetrics
-from planner.status import ModelStatus
-from planner.statusbook import Row, row, wanted_replicas
+from planner.daemon.engine_install import NodeInstall
+from planner.daemon.metrics import PlannerMetrics
+from planner.daemon.statusbook import Row, row, wanted_replicas
+from planner.model.status import ModelStatus
 
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
 ALWAYS = ModelRecord(name="a", definition_hash="h", replicas=2)

@@ -1,4 +1,5 @@
-"""planner.placement: an evaluation's AllocMetric, the GPU ask and the inventory -> one reason.
+"""planner.model.placement: an evaluation's AllocMetric, the GPU ask and the inventory ->
+one reason.
 
 The factories below build Nomad 1.6.3's JSON (api/allocations.go AllocationMetric,
 api/evaluations.go Evaluation, api/nodes.go NodeListStub with NodeResources) from a canonical
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from planner.placement import (
+from planner.model.placement import (
     GpuNeed,
     NodeGpus,
     Shortfall,

@@ -5,8 +5,8 @@ Uses the canonical AllocMetric and evaluation factories of test_placement."""
 
 from __future__ import annotations
 
-from planner.placement import EngineNeed, GpuNeed, evaluation_shortfall
-from planner.unplaceable import engine_need
+from planner.model.placement import EngineNeed, GpuNeed, evaluation_shortfall
+from planner.model.unplaceable import engine_need
 from tests.unit.planner.test_placement import evaluation, exhausted, filtered
 
 NEED = EngineNeed("llama.cpp", "11434")

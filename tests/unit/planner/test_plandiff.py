@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.plandiff import format_diff
+from planner.cli.plandiff import format_diff
 
 
 def test_plan_diff_reads_like_nomad() -> None:

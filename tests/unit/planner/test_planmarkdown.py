@@ -1,9 +1,9 @@
-"""The Markdown a CI job posts on a merge request (planner.planmarkdown)."""
+"""The Markdown a CI job posts on a merge request (planner.cli.planmarkdown)."""
 
 from __future__ import annotations
 
-from planner.apply import Action, Change, Outcome
-from planner.planmarkdown import cell, error_markdown, heading, outcomes_markdown
+from planner.cli.apply import Action, Change, Outcome
+from planner.cli.planmarkdown import cell, error_markdown, heading, outcomes_markdown
 
 
 def outcome(model: str, action: Action, reason: str = "why",

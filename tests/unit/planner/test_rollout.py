@@ -1,4 +1,4 @@
-"""Rolled-back updates read from Nomad's job versions and deployments (planner.rollout),
+"""Rolled-back updates read from Nomad's job versions and deployments (planner.model.rollout),
 and what apply decides for a rolled-back definition."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from llmgw_contract import StateDocument, UpdateFailed
-from planner.apply import Action, decide
-from planner.rollout import for_applied, record_rollback, rolled_back, stuck_update
+from planner.cli.apply import Action, decide
+from planner.model.rollout import for_applied, record_rollback, rolled_back, stuck_update
 from tests.support.nomad_mock import job
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -13,11 +13,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from planner.consul_client import ConsulClient
+from planner.agents.consul import ConsulClient
+from planner.agents.events import stream_events
+from planner.agents.nomad import NomadClient
 from planner.errors import ConsulUnavailable, NomadUnavailable
-from planner.events import stream_events
-from planner.nomad_client import NomadClient
-from planner.settings import Settings
+from planner.spec.settings import Settings
 from tests.support.tls import FileServer, TlsCA, issue, make_ca, serve_https
 
 
@@ -121,7 +121,7 @@ def test_the_right_ca_gets_through_the_handshake(server: FileServer, ca: TlsCA) 
 
 
 def test_cli_exits_2_naming_a_missing_file(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "planner.cli", "status"], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "planner.cli.main", "status"], capture_output=True,
                          text=True, timeout=60,
                          env={"NOMAD_CACERT": str(tmp_path / "missing.pem"), "PATH": "/usr/bin"})
     assert run.returncode == 2

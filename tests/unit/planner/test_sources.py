@@ -14,10 +14,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from planner.definitions import ModelDefinition, parse_file
-from planner.jobspec import variables
-from planner.settings import Settings
-from planner.sources import Shard, interpolated, source_name, split_of
+from planner.spec.definitions import ModelDefinition, parse_file
+from planner.spec.jobspec import variables
+from planner.spec.settings import Settings
+from planner.spec.sources import Shard, interpolated, source_name, split_of
 
 SUMS = [f"{i:x}" * 64 for i in range(1, 4)]
 

@@ -13,8 +13,8 @@ from llmgw_contract import (
     Unplaceable,
     UsageRecord,
 )
-from planner.consul_client import ServiceHealth
-from planner.status import Observed, ReplicaState, observe
+from planner.agents.consul import ServiceHealth
+from planner.model.status import Observed, ReplicaState, observe
 from tests.support.nomad_mock import alloc, job
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

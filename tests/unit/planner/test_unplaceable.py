@@ -1,4 +1,4 @@
-"""Whether a shortfall waits for room being made (planner.unplaceable)."""
+"""Whether a shortfall waits for room being made (planner.model.unplaceable)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from llmgw_contract import ModelRecord
-from planner.placement_answer import answer
+from planner.daemon.placement_answer import answer
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 STOPPING = [{"ID": "a1", "NodeName": "node-a", "DesiredStatus": "stop",

@@ -1,5 +1,5 @@
 """A model whose engine is missing: the answer counts the nodes' metadata, and waits
-(provisional) while an install is on its way (planner.unplaceable)."""
+(provisional) while an install is on its way (planner.model.unplaceable)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from llmgw_contract import ModelRecord
-from planner.engines.install import META_VERSION
-from planner.placement_answer import answer
+from planner.daemon.engine_install import META_VERSION
+from planner.daemon.placement_answer import answer
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 KEY = "llmgw_engine_llama.cpp"

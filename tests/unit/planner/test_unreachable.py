@@ -12,11 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw_contract.acl import CONSUL_KV_READ
-from planner.access import NOMAD_LIST_JOBS
-from planner.cli import app
-from planner.consul_client import ConsulClient
+from planner.agents.access import NOMAD_LIST_JOBS
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import NomadClient
+from planner.cli.main import app
 from planner.errors import ConsulUnavailable, NomadUnavailable
-from planner.nomad_client import NomadClient
 
 REFUSED = "127.0.0.1:9"
 

@@ -1,4 +1,4 @@
-"""The watcher only says which models need a decision (planner.watcher): events map to
+"""The watcher only says which models need a decision (planner.daemon.watcher): events map to
 their JobID, health changes and stability ticks to their model, a reset to every model.
 Its workers are replaced by a recorder; Nomad and Consul by stand-ins that answer the
 few reads these paths make."""
@@ -9,8 +9,8 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
+from planner.daemon.watcher import PassingBook, Watcher
 from planner.model.transition import Event
-from planner.watcher import PassingBook, Watcher
 
 S = 10**9
 NOW = datetime(2026, 12, 1, tzinfo=UTC)

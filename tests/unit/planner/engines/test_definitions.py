@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.engines.definitions import EngineRef, load_engines, managed, unmanaged
 from planner.errors import InvalidDefinitions
+from planner.spec.engine_definitions import EngineRef, load_engines, managed, unmanaged
 
 SHA = "ab" * 32
 

@@ -1,13 +1,13 @@
-"""planner.engines.follow: a node lacking an engine gets its install job evaluated,
+"""planner.daemon.engine_follow: a node lacking an engine gets its install job evaluated,
 once per job version; ineligible nodes and nodes that have it are left alone."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from planner.engines.definitions import EngineDefinition
-from planner.engines.follow import EngineFollower, missing
-from planner.engines.install import META_RECORD, META_VERSION
+from planner.daemon.engine_follow import EngineFollower, missing
+from planner.daemon.engine_install import META_RECORD, META_VERSION
+from planner.spec.engine_definitions import EngineDefinition
 
 
 def engine_job(name: str = "llama.cpp", version: str = "11434", index: int = 10) -> dict:

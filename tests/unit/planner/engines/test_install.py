@@ -1,4 +1,4 @@
-"""planner.engines.install, its pure parts: what each engine needs, where its install
+"""planner.daemon.engine_install, its pure parts: what each engine needs, where its install
 failed, what the template gets; and the per-node rows' verdict."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from planner.engines.definitions import EngineDefinition, EngineRef
-from planner.engines.install import (
+from planner.daemon.engine_install import (
     META_COMMAND,
     META_RECORD,
     META_ROUND,
@@ -23,7 +22,8 @@ from planner.engines.install import (
     refs_of,
     variables,
 )
-from planner.settings import Settings
+from planner.spec.engine_definitions import EngineDefinition, EngineRef
+from planner.spec.settings import Settings
 
 SHA = "cd" * 32
 

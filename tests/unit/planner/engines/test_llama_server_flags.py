@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner import fitargs
+from planner.engines import fitargs
 from planner.engines.llama_cpp import ENGINE
 from planner.engines.llama_server_flags import (
     WHY,
@@ -52,7 +52,7 @@ def test_a_flag_in_two_lines_or_an_unknown_class_is_named() -> None:
 def test_the_flags_the_template_sets_are_its_own_or_meant_to_be_overridden() -> None:
     options = table()
     template = [a for a in ENGINE.server_args("m", 4096, 1) if a.startswith("--")]
-    # A second --metrics is a no-op, -ngl is the operator's to lower (planner.fit), and
+    # A second --metrics is a no-op, -ngl is the operator's to lower (planner.spec.fit), and
     # --parallel is the profile's own slot count, which the template repeats (issue 20).
     overridable = {"--metrics", "--n-gpu-layers", "--parallel"}
     for flag in template:
@@ -63,7 +63,7 @@ def test_the_flags_the_template_sets_are_its_own_or_meant_to_be_overridden() -> 
 @pytest.mark.parametrize("names", [fitargs.GPU_LAYERS, fitargs.CACHE_TYPE_K,
                                    fitargs.CACHE_TYPE_V, fitargs.PARALLEL, fitargs.UBATCH])
 def test_the_fit_reads_every_spelling_of_its_flags(names: tuple[str, ...]) -> None:
-    """planner.fitargs looks flags up as written; judge refuses the '_' spellings, so
+    """planner.engines.fitargs looks flags up as written; judge refuses the '_' spellings, so
     the aliases of the table are every spelling it must know."""
     option = table()[names[0]]
     assert set(names) == set(option.flags) and option.kind is FlagClass.SERVING

@@ -1,0 +1,1 @@
+"""What the leading planner serves over HTTP besides /metrics: the admin API."""

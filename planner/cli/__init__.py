@@ -1,0 +1,1 @@
+"""The planner's commands (`planner ...`), their output and preflight; the top layer."""

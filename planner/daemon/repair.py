@@ -1,0 +1,65 @@
+"""Restore what a wiped `llmgw/` in Consul lost, from the Nomad jobs' meta.
+
+Called by the leader's watcher on every reconcile and every 30 s. Consul KV
+is a cache of what Nomad holds durably (docs/architecture.md, "Parking"): an
+operator's `consul kv delete -recurse llmgw/`, or a restored snapshot, must
+not make a defined model unknown or un-park a parked one. Each model job
+carries its KV record (`llmgw_record` meta) and a parked job its parking
+(`llmgw_parked_*` meta), so both can be written back.
+
+A stopped job is a model too (parked, or stopped by an operator with `nomad
+job stop`): `apply --prune` purges the jobs it removes, so every llmgw job
+Nomad still has gets its record back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from llmgw_contract import JobMeta, KVPrefix, encode, kv_key
+from planner.agents.consul import ConsulClient
+from planner.agents.nomad import NomadClient
+from planner.agents.state import StateStore
+from planner.model.parking import parked_from_job, set_parked
+from planner.spec.jobspec import record_of
+from planner.vocab import Job
+
+log = logging.getLogger("planner.daemon.repair")
+
+
+def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list[str]:
+    """Write back the records of model jobs that run or are parked, where missing, and
+    the KV copy of every parked job's parking, through `store` (so a deposed leader's
+    writes are fenced off). Returns the models whose record it wrote."""
+    keys = set(consul.get_texts(KVPrefix.MODELS))
+    restored = []
+    for stub in nomad.jobs():
+        meta = stub.get("Meta") or {}
+        name = stub.get("ID", "")
+        parked = JobMeta.PARKED_REASON in meta
+        if JobMeta.MODEL not in meta:
+            continue
+        if kv_key(KVPrefix.MODELS, name) not in keys and JobMeta.RECORD in meta:
+            job = nomad.job(name)
+            if job is None:
+                continue
+            try:
+                record = record_of(job)
+            except ValueError as exc:
+                log.error("model %s: cannot restore its record from job meta: %s", name, exc)
+                continue
+            if not store.put_new(kv_key(KVPrefix.MODELS, name), encode(record)):
+                continue  # `apply` wrote it meanwhile
+            restored.append(name)
+            log.warning("model %s: its KV record was gone; restored from the job's meta", name)
+        if parked:
+            job = nomad.job(name)
+            if job is not None:
+                _sync_parking(store, name, job)
+    return restored
+
+
+def _sync_parking(store: StateStore, name: str, job: Job) -> None:
+    """Make the KV cache say what the job (read at its JobModifyIndex) says."""
+    index = int(job.get("JobModifyIndex") or 0)
+    store.update(name, lambda s: set_parked(s, parked_from_job(job), index))

@@ -1,0 +1,1 @@
+"""Definitions, sources, GGUF fit and job rendering: what an operator wrote, checked."""

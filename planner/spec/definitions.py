@@ -1,0 +1,481 @@
+"""Model definitions: the YAML schema operators keep in git, and its loader.
+
+Called by `planner apply` (through `load_definitions`) before anything is
+changed: every file is read and checked, and every problem is collected, so
+one run names all of them. Nothing here talks to Nomad or Consul.
+
+One file holds one model:
+
+    name: gemma-3-270m                  # DNS label: Nomad job ID, Consul service llmgw-<name>
+                                        # (none of llmgw's own: llmgw_contract.reserved)
+    source: file:///opt/llmgw/models/m.gguf  # or https://..., or hf://org/repo[@rev]/path.gguf
+    sha256: <64 hex>                    # optional; checked by Nomad's artifact download
+                                        # (a split source: a list, one per shard)
+    profile:
+      engine: llama.cpp                 # which engine build runs it
+      context: 4096                     # tokens each request can use, in every slot
+      gpus: 0                           # count of nvidia/gpu devices
+      gpu_memory: 24GiB                 # minimum memory per GPU (only with gpus > 0)
+      cpu: 2000                         # MHz, as Nomad counts it
+      memory: 2GiB
+      load_timeout: 10m                 # how long a start may take before health checks count
+      args: ["--threads", "2"]          # extra llama-server arguments, one argv element each
+    replicas: 1
+    on_demand: {idle_after: 15m}        # optional: run only while used (0 replicas when idle)
+
+The definition hash covers what the server runs (source, sha256, profile) and
+not `replicas` or `on_demand`: a changed hash lifts parking, scaling must not.
+
+A model file reaches nothing on a node beyond its model: a file:// source lies under
+the models root (LLMGW_MODELS_ROOT; `planner.spec.sources.outside_root`), `args` carry
+only the llama-server flags that change serving (`planner.engines.llama_server_flags`),
+and no field Nomad interpolates (source, args) may hold `${`, nor may anything the
+planner derives from the source (a split's shard names, decoded from its URL, must be
+plain names; a node path is used as written, so '%', '\\', '.' and '..' are refused).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import json
+import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Protocol, TypeVar
+from urllib.parse import quote, urlparse
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from llmgw_contract import ModelRecord, reserved_name, service_name
+from planner.engines.llama_server_flags import judge
+from planner.errors import DefinitionError, InvalidDefinitions
+from planner.spec.sources import (
+    DEFAULT_MODELS_ROOT,
+    Shard,
+    expand,
+    interpolated,
+    node_path_problem,
+    outside_root,
+    plain_name_problem,
+    source_name,
+    split_of,
+)
+
+# Nomad job IDs and Consul service names both accept this; "llmgw-" + name
+# must stay within a DNS label's 63 characters (RFC 1035).
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,55}[a-z0-9])?$"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+# The error type of a refused `profile.args` element: its message is whole (no "got").
+ARG_ERROR = "llmgw_arg"
+
+
+def parse_bytes(value: object) -> int:
+    """'2GiB' / '512 MiB' / '24GB' / 1024 -> bytes. Raises ValueError naming the units."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 2GiB or 512MiB, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_seconds(value: object) -> int:
+    """'90s' / '10m' / '1h' / 600 -> seconds. Raises ValueError naming the units."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+)\s*([smh])\s*", str(value))
+    if not match:
+        raise ValueError(f"expected a duration such as 90s or 10m, got {value!r}")
+    return int(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+Seconds = Annotated[int, BeforeValidator(parse_seconds), Field(gt=0)]
+
+
+def _judge_args(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[str, ...]:
+    """`profile.args` as llama-server will read them, judged against the flag table of
+    `planner.engines.llama_server_flags`: one error per element at `profile.args.N`."""
+    args: tuple[str, ...] = handler(value)
+    problems = judge(args)
+    if problems:
+        raise ValidationError.from_exception_data("args", [
+            InitErrorDetails(type=PydanticCustomError(ARG_ERROR, message), loc=(index,),
+                             input=args[index])
+            for index, message in problems])
+    return args
+
+
+Args = Annotated[tuple[str, ...], WrapValidator(_judge_args)]
+
+
+class Profile(BaseModel):
+    """How the model server runs: engine, resources, and extra engine arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: str = Field("llama.cpp", pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    context: int = Field(4096, ge=128, le=1 << 20)
+    gpus: int = Field(0, ge=0, le=64)
+    gpu_memory: Bytes | None = None
+    cpu: int = Field(1000, ge=100)
+    memory: Bytes = parse_bytes("1GiB")
+    load_timeout: Seconds = 600
+    args: Args = ()
+
+    @model_validator(mode="after")
+    def _gpu_memory_needs_gpus(self) -> Profile:
+        if self.gpu_memory is not None and self.gpus == 0:
+            raise ValueError("gpu_memory is only meaningful with gpus > 0")
+        return self
+
+
+def _sha256s(value: object) -> str | tuple[str, ...] | None:
+    """A sha256 (64 hex digits, any case) or a list of them -> lower case."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list | tuple) else [value]
+    for one in values:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", str(one)):
+            raise ValueError(f"expected a sha256 (64 hex digits) or a list of them, got {one!r}")
+    lowered = tuple(str(one).lower() for one in values)
+    return lowered if isinstance(value, list | tuple) else lowered[0]
+
+
+class OnDemand(BaseModel):
+    """Run only while used: registered with 0 instances, started by a request (the
+    router's activation), stopped again after `idle_after` without requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    idle_after: Seconds = 900
+
+
+class ModelDefinition(BaseModel):
+    """One model, as written in one YAML file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN)
+    source: str
+    # One file's sha256, or a list: one per shard of a split source, in shard order.
+    sha256: Annotated[str | tuple[str, ...] | None, BeforeValidator(_sha256s)] = None
+    profile: Profile
+    replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
+    on_demand: OnDemand | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_llmgws_own(cls, name: str) -> str:
+        return name_is_not_reserved(name)
+
+    @field_validator("source")
+    @classmethod
+    def _source_is_supported(cls, source: str, info: ValidationInfo) -> str:
+        _refuse_interpolation(source)
+        resolved = resolve_source(source)
+        shards = _derived_shards(resolved)
+        root = (info.context or {}).get("models_root")
+        if root is not None and resolved.local_path is not None:
+            for shard in shards:
+                problem = outside_root(shard.local_path or "", root)
+                if problem:
+                    raise ValueError(f"{problem} (LLMGW_MODELS_ROOT): the model task "
+                                     "opens this path on every node")
+        return source
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha256_fits_the_source(cls, sha256: str | tuple[str, ...] | None,
+                                info: ValidationInfo) -> str | tuple[str, ...] | None:
+        # Judged against a valid source only (fields are validated in order); an invalid
+        # one has its own error.
+        source = info.data.get("source")
+        if sha256 is None or source is None:
+            return sha256
+        resolved = resolve_source(source)
+        if resolved.download_url is None:
+            raise ValueError("sha256 is checked when Nomad downloads the source; "
+                             "a file:// source is not downloaded")
+        split = split_of(source_name(resolved.local_path, resolved.download_url))
+        if isinstance(sha256, tuple) and (split is None or len(sha256) != split.count):
+            raise ValueError(
+                f"sha256 is a list of {len(sha256)}: a list is one sha256 per shard of a "
+                f"split source ({split.count} here)" if split else
+                "sha256 is a list, but the source is one file: give its sha256 alone")
+        if isinstance(sha256, str) and split is not None:
+            raise ValueError(f"the source is split in {split.count} files: give sha256 as a "
+                             f"list of {split.count}, one per shard in order")
+        return sha256
+
+    @property
+    def shards(self) -> list[Shard]:
+        """Every file of the source, the first the one llama-server is given."""
+        resolved = resolve_source(self.source)
+        return expand(resolved.local_path, resolved.download_url, self.sha256)
+
+    @property
+    def definition_hash(self) -> str:
+        """16 hex chars of sha256 over source, sha256 and profile (not replicas)."""
+        body = {"source": self.source, "sha256": self.sha256,
+                "profile": self.profile.model_dump(mode="json")}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def service_name(self) -> str:
+        return service_name(self.name)
+
+    def record(self) -> ModelRecord:
+        """The KV record the router and the planner's daemons read (llmgw/models/<name>);
+        the job's meta carries a copy, so a wiped KV can be restored from Nomad."""
+        return ModelRecord(name=self.name, definition_hash=self.definition_hash,
+                           replicas=self.replicas, source=self.source,
+                           sha256=list(self.sha256) if isinstance(self.sha256, tuple)
+                           else self.sha256,
+                           profile=self.profile.model_dump(mode="json"),
+                           on_demand=self.on_demand.model_dump(mode="json")
+                           if self.on_demand else None)
+
+
+def name_is_not_reserved(name: str) -> str:
+    """A model name that is none of llmgw's own job IDs or services
+    (`llmgw_contract.reserved`). Raises ValueError naming the rule."""
+    why = reserved_name(name)
+    if why is not None:
+        raise ValueError(f"{name!r} is reserved ({why}); choose another name")
+    return name
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """Where the server reads the weights: a path on the node, or a URL Nomad downloads."""
+
+    local_path: str | None
+    download_url: str | None
+
+
+def resolve_source(source: str) -> ResolvedSource:
+    """file:// -> a node path; https:// -> a download; hf://org/repo[@rev]/path -> its https URL.
+
+    Raises ValueError for anything else. The hf:// mapping follows the Hub's
+    file URL scheme: https://huggingface.co/<org>/<repo>/resolve/<rev>/<path>.
+    """
+    url = urlparse(source)
+    if url.scheme == "file":
+        if url.netloc or not url.path.startswith("/"):
+            raise ValueError(f"expected file:///absolute/path, got {source!r}")
+        return ResolvedSource(local_path=url.path, download_url=None)
+    if url.scheme == "https":
+        if not url.netloc or not url.path.strip("/"):
+            raise ValueError(f"expected https://host/path/to/file.gguf, got {source!r}")
+        return ResolvedSource(local_path=None, download_url=source)
+    if url.scheme == "hf":
+        parts = url.path.strip("/").split("/")
+        if not url.netloc or len(parts) < 2 or not parts[-1]:
+            raise ValueError(f"expected hf://org/repo[@revision]/path/file.gguf, got {source!r}")
+        repo, _, revision = parts[0].partition("@")
+        file_path = quote("/".join(parts[1:]))
+        return ResolvedSource(local_path=None, download_url=(
+            f"https://huggingface.co/{url.netloc}/{repo}/resolve/{revision or 'main'}/{file_path}"))
+    raise ValueError(f"expected a file://, https:// or hf:// source, got {source!r}")
+
+
+def _refuse_interpolation(source: str) -> None:
+    """Raise ValueError when the source's own text holds Nomad's `${`, or a control
+    character: URL parsing drops tabs and newlines (urllib.parse, as WHATWG URL does), so
+    a '$\\n{' would reach the job as '${' past the text's check."""
+    control = next((c for c in source if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if control is not None:
+        raise ValueError(f"the source contains the control character {control!r}")
+    if "${" in source:
+        # Nomad interpolates ${...} in an artifact's source (node attributes and
+        # metadata would go into the URL) and in task args; there is no escape.
+        raise ValueError("the source contains '${', which Nomad would interpolate")
+
+
+def _derived_shards(resolved: ResolvedSource) -> list[Shard]:
+    """The source's shards, once what the planner derives from it is judged fit for the
+    job: a node path as written (`node_path_problem`), a split download's decoded file
+    name plain (each shard is saved under its own name: issue 18's %24%7B reached the
+    artifact's destination and the args as `${`), the first shard named, and no `${` in
+    any text the shards carry. Raises ValueError naming what is wrong."""
+    if resolved.local_path is not None:
+        problem = node_path_problem(resolved.local_path)
+        if problem:
+            raise ValueError(problem)
+    name = source_name(resolved.local_path, resolved.download_url)
+    split = split_of(name)
+    if split is not None and resolved.download_url is not None:
+        problem = plain_name_problem(name)
+        if problem:
+            raise ValueError(f"{problem}: each shard of a split source is saved under its "
+                             "own name on the node")
+    if split is not None and split.number != 1:
+        raise ValueError(
+            f"source names shard {split.number} of a {split.count}-file split model; name "
+            f"its first, {split.name(1)} (llama-server opens the others from it)")
+    shards = expand(resolved.local_path, resolved.download_url, None)
+    text = interpolated(shards)
+    if text is not None:
+        raise ValueError(f"the source gives the job {text!r}, which holds '${{', which "
+                         "Nomad would interpolate")
+    return shards
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice: PyYAML would keep the last one silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
+    if error["type"] == "extra_forbidden":
+        owner: type[BaseModel] = Profile if error["loc"][0] == "profile" else model
+        allowed = list(owner.model_fields)
+        close = difflib.get_close_matches(str(error["loc"][-1]), allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown field (expected one of: {', '.join(allowed)}){hint}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "string_pattern_mismatch" and error["loc"] == ("name",):
+        message = ("expected a DNS label: lowercase letters, digits and '-', "
+                   "starting and ending with a letter or digit, at most 57 characters")
+    if error["type"] in ("tuple_type", "list_type"):
+        message = "expected a list of strings, e.g. [\"--threads\", \"2\"]"
+    # The input is shown unless the message shows it already (a file:// source's path).
+    shown = "got " in message or str(error.get("input")).removeprefix("file://") in message
+    if error["type"] not in ("missing", ARG_ERROR) and "input" in error and not shown:
+        message += f" (got {error['input']!r})"
+    return message
+
+
+def parse_file(path: Path, models_root: str | None = DEFAULT_MODELS_ROOT
+               ) -> tuple[ModelDefinition | None, list[DefinitionError]]:
+    """Read and check one YAML file; returns the definition or every problem in it.
+    A file:// source must lie under `models_root` (None: not checked)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        return None, [DefinitionError(path, "", f"cannot read file: {exc.strerror}")]
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        if "'\\t'" in str(exc):
+            problem += " (YAML indentation must use spaces, not tabs)"
+        return None, [DefinitionError(path, "", f"invalid YAML: {where}{problem}")]
+    if data is None:
+        return None, [DefinitionError(path, "", "file is empty; expected a mapping with "
+                                                "name, source, profile and replicas")]
+    if not isinstance(data, dict):
+        return None, [DefinitionError(path, "", "expected a mapping with name, source, profile "
+                                                f"and replicas, got a {type(data).__name__}")]
+    try:
+        return ModelDefinition.model_validate(data, context={"models_root": models_root}), []
+    except ValidationError as exc:
+        return None, [DefinitionError(path, _field_path(e["loc"]), _explain(e, ModelDefinition))
+                      for e in exc.errors()]
+
+
+def expand_paths(paths: list[Path]) -> list[Path]:
+    """Files as given; folders expanded to their *.yaml and *.yml files, sorted."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml")))
+        else:
+            files.append(path)
+    return files
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Named = TypeVar("Named", bound=_Named)
+
+
+def collect(paths: list[Path], parse: Callable[[Path], tuple[Named | None,
+                                                              list[DefinitionError]]],
+            kind: str) -> tuple[dict[str, tuple[Path, Named]], list[DefinitionError]]:
+    """Parse every file of `paths` with `parse`: ({name: (file, definition)}, every
+    problem), a file naming a `kind` another file named already being one of them.
+    Shared by model and engine files (`planner.spec.engine_definitions`)."""
+    files = expand_paths(paths)
+    errors: list[DefinitionError] = []
+    if not files:
+        errors.append(DefinitionError(Path(" ".join(map(str, paths)) or "."), "",
+                                      f"no {kind} files (*.yaml, *.yml) found"))
+    found: dict[str, tuple[Path, Named]] = {}
+    for path in files:
+        definition, problems = parse(path)
+        errors.extend(problems)
+        if definition is None:
+            continue
+        if definition.name in found:
+            errors.append(DefinitionError(path, "name", (
+                f"{kind} {definition.name!r} is already defined in {found[definition.name][0]}")))
+            continue
+        found[definition.name] = (path, definition)
+    return found, errors
+
+
+def load_definitions(paths: list[Path], engines: Collection[str] | None = None,
+                     models_root: str = DEFAULT_MODELS_ROOT
+                     ) -> dict[str, tuple[Path, ModelDefinition]]:
+    """Load every model from files and folders: {name: (file, definition)}.
+
+    Raises InvalidDefinitions carrying every problem of every file (unknown
+    keys, bad values, YAML errors, empty files, one name in two files, a
+    file:// source outside `models_root` (LLMGW_MODELS_ROOT), and, when
+    `engines` is given, an engine not among them); then the caller must
+    change nothing.
+    """
+    models, errors = collect(paths, functools.partial(parse_file, models_root=models_root),
+                             "model")
+    for path, definition in models.values():
+        if engines is not None and definition.profile.engine not in engines:
+            errors.append(DefinitionError(path, "profile.engine", (
+                f"unknown engine {definition.profile.engine!r} (this planner knows: "
+                f"{', '.join(sorted(engines))}; define it in engines/*.yaml and run `planner "
+                f"engines apply`, or name it in LLMGW_ENGINES)")))
+    if errors:
+        raise InvalidDefinitions(errors)
+    return models

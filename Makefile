@@ -27,6 +27,7 @@ unit:
 # Lint, import contracts, types (mypy: the packages and flags in pyproject's [tool.mypy]).
 lint:
 	$(VENV)/ruff check .
+	$(VENV)/ruff format --check .
 	$(VENV)/lint-imports
 	$(VENV)/mypy
 

@@ -53,8 +53,13 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 5) -
 
 def define_model(consul: str, model: str) -> None:
     """Write the planner's KV record for `model` (what makes the router know it)."""
-    definition = {"name": model, "definition_hash": "bench", "replicas": 1,
-                  "source": "stub", "profile": {}}
+    definition = {
+        "name": model,
+        "definition_hash": "bench",
+        "replicas": 1,
+        "source": "stub",
+        "profile": {},
+    }
     http("PUT", f"{consul}/v1/kv/llmgw/models/{model}", json.dumps(definition).encode())
 
 

@@ -335,7 +335,6 @@ def print_table(r: dict) -> None:
     )
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cycles", type=int, default=3, help="cold starts to measure")

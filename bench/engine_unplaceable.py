@@ -76,26 +76,53 @@ def measure(args: argparse.Namespace) -> dict:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     after = [c["after_apply_s"] for c in cycles]
-    clean = all(c["reason"] == REASON and c["start_failures"] == 0 and c["allocations"] == 0
-                for c in cycles)
-    return {"cycles": cycles, "p50_s": percentile(after, 0.5), "max_s": max(after),
-            "target_s": TARGET_S, "met": clean and max(after) < TARGET_S,
-            "cpus": os.cpu_count()}
+    clean = all(
+        c["reason"] == REASON and c["start_failures"] == 0 and c["allocations"] == 0 for c in cycles
+    )
+    return {
+        "cycles": cycles,
+        "p50_s": percentile(after, 0.5),
+        "max_s": max(after),
+        "target_s": TARGET_S,
+        "met": clean and max(after) < TARGET_S,
+        "cpus": os.cpu_count(),
+    }
 
 
 def setup(workdir: Path, children: Children, cluster: Cluster) -> tuple[dict, str]:
     up(cluster)
-    env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO),
-           "LLMGW_ADMIN_TOKEN": "bench", "LLMGW_ENGINE_ROOT": str(workdir / "engines"),
-           "LLMGW_MODELS_ROOT": str(workdir)}
+    env = {
+        **os.environ,
+        **cluster.env,
+        "PYTHONPATH": str(REPO),
+        "LLMGW_ADMIN_TOKEN": "bench",
+        "LLMGW_ENGINE_ROOT": str(workdir / "engines"),
+        "LLMGW_MODELS_ROOT": str(workdir),
+    }
     engines = workdir / "engine-files"
     engines.mkdir()
     (engines / "llama.cpp.yaml").write_text(
         f'name: llama.cpp\nversion: "11434"\npath: {(BIN / "llama-server").resolve()}\n'
-        f'sha256: "{"0" * 64}"\n')
-    installed = subprocess.run([sys.executable, "-m", "planner.cli.main", "engines", "apply",
-                                str(engines), "--wait", "--timeout", "120"], env=env,
-                               cwd=REPO, capture_output=True, text=True, timeout=180)
+        f'sha256: "{"0" * 64}"\n'
+    )
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "planner.cli.main",
+            "engines",
+            "apply",
+            str(engines),
+            "--wait",
+            "--timeout",
+            "120",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     if installed.returncode != 1 or "failed to install on node-b" not in installed.stderr:
         raise RuntimeError(f"the engine's install did not fail as meant:\n{installed.stderr}")
     sys.path.insert(0, str(REPO))
@@ -103,8 +130,12 @@ def setup(workdir: Path, children: Children, cluster: Cluster) -> tuple[dict, st
 
     write_tiny_gguf(workdir / "tiny.gguf")
     planner = f"http://127.0.0.1:{free_port()}"
-    children.spawn([sys.executable, "-m", "planner.cli.main", "serve", "--port",
-                    planner.rsplit(":", 1)[1]], "planner", env=env, cwd=REPO)
+    children.spawn(
+        [sys.executable, "-m", "planner.cli.main", "serve", "--port", planner.rsplit(":", 1)[1]],
+        "planner",
+        env=env,
+        cwd=REPO,
+    )
     wait_for(lambda: get_json(f"{planner}/health")["ready"], 60, "planner serve")
     return env, planner
 
@@ -114,10 +145,17 @@ def cycle(workdir: Path, env: dict, planner: str, cluster: Cluster, name: str) -
     folder.mkdir()
     (folder / f"{name}.yaml").write_text(
         f"name: {name}\nsource: file://{workdir / 'tiny.gguf'}\nprofile:\n"
-        "  engine: llama.cpp\n  context: 512\n  cpu: 100\n  memory: 256MiB\nreplicas: 1\n")
+        "  engine: llama.cpp\n  context: 512\n  cpu: 100\n  memory: 256MiB\nreplicas: 1\n"
+    )
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder)], env=env,
-                   cwd=REPO, check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
+        env=env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     returned = time.monotonic()
     deadline = returned + 10
     model: dict = {}
@@ -129,10 +167,14 @@ def cycle(workdir: Path, env: dict, planner: str, cluster: Cluster, name: str) -
         time.sleep(0.02)
     seen = time.monotonic()
     allocations = get_json(f"{cluster.nomad_addr}/v1/job/{name}/allocations")
-    return {"after_apply_s": round(seen - returned, 3), "after_start_s": round(seen - started, 3),
-            "state": model.get("state"), "reason": model.get("reason"),
-            "start_failures": model.get("start_failures_total"),
-            "allocations": len(allocations)}
+    return {
+        "after_apply_s": round(seen - returned, 3),
+        "after_start_s": round(seen - started, 3),
+        "state": model.get("state"),
+        "reason": model.get("reason"),
+        "start_failures": model.get("start_failures_total"),
+        "allocations": len(allocations),
+    }
 
 
 def main() -> None:
@@ -149,11 +191,15 @@ def main() -> None:
         else:
             print(f"engine on no node -> unplaceable ({result['cpus']} CPUs)")
             for i, c in enumerate(result["cycles"], 1):
-                print(f"{i:>3} {c['after_apply_s']:>6.2f} s after apply returned "
-                      f"({c['after_start_s']:.2f} s after it started): {c['state']}, "
-                      f"{c['start_failures']} start failures, {c['allocations']} allocations")
-            print(f"p50 {result['p50_s']:.2f} s, max {result['max_s']:.2f} s "
-                  f"(target max < {TARGET_S:.0f} s): {'yes' if result['met'] else 'NO'}")
+                print(
+                    f"{i:>3} {c['after_apply_s']:>6.2f} s after apply returned "
+                    f"({c['after_start_s']:.2f} s after it started): {c['state']}, "
+                    f"{c['start_failures']} start failures, {c['allocations']} allocations"
+                )
+            print(
+                f"p50 {result['p50_s']:.2f} s, max {result['max_s']:.2f} s "
+                f"(target max < {TARGET_S:.0f} s): {'yes' if result['met'] else 'NO'}"
+            )
         sys.exit(0 if result["met"] else 1)
     sys.exit(130)
 

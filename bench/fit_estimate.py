@@ -59,10 +59,27 @@ def measure(model: Path, context: int, slots: int) -> dict[str, float]:
     """llama-server's reported buffers (MiB, summed over its lines) and peak RSS (MiB)."""
     port = free_port()
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([str(SERVER), "-m", str(model), "--parallel", str(slots),
-                                 "-c", str(context * slots),
-                                 "--host", "127.0.0.1", "--port", str(port),
-                                 "--threads", "1", "-lv", "4"], stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [
+                str(SERVER),
+                "-m",
+                str(model),
+                "--parallel",
+                str(slots),
+                "-c",
+                str(context * slots),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "-lv",
+                "4",
+            ],
+            stdout=log,
+            stderr=log,
+        )
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -93,41 +110,53 @@ def main() -> int:
     tiny = write_tiny_gguf(work / "tiny.gguf")
     runs = [("tiny", tiny, 512, 1), ("tiny", tiny, 4096, 1), ("tiny", tiny, 512, 4)]
     if GEMMA.exists():
-        runs += [("gemma-3-270m", GEMMA, c, n) for c, n in
-                 ((512, 1), (4096, 1), (32768, 1), (4096, 4))]
+        runs += [
+            ("gemma-3-270m", GEMMA, c, n) for c, n in ((512, 1), (4096, 1), (32768, 1), (4096, 4))
+        ]
     rows, below = [], False
     for name, path, context, slots in runs:
-        est = estimate([read_local(path)], context,
-                       server_args(["--parallel", str(slots)])[0])
+        est = estimate([read_local(path)], context, server_args(["--parallel", str(slots)])[0])
         got = measure(path, context, slots)
         reported = got["weights"] + got["kv_cache"] + got["compute"] + got["output"]
         total = est.total / MIB
         below |= total < reported
-        rows.append({
-            "model": name, "context": context, "slots": slots,
-            "estimate_mib": {"weights": est.weights / MIB, "kv_cache": est.kv_cache / MIB,
-                             "compute": est.compute / MIB, "overhead": est.overhead / MIB,
-                             "total": total},
-            "reported_mib": got,
-            "error_vs_buffers": (total - reported) / reported,
-            "error_vs_rss_peak": (total - got["rss_peak"]) / got["rss_peak"],
-        })
+        rows.append(
+            {
+                "model": name,
+                "context": context,
+                "slots": slots,
+                "estimate_mib": {
+                    "weights": est.weights / MIB,
+                    "kv_cache": est.kv_cache / MIB,
+                    "compute": est.compute / MIB,
+                    "overhead": est.overhead / MIB,
+                    "total": total,
+                },
+                "reported_mib": got,
+                "error_vs_buffers": (total - reported) / reported,
+                "error_vs_rss_peak": (total - got["rss_peak"]) / got["rss_peak"],
+            }
+        )
     if args.output == "json":
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'model':14} {'slots x ctx':>11} {'weights':>15} {'KV cache':>15} "
-              f"{'compute+out':>15} {'total':>8} {'buffers':>8} {'RSS':>8} {'err/buf':>8} "
-              f"{'err/RSS':>8}")
+        print(
+            f"{'model':14} {'slots x ctx':>11} {'weights':>15} {'KV cache':>15} "
+            f"{'compute+out':>15} {'total':>8} {'buffers':>8} {'RSS':>8} {'err/buf':>8} "
+            f"{'err/RSS':>8}"
+        )
         for r in rows:
             e, g = r["estimate_mib"], r["reported_mib"]
-            print(f"{r['model']:14} {r['slots']:>3} x {r['context']:<5} "
-                  f"{e['weights']:>7.1f}/{g['weights']:<7.1f} "
-                  f"{e['kv_cache']:>7.1f}/{g['kv_cache']:<7.1f} "
-                  f"{e['compute']:>7.1f}/{g['compute'] + g['output']:<7.1f} "
-                  f"{e['total']:>8.1f} "
-                  f"{g['weights'] + g['kv_cache'] + g['compute'] + g['output']:>8.1f} "
-                  f"{g['rss_peak']:>8.1f} {r['error_vs_buffers']:>+8.0%} "
-                  f"{r['error_vs_rss_peak']:>+8.0%}")
+            print(
+                f"{r['model']:14} {r['slots']:>3} x {r['context']:<5} "
+                f"{e['weights']:>7.1f}/{g['weights']:<7.1f} "
+                f"{e['kv_cache']:>7.1f}/{g['kv_cache']:<7.1f} "
+                f"{e['compute']:>7.1f}/{g['compute'] + g['output']:<7.1f} "
+                f"{e['total']:>8.1f} "
+                f"{g['weights'] + g['kv_cache'] + g['compute'] + g['output']:>8.1f} "
+                f"{g['rss_peak']:>8.1f} {r['error_vs_buffers']:>+8.0%} "
+                f"{r['error_vs_rss_peak']:>+8.0%}"
+            )
         print("MiB, estimate/reported; errors: (estimate - measured) / measured")
     return 1 if below else 0
 

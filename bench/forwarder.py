@@ -30,8 +30,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-_HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive",
-                         "transfer-encoding", "te", "trailer", "upgrade"})
+_HOP_BY_HOP = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
 
 
 def create_app(upstream: str) -> Starlette:
@@ -59,8 +69,9 @@ def create_app(upstream: str) -> Starlette:
         finally:
             await session.close()
 
-    return Starlette(routes=[Route("/v1/completions", forward, methods=["POST"])],
-                     lifespan=lifespan)
+    return Starlette(
+        routes=[Route("/v1/completions", forward, methods=["POST"])], lifespan=lifespan
+    )
 
 
 def main() -> None:
@@ -68,9 +79,19 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
-    uvicorn.run(create_app(args.upstream), host="127.0.0.1", port=args.port, loop="uvloop",
-                http="httptools", lifespan="on", access_log=False, log_level="warning",
-                server_header=False, proxy_headers=False, backlog=2048)
+    uvicorn.run(
+        create_app(args.upstream),
+        host="127.0.0.1",
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        proxy_headers=False,
+        backlog=2048,
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ def write_models(folder: Path, count: int, gguf: Path) -> None:
     for i in range(count):
         (folder / f"m{i:04d}.yaml").write_text(
             f"name: scale-{i:04d}\nsource: file://{gguf}\nprofile:\n  context: 512\n"
-            "  cpu: 100\n  memory: 256MiB\nreplicas: 1\non_demand: {idle_after: 15m}\n")
+            "  cpu: 100\n  memory: 256MiB\nreplicas: 1\non_demand: {idle_after: 15m}\n"
+        )
 
 
 def scrape(url: str) -> tuple[float, int, str]:
@@ -53,8 +54,7 @@ def scrape(url: str) -> tuple[float, int, str]:
 
 
 def models_listed(text: str) -> int:
-    return sum(1 for line in text.splitlines()
-               if line.startswith("llmgw_model_desired_replicas{"))
+    return sum(1 for line in text.splitlines() if line.startswith("llmgw_model_desired_replicas{"))
 
 
 def measure(args: argparse.Namespace, workdir: Path, children: Children) -> dict:
@@ -64,31 +64,61 @@ def measure(args: argparse.Namespace, workdir: Path, children: Children) -> dict
         gguf = workdir / "tiny.gguf"
         gguf.write_bytes(b"GGUF")  # never loaded: on-demand models stay at 0 instances
         write_models(workdir / "models", args.models, gguf)
-        env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO),
-               "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
-               "LLMGW_MODELS_ROOT": str(workdir)}
+        env = {
+            **os.environ,
+            **cluster.env,
+            "PYTHONPATH": str(REPO),
+            "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+            "LLMGW_MODELS_ROOT": str(workdir),
+        }
         started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(workdir / "models")],
-                       env=env, cwd=REPO, check=True, capture_output=True, timeout=1800)
+        subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", "apply", str(workdir / "models")],
+            env=env,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
         applied = time.monotonic() - started
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
-        children.spawn([sys.executable, "-m", "planner.cli.main", "serve", "--port", str(port),
-                        "--log-level", "warning"], "planner", env=env, cwd=REPO)
-        wait_for(lambda: models_listed(scrape(url)[2]) == args.models, 600,
-                 f"/metrics listing {args.models} models")
+        children.spawn(
+            [
+                sys.executable,
+                "-m",
+                "planner.cli.main",
+                "serve",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            "planner",
+            env=env,
+            cwd=REPO,
+        )
+        wait_for(
+            lambda: models_listed(scrape(url)[2]) == args.models,
+            600,
+            f"/metrics listing {args.models} models",
+        )
         listed = time.monotonic() - started
         durations, size = [], 0
         for _ in range(args.scrapes):
             seconds, size, _ = scrape(url)
             durations.append(seconds)
-        return {"models": args.models, "apply_s": round(applied, 1),
-                "all_listed_after_start_s": round(listed, 1),
-                "scrape_p50_ms": round(percentile(durations, 0.5) * 1000, 1),
-                "scrape_p99_ms": round(percentile(durations, 0.99) * 1000, 1),
-                "scrape_max_ms": round(max(durations) * 1000, 1),
-                "scrape_bytes": size, "scrapes": args.scrapes}
+        return {
+            "models": args.models,
+            "apply_s": round(applied, 1),
+            "all_listed_after_start_s": round(listed, 1),
+            "scrape_p50_ms": round(percentile(durations, 0.5) * 1000, 1),
+            "scrape_p99_ms": round(percentile(durations, 0.99) * 1000, 1),
+            "scrape_max_ms": round(max(durations) * 1000, 1),
+            "scrape_bytes": size,
+            "scrapes": args.scrapes,
+        }
     finally:
         down(cluster)
 

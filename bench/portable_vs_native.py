@@ -34,8 +34,10 @@ sys.path.insert(0, str(REPO))
 
 from devcluster import bootstrap, smoke  # noqa: E402
 
-PROMPT = ("In the beginning the universe was created. This has made a lot of people very "
-          "angry and been widely regarded as a bad move. ") * 10
+PROMPT = (
+    "In the beginning the universe was created. This has made a lot of people very "
+    "angry and been widely regarded as a bad move. "
+) * 10
 NEW_TOKENS = 64
 
 
@@ -45,15 +47,21 @@ def native_binary() -> Path:
     out = bootstrap.CACHE / "bench" / f"llama-server-native-{bootstrap.cpu_flags_digest()}"
     if not out.exists():
         flags = [*bootstrap.LLAMA_COMMON_FLAGS, "-DGGML_NATIVE=ON"]
-        bootstrap.llama_compile(flags, out, bootstrap.CACHE / "build" / "llama-native",
-                                bootstrap.CACHE / "logs" / "llama-native.log")
+        bootstrap.llama_compile(
+            flags,
+            out,
+            bootstrap.CACHE / "build" / "llama-native",
+            bootstrap.CACHE / "logs" / "llama-native.log",
+        )
     return out
 
 
 def _post(port: int, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         return json.load(response)
 
@@ -63,10 +71,25 @@ def start(binary: Path, model: Path, threads: int) -> tuple[subprocess.Popen[byt
     port = smoke.free_port()
     log = bootstrap.CACHE / "logs" / f"bench-{binary.name}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(binary), "--model", str(model), "--host", "127.0.0.1",
-                                 "--port", str(port), "--ctx-size", "2048", "--parallel", "1",
-                                 "--threads", str(threads)],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                str(binary),
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--ctx-size",
+                "2048",
+                "--parallel",
+                "1",
+                "--threads",
+                str(threads),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     smoke.wait_ready(proc, port)
     return proc, port
 
@@ -75,8 +98,13 @@ def measure(binaries: dict[str, Path], model: Path, runs: int, threads: int) -> 
     """Median prompt and generation tokens/s of each binary on `model` ({"crashed": ...} for
     one that died). Both servers are up at once and asked in turn, A B A B ..., so load
     from anything else on the machine falls on both alike (an idle server takes no CPU)."""
-    body = {"prompt": PROMPT, "n_predict": NEW_TOKENS, "temperature": 0,
-            "cache_prompt": False, "ignore_eos": True}
+    body = {
+        "prompt": PROMPT,
+        "n_predict": NEW_TOKENS,
+        "temperature": 0,
+        "cache_prompt": False,
+        "ignore_eos": True,
+    }
     servers, result, timings = {}, {}, {name: [] for name in binaries}
     try:
         for name, binary in binaries.items():
@@ -85,8 +113,7 @@ def measure(binaries: dict[str, Path], model: Path, runs: int, threads: int) -> 
                 _post(servers[name][1], body)  # warm-up
             except (OSError, smoke.SmokeFailed) as exc:
                 proc = servers.pop(name, (None, 0))[0]
-                result[name] = {"crashed": (smoke.died_of(proc.poll()) if proc else "")
-                                or str(exc)}
+                result[name] = {"crashed": (smoke.died_of(proc.poll()) if proc else "") or str(exc)}
         for _ in range(runs):
             for name, (_, port) in servers.items():
                 timings[name].append(_post(port, body)["timings"])
@@ -98,7 +125,8 @@ def measure(binaries: dict[str, Path], model: Path, runs: int, threads: int) -> 
         result[name] = {
             "prompt_tokens": got[0]["prompt_n"],
             "prompt_per_second": statistics.median(t["prompt_per_second"] for t in got),
-            "predicted_per_second": statistics.median(t["predicted_per_second"] for t in got)}
+            "predicted_per_second": statistics.median(t["predicted_per_second"] for t in got),
+        }
     return result
 
 
@@ -110,11 +138,14 @@ def print_table(result: dict) -> None:
         if "crashed" in row:
             print(f"{name:<10} crashed: {row['crashed']}")
         else:
-            print(f"{name:<10} {row['prompt_per_second']:>13.1f} "
-                  f"{row['predicted_per_second']:>10.1f}")
+            print(
+                f"{name:<10} {row['prompt_per_second']:>13.1f} {row['predicted_per_second']:>10.1f}"
+            )
     if "ratio" in result:
-        print(f"portable / native: prompt {result['ratio']['prompt']:.2f}, "
-              f"generation {result['ratio']['generation']:.2f}")
+        print(
+            f"portable / native: prompt {result['ratio']['prompt']:.2f}, "
+            f"generation {result['ratio']['generation']:.2f}"
+        )
 
 
 def main() -> None:
@@ -127,16 +158,21 @@ def main() -> None:
     if not portable.exists() or not model.exists():
         print("no portable llama-server or demo model: run `make bootstrap`", file=sys.stderr)
         sys.exit(2)
-    result: dict = {"runs": args.runs, "threads": args.threads,
-                    "portable_flags": [f for f in bootstrap.llama_cmake_flags() if "GGML" in f]}
-    result.update(measure({"portable": portable, "native": native_binary()}, model,
-                          args.runs, args.threads))
+    result: dict = {
+        "runs": args.runs,
+        "threads": args.threads,
+        "portable_flags": [f for f in bootstrap.llama_cmake_flags() if "GGML" in f],
+    }
+    result.update(
+        measure({"portable": portable, "native": native_binary()}, model, args.runs, args.threads)
+    )
     if "crashed" not in result["portable"] and "crashed" not in result["native"]:
         result["ratio"] = {
             "prompt": result["portable"]["prompt_per_second"]
             / result["native"]["prompt_per_second"],
             "generation": result["portable"]["predicted_per_second"]
-            / result["native"]["predicted_per_second"]}
+            / result["native"]["predicted_per_second"],
+        }
     if args.output == "json":
         print(json.dumps(result, indent=2))
     else:

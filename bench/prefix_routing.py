@@ -67,8 +67,24 @@ from devcluster.bootstrap import BIN
 
 MODEL = "prefix-bench"
 STRATEGIES = ("least-outstanding", "prefix")
-WORDS = ("cache", "replica", "token", "prefix", "router", "model", "slot", "prompt", "server",
-         "nomad", "consul", "health", "stream", "answer", "question", "turn")
+WORDS = (
+    "cache",
+    "replica",
+    "token",
+    "prefix",
+    "router",
+    "model",
+    "slot",
+    "prompt",
+    "server",
+    "nomad",
+    "consul",
+    "health",
+    "stream",
+    "answer",
+    "question",
+    "turn",
+)
 
 
 def sentence(rng: random.Random, words: int) -> str:
@@ -85,18 +101,38 @@ class Run:
         self.ids = [f"{name}-{i}" for i in range(2)]
         self.procs: list[subprocess.Popen] = [
             children.spawn(
-                [str(BIN / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
-                 str(port), "-c", "16384", "--parallel", "4", "--threads", "1"],
+                [
+                    str(BIN / "llama-server"),
+                    "-m",
+                    str(model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "-c",
+                    "16384",
+                    "--parallel",
+                    "4",
+                    "--threads",
+                    "1",
+                ],
                 f"llama-server-{service_id}",
             )
             for port, service_id in zip(self.ports, self.ids, strict=True)
         ]
         for port, service_id in zip(self.ports, self.ids, strict=True):
-            wait_for(lambda p=port: http("GET", f"http://127.0.0.1:{p}/health") != b"", 60,
-                     f"llama-server {service_id}")
-            service = {"ID": service_id, "Name": f"llmgw-{MODEL}", "Address": "127.0.0.1",
-                       "Port": port,
-                       "Check": {"HTTP": f"http://127.0.0.1:{port}/health", "Interval": "1s"}}
+            wait_for(
+                lambda p=port: http("GET", f"http://127.0.0.1:{p}/health") != b"",
+                60,
+                f"llama-server {service_id}",
+            )
+            service = {
+                "ID": service_id,
+                "Name": f"llmgw-{MODEL}",
+                "Address": "127.0.0.1",
+                "Port": port,
+                "Check": {"HTTP": f"http://127.0.0.1:{port}/health", "Interval": "1s"},
+            }
             http("PUT", f"{consul}/v1/agent/service/register", json.dumps(service).encode())
         define_model(consul, MODEL)
 
@@ -108,14 +144,33 @@ class Run:
             proc.wait(10)
 
 
-def start_router(children: Children, consul_port: int, strategy: str, name: str
-                 ) -> tuple[str, subprocess.Popen]:
+def start_router(
+    children: Children, consul_port: int, strategy: str, name: str
+) -> tuple[str, subprocess.Popen]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LLMGW_ACTIVATION": "0",
-           "LLMGW_ROUTING": strategy}
-    proc = children.spawn([sys.executable, "-m", "router", "serve", "--port", str(port),
-                           "--consul-addr", f"127.0.0.1:{consul_port}", "--log-level",
-                           "warning"], f"router-{name}", cwd=REPO, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "LLMGW_ACTIVATION": "0",
+        "LLMGW_ROUTING": strategy,
+    }
+    proc = children.spawn(
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "serve",
+            "--port",
+            str(port),
+            "--consul-addr",
+            f"127.0.0.1:{consul_port}",
+            "--log-level",
+            "warning",
+        ],
+        f"router-{name}",
+        cwd=REPO,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def routes() -> bool:
@@ -130,8 +185,13 @@ def start_router(children: Children, consul_port: int, strategy: str, name: str
 
 async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> dict:
     """One streamed chat turn: time to first token, the reply, prompt and cached tokens."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": 16, "stream": True,
-            "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 16,
+        "stream": True,
+        "temperature": 0,
+    }
     started = time.perf_counter()
     first: float | None = None
     text, timings = [], {}
@@ -152,23 +212,40 @@ async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict]) -
     if not timings:
         raise RuntimeError("no timings in the stream's last chunk")
     cached = timings.get("cache_n", 0)
-    return {"ttft_s": first if first is not None else time.perf_counter() - started,
-            "reply": "".join(text) or "ok", "prompt_tokens": timings["prompt_n"] + cached,
-            "cached_tokens": cached}
+    return {
+        "ttft_s": first if first is not None else time.perf_counter() - started,
+        "reply": "".join(text) or "ok",
+        "prompt_tokens": timings["prompt_n"] + cached,
+        "cached_tokens": cached,
+    }
 
 
-async def conversation(session: aiohttp.ClientSession, url: str, system: str, index: int,
-                       turns: int, document_words: int, rng: random.Random) -> list[dict]:
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": f"Conversation {index}. About this document: "
-                 + sentence(rng, document_words)}]
+async def conversation(
+    session: aiohttp.ClientSession,
+    url: str,
+    system: str,
+    index: int,
+    turns: int,
+    document_words: int,
+    rng: random.Random,
+) -> list[dict]:
+    messages = [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": f"Conversation {index}. About this document: "
+            + sentence(rng, document_words),
+        },
+    ]
     results = []
     for n in range(turns):
         result = await turn(session, url, messages)
         result["turn"] = n + 1
         results.append(result)
-        messages += [{"role": "assistant", "content": result["reply"]},
-                     {"role": "user", "content": sentence(rng, 12)}]
+        messages += [
+            {"role": "assistant", "content": result["reply"]},
+            {"role": "user", "content": sentence(rng, 12)},
+        ]
         await asyncio.sleep(rng.uniform(0.0, 0.2))  # a person reads, then types
     return results
 
@@ -178,10 +255,20 @@ async def workload(url: str, args: argparse.Namespace, seed: int) -> list[dict]:
     system = f"Run {seed}. You answer questions about documents. " + sentence(rng, 12)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        runs = await asyncio.gather(*(
-            conversation(session, url, system, i, args.turns, args.document_words,
-                         random.Random(seed * 1000 + i))
-            for i in range(args.conversations)))
+        runs = await asyncio.gather(
+            *(
+                conversation(
+                    session,
+                    url,
+                    system,
+                    i,
+                    args.turns,
+                    args.document_words,
+                    random.Random(seed * 1000 + i),
+                )
+                for i in range(args.conversations)
+            )
+        )
     return [r for run in runs for r in run]
 
 
@@ -211,16 +298,22 @@ def measure(args: argparse.Namespace) -> dict:
             try:
                 consul_port = free_port()
                 consul = children.consul(consul_port)
-                model = write_tiny_gguf(Path(workdir) / "model.gguf", width=args.width,
-                                        layers=args.layers)
+                model = write_tiny_gguf(
+                    Path(workdir) / "model.gguf", width=args.width, layers=args.layers
+                )
             except Exception as exc:
                 print(f"setup failed: {exc}", file=sys.stderr)
                 print(json.dumps(children.logs(), indent=1), file=sys.stderr)
                 sys.exit(2)
-            result: dict = {"conversations": args.conversations, "turns": args.turns,
-                            "rounds": args.rounds,
-                            "model": f"tiny {args.width}x{args.layers}", "replicas": 2,
-                            "slots_per_replica": 4, "cpus": os.cpu_count()}
+            result: dict = {
+                "conversations": args.conversations,
+                "turns": args.turns,
+                "rounds": args.rounds,
+                "model": f"tiny {args.width}x{args.layers}",
+                "replicas": 2,
+                "slots_per_replica": 4,
+                "cpus": os.cpu_count(),
+            }
             results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
             # A B B A ...: the machine's load drifts, and each order gets it alike.
             schedule = [STRATEGIES[::-1] if r % 2 else STRATEGIES for r in range(args.rounds)]
@@ -245,15 +338,19 @@ def measure(args: argparse.Namespace) -> dict:
         finally:
             children.close()
     lo, px = result["least-outstanding"], result["prefix"]
-    result["met"] = {"more_cached": px["cached_tokens"] > lo["cached_tokens"],
-                     "lower_ttft": px["ttft_mean_s"] < lo["ttft_mean_s"]}
+    result["met"] = {
+        "more_cached": px["cached_tokens"] > lo["cached_tokens"],
+        "lower_ttft": px["ttft_mean_s"] < lo["ttft_mean_s"],
+    }
     return result
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['conversations']} chats x {r['turns']} turns, {r['rounds']} rounds per "
-          f"strategy, 2 replicas of {r['model']} ({r['slots_per_replica']} slots each), "
-          f"{r['cpus']} CPUs")
+    print(
+        f"{r['conversations']} chats x {r['turns']} turns, {r['rounds']} rounds per "
+        f"strategy, 2 replicas of {r['model']} ({r['slots_per_replica']} slots each), "
+        f"{r['cpus']} CPUs"
+    )
     print(f"{'':<34} {'least-outstanding':>18} {'prefix':>10}")
     lo, px = r["least-outstanding"], r["prefix"]
     rows = [
@@ -272,11 +369,19 @@ def print_table(r: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--document-words", type=int, default=120,
-                        help="length of each chat's first message (its own context)")
+    parser.add_argument(
+        "--document-words",
+        type=int,
+        default=120,
+        help="length of each chat's first message (its own context)",
+    )
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs of each strategy, alternating (A B, then B A, ...)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of each strategy, alternating (A B, then B A, ...)",
+    )
     parser.add_argument("--width", type=int, default=256, help="model width")
     parser.add_argument("--layers", type=int, default=4, help="model layers")
     parser.add_argument("--output", choices=("table", "json"), default="table")

@@ -206,7 +206,6 @@ def print_table(r: dict) -> None:
     )
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="sequential, 1 connection")

@@ -66,8 +66,14 @@ from _support import (
 )
 
 MODEL = "bench"
-TARGETS = {"p50_added_ms": 0.3, "p99_added_ms": 2.0, "router_rps": 3000.0, "rss_mb": 100.0,
-           "rps_ratio": 1.0, "p99_16_ratio": 1.0}
+TARGETS = {
+    "p50_added_ms": 0.3,
+    "p99_added_ms": 2.0,
+    "router_rps": 3000.0,
+    "rss_mb": 100.0,
+    "rps_ratio": 1.0,
+    "p99_16_ratio": 1.0,
+}
 
 STUB_BODY = json.dumps(
     {
@@ -147,8 +153,14 @@ class Cluster(Children):
     def start(self) -> None:
         self.spawn([sys.executable, __file__, "--serve-stub", str(self.stub_port)], "stub")
         self.spawn(
-            [sys.executable, str(Path(__file__).with_name("forwarder.py")), "--port",
-             str(self.forwarder_port), "--upstream", f"http://127.0.0.1:{self.stub_port}"],
+            [
+                sys.executable,
+                str(Path(__file__).with_name("forwarder.py")),
+                "--port",
+                str(self.forwarder_port),
+                "--upstream",
+                f"http://127.0.0.1:{self.stub_port}",
+            ],
             "forwarder",
         )
         consul = self.consul(self.consul_port)
@@ -174,8 +186,14 @@ class Cluster(Children):
 
 
 def latency(direct_port: int, router_port: int, forwarder_port: int, requests: int) -> dict:
-    clients = {name: RawClient(port, REQUEST_BODY) for name, port in
-               (("direct", direct_port), ("router", router_port), ("forwarder", forwarder_port))}
+    clients = {
+        name: RawClient(port, REQUEST_BODY)
+        for name, port in (
+            ("direct", direct_port),
+            ("router", router_port),
+            ("forwarder", forwarder_port),
+        )
+    }
     for _ in range(200):  # warm every path (pool, caches)
         for client in clients.values():
             client.roundtrip()
@@ -185,19 +203,23 @@ def latency(direct_port: int, router_port: int, forwarder_port: int, requests: i
             times[name].append(client.roundtrip())
     ms = 1000.0
     d = times["direct"]
-    result: dict = {"requests_each": requests,
-                    "direct_p50_ms": percentile(d, 0.5) * ms,
-                    "direct_p99_ms": percentile(d, 0.99) * ms}
+    result: dict = {
+        "requests_each": requests,
+        "direct_p50_ms": percentile(d, 0.5) * ms,
+        "direct_p99_ms": percentile(d, 0.99) * ms,
+    }
     for name in ("router", "forwarder"):
         r = times[name]
         prefix = "" if name == "router" else "forwarder_"
-        result.update({
-            f"{name}_p50_ms": percentile(r, 0.5) * ms,
-            f"{name}_p99_ms": percentile(r, 0.99) * ms,
-            f"{prefix}p50_added_ms": (percentile(r, 0.5) - percentile(d, 0.5)) * ms,
-            f"{prefix}p99_added_ms": (percentile(r, 0.99) - percentile(d, 0.99)) * ms,
-            f"{prefix}mean_added_ms": (statistics.fmean(r) - statistics.fmean(d)) * ms,
-        })
+        result.update(
+            {
+                f"{name}_p50_ms": percentile(r, 0.5) * ms,
+                f"{name}_p99_ms": percentile(r, 0.99) * ms,
+                f"{prefix}p50_added_ms": (percentile(r, 0.5) - percentile(d, 0.5)) * ms,
+                f"{prefix}p99_added_ms": (percentile(r, 0.99) - percentile(d, 0.99)) * ms,
+                f"{prefix}mean_added_ms": (statistics.fmean(r) - statistics.fmean(d)) * ms,
+            }
+        )
     return result
 
 
@@ -277,8 +299,11 @@ def throughput(cluster: Cluster, args: argparse.Namespace, workdir: str) -> dict
     forwarder in alternating rounds; the router's CPU per request."""
     assert cluster.router is not None
     generator = "wrk" if shutil.which("wrk") else "python-aiohttp"
-    result: dict = {"load_generator": generator, "connections": args.connections,
-                    "rounds": args.rounds}
+    result: dict = {
+        "load_generator": generator,
+        "connections": args.connections,
+        "rounds": args.rounds,
+    }
     seconds, done, lat = load(args, cluster.stub_port, workdir, generator)
     result["direct_rps"] = done / seconds
     result["direct_p99_16_ms"] = percentile(lat, 0.99) * 1000
@@ -297,8 +322,9 @@ def throughput(cluster: Cluster, args: argparse.Namespace, workdir: str) -> dict
         latencies = [x for _, _, lat in loads for x in lat]
         result[f"{name}_rps"] = sum(d for _, d, _ in loads) / sum(s for s, _, _ in loads)
         # wrk gives one p99 per run: the worst of them stands for the whole.
-        result[f"{name}_p99_16_ms"] = (percentile(latencies, 0.99) if generator != "wrk"
-                                       else max(latencies)) * 1000
+        result[f"{name}_p99_16_ms"] = (
+            percentile(latencies, 0.99) if generator != "wrk" else max(latencies)
+        ) * 1000
     # CPU the router spent per request: the figure contention does not bend.
     result["router_cpu_us_per_request"] = router_cpu / max(router_requests, 1) * 1e6
     result["rps_ratio"] = result["router_rps"] / result["forwarder_rps"]
@@ -316,8 +342,11 @@ def measure(args: argparse.Namespace) -> dict:
                 logs = json.dumps(cluster.logs(), indent=1)
                 raise SystemExit(f"setup failed: {exc}\n{logs}") from exc
             result: dict = {"cpus": os.cpu_count()}
-            result.update(latency(cluster.stub_port, cluster.router_port,
-                                  cluster.forwarder_port, args.requests))
+            result.update(
+                latency(
+                    cluster.stub_port, cluster.router_port, cluster.forwarder_port, args.requests
+                )
+            )
             result.update(throughput(cluster, args, workdir))
             assert cluster.router is not None
             result["rss_mb"] = rss_mb(cluster.router.pid)
@@ -339,17 +368,42 @@ def measure(args: argparse.Namespace) -> dict:
 def print_table(r: dict) -> None:
     n = r["connections"]
     rows = [
-        ("added latency p50, 1 conn", f"{r['p50_added_ms']:.3f} ms",
-         f"{r['forwarder_p50_added_ms']:.3f} ms", "<= 0.3 ms", "p50_added_ms"),
-        ("added latency p99, 1 conn", f"{r['p99_added_ms']:.3f} ms",
-         f"{r['forwarder_p99_added_ms']:.3f} ms", "<= 2 ms", "p99_added_ms"),
-        (f"req/s, {n} conn", f"{r['router_rps']:,.0f}", f"{r['forwarder_rps']:,.0f}",
-         ">= 3,000", "router_rps"),
-        (f"p99, {n} conn", f"{r['router_p99_16_ms']:.2f} ms",
-         f"{r['forwarder_p99_16_ms']:.2f} ms", "", None),
+        (
+            "added latency p50, 1 conn",
+            f"{r['p50_added_ms']:.3f} ms",
+            f"{r['forwarder_p50_added_ms']:.3f} ms",
+            "<= 0.3 ms",
+            "p50_added_ms",
+        ),
+        (
+            "added latency p99, 1 conn",
+            f"{r['p99_added_ms']:.3f} ms",
+            f"{r['forwarder_p99_added_ms']:.3f} ms",
+            "<= 2 ms",
+            "p99_added_ms",
+        ),
+        (
+            f"req/s, {n} conn",
+            f"{r['router_rps']:,.0f}",
+            f"{r['forwarder_rps']:,.0f}",
+            ">= 3,000",
+            "router_rps",
+        ),
+        (
+            f"p99, {n} conn",
+            f"{r['router_p99_16_ms']:.2f} ms",
+            f"{r['forwarder_p99_16_ms']:.2f} ms",
+            "",
+            None,
+        ),
         ("req/s router / forwarder", f"{r['rps_ratio']:.2f}", "", ">= 1.0", "rps_ratio"),
-        (f"p99 {n} conn router / forwarder", f"{r['p99_16_ratio']:.2f}", "", "<= 1.0",
-         "p99_16_ratio"),
+        (
+            f"p99 {n} conn router / forwarder",
+            f"{r['p99_16_ratio']:.2f}",
+            "",
+            "<= 1.0",
+            "p99_16_ratio",
+        ),
         ("router CPU per request", f"{r['router_cpu_us_per_request']:.0f} us", "", "", None),
         ("router RSS", f"{r['rss_mb']:.1f} MB", "", "<= 100 MB", "rss_mb"),
     ]
@@ -370,8 +424,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000, help="pairs at 1 connection")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per RPS run")
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating router / forwarder runs at --connections")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternating router / forwarder runs at --connections"
+    )
     parser.add_argument("--output", choices=("table", "json"), default="table")
     parser.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -104,8 +104,9 @@ class Observer:
         self.listed: set[str] = set()
         self.max_consul_connections = 0
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=f, daemon=True)
-                         for f in (self._watch_kv, self._poll_router)]
+        self._threads = [
+            threading.Thread(target=f, daemon=True) for f in (self._watch_kv, self._poll_router)
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -139,9 +140,9 @@ class Observer:
                     for name in names - self.listed:
                         self.listed_at.setdefault(name, now)
                     self.listed = names
-            self.max_consul_connections = max(self.max_consul_connections,
-                                              consul_connections(self.router_pid,
-                                                                 self.consul_port))
+            self.max_consul_connections = max(
+                self.max_consul_connections, consul_connections(self.router_pid, self.consul_port)
+            )
             time.sleep(POLL_S)
 
 
@@ -176,14 +177,25 @@ class Bench:
         self.observer: Observer | None = None
 
     def planner(self, *args: str) -> dict:
-        env = {**os.environ, **self.cluster.env, "PYTHONPATH": str(REPO),
-               "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
-               "LLMGW_MODELS_ROOT": str(self.workdir)}
-        done = subprocess.run([sys.executable, "-m", "planner.cli.main", *args, "--output", "json"],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        env = {
+            **os.environ,
+            **self.cluster.env,
+            "PYTHONPATH": str(REPO),
+            "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+            "LLMGW_MODELS_ROOT": str(self.workdir),
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", *args, "--output", "json"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"planner {args[0]} failed:\n{done.stdout[-2000:]}"
-                               f"{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"planner {args[0]} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
         return json.loads(done.stdout)
 
     def write(self, folder: Path, names: list[str]) -> Path:
@@ -193,7 +205,8 @@ class Bench:
         for name in names:
             (folder / f"{name}.yaml").write_text(
                 f"name: {name}\nsource: file://{source}\nprofile:\n  {PROFILE}\nreplicas: 1\n"
-                "on_demand:\n  idle_after: 15m\n")
+                "on_demand:\n  idle_after: 15m\n"
+            )
         return folder
 
     def setup(self) -> None:
@@ -201,21 +214,41 @@ class Bench:
         self.stub = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
         threading.Thread(target=self.stub.serve_forever, daemon=True).start()
         router = self.children.spawn(
-            [sys.executable, "-m", "router", "serve", "--port",
-             self.router_url.rsplit(":", 1)[1], "--consul-addr",
-             f"127.0.0.1:{self.cluster.consul_http_port}", "--log-level", "warning"],
-            "router", env={**os.environ, "PYTHONPATH": str(REPO), "LLMGW_ACTIVATION": "0",
-                           "LLMGW_REPLICA_CONCURRENCY": "64"}, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "serve",
+                "--port",
+                self.router_url.rsplit(":", 1)[1],
+                "--consul-addr",
+                f"127.0.0.1:{self.cluster.consul_http_port}",
+                "--log-level",
+                "warning",
+            ],
+            "router",
+            env={
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "LLMGW_ACTIVATION": "0",
+                "LLMGW_REPLICA_CONCURRENCY": "64",
+            },
+            cwd=REPO,
+        )
         wait_for(lambda: call("GET", f"{self.router_url}/health")[0] == 200, 30, "router")
-        self.observer = Observer(self.cluster.consul_addr, self.router_url, router.pid,
-                                 self.cluster.consul_http_port)
+        self.observer = Observer(
+            self.cluster.consul_addr, self.router_url, router.pid, self.cluster.consul_http_port
+        )
         self.observer.start()
 
     def known_latencies(self, names: list[str], timeout: float) -> list[float]:
         obs = self.observer
         assert obs is not None
-        wait_for(lambda: all(n in obs.listed_at and n in obs.kv_seen for n in names), timeout,
-                 f"the router to list {len(names)} models")
+        wait_for(
+            lambda: all(n in obs.listed_at and n in obs.kv_seen for n in names),
+            timeout,
+            f"the router to list {len(names)} models",
+        )
         return [max(0.0, obs.listed_at[n] - obs.kv_seen[n]) for n in names]
 
     def apply_all(self) -> dict:
@@ -223,8 +256,11 @@ class Bench:
         self.planner("apply", str(self.write(self.workdir / "models", self.names)))
         applied_s = time.monotonic() - started
         known = self.known_latencies(self.names, 120)
-        return {"apply_s": applied_s, "known_p50_s": percentile(known, 0.5),
-                "known_max_s": max(known)}
+        return {
+            "apply_s": applied_s,
+            "known_p50_s": percentile(known, 0.5),
+            "known_max_s": max(known),
+        }
 
     def until_routed(self, model: str, routed: bool, started: float, timeout: float = 30) -> float:
         """Seconds from ``started`` until a request for ``model`` is (or is not) routed."""
@@ -240,9 +276,13 @@ class Bench:
         consul = self.cluster.consul_addr
         added, removed = [], []
         for model in self.names[:: max(1, len(self.names) // count)][:count]:
-            service = {"ID": f"bench-{model}", "Name": f"llmgw-{model}", "Address": "127.0.0.1",
-                       "Port": self.stub.server_address[1],
-                       "Check": {"CheckID": f"bench-{model}", "TTL": "10m", "Status": "passing"}}
+            service = {
+                "ID": f"bench-{model}",
+                "Name": f"llmgw-{model}",
+                "Address": "127.0.0.1",
+                "Port": self.stub.server_address[1],
+                "Check": {"CheckID": f"bench-{model}", "TTL": "10m", "Status": "passing"},
+            }
             started = time.monotonic()
             call("PUT", f"{consul}/v1/agent/service/register", service)
             added.append(self.until_routed(model, True, started))
@@ -250,10 +290,13 @@ class Bench:
             call("PUT", f"{consul}/v1/agent/check/fail/bench-{model}")
             removed.append(self.until_routed(model, False, started))
             call("PUT", f"{consul}/v1/agent/service/deregister/bench-{model}")
-        return {"endpoint_changes": count,
-                "endpoint_added_p50_s": percentile(added, 0.5), "endpoint_added_max_s": max(added),
-                "endpoint_removed_p50_s": percentile(removed, 0.5),
-                "endpoint_removed_max_s": max(removed)}
+        return {
+            "endpoint_changes": count,
+            "endpoint_added_p50_s": percentile(added, 0.5),
+            "endpoint_added_max_s": max(added),
+            "endpoint_removed_p50_s": percentile(removed, 0.5),
+            "endpoint_removed_max_s": max(removed),
+        }
 
     def prune_and_late(self) -> dict:
         obs = self.observer
@@ -269,8 +312,11 @@ class Bench:
         self.write(keep, ["scale-late"])
         self.planner("apply", str(keep))
         [late] = self.known_latencies(["scale-late"], 60)
-        return {"prune_apply_s": pruned_s, "all_pruned_gone_after_s": gone_s,
-                "late_model_known_s": late}
+        return {
+            "prune_apply_s": pruned_s,
+            "all_pruned_gone_after_s": gone_s,
+            "late_model_known_s": late,
+        }
 
 
 def measure(args: argparse.Namespace) -> dict:

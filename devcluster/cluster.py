@@ -74,8 +74,20 @@ from devcluster.nodes import (
     nomad_data,
 )
 
-__all__ = ["MAX_CLIENTS", "AclTokens", "ClientNode", "Cluster", "FakeGpus", "TlsFiles",
-           "client_context", "down", "free_offset", "leftovers", "status", "up"]
+__all__ = [
+    "MAX_CLIENTS",
+    "AclTokens",
+    "ClientNode",
+    "Cluster",
+    "FakeGpus",
+    "TlsFiles",
+    "client_context",
+    "down",
+    "free_offset",
+    "leftovers",
+    "status",
+    "up",
+]
 
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset"), Path("/sys/fs/cgroup"))  # v1 cpuset, v2
 
@@ -95,8 +107,12 @@ def _headers(cluster: Cluster) -> dict[str, str]:
     return cluster.acl.headers if cluster.acl is not None else {}
 
 
-def _get_json(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None,
-              headers: Mapping[str, str] | None = None) -> object:
+def _get_json(
+    url: str,
+    timeout: float = 2.0,
+    context: ssl.SSLContext | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> object:
     request = urllib.request.Request(url, headers=dict(headers or {}))
     with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
         return json.load(response)
@@ -108,16 +124,17 @@ def _bootstrap_nomad_acl(cluster: Cluster, acl: AclTokens) -> bool:
     has a leader."""
     context = client_context(cluster)
     request = urllib.request.Request(
-        f"{cluster.nomad_addr}/v1/acl/bootstrap", method="POST",
-        data=json.dumps({"BootstrapSecret": acl.nomad}).encode())
+        f"{cluster.nomad_addr}/v1/acl/bootstrap",
+        method="POST",
+        data=json.dumps({"BootstrapSecret": acl.nomad}).encode(),
+    )
     try:
         urllib.request.urlopen(request, timeout=5, context=context).close()
         return True
     except urllib.error.HTTPError as exc:
         if exc.code != 400:  # 400: bootstrap already done
             raise OSError(f"ACL bootstrap: HTTP {exc.code}: {exc.read().decode()}") from None
-    _get_json(f"{cluster.nomad_addr}/v1/acl/token/self", context=context,
-              headers=_headers(cluster))
+    _get_json(f"{cluster.nomad_addr}/v1/acl/token/self", context=context, headers=_headers(cluster))
     return True
 
 
@@ -170,23 +187,35 @@ def _running_pid(cluster: Cluster, agent: str) -> int | None:
     return pid if _alive(pid) else None
 
 
-def _start(cluster: Cluster, agent: str, argv: list[str], port: int,
-           env: Mapping[str, str] | None = None, config: tuple[Path, str] | None = None) -> None:
+def _start(
+    cluster: Cluster,
+    agent: str,
+    argv: list[str],
+    port: int,
+    env: Mapping[str, str] | None = None,
+    config: tuple[Path, str] | None = None,
+) -> None:
     """Start `agent` (after writing its config file) unless it is already running."""
     if _running_pid(cluster, agent) is not None:
         return
     if _port_taken(port):
-        raise OSError(f"{agent}: 127.0.0.1:{port} is already in use, by an agent this "
-                      f"cluster ({cluster.root}) did not start; stop it first")
+        raise OSError(
+            f"{agent}: 127.0.0.1:{port} is already in use, by an agent this "
+            f"cluster ({cluster.root}) did not start; stop it first"
+        )
     if config is not None:
         config[0].parent.mkdir(parents=True, exist_ok=True)
         config[0].write_text(config[1])
     with cluster.log(agent).open("ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     cluster.pidfile(agent).write_text(str(proc.pid))
-
 
 
 def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None = None) -> None:
@@ -204,52 +233,95 @@ def up(cluster: Cluster, timeout: float = 60.0, extra_env: dict[str, str] | None
     fresh = _running_pid(cluster, "nomad") is None
     headers = _headers(cluster)
     _start(cluster, "consul", consul_argv(cluster), cluster.consul_http_port)
-    _wait("consul", lambda: _has_leader(cluster.consul_addr, cluster.node_name, context,
-                                        headers), timeout, cluster.log("consul"))
+    _wait(
+        "consul",
+        lambda: _has_leader(cluster.consul_addr, cluster.node_name, context, headers),
+        timeout,
+        cluster.log("consul"),
+    )
     config = cluster.root / "nomad.hcl"
-    _start(cluster, "nomad", [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
-           cluster.nomad_http_port, env, (config, nomad_config(cluster)))
+    _start(
+        cluster,
+        "nomad",
+        [str(BIN / "nomad"), "agent", "-dev", "-config", str(config)],
+        cluster.nomad_http_port,
+        env,
+        (config, nomad_config(cluster)),
+    )
     for node in cluster.clients:
-        _start(cluster, f"consul-{node.name}", consul_client_argv(cluster, node),
-               client_ports(cluster, node)["consul_http"])
+        _start(
+            cluster,
+            f"consul-{node.name}",
+            consul_client_argv(cluster, node),
+            client_ports(cluster, node)["consul_http"],
+        )
     if (acl := cluster.acl) is not None:
-        _wait("nomad ACL bootstrap", lambda: _bootstrap_nomad_acl(cluster, acl), timeout,
-              cluster.log("nomad"))
+        _wait(
+            "nomad ACL bootstrap",
+            lambda: _bootstrap_nomad_acl(cluster, acl),
+            timeout,
+            cluster.log("nomad"),
+        )
     # Client nodes start once the server has a leader: a Nomad client that finds
     # no server waits 15 s before it tries to register again.
-    _wait("nomad server", lambda: _has_leader(cluster.nomad_addr, cluster.node_name, context,
-                                              headers), timeout, cluster.log("nomad"))
+    _wait(
+        "nomad server",
+        lambda: _has_leader(cluster.nomad_addr, cluster.node_name, context, headers),
+        timeout,
+        cluster.log("nomad"),
+    )
     for node in cluster.clients:
         _start_nomad_client(cluster, node, env, timeout, fresh)
-    _wait("nomad node", lambda: _node_ready(cluster, cluster.node_name), timeout,
-          cluster.log("nomad"))
+    _wait(
+        "nomad node", lambda: _node_ready(cluster, cluster.node_name), timeout, cluster.log("nomad")
+    )
     for node in cluster.clients:
-        _wait(f"nomad node {node.name}", lambda node=node: _client_node_ready(cluster, node),
-              timeout, cluster.log(f"nomad-{node.name}"))
+        _wait(
+            f"nomad node {node.name}",
+            lambda node=node: _client_node_ready(cluster, node),
+            timeout,
+            cluster.log(f"nomad-{node.name}"),
+        )
 
 
-def _start_nomad_client(cluster: Cluster, node: ClientNode, env: Mapping[str, str],
-                        timeout: float, fresh: bool) -> None:
+def _start_nomad_client(
+    cluster: Cluster, node: ClientNode, env: Mapping[str, str], timeout: float, fresh: bool
+) -> None:
     """Start a client node's Nomad agent once its Consul agent has joined; with a
     `fresh` (in-memory, so empty) server, from an empty data_dir: the node's old
     state describes a cluster that is gone, and delays its readiness by 5-12 s."""
     ports = client_ports(cluster, node)
     if node.gpus is not None and not FAKE_GPU.exists():
-        raise FileNotFoundError(f"node {node.name} has fake GPUs, but {FAKE_GPU} is missing: "
-                                "run `python3 -m devcluster.bootstrap` first")
+        raise FileNotFoundError(
+            f"node {node.name} has fake GPUs, but {FAKE_GPU} is missing: "
+            "run `python3 -m devcluster.bootstrap` first"
+        )
     if fresh and _running_pid(cluster, f"nomad-{node.name}") is None:
         _unmount(nomad_data(cluster, node))
         shutil.rmtree(nomad_data(cluster, node), ignore_errors=True)
-    _wait(f"consul agent {node.name}",
-          lambda: _has_leader(f"http://127.0.0.1:{ports['consul_http']}", node.name), timeout,
-          cluster.log(f"consul-{node.name}"))
+    _wait(
+        f"consul agent {node.name}",
+        lambda: _has_leader(f"http://127.0.0.1:{ports['consul_http']}", node.name),
+        timeout,
+        cluster.log(f"consul-{node.name}"),
+    )
     config = cluster.root / f"nomad-{node.name}.hcl"
-    _start(cluster, f"nomad-{node.name}", [str(BIN / "nomad"), "agent", "-config", str(config)],
-           ports["nomad_http"], {**env, **node.env}, (config, nomad_client_config(cluster, node)))
+    _start(
+        cluster,
+        f"nomad-{node.name}",
+        [str(BIN / "nomad"), "agent", "-config", str(config)],
+        ports["nomad_http"],
+        {**env, **node.env},
+        (config, nomad_client_config(cluster, node)),
+    )
 
 
-def _check_ours(addr: str, name: str, context: ssl.SSLContext | None = None,
-                headers: Mapping[str, str] | None = None) -> None:
+def _check_ours(
+    addr: str,
+    name: str,
+    context: ssl.SSLContext | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> None:
     """Raise OSError unless the agent answering at `addr` (Consul or Nomad) is node
     `name`, i.e. ours and not another one holding the port."""
     me = _get_json(f"{addr}/v1/agent/self", context=context, headers=headers)
@@ -258,8 +330,12 @@ def _check_ours(addr: str, name: str, context: ssl.SSLContext | None = None,
         raise OSError(f"{addr} is held by another agent, {config['NodeName']}")
 
 
-def _has_leader(addr: str, name: str, context: ssl.SSLContext | None = None,
-                headers: Mapping[str, str] | None = None) -> bool:
+def _has_leader(
+    addr: str,
+    name: str,
+    context: ssl.SSLContext | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> bool:
     """Ours, and it knows a leader (a Consul client agent only once it has joined)."""
     _check_ours(addr, name, context, headers)
     return bool(_get_json(f"{addr}/v1/status/leader", context=context))
@@ -270,30 +346,38 @@ def _client_node_ready(cluster: Cluster, node: ClientNode) -> bool:
     reaches the server after the node is ready (a GPU job placed before that is
     unplaceable)."""
     _check_ours(f"http://127.0.0.1:{client_ports(cluster, node)['nomad_http']}", node.name)
-    return _node_ready(cluster, node.name) and (node.gpus is None or
-                                                _gpus_listed(cluster, node))
+    return _node_ready(cluster, node.name) and (node.gpus is None or _gpus_listed(cluster, node))
 
 
 def _gpus_listed(cluster: Cluster, node: ClientNode) -> bool:
-    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes?resources=true",
-                      context=client_context(cluster))
+    nodes = _get_json(
+        f"{cluster.nomad_addr}/v1/nodes?resources=true", context=client_context(cluster)
+    )
     for stub in nodes if isinstance(nodes, list) else []:
         if stub.get("Name") != node.name:
             continue
         devices = (stub.get("NodeResources") or {}).get("Devices") or []
-        return any(d.get("Vendor") == "nvidia" and d.get("Type") == "gpu"
-                   and len(d.get("Instances") or []) == node.gpus.count for d in devices)
+        return any(
+            d.get("Vendor") == "nvidia"
+            and d.get("Type") == "gpu"
+            and len(d.get("Instances") or []) == node.gpus.count
+            for d in devices
+        )
     return False
 
 
 def _node_ready(cluster: Cluster, name: str) -> bool:
     """The server lists a node of that name as ready, with raw_exec healthy."""
-    nodes = _get_json(f"{cluster.nomad_addr}/v1/nodes", context=client_context(cluster),
-                      headers=_headers(cluster))
+    nodes = _get_json(
+        f"{cluster.nomad_addr}/v1/nodes", context=client_context(cluster), headers=_headers(cluster)
+    )
     for node in nodes if isinstance(nodes, list) else []:
         drivers = node.get("Drivers") or {}
-        if (node.get("Name") == name and node.get("Status") == "ready"
-                and drivers.get("raw_exec", {}).get("Healthy")):
+        if (
+            node.get("Name") == name
+            and node.get("Status") == "ready"
+            and drivers.get("raw_exec", {}).get("Healthy")
+        ):
             return True
     return False
 
@@ -307,15 +391,16 @@ def _stop_jobs(cluster: Cluster, timeout: float) -> None:
         return
     for job in jobs if isinstance(jobs, list) else []:
         request = urllib.request.Request(
-            f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE",
-            headers=headers)
+            f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE", headers=headers
+        )
         with contextlib.suppress(OSError, urllib.error.URLError):
             urllib.request.urlopen(request, timeout=5, context=context).close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            allocs = _get_json(f"{cluster.nomad_addr}/v1/allocations", context=context,
-                               headers=headers)
+            allocs = _get_json(
+                f"{cluster.nomad_addr}/v1/allocations", context=context, headers=headers
+            )
         except (OSError, urllib.error.URLError, ValueError):
             return
         if not any(a.get("ClientStatus") in ("running", "pending") for a in allocs):  # type: ignore[union-attr]
@@ -362,7 +447,7 @@ def leftovers(root: Path) -> list[int]:
 def _client_names(cluster: Cluster) -> list[str]:
     """Declared client nodes, and any whose agent a pid file shows (started from a
     `Cluster` value that declared more clients than this one)."""
-    started = [p.name[len("nomad-"):-len(".pid")] for p in cluster.root.glob("nomad-*.pid")]
+    started = [p.name[len("nomad-") : -len(".pid")] for p in cluster.root.glob("nomad-*.pid")]
     return sorted({*(node.name for node in cluster.clients), *started})
 
 
@@ -382,8 +467,9 @@ def _unmount(root: Path) -> None:
     stops; a client agent keeps them, to reattach to its tasks when it restarts."""
     needle = str(root.resolve()) + "/"
     with open("/proc/self/mountinfo") as mounts:
-        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
-                  for line in mounts]
+        points = [
+            re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]) for line in mounts
+        ]
     for point in sorted((p for p in points if p.startswith(needle)), key=len, reverse=True):
         subprocess.run(["umount", point], check=False, capture_output=True)
 
@@ -406,6 +492,9 @@ def down(cluster: Cluster, timeout: float = 30.0) -> None:
 def status(cluster: Cluster) -> dict[str, bool]:
     """Which agents of this cluster are running: `consul`, `nomad`, and
     `consul-<node>`, `nomad-<node>` for each client node."""
-    agents = ["consul", "nomad", *(f"{kind}-{node.name}" for node in cluster.clients
-                                   for kind in ("consul", "nomad"))]
+    agents = [
+        "consul",
+        "nomad",
+        *(f"{kind}-{node.name}" for node in cluster.clients for kind in ("consul", "nomad")),
+    ]
     return {agent: _running_pid(cluster, agent) is not None for agent in agents}

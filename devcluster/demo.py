@@ -64,12 +64,17 @@ def admin_token(cluster: Cluster) -> str:
 
 def planner_env(cluster: Cluster) -> dict[str, str]:
     token = admin_token(cluster)
-    return {**os.environ, **cluster.env, "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-            "LLMGW_ADMIN_TOKEN": token, "LLMGW_PLANNER_TOKEN": token,
-            "LLMGW_PLANNER_URL": f"http://127.0.0.1:{PLANNER_PORT}",
-            # Engine installs record node metadata through the agent, not the Task API
-            # socket, whose path under a deep checkout's .run/ can pass 107 bytes.
-            "LLMGW_ENGINE_NOMAD_ADDR": cluster.nomad_addr}
+    return {
+        **os.environ,
+        **cluster.env,
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "LLMGW_ADMIN_TOKEN": token,
+        "LLMGW_PLANNER_TOKEN": token,
+        "LLMGW_PLANNER_URL": f"http://127.0.0.1:{PLANNER_PORT}",
+        # Engine installs record node metadata through the agent, not the Task API
+        # socket, whose path under a deep checkout's .run/ can pass 107 bytes.
+        "LLMGW_ENGINE_NOMAD_ADDR": cluster.nomad_addr,
+    }
 
 
 def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None:
@@ -79,9 +84,14 @@ def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None
         say(f"{name} already running (pid {pidfile.read_text().strip()})")
         return
     with (cluster.root / f"{name}.log").open("ab") as log:
-        proc = subprocess.Popen(argv, env=planner_env(cluster), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=planner_env(cluster),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     pidfile.write_text(str(proc.pid))
     deadline = time.monotonic() + 30
     while True:
@@ -90,21 +100,25 @@ def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None
             break
         except (urllib.error.URLError, ConnectionError) as exc:
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit(f"[demo] {name} did not start: {exc}; see "
-                                 f"{cluster.root / f'{name}.log'}") from exc
+                raise SystemExit(
+                    f"[demo] {name} did not start: {exc}; see {cluster.root / f'{name}.log'}"
+                ) from exc
             time.sleep(0.3)
     say(f"{name} started (pid {proc.pid}, log {cluster.root / f'{name}.log'})")
 
 
 def complete(model: str, timeout: float = 120.0) -> dict:
     """POST /v1/completions through the router, retrying while it has no endpoint yet."""
-    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 24,
-                       "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    ).encode()
     deadline = time.monotonic() + timeout
     while True:
         request = urllib.request.Request(
-            f"http://127.0.0.1:{ROUTER_PORT}/v1/completions", data=body,
-            headers={"Content-Type": "application/json"})
+            f"http://127.0.0.1:{ROUTER_PORT}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return json.load(response)
@@ -124,8 +138,9 @@ def nomad_ui_available(nomad_addr: str) -> bool:
 def llmgw_meta(job: dict) -> dict[str, str]:
     """The job's `llmgw_*` meta, as the Nomad UI's job page lists it (its Meta table,
     from /v1/job/<id>): {key: value}, sorted by key."""
-    return dict(sorted((k, v) for k, v in (job.get("Meta") or {}).items()
-                       if k.startswith(META_PREFIX)))
+    return dict(
+        sorted((k, v) for k, v in (job.get("Meta") or {}).items() if k.startswith(META_PREFIX))
+    )
 
 
 def meta_lines(meta: dict[str, str]) -> list[str]:
@@ -142,8 +157,9 @@ def show_job(cluster: Cluster, job_id: str) -> None:
     """What the Nomad UI would show of a model's job: `nomad job status` and its
     llmgw_* meta (parked: reason, last error, since)."""
     say(f"nomad job status {job_id}  (the Nomad UI's job page, as text)")
-    subprocess.run([str(BIN / "nomad"), "job", "status", job_id], env=planner_env(cluster),
-                   check=False)
+    subprocess.run(
+        [str(BIN / "nomad"), "job", "status", job_id], env=planner_env(cluster), check=False
+    )
     with urllib.request.urlopen(f"{cluster.nomad_addr}/v1/job/{job_id}", timeout=10) as resp:
         meta = llmgw_meta(json.load(resp))
     say("its llmgw_* meta (a parked model's reason and last error are here):")
@@ -162,21 +178,44 @@ def main() -> None:
     if ui:
         say(f"Nomad UI: {cluster.nomad_addr}/ui")
     else:
-        say("Nomad UI: none: this Nomad is built from its Go module without the web UI; "
-            "the demo prints what the UI would show (`nomad job status`, llmgw_* meta)")
+        say(
+            "Nomad UI: none: this Nomad is built from its Go module without the web UI; "
+            "the demo prints what the UI would show (`nomad job status`, llmgw_* meta)"
+        )
     env = planner_env(cluster)
     venv = REPO / ".venv" / "bin"
-    start(cluster, "planner", [str(venv / "planner"), "serve", "--port", str(PLANNER_PORT)],
-          f"http://127.0.0.1:{PLANNER_PORT}/health")
+    start(
+        cluster,
+        "planner",
+        [str(venv / "planner"), "serve", "--port", str(PLANNER_PORT)],
+        f"http://127.0.0.1:{PLANNER_PORT}/health",
+    )
     say("planner engines apply engines/ --wait")
-    subprocess.run([str(venv / "planner"), "engines", "apply", str(REPO / "engines"),
-                    "--wait", "--timeout", "120"], env=env, check=True)
+    subprocess.run(
+        [
+            str(venv / "planner"),
+            "engines",
+            "apply",
+            str(REPO / "engines"),
+            "--wait",
+            "--timeout",
+            "120",
+        ],
+        env=env,
+        check=True,
+    )
     say("planner apply models/ --wait")
-    subprocess.run([str(venv / "planner"), "apply", str(REPO / "models"),
-                    "--wait", "--timeout", "300"], env=env, check=True)
-    start(cluster, "router", [str(venv / "router"), "serve", "--host", "127.0.0.1",
-                              "--port", str(ROUTER_PORT)],
-          f"http://127.0.0.1:{ROUTER_PORT}/health")
+    subprocess.run(
+        [str(venv / "planner"), "apply", str(REPO / "models"), "--wait", "--timeout", "300"],
+        env=env,
+        check=True,
+    )
+    start(
+        cluster,
+        "router",
+        [str(venv / "router"), "serve", "--host", "127.0.0.1", "--port", str(ROUTER_PORT)],
+        f"http://127.0.0.1:{ROUTER_PORT}/health",
+    )
     say(f"asking gemma-3-270m through the router: {PROMPT!r}")
     started = time.monotonic()
     answer = complete("gemma-3-270m")
@@ -191,8 +230,10 @@ def main() -> None:
     say("  nomad job status gemma-3-270m ; consul catalog services")
     say("  .venv/bin/planner status --nodes   # the engines each node has")
     say("  nomad job inspect gemma-3-270m | grep llmgw_   # the meta a parked model carries")
-    say(f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\":\"gemma-3-270m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}}'")
+    say(
+        f"  curl -s 127.0.0.1:{ROUTER_PORT}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model":"gemma-3-270m","prompt":"Once upon a time","max_tokens":32}}\''
+    )
     say("stop it all with: make down")
 
 

@@ -44,14 +44,19 @@ def resolve(python: str = sys.executable) -> list[str]:
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
         pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
         # setuptools: the version pip's isolated build of the wheel will get.
-        subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip", "setuptools"],
-                       check=True)
+        subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip", "setuptools"], check=True)
         subprocess.run([*pip, "install", "--quiet", f"{REPO}[dev]"], check=True)
-        frozen = subprocess.run([*pip, "freeze", "--all"], check=True, capture_output=True,
-                                text=True).stdout
-    return sorted((line for line in frozen.splitlines()
-                   if "==" in line and not line.lower().startswith("llmgw==")),
-                  key=str.lower)
+        frozen = subprocess.run(
+            [*pip, "freeze", "--all"], check=True, capture_output=True, text=True
+        ).stdout
+    return sorted(
+        (
+            line
+            for line in frozen.splitlines()
+            if "==" in line and not line.lower().startswith("llmgw==")
+        ),
+        key=str.lower,
+    )
 
 
 def main() -> None:

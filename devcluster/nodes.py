@@ -171,8 +171,10 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if (self.tls is not None or self.acl is not None) and self.clients:
-            raise ValueError("a TLS or ACL cluster has only its dev node (client nodes "
-                             "would need TLS or tokens in their own agents' configs)")
+            raise ValueError(
+                "a TLS or ACL cluster has only its dev node (client nodes "
+                "would need TLS or tokens in their own agents' configs)"
+            )
         names = [node.name for node in self.clients]
         if len(names) > MAX_CLIENTS:
             raise ValueError(f"at most {MAX_CLIENTS} client nodes, got {len(names)}")
@@ -279,17 +281,32 @@ def cgroup_parent(cluster: Cluster, name: str) -> str:
     return f"/llmgw-{cluster.port_offset}-{name}.slice"
 
 
-
 def consul_argv(cluster: Cluster) -> list[str]:
     o = cluster.port_offset
     return [
-        str(BIN / "consul"), "agent", "-dev", "-node", cluster.node_name,
-        "-bind", "127.0.0.1", "-client", "127.0.0.1",
-        "-http-port", str(8500 + o if cluster.tls is None else -1),
-        "-dns-port", str(8600 + o),
-        "-serf-lan-port", str(8301 + o), "-serf-wan-port", str(8302 + o),
-        "-server-port", str(8300 + o), "-grpc-port", str(8502 + o),
-        *_consul_tls_argv(cluster), *_consul_acl_argv(cluster),
+        str(BIN / "consul"),
+        "agent",
+        "-dev",
+        "-node",
+        cluster.node_name,
+        "-bind",
+        "127.0.0.1",
+        "-client",
+        "127.0.0.1",
+        "-http-port",
+        str(8500 + o if cluster.tls is None else -1),
+        "-dns-port",
+        str(8600 + o),
+        "-serf-lan-port",
+        str(8301 + o),
+        "-serf-wan-port",
+        str(8302 + o),
+        "-server-port",
+        str(8300 + o),
+        "-grpc-port",
+        str(8502 + o),
+        *_consul_tls_argv(cluster),
+        *_consul_acl_argv(cluster),
     ]
 
 
@@ -298,18 +315,25 @@ def _consul_acl_argv(cluster: Cluster) -> list[str]:
     if (acl := cluster.acl) is None:
         return []
     secret = json.dumps(acl.consul)
-    return ["-hcl", f'acl {{ enabled = true  default_policy = "deny"  '
-                    f'enable_token_persistence = false  '
-                    f"tokens {{ master = {secret}  agent = {secret} }} }}"]
+    return [
+        "-hcl",
+        f'acl {{ enabled = true  default_policy = "deny"  '
+        f"enable_token_persistence = false  "
+        f"tokens {{ master = {secret}  agent = {secret} }} }}",
+    ]
 
 
 def _consul_tls_argv(cluster: Cluster) -> list[str]:
     """HTTPS only, on the HTTP port's number, asking every client for a certificate."""
     if (tls := cluster.tls) is None:
         return []
-    lines = [f"ports {{ https = {cluster.consul_http_port} }}", f"ca_file = {_hcl(tls.ca)}",
-             f"cert_file = {_hcl(tls.cert)}", f"key_file = {_hcl(tls.key)}",
-             "verify_incoming_https = true"]
+    lines = [
+        f"ports {{ https = {cluster.consul_http_port} }}",
+        f"ca_file = {_hcl(tls.ca)}",
+        f"cert_file = {_hcl(tls.cert)}",
+        f"key_file = {_hcl(tls.key)}",
+        "verify_incoming_https = true",
+    ]
     return [arg for line in lines for arg in ("-hcl", line)]
 
 
@@ -322,11 +346,13 @@ def _nomad_tls_blocks(cluster: Cluster) -> tuple[str, str]:
     """(the `tls` block, the lines the `consul` block adds) of a TLS dev node."""
     if (tls := cluster.tls) is None:
         return "", ""
-    files = (f"ca_file   = {_hcl(tls.ca)}\n  cert_file = {_hcl(tls.cert)}\n"
-             f"  key_file  = {_hcl(tls.key)}")
-    return (f"tls {{\n  http = true\n  {files}\n  verify_https_client = true\n}}\n",
-            f"  ssl            = true\n  verify_ssl     = true\n  auto_advertise = false\n"
-            f"  {files}\n")
+    files = (
+        f"ca_file   = {_hcl(tls.ca)}\n  cert_file = {_hcl(tls.cert)}\n  key_file  = {_hcl(tls.key)}"
+    )
+    return (
+        f"tls {{\n  http = true\n  {files}\n  verify_https_client = true\n}}\n",
+        f"  ssl            = true\n  verify_ssl     = true\n  auto_advertise = false\n  {files}\n",
+    )
 
 
 def consul_client_argv(cluster: Cluster, node: ClientNode) -> list[str]:
@@ -335,13 +361,31 @@ def consul_client_argv(cluster: Cluster, node: ClientNode) -> list[str]:
     # dev server's serf LAN, retrying every second rather than Consul's 30 s. It
     # skips the graceful leave on SIGINT (4 s): `down` stops its server too.
     return [
-        str(BIN / "consul"), "agent", "-node", node.name, "-disable-host-node-id",
-        "-data-dir", str(cluster.root / f"{node.name}.consul"),
-        "-bind", "127.0.0.1", "-client", "127.0.0.1",
-        "-http-port", str(ports["consul_http"]), "-dns-port", "-1", "-grpc-port", "-1",
-        "-serf-lan-port", str(ports["consul_serf_lan"]),
-        "-retry-join", f"127.0.0.1:{8301 + cluster.port_offset}", "-retry-interval", "1s",
-        "-hcl", "skip_leave_on_interrupt = true",
+        str(BIN / "consul"),
+        "agent",
+        "-node",
+        node.name,
+        "-disable-host-node-id",
+        "-data-dir",
+        str(cluster.root / f"{node.name}.consul"),
+        "-bind",
+        "127.0.0.1",
+        "-client",
+        "127.0.0.1",
+        "-http-port",
+        str(ports["consul_http"]),
+        "-dns-port",
+        "-1",
+        "-grpc-port",
+        "-1",
+        "-serf-lan-port",
+        str(ports["consul_serf_lan"]),
+        "-retry-join",
+        f"127.0.0.1:{8301 + cluster.port_offset}",
+        "-retry-interval",
+        "1s",
+        "-hcl",
+        "skip_leave_on_interrupt = true",
     ]
 
 
@@ -383,10 +427,13 @@ def nomad_config(cluster: Cluster) -> str:
     if cluster.acl is not None:
         acl = "acl {\n  enabled = true\n}\n"
         consul_tls += f"  token = {json.dumps(cluster.acl.consul)}\n"
-    server = "" if cluster.event_buffer_size is None else \
-        f"server {{\n  event_buffer_size = {cluster.event_buffer_size}\n}}\n"
+    server = (
+        ""
+        if cluster.event_buffer_size is None
+        else f"server {{\n  event_buffer_size = {cluster.event_buffer_size}\n}}\n"
+    )
     return f"""
-data_dir  = "{cluster.root / 'nomad'}"
+data_dir  = "{cluster.root / "nomad"}"
 bind_addr = "127.0.0.1"
 name      = "{cluster.node_name}"
 ports {{
@@ -408,10 +455,17 @@ def nomad_client_config(cluster: Cluster, node: ClientNode) -> str:
         f'servers   = ["127.0.0.1:{4647 + cluster.port_offset}"]',
         f'state_dir = "{data / "client"}"',
         f'alloc_dir = "{data / "alloc"}"',
-        *(f"{key} = {value}" for key, value in (("memory_total_mb", node.memory_total_mb),
-                                                 ("cpu_total_compute", node.cpu_total_compute))
-          if value is not None),
-        "meta {", *(f"  {json.dumps(k)} = {json.dumps(v)}" for k, v in node.meta.items()), "}",
+        *(
+            f"{key} = {value}"
+            for key, value in (
+                ("memory_total_mb", node.memory_total_mb),
+                ("cpu_total_compute", node.cpu_total_compute),
+            )
+            if value is not None
+        ),
+        "meta {",
+        *(f"  {json.dumps(k)} = {json.dumps(v)}" for k, v in node.meta.items()),
+        "}",
     ]
     # Outside -dev mode an agent bound to loopback will not guess its advertise
     # addresses; a client binds only HTTP, so rpc and serf stay at their defaults.

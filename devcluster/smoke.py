@@ -65,18 +65,21 @@ def _tail(log: Path, lines: int = 15) -> str:
         return ""
 
 
-def ran_once(name: str, argv: list[str], log: Path, ok_codes: tuple[int, ...] = (0,),
-             timeout: float = 60.0) -> None:
+def ran_once(
+    name: str, argv: list[str], log: Path, ok_codes: tuple[int, ...] = (0,), timeout: float = 60.0
+) -> None:
     """Run `argv` once (output to `log`); raise SmokeFailed if it dies of a signal, hangs
     past `timeout` seconds or exits with a code outside `ok_codes`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         try:
-            code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
+            code = subprocess.run(
+                argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired as exc:
-            raise SmokeFailed(f"{name}: `{' '.join(argv)}` did not exit in {timeout:.0f} s; "
-                              f"log {log}") from exc
+            raise SmokeFailed(
+                f"{name}: `{' '.join(argv)}` did not exit in {timeout:.0f} s; log {log}"
+            ) from exc
     signal_name = died_of(code)
     if signal_name or code not in ok_codes:
         how = f"died of {signal_name}" if signal_name else f"exited {code}"
@@ -111,8 +114,11 @@ def wait_ready(proc: subprocess.Popen[bytes], port: int) -> None:
 
 def _complete(port: int, tokens: int) -> dict:
     body = json.dumps({"prompt": PROMPT, "n_predict": tokens, "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=COMPLETE_SECONDS) as response:
         return json.load(response)
 
@@ -124,8 +130,19 @@ def serves(binary: Path, model: Path, log: Path, build: str, tokens: int = 4) ->
     the model, the signal it died of (if any), the build and the log's tail."""
     port = free_port()
     started = time.monotonic()
-    argv = [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--ctx-size", "512", "--parallel", "1"]
+    argv = [
+        str(binary),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ctx-size",
+        "512",
+        "--parallel",
+        "1",
+    ]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -149,8 +166,9 @@ def serves(binary: Path, model: Path, log: Path, build: str, tokens: int = 4) ->
     stop(proc)
     if crashed or problem:
         how = f"died of {crashed}" if crashed else problem
-        raise SmokeFailed(f"{binary.name} serving {model.name}: {how}\n"
-                          f"build: {build}\n{_tail(log)}\nlog: {log}")
+        raise SmokeFailed(
+            f"{binary.name} serving {model.name}: {how}\nbuild: {build}\n{_tail(log)}\nlog: {log}"
+        )
     return time.monotonic() - started
 
 

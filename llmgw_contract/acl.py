@@ -41,9 +41,9 @@ ROUTER_POLICIES = {Agent.CONSUL: "acl/consul/router.hcl"}
 class TokenStatus(StrEnum):
     """What the agent made of the token a denied call carried."""
 
-    EMPTY = "empty"      # none given: the agent's anonymous token's policy applied
+    EMPTY = "empty"  # none given: the agent's anonymous token's policy applied
     UNKNOWN = "unknown"  # the agent has no token with this secret (wrong, deleted, expired)
-    VALID = "valid"      # a token the agent knows, whose policies lack the permission
+    VALID = "valid"  # a token the agent knows, whose policies lack the permission
 
 
 @dataclass(frozen=True)
@@ -64,32 +64,42 @@ class Permission:
 
 
 CONSUL_KV_READ = Permission(Agent.CONSUL, f'key_prefix "{KV_ROOT}" read', "key", KV_ROOT, "read")
-CONSUL_KV_WRITE = Permission(Agent.CONSUL, f'key_prefix "{KV_ROOT}" write', "key", KV_ROOT,
-                             "write")
-CONSUL_SESSION_WRITE = Permission(Agent.CONSUL, 'session_prefix "" write', "session", "",
-                                  "write")
+CONSUL_KV_WRITE = Permission(Agent.CONSUL, f'key_prefix "{KV_ROOT}" write', "key", KV_ROOT, "write")
+CONSUL_SESSION_WRITE = Permission(Agent.CONSUL, 'session_prefix "" write', "session", "", "write")
 # The router reads the leader lock's session to find where its holder registered
 # (`llmgw_contract.leadership`); the planner's `session_prefix "" write` includes it.
-CONSUL_SESSIONS_READ = Permission(Agent.CONSUL, 'session_prefix "" read', "session", "",
-                                  "read")
-CONSUL_PLANNER_SERVICE_WRITE = Permission(Agent.CONSUL, f'service "{PLANNER_SERVICE}" write',
-                                          "service", PLANNER_SERVICE, "write")
-CONSUL_SERVICES_READ = Permission(Agent.CONSUL, f'service_prefix "{SERVICE_PREFIX}" read',
-                                  "service", SERVICE_PREFIX, "read")
+CONSUL_SESSIONS_READ = Permission(Agent.CONSUL, 'session_prefix "" read', "session", "", "read")
+CONSUL_PLANNER_SERVICE_WRITE = Permission(
+    Agent.CONSUL, f'service "{PLANNER_SERVICE}" write', "service", PLANNER_SERVICE, "write"
+)
+CONSUL_SERVICES_READ = Permission(
+    Agent.CONSUL, f'service_prefix "{SERVICE_PREFIX}" read', "service", SERVICE_PREFIX, "read"
+)
 CONSUL_NODES_READ = Permission(Agent.CONSUL, 'node_prefix "" read', "node", "", "read")
 
-CONSUL_API_KEYS_READ = Permission(Agent.CONSUL, f'key "{ROUTER_API_KEYS_KEY}" read', "key",
-                                  ROUTER_API_KEYS_KEY, "read")
+CONSUL_API_KEYS_READ = Permission(
+    Agent.CONSUL, f'key "{ROUTER_API_KEYS_KEY}" read', "key", ROUTER_API_KEYS_KEY, "read"
+)
 
 # What `router serve` reads (acl/consul/router.hcl); the API keys' KV document only
 # with LLMGW_API_KEYS_CONSUL.
-ROUTER_CONSUL_NEEDS = (CONSUL_KV_READ, CONSUL_SERVICES_READ, CONSUL_NODES_READ,
-                       CONSUL_SESSIONS_READ)
+ROUTER_CONSUL_NEEDS = (
+    CONSUL_KV_READ,
+    CONSUL_SERVICES_READ,
+    CONSUL_NODES_READ,
+    CONSUL_SESSIONS_READ,
+)
 ROUTER_CONSUL_KEYS_NEEDS = (CONSUL_API_KEYS_READ,)
 
 
-def denial(agent: Agent, rules: list[str], token: TokenStatus, policy_file: str,
-           action: str = "", detail: str = "") -> str:
+def denial(
+    agent: Agent,
+    rules: list[str],
+    token: TokenStatus,
+    policy_file: str,
+    action: str = "",
+    detail: str = "",
+) -> str:
     """The one sentence an operator reads when `agent` denied `rules`, e.g.
     `Nomad denied submit-job on namespace "default" (register job tiny): the token in
     NOMAD_TOKEN lacks it; give the token the policy in acl/nomad/planner.hcl (llmgw's
@@ -98,13 +108,19 @@ def denial(agent: Agent, rules: list[str], token: TokenStatus, policy_file: str,
     variable = TOKEN_VARIABLE[agent]
     what = ", ".join(rules) + (f" ({action})" if action else "")
     if token is TokenStatus.EMPTY:
-        why = (f"{variable} is empty, so {agent} applied its anonymous token's policy; "
-               f"set {variable} to a token with the policy in {policy_file}")
+        why = (
+            f"{variable} is empty, so {agent} applied its anonymous token's policy; "
+            f"set {variable} to a token with the policy in {policy_file}"
+        )
     elif token is TokenStatus.UNKNOWN:
-        why = (f"{agent} does not know the token in {variable}"
-               + (f" ({detail})" if detail else "")
-               + f"; set {variable} to a token with the policy in {policy_file}")
+        why = (
+            f"{agent} does not know the token in {variable}"
+            + (f" ({detail})" if detail else "")
+            + f"; set {variable} to a token with the policy in {policy_file}"
+        )
     else:
-        why = (f"the token in {variable} lacks {'it' if len(rules) == 1 else 'them'}; "
-               f"give the token the policy in {policy_file}")
+        why = (
+            f"the token in {variable} lacks {'it' if len(rules) == 1 else 'them'}; "
+            f"give the token the policy in {policy_file}"
+        )
     return f"{agent} denied {what}: {why} (llmgw's repository)"

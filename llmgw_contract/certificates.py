@@ -42,13 +42,20 @@ class CertificateCollector(Collector):
         self._paths = paths
 
     def collect(self) -> Iterator[Metric]:
-        expiry = GaugeMetricFamily(EXPIRY, "When the certificate file's certificate (the "
-                                   "first to expire, for a bundle) stops being valid, as a "
-                                   "Unix timestamp; read from disk at each scrape.",
-                                   labels=["path"])
-        success = GaugeMetricFamily(READ_SUCCESS, "1 if the certificate file could be read "
-                                    "and parsed at this scrape, else 0 (missing, unreadable "
-                                    "or not PEM).", labels=["path"])
+        expiry = GaugeMetricFamily(
+            EXPIRY,
+            "When the certificate file's certificate (the "
+            "first to expire, for a bundle) stops being valid, as a "
+            "Unix timestamp; read from disk at each scrape.",
+            labels=["path"],
+        )
+        success = GaugeMetricFamily(
+            READ_SUCCESS,
+            "1 if the certificate file could be read "
+            "and parsed at this scrape, else 0 (missing, unreadable "
+            "or not PEM).",
+            labels=["path"],
+        )
         for path in sorted({p for p in self._paths() if p}):
             try:
                 expiry.add_metric([path], not_after(Path(path)))

@@ -32,8 +32,7 @@ SIGNALS: dict[int, tuple[str, str]] = {
     1: ("SIGHUP", "hangup"),
     2: ("SIGINT", "interrupted"),
     3: ("SIGQUIT", "quit"),
-    4: ("SIGILL", "illegal instruction (the engine build uses CPU instructions this "
-                  "node lacks)"),
+    4: ("SIGILL", "illegal instruction (the engine build uses CPU instructions this node lacks)"),
     5: ("SIGTRAP", "trace trap"),
     6: ("SIGABRT", "aborted (a failed assertion, or an uncaught C++ exception)"),
     7: ("SIGBUS", "bus error (a memory-mapped file shrank or could not be read)"),
@@ -54,7 +53,9 @@ LOG_PREFIX = re.compile(r"^\d+(?:\.\d+)+ ([A-Z]) +")
 TROUBLE = re.compile(
     r"error|fail|unknown|unsupported|invalid|cannot|can't|unable|not found|no such|"
     r"denied|out of memory|\boom\b|abort|exception|panic|fatal|segmentation|"
-    r"not a GGUF file", re.IGNORECASE)
+    r"not a GGUF file",
+    re.IGNORECASE,
+)
 _WARNING = re.compile(r"\bwarn(ing)?\b", re.IGNORECASE)
 
 
@@ -68,8 +69,13 @@ def crash_signal(exit_code: int | None, signal: int | None) -> int:
     return 0
 
 
-def describe(signal: int, exit_code: int | None = None, *, oom_killed: bool = False,
-             memory_limit_mib: int | None = None) -> str:
+def describe(
+    signal: int,
+    exit_code: int | None = None,
+    *,
+    oom_killed: bool = False,
+    memory_limit_mib: int | None = None,
+) -> str:
     """A death by `signal` in words: "SIGSEGV (exit 139)", "SIGILL (exit 132): illegal
     instruction (...)", "SIGKILL (exit 137): killed (out of memory?); memory limit
     256 MiB". `oom_killed`: Nomad says the kernel killed it at its memory limit."""
@@ -82,11 +88,17 @@ def describe(signal: int, exit_code: int | None = None, *, oom_killed: bool = Fa
     return f"{text}: {meaning}" if meaning else text
 
 
-def crash_line(signal: int, exit_code: int | None = None, *, oom_killed: bool = False,
-               memory_limit_mib: int | None = None) -> str:
+def crash_line(
+    signal: int,
+    exit_code: int | None = None,
+    *,
+    oom_killed: bool = False,
+    memory_limit_mib: int | None = None,
+) -> str:
     """The first line of a crash's last error: "crashed: " and `describe`."""
-    return CRASHED + describe(signal, exit_code, oom_killed=oom_killed,
-                              memory_limit_mib=memory_limit_mib)
+    return CRASHED + describe(
+        signal, exit_code, oom_killed=oom_killed, memory_limit_mib=memory_limit_mib
+    )
 
 
 def strip_prefix(line: str) -> str:

@@ -113,9 +113,12 @@ class LeaderRefused:
 Resolution = LeaderRoute | LeaderRefused | None
 
 
-def resolve_leader(holder: str | None, value: str | bytes | None,
-                   session: dict[str, Any] | None,
-                   instances: list[dict[str, Any]] | None) -> Resolution:
+def resolve_leader(
+    holder: str | None,
+    value: str | bytes | None,
+    session: dict[str, Any] | None,
+    instances: list[dict[str, Any]] | None,
+) -> Resolution:
     """Where the planner holding `llmgw/leader` listens, from Consul's answers.
 
     `holder`, `value`: the key's `Session` and its (base64-decoded) `Value`;
@@ -129,28 +132,40 @@ def resolve_leader(holder: str | None, value: str | bytes | None,
     try:
         record = decode(LeaderRecord, value or b"")
     except ValueError as exc:
-        return LeaderRefused(Refusal.RECORD_INVALID, f"the value of llmgw/leader is not a "
-                             f"leader record ({_short(exc)})")
+        return LeaderRefused(
+            Refusal.RECORD_INVALID,
+            f"the value of llmgw/leader is not a leader record ({_short(exc)})",
+        )
     if not session or session.get("ID") != holder:
-        return LeaderRefused(Refusal.SESSION_GONE, f"the lock holder's session {holder} is "
-                             "gone (the lock is changing hands)")
+        return LeaderRefused(
+            Refusal.SESSION_GONE,
+            f"the lock holder's session {holder} is gone (the lock is changing hands)",
+        )
     checks = sorted(c for c in _session_checks(session) if c.startswith(CHECK_PREFIX))
     if len(checks) != 1:
-        return LeaderRefused(Refusal.SESSION_UNBOUND, f"the lock holder's session {holder} "
-                             f"is bound to {len(checks)} {PLANNER_SERVICE} checks, not one: "
-                             "it is no planner's session")
+        return LeaderRefused(
+            Refusal.SESSION_UNBOUND,
+            f"the lock holder's session {holder} "
+            f"is bound to {len(checks)} {PLANNER_SERVICE} checks, not one: "
+            "it is no planner's session",
+        )
     check = checks[0]
     service_id = check.removeprefix("service:")
     node = str(session.get("Node") or "")
     instance = _instance(instances or [], service_id, node, check)
     if instance is None:
-        return LeaderRefused(Refusal.UNREGISTERED, f"no {PLANNER_SERVICE} instance "
-                             f"{service_id} with check {check} is registered on node "
-                             f"{node!r}, the lock holder's")
+        return LeaderRefused(
+            Refusal.UNREGISTERED,
+            f"no {PLANNER_SERVICE} instance "
+            f"{service_id} with check {check} is registered on node "
+            f"{node!r}, the lock holder's",
+        )
     registered = _registered_url(instance)
     if isinstance(registered, str):
-        return LeaderRefused(Refusal.UNREGISTERED, f"{PLANNER_SERVICE} instance {service_id}"
-                             f" on node {node!r}: {registered}")
+        return LeaderRefused(
+            Refusal.UNREGISTERED,
+            f"{PLANNER_SERVICE} instance {service_id} on node {node!r}: {registered}",
+        )
     planner_id = service_id.removeprefix(SERVICE_ID_PREFIX)
     try:
         named = parse_admin_url(record.address)
@@ -160,10 +175,13 @@ def resolve_leader(holder: str | None, value: str | bytes | None,
     else:
         why = f"{named}"
     if record.id != planner_id or named != registered:
-        return LeaderRefused(Refusal.MISMATCH, f"llmgw/leader names planner {record.id!r} at "
-                             f"{_short(why)}, but the lock holder is planner {planner_id!r}, "
-                             f"registered at {registered} on node {node!r}: the key was "
-                             "rewritten outside the lock")
+        return LeaderRefused(
+            Refusal.MISMATCH,
+            f"llmgw/leader names planner {record.id!r} at "
+            f"{_short(why)}, but the lock holder is planner {planner_id!r}, "
+            f"registered at {registered} on node {node!r}: the key was "
+            "rewritten outside the lock",
+        )
     return LeaderRoute(planner_id, str(registered), node, holder)
 
 
@@ -179,14 +197,18 @@ def _session_checks(session: dict[str, Any]) -> set[str]:
     return found
 
 
-def _instance(instances: list[dict[str, Any]], service_id: str, node: str,
-              check: str) -> dict[str, Any] | None:
+def _instance(
+    instances: list[dict[str, Any]], service_id: str, node: str, check: str
+) -> dict[str, Any] | None:
     """The one instance `service_id` of llmgw-planner on `node` that carries `check`."""
     for entry in instances:
         service = entry.get("Service") or {}
-        if (service.get("ID") == service_id and service.get("Service") == PLANNER_SERVICE
-                and (entry.get("Node") or {}).get("Node") == node
-                and any(c.get("CheckID") == check for c in entry.get("Checks") or ())):
+        if (
+            service.get("ID") == service_id
+            and service.get("Service") == PLANNER_SERVICE
+            and (entry.get("Node") or {}).get("Node") == node
+            and any(c.get("CheckID") == check for c in entry.get("Checks") or ())
+        ):
             return entry
     return None
 

@@ -41,13 +41,18 @@ def reserved_name(model: str) -> str | None:
     e.g. "a model's name is its Nomad job ID, and llmgw-planner is the planner's job
     ID"; None for a name that is free."""
     if model in _OWN_JOBS:
-        return (f"{RULE}: a model's name is its Nomad job ID, and {model} is "
-                f"{_OWN_JOBS[model]} job ID")
+        return (
+            f"{RULE}: a model's name is its Nomad job ID, and {model} is {_OWN_JOBS[model]} job ID"
+        )
     if model.startswith(ENGINE_JOB_PREFIX):
-        return (f"{RULE}: a model's name is its Nomad job ID, and {ENGINE_JOB_PREFIX}<engine> "
-                "are the job IDs of llmgw's engine installs")
+        return (
+            f"{RULE}: a model's name is its Nomad job ID, and {ENGINE_JOB_PREFIX}<engine> "
+            "are the job IDs of llmgw's engine installs"
+        )
     service = service_name(model)
     if service in _OWN_SERVICES:
-        return (f"{RULE}: a model's Consul service is llmgw-<name>, and {service} is "
-                f"{_OWN_SERVICES[service]} service")
+        return (
+            f"{RULE}: a model's Consul service is llmgw-<name>, and {service} is "
+            f"{_OWN_SERVICES[service]} service"
+        )
     return None

@@ -33,8 +33,11 @@ class DefinitionError:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}: {self.field}: {self.message}" if self.field else \
-            f"{self.file}: {self.message}"
+        return (
+            f"{self.file}: {self.field}: {self.message}"
+            if self.field
+            else f"{self.file}: {self.message}"
+        )
 
 
 class PlannerError(Exception):
@@ -87,8 +90,7 @@ def no_answer(agent: str, variable: str, address: str, exc: BaseException) -> st
     the HTTP library's pool and exception names; `exc`'s class name when its text says
     nothing known."""
     text = str(exc)
-    why = next((said for words, said in _CONNECTION_FAILURES if words in text),
-               type(exc).__name__)
+    why = next((said for words, said in _CONNECTION_FAILURES if words in text), type(exc).__name__)
     return f"{agent} at {variable}={address} did not answer ({why})"
 
 

@@ -216,8 +216,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
     activator: Activator | None = None
     usage: UsageReporter | None = None
     if settings.activation:
-        planners = PlannerCandidates(settings.fixed_planner_url, metrics,
-                                     settings.planner_scheme)
+        planners = PlannerCandidates(settings.fixed_planner_url, metrics, settings.planner_scheme)
         planner = PlannerAPI(
             planners,
             settings.planner_token,
@@ -250,8 +249,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         stall_timeout_s=settings.stall_timeout_s,
         loading_heartbeat_s=settings.loading_heartbeat_s,
         max_requests=settings.max_requests,
-        budget=BodyBudget(settings.max_bodies_bytes or default_budget(),
-                          settings.busy_retry_after_s),
+        budget=BodyBudget(
+            settings.max_bodies_bytes or default_budget(), settings.busy_retry_after_s
+        ),
         body_read_timeout_s=settings.body_read_timeout_s,
         body_min_rate=settings.body_min_rate,
         outliers=OutlierDetector(
@@ -376,8 +376,7 @@ def _add_routes(
         _synced(table)
         names = [name for name in table.names() if may_see(name)]
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in names
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"} for name in names
         ]
         return JSONResponse({"object": "list", "data": data})
 

@@ -249,9 +249,7 @@ def parse_check_states(checks: list[dict[str, Any]] | None) -> dict[str, CheckSt
         nodes = {key[0] for key in keys}
         failing_nodes = {n for n in nodes if any(k[3] != "passing" for k in node_checks[n])}
         failing = {(k[0], k[1]) for k in keys if k[3] != "passing"}
-        any_passing = any(
-            (k[0], k[1]) not in failing and k[0] not in failing_nodes for k in keys
-        )
+        any_passing = any((k[0], k[1]) not in failing and k[0] not in failing_nodes for k in keys)
         every = keys.union(*(node_checks[n] for n in nodes))
         states[model] = CheckState(frozenset(every), any_passing)
     return states
@@ -277,8 +275,13 @@ def parse_leader(
     try:
         value = base64.b64decode(entry.get("Value") or "", validate=True)
     except (binascii.Error, ValueError) as exc:
-        return LeaderRefused(Refusal.RECORD_INVALID, f"the value of {LEADER_KEY} is not "
-                             f"base64 ({exc})") if holder else None
+        return (
+            LeaderRefused(
+                Refusal.RECORD_INVALID, f"the value of {LEADER_KEY} is not base64 ({exc})"
+            )
+            if holder
+            else None
+        )
     return resolve_leader(holder, value, (sessions or [None])[0], instances)
 
 
@@ -393,10 +396,21 @@ class ConsulCatalog:
     def _denial(self, rules: list[str], detail: str, action: str = "") -> str:
         """The sentence for `rules` denied; Consul says "ACL not found" for a token it
         does not know."""
-        token = (TokenStatus.UNKNOWN if "ACL not found" in detail
-                 else TokenStatus.VALID if self._token else TokenStatus.EMPTY)
-        return denial(Agent.CONSUL, rules, token, ROUTER_POLICIES[Agent.CONSUL], action,
-                      detail.strip() if token is TokenStatus.UNKNOWN else "")
+        token = (
+            TokenStatus.UNKNOWN
+            if "ACL not found" in detail
+            else TokenStatus.VALID
+            if self._token
+            else TokenStatus.EMPTY
+        )
+        return denial(
+            Agent.CONSUL,
+            rules,
+            token,
+            ROUTER_POLICIES[Agent.CONSUL],
+            action,
+            detail.strip() if token is TokenStatus.UNKNOWN else "",
+        )
 
     async def _passing(
         self, service: str, index: int, wait_s: float
@@ -426,13 +440,17 @@ class ConsulCatalog:
                     return new_index, None
                 if resp.status == 403:
                     needs = (
-                        CONSUL_API_KEYS_READ if path == f"/v1/kv/{ROUTER_API_KEYS_KEY}"
-                        else CONSUL_KV_READ if path.startswith("/v1/kv/")
-                        else CONSUL_SESSIONS_READ if path.startswith("/v1/session/")
+                        CONSUL_API_KEYS_READ
+                        if path == f"/v1/kv/{ROUTER_API_KEYS_KEY}"
+                        else CONSUL_KV_READ
+                        if path.startswith("/v1/kv/")
+                        else CONSUL_SESSIONS_READ
+                        if path.startswith("/v1/session/")
                         else CONSUL_SERVICES_READ
                     )
-                    raise CatalogDenied(self._denial([needs.rule], await resp.text(),
-                                                     f"GET {path}"))
+                    raise CatalogDenied(
+                        self._denial([needs.rule], await resp.text(), f"GET {path}")
+                    )
                 if resp.status != 200:
                     text = (await resp.text())[:200]
                     raise CatalogUnavailable(f"GET {path}: HTTP {resp.status}: {text}")

@@ -179,7 +179,7 @@ def serve(
             "--api-keys-consul/--no-api-keys-consul",
             help="Read the API keys (the keys file's format) from Consul KV "
             "llmgw-router/api-keys and follow it (env LLMGW_API_KEYS_CONSUL; the token "
-            "needs key \"llmgw-router/api-keys\" read).",
+            'needs key "llmgw-router/api-keys" read).',
         ),
     ] = None,
     first_byte_timeout: Annotated[
@@ -355,8 +355,7 @@ async def _denied(settings: RouterSettings) -> str | None:
         f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
     )
     try:
-        needs = ROUTER_CONSUL_NEEDS + (ROUTER_CONSUL_KEYS_NEEDS if settings.api_keys_consul
-                                       else ())
+        needs = ROUTER_CONSUL_NEEDS + (ROUTER_CONSUL_KEYS_NEEDS if settings.api_keys_consul else ())
         return await catalog.denied(needs)
     finally:
         await catalog.close()

@@ -244,9 +244,10 @@ class FirstByteWatch:
         if not self._waiting:
             return
         for endpoint in watched:
-            if endpoint not in self._reading and now - self._read_at.get(
-                endpoint, -self._window_s
-            ) >= self._window_s:
+            if (
+                endpoint not in self._reading
+                and now - self._read_at.get(endpoint, -self._window_s) >= self._window_s
+            ):
                 self._read_at[endpoint] = now
                 self._reading[endpoint] = self._spawn(self._read_progress(endpoint))
         for attempt in self._waiting:

@@ -70,9 +70,7 @@ class LoadingHeartbeat:
                 # Set first: uvicorn writes the head before its first await, so a
                 # cancel inside send() finds it sent.
                 self.started = True
-                await self._send(
-                    {"type": "http.response.start", "status": 200, "headers": HEADERS}
-                )
+                await self._send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             await self._send(
                 {"type": "http.response.body", "body": self._comment, "more_body": True}
             )

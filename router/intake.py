@@ -90,8 +90,9 @@ def memory_limit_bytes(
             if not controllers:
                 candidates.insert(0, cgroup_root / path.lstrip("/") / "memory.max")
             elif "memory" in controllers.split(","):
-                candidates.insert(0, cgroup_root / "memory" / path.lstrip("/")
-                                  / "memory.limit_in_bytes")
+                candidates.insert(
+                    0, cgroup_root / "memory" / path.lstrip("/") / "memory.limit_in_bytes"
+                )
     except (OSError, ValueError):
         pass
     for candidate in candidates:
@@ -229,7 +230,8 @@ async def read_body(
 
 def _too_large(limit: int, max_bytes: int) -> errors.BodyTooLarge:
     what = (
-        "the router's body limit" if limit == max_bytes
+        "the router's body limit"
+        if limit == max_bytes
         else "what the router may hold of all request bodies at once"
     )
     return errors.BodyTooLarge(f"The request body is larger than {limit} bytes ({what}).")

@@ -155,8 +155,7 @@ class ApiKeys:
             parsed = _KeysFile.model_validate(raw)
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}"
-                for e in exc.errors()
+                f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
             )
             raise ValueError(f"{where}: {problems}") from None
         keys: dict[str, ApiKey] = {}
@@ -218,8 +217,9 @@ class KeysFile:
                 raise problem
             keys = ApiKeys.parse(document, f"LLMGW_API_KEYS_FILE={self.path}")
         except ValueError as exc:
-            log.error("API keys not reloaded, the %d read before stay in force: %s",
-                      len(self.keys), exc)
+            log.error(
+                "API keys not reloaded, the %d read before stay in force: %s", len(self.keys), exc
+            )
             return False
         self.keys = keys
         log.info("API keys reloaded from %s: %d keys", self.path, len(keys))
@@ -245,7 +245,8 @@ class ConsulKeys:
         if self.keys is None:
             raise errors.RouterStarting(
                 f"The router has not read its API keys from Consul KV {ROUTER_API_KEYS_KEY} "
-                "yet. Retry in 1 s.", 1
+                "yet. Retry in 1 s.",
+                1,
             )
         return self.keys.authenticate(authorization)
 

@@ -64,7 +64,8 @@ UNKNOWN_MODEL = ""
 
 # Refusals a defined model can get; published at 0 so rate() sees the first one.
 _MODEL_REFUSALS = tuple(
-    r for r in Refusal
+    r
+    for r in Refusal
     if r not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED)
     and r not in ROUTER_REFUSALS
 )

@@ -210,8 +210,10 @@ def _refused(base: str, status: int, body: bytes, what: str) -> errors.PlannerUn
     )
 
 
-_NONE_KNOWN = ("none is known (no leader in Consul llmgw/leader, no passing llmgw-planner "
-               "instance, and LLMGW_PLANNER_URL is none)")
+_NONE_KNOWN = (
+    "none is known (no leader in Consul llmgw/leader, no passing llmgw-planner "
+    "instance, and LLMGW_PLANNER_URL is none)"
+)
 
 
 def _unreached(

@@ -56,8 +56,9 @@ def base_url(url: str) -> str:
 class PlannerCandidates:
     """The planners a call may go to, best first."""
 
-    def __init__(self, configured_url: str | None, metrics: RouterMetrics,
-                 scheme: str | None = None) -> None:
+    def __init__(
+        self, configured_url: str | None, metrics: RouterMetrics, scheme: str | None = None
+    ) -> None:
         """``configured_url``: None for no fixed planner; ``scheme``: the instances'
         (default: the configured URL's, else http)."""
         self.configured = base_url(configured_url) if configured_url else None
@@ -71,8 +72,11 @@ class PlannerCandidates:
         """Where the lock holder registered, as resolved now (``None``: no session holds
         the lock; a refusal: its record disagrees with the registration)."""
         if isinstance(resolution, LeaderRefused):
-            log.warning("not calling the planner llmgw/leader names: %s (%s)",
-                        resolution.reason, resolution.code)
+            log.warning(
+                "not calling the planner llmgw/leader names: %s (%s)",
+                resolution.reason,
+                resolution.code,
+            )
             self._metrics.planner_leader_refusals.labels(resolution.code.value).inc()
             leader = None
         else:

@@ -93,7 +93,8 @@ def request_prefix(doc: dict[str, Any], chars: int = DEFAULT_PREFIX_CHARS) -> st
 def _text(content: object, chars: int) -> str | None:
     if isinstance(content, list):
         content = "".join(
-            part.get("text", "") for part in content
+            part.get("text", "")
+            for part in content
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     if isinstance(content, str) and content:

@@ -392,9 +392,7 @@ class Proxy:
                         f"answer its liveness check (GET /health)."
                     )
                     log.warning("model %s: %s", entry.name, failure.message)
-                    outliers.failed(
-                        entry.name, entry.metrics, entry.slots, endpoint, Failure.DEAD
-                    )
+                    outliers.failed(entry.name, entry.metrics, entry.slots, endpoint, Failure.DEAD)
                     continue
                 except aiohttp.SocketTimeoutError:
                     # Connected, sent, and the replica stayed silent for the

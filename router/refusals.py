@@ -54,7 +54,6 @@ _MAX_LINES = 3
 _SEPARATOR = " | "
 
 
-
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

@@ -246,15 +246,19 @@ class _Bounded(HttpToolsProtocol):
         if self._busy():
             self._late_while_busy = True
             return
-        self._refuse(errors.RequestTimeout(
-            f"The request line and headers were not received within the router's "
-            f"{self.timeout_s:g} s."
-        ))
+        self._refuse(
+            errors.RequestTimeout(
+                f"The request line and headers were not received within the router's "
+                f"{self.timeout_s:g} s."
+            )
+        )
 
     def _too_large(self) -> None:
-        self._refuse(errors.HeadersTooLarge(
-            f"The request line and headers are larger than {MAX_HEADER_BYTES} bytes."
-        ))
+        self._refuse(
+            errors.HeadersTooLarge(
+                f"The request line and headers are larger than {MAX_HEADER_BYTES} bytes."
+            )
+        )
 
     def _refuse(self, exc: errors.RouterError) -> None:
         self._stop_clock()

@@ -235,8 +235,9 @@ class RouterSettings:
                 "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
             )
         if env.get("LLMGW_API_KEYS_CONSUL"):
-            overrides["api_keys_consul"] = _flag("LLMGW_API_KEYS_CONSUL",
-                                                 env["LLMGW_API_KEYS_CONSUL"])
+            overrides["api_keys_consul"] = _flag(
+                "LLMGW_API_KEYS_CONSUL", env["LLMGW_API_KEYS_CONSUL"]
+            )
         if env.get("LLMGW_ROUTER_CORS_ORIGINS"):
             overrides["cors_origins"] = _origins(env["LLMGW_ROUTER_CORS_ORIGINS"])
         if env.get("LLMGW_ACTIVATION"):
@@ -266,8 +267,10 @@ class RouterSettings:
             tls_context(SERVING_TLS_VARS, None, self.tls_cert, self.tls_key, server=True)
         planner = urllib.parse.urlsplit(self.fixed_planner_url or "http://consul")
         if self.activation and (planner.scheme not in ("http", "https") or not planner.hostname):
-            raise ValueError(f"planner URL {self.planner_url!r} is not an http(s):// URL "
-                             f"or {NO_PLANNER_URL!r} (LLMGW_PLANNER_URL)")
+            raise ValueError(
+                f"planner URL {self.planner_url!r} is not an http(s):// URL "
+                f"or {NO_PLANNER_URL!r} (LLMGW_PLANNER_URL)"
+            )
         if self.activation_window_s < 0 or self.usage_interval_s <= 0:
             raise ValueError("the activation window must be >= 0 s and the usage interval > 0 s")
         if self.replica_concurrency < 0 or self.default_replica_concurrency < 1:
@@ -281,12 +284,11 @@ class RouterSettings:
                 f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)} (LLMGW_ROUTING)"
             )
         if self.prefix_chars < 1 or self.prefix_load_factor < 1.0:
-            raise ValueError(
-                "LLMGW_PREFIX_CHARS must be >= 1 and LLMGW_PREFIX_LOAD_FACTOR >= 1.0"
-            )
+            raise ValueError("LLMGW_PREFIX_CHARS must be >= 1 and LLMGW_PREFIX_LOAD_FACTOR >= 1.0")
         if self.api_keys_file and self.api_keys_consul:
-            raise ValueError("API keys come from LLMGW_API_KEYS_FILE or LLMGW_API_KEYS_CONSUL, "
-                             "not both")
+            raise ValueError(
+                "API keys come from LLMGW_API_KEYS_FILE or LLMGW_API_KEYS_CONSUL, not both"
+            )
         if self.api_keys_file:
             ApiKeys.load(self.api_keys_file)
         if self.first_byte_timeout_s <= 0 or self.stall_timeout_s <= 0:

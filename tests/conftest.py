@@ -35,8 +35,9 @@ from tests.support.tls import TlsCA, make_ca
 TEST_PORT_OFFSETS = range(11000, 11050, 10)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.25) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.25
+) -> Any:
     """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -51,12 +52,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
     pytest.fail(f"timed out after {timeout} s waiting for {what} (last error: {last_error})")
 
 
-
-
 def http_json(url: str, body: dict | None = None, timeout: float = 30) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.load(response)
 
@@ -76,8 +74,12 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TlsCA:
 
 
 @contextlib.contextmanager
-def own_cluster(root: Path, offsets: range = TEST_PORT_OFFSETS,
-                extra_env: dict[str, str] | None = None, **options: Any) -> Iterator[Cluster]:
+def own_cluster(
+    root: Path,
+    offsets: range = TEST_PORT_OFFSETS,
+    extra_env: dict[str, str] | None = None,
+    **options: Any,
+) -> Iterator[Cluster]:
     """A running cluster under `root` (`options`: `Cluster`'s, e.g. more client nodes,
     TLS, ACLs) on the first free port offset of `offsets`; always brought down."""
     cluster = Cluster(root, free_offset(offsets), **options)
@@ -89,25 +91,30 @@ def own_cluster(root: Path, offsets: range = TEST_PORT_OFFSETS,
 
 
 @pytest.fixture(scope="session")
-def cluster(binaries: Path, test_ca: TlsCA,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with own_cluster(tmp_path_factory.mktemp("cluster"),
-                     extra_env={"SSL_CERT_FILE": str(test_ca.bundle)}) as cluster:
+def cluster(
+    binaries: Path, test_ca: TlsCA, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    with own_cluster(
+        tmp_path_factory.mktemp("cluster"), extra_env={"SSL_CERT_FILE": str(test_ca.bundle)}
+    ) as cluster:
         yield cluster
 
 
-
-
 @pytest.fixture(scope="session")
-def planner_env(cluster: Cluster, binaries: Path, test_ca: TlsCA,
-                tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def planner_env(
+    cluster: Cluster, binaries: Path, test_ca: TlsCA, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
     """The planner's environment for the test cluster; its engines are the real
     llama-server and the test-only wrappers of tests/support/engines.py (fakes, each of
     one behaviour). It trusts the test CA as the Nomad agent does: `apply` reads an
     https:// source's GGUF header before registering it."""
     engines = write_engines(tmp_path_factory.mktemp("engines"), binaries / "llama-server")
-    return {**os.environ, **cluster.env, "SSL_CERT_FILE": str(test_ca.bundle),
-            "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
+    return {
+        **os.environ,
+        **cluster.env,
+        "SSL_CERT_FILE": str(test_ca.bundle),
+        "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items()),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -115,8 +122,13 @@ def planner(planner_env: dict[str, str]) -> Callable[..., subprocess.CompletedPr
     """Run the real `planner` CLI against the test cluster."""
 
     def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=planner_env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", *args],
+            env=planner_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     return run
 
@@ -132,11 +144,17 @@ def model_files(tmp_path: Path, tiny_model: Path) -> Callable[..., Path]:
     folder = tmp_path / "models"
     folder.mkdir()
 
-    def write(name: str, source: str | None = None, replicas: int = 1,
-              profile: str = "context: 512\n  cpu: 100\n  memory: 256MiB\n"
-                             "  args: [\"--threads\", \"1\"]", extra: str = "") -> Path:
-        text = (f"name: {name}\nsource: {source or 'file://' + str(tiny_model)}\n"
-                f"profile:\n  {profile}\nreplicas: {replicas}\n{extra}")
+    def write(
+        name: str,
+        source: str | None = None,
+        replicas: int = 1,
+        profile: str = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]',
+        extra: str = "",
+    ) -> Path:
+        text = (
+            f"name: {name}\nsource: {source or 'file://' + str(tiny_model)}\n"
+            f"profile:\n  {profile}\nreplicas: {replicas}\n{extra}"
+        )
         (folder / f"{name}.yaml").write_text(text)
         return folder
 
@@ -150,11 +168,26 @@ def run_router(cluster: Cluster, planner_url: str, **env: str) -> Iterator[str]:
     log = cluster.root / f"router-{port}.log"
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(port)],
-            env={**os.environ, **cluster.env, "LLMGW_PLANNER_URL": planner_url,
-                 "LLMGW_PLANNER_TOKEN": ADMIN_TOKEN, **env},
-            stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env={
+                **os.environ,
+                **cluster.env,
+                "LLMGW_PLANNER_URL": planner_url,
+                "LLMGW_PLANNER_TOKEN": ADMIN_TOKEN,
+                **env,
+            },
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_json(f"{base}/health", timeout=2) is not None, 30, "router /health")
@@ -178,12 +211,17 @@ def forget_models(cluster: Cluster, *names: str) -> None:
     (which covers every model) and the operator's view start clean: the job, purged,
     and the model's KV record, state and usage."""
     for name in names:
-        for url in (f"{cluster.nomad_addr}/v1/job/{name}?purge=true",
-                    *(f"{cluster.consul_addr}/v1/kv/llmgw/{kind}/{name}"
-                      for kind in ("models", "state", "usage"))):
+        for url in (
+            f"{cluster.nomad_addr}/v1/job/{name}?purge=true",
+            *(
+                f"{cluster.consul_addr}/v1/kv/llmgw/{kind}/{name}"
+                for kind in ("models", "state", "usage")
+            ),
+        ):
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(urllib.request.Request(url, method="DELETE"),
-                                       timeout=10).close()
+                urllib.request.urlopen(
+                    urllib.request.Request(url, method="DELETE"), timeout=10
+                ).close()
 
 
 def nomad_get(cluster: Cluster, path: str) -> Any:
@@ -192,8 +230,9 @@ def nomad_get(cluster: Cluster, path: str) -> Any:
 
 def passing_endpoints(cluster: Cluster, service: str) -> list[str]:
     nodes = http_json(f"{cluster.consul_addr}/v1/health/service/{service}?passing=true")
-    return [f"{n['Service']['Address'] or n['Node']['Address']}:{n['Service']['Port']}"
-            for n in nodes]
+    return [
+        f"{n['Service']['Address'] or n['Node']['Address']}:{n['Service']['Port']}" for n in nodes
+    ]
 
 
 ADMIN_TOKEN = "test-admin-token"
@@ -216,11 +255,25 @@ class PlannerDaemon:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "planner.cli.main", "serve", "--port", str(self.port),
-                 "--stable-after", str(STABLE_AFTER_S)],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: http_json(f"{self.url}/health", timeout=2)["ready"], 30,
-                 "planner serve to lead and reconcile (or to know the leader)")
+                [
+                    sys.executable,
+                    "-m",
+                    "planner.cli.main",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--stable-after",
+                    str(STABLE_AFTER_S),
+                ],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for(
+            lambda: http_json(f"{self.url}/health", timeout=2)["ready"],
+            30,
+            "planner serve to lead and reconcile (or to know the leader)",
+        )
 
     def stop(self) -> None:
         if self.proc is not None:

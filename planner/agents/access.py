@@ -46,8 +46,10 @@ class AnswersDenied(Protocol):
     lacks, with the token's status and the agent's words; None when none (a protocol,
     so this module, which the clients import, imports neither of them)."""
 
-    def denied(self, needs: list[Permission]
-               ) -> tuple[list[Permission], TokenStatus, str] | None: ...
+    def denied(
+        self, needs: list[Permission]
+    ) -> tuple[list[Permission], TokenStatus, str] | None: ...
+
 
 NAMESPACE = "default"
 PROBE_JOB = "_llmgw-acl-probe"
@@ -76,18 +78,35 @@ ENGINES_APPLY = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_SUBMIT_JOB, NOMAD_NODE_R
 STATUS = (NOMAD_READ_JOB, CONSUL_KV_READ, CONSUL_SERVICES_READ, CONSUL_NODES_READ)
 # A retry observes the model as the leader does (`planner.daemon.observe`: Nomad's
 # index is a job list's, the placement answer reads the nodes) before it decides.
-RETRY = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_SUBMIT_JOB, NOMAD_NODE_READ,
-         CONSUL_KV_WRITE, CONSUL_SERVICES_READ, CONSUL_NODES_READ)
-SERVE = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_SUBMIT_JOB, NOMAD_NODE_READ,
-         CONSUL_KV_WRITE, CONSUL_SESSION_WRITE, CONSUL_PLANNER_SERVICE_WRITE,
-         CONSUL_SERVICES_READ, CONSUL_NODES_READ)
+RETRY = (
+    NOMAD_LIST_JOBS,
+    NOMAD_READ_JOB,
+    NOMAD_SUBMIT_JOB,
+    NOMAD_NODE_READ,
+    CONSUL_KV_WRITE,
+    CONSUL_SERVICES_READ,
+    CONSUL_NODES_READ,
+)
+SERVE = (
+    NOMAD_LIST_JOBS,
+    NOMAD_READ_JOB,
+    NOMAD_SUBMIT_JOB,
+    NOMAD_NODE_READ,
+    CONSUL_KV_WRITE,
+    CONSUL_SESSION_WRITE,
+    CONSUL_PLANNER_SERVICE_WRITE,
+    CONSUL_SERVICES_READ,
+    CONSUL_NODES_READ,
+)
 
 
-def denied_error(agent: Agent, rules: list[str], token: TokenStatus, action: str = "",
-                 detail: str = "") -> PermissionDenied:
+def denied_error(
+    agent: Agent, rules: list[str], token: TokenStatus, action: str = "", detail: str = ""
+) -> PermissionDenied:
     """The planner's PermissionDenied for `rules` denied by `agent`."""
-    return PermissionDenied(denial(agent, rules, token, PLANNER_POLICIES[agent], action,
-                                   detail), agent, rules)
+    return PermissionDenied(
+        denial(agent, rules, token, PLANNER_POLICIES[agent], action, detail), agent, rules
+    )
 
 
 def check(nomad: AnswersDenied, consul: AnswersDenied, needs: tuple[Permission, ...]) -> None:
@@ -99,8 +118,10 @@ def check(nomad: AnswersDenied, consul: AnswersDenied, needs: tuple[Permission, 
         denied = client.denied([p for p in needs if p.agent is agent])
         if denied is not None:
             permissions, token, detail = denied
-            errors.append(denied_error(agent, [p.rule for p in permissions], token,
-                                       detail=detail))
+            errors.append(denied_error(agent, [p.rule for p in permissions], token, detail=detail))
     if errors:
-        raise PermissionDenied("; and ".join(str(e) for e in errors), errors[0].agent,
-                               [rule for e in errors for rule in e.rules])
+        raise PermissionDenied(
+            "; and ".join(str(e) for e in errors),
+            errors[0].agent,
+            [rule for e in errors for rule in e.rules],
+        )

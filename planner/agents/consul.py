@@ -63,17 +63,19 @@ D = TypeVar("D", bound=Document)
 log = logging.getLogger("planner.consul")
 
 
-
-
 @contextmanager
-def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
-                address: str = "") -> Iterator[None]:
+def _translated(
+    action: str, tls_failure: Callable[[BaseException], str | None], address: str = ""
+) -> Iterator[None]:
     """py-consul's and requests' errors as the planner's; `action` ("" for none) prefixes
     the message, `address` names the agent a connection failed to (CONSUL_HTTP_ADDR)."""
     try:
         yield
-    except (consul.exceptions.ACLPermissionDenied, consul.exceptions.BadRequest,
-            consul.exceptions.ACLDisabled) as exc:
+    except (
+        consul.exceptions.ACLPermissionDenied,
+        consul.exceptions.BadRequest,
+        consul.exceptions.ACLDisabled,
+    ) as exc:
         raise Rejected(f"{action}: Consul refused ({exc})") from exc
     except (consul.exceptions.ConsulException, requests.RequestException, OSError) as exc:
         if failure := tls_failure(exc):
@@ -81,7 +83,8 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
         prefix = f"{action}: " if action else ""
         if isinstance(exc, (requests.RequestException, OSError)):
             raise ConsulUnavailable(
-                prefix + no_answer("Consul", "CONSUL_HTTP_ADDR", address, exc)) from exc
+                prefix + no_answer("Consul", "CONSUL_HTTP_ADDR", address, exc)
+            ) from exc
         raise ConsulUnavailable(f"{prefix}Consul failed ({exc})") from exc
 
 
@@ -100,8 +103,9 @@ def _failed_ops(exc: Exception) -> set[int] | None:
 class ConsulClient:
     """Thin wrapper over py-consul for the calls the planner makes."""
 
-    def __init__(self, address: str, token: str | None = None,
-                 tls: ClientTLS | None = None) -> None:
+    def __init__(
+        self, address: str, token: str | None = None, tls: ClientTLS | None = None
+    ) -> None:
         """`address`: host:port or http(s)://host:port. Raises ValueError (naming the
         setting) when a configured TLS file is unusable."""
         url = urlparse(address if "://" in address else f"http://{address}")
@@ -109,22 +113,27 @@ class ConsulClient:
         self.tls = tls or ClientTLS("Consul", CONSUL_TLS_VARS)
         if url.scheme == "https":
             self.tls.context()  # loads the files once: a bad one fails here, not per call
-        self._api = consul.Consul(host=url.hostname or "127.0.0.1", port=url.port or 8500,
-                                  scheme=url.scheme, token=token, verify=self.tls.verify,
-                                  cert=self.tls.cert)
+        self._api = consul.Consul(
+            host=url.hostname or "127.0.0.1",
+            port=url.port or 8500,
+            scheme=url.scheme,
+            token=token,
+            verify=self.tls.verify,
+            cert=self.tls.cert,
+        )
 
     def _call(self, needs: Permission, action: str, fn: Callable[[], Any]) -> Any:
         """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
         the ACL rule Consul checks for this call."""
         try:
-            with _translated(action, lambda exc: self.tls.failure(self.address, exc),
-                             self.address):
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc), self.address):
                 return fn()
         except Rejected as exc:
             if isinstance(exc.__cause__, consul.exceptions.ACLPermissionDenied):
                 detail = str(exc.__cause__)
-                raise denied_error(Agent.CONSUL, [needs.rule], self._token_status(detail),
-                                   action, detail) from exc.__cause__
+                raise denied_error(
+                    Agent.CONSUL, [needs.rule], self._token_status(detail), action, detail
+                ) from exc.__cause__
             raise
 
     def _token_status(self, detail: str) -> TokenStatus:
@@ -133,8 +142,7 @@ class ConsulClient:
             return TokenStatus.UNKNOWN
         return TokenStatus.VALID if self._api.token else TokenStatus.EMPTY
 
-    def denied(self, needs: list[Permission]
-               ) -> tuple[list[Permission], TokenStatus, str] | None:
+    def denied(self, needs: list[Permission]) -> tuple[list[Permission], TokenStatus, str] | None:
         """Which of `needs` this client's token is denied, in one call to Consul's
         /v1/internal/acl/authorize (`llmgw_contract.acl`): None when all are allowed
         (or Consul enforces no ACLs), else (the denied ones, the token's status,
@@ -145,13 +153,16 @@ class ConsulClient:
         body = json.dumps([p.authorize_request() for p in needs])
 
         def ask() -> Any:
-            return self._api.http.post(CB.json(), "/v1/internal/acl/authorize",
-                                       data=body, headers=self._api.prepare_headers())
+            return self._api.http.post(
+                CB.json(),
+                "/v1/internal/acl/authorize",
+                data=body,
+                headers=self._api.prepare_headers(),
+            )
 
         try:
             # No action in a message: an agent that does not answer is no ACL matter.
-            with _translated("", lambda exc: self.tls.failure(self.address, exc),
-                             self.address):
+            with _translated("", lambda exc: self.tls.failure(self.address, exc), self.address):
                 answers = ask()
         except Rejected as exc:
             cause = exc.__cause__
@@ -176,8 +187,9 @@ class ConsulClient:
 
     def get_texts(self, prefix: str) -> dict[str, str]:
         """Every non-empty value under `prefix`: {key: text}."""
-        _, items = self._call(CONSUL_KV_READ, f"read {prefix}",
-                              lambda: self._api.kv.get(prefix, recurse=True))
+        _, items = self._call(
+            CONSUL_KV_READ, f"read {prefix}", lambda: self._api.kv.get(prefix, recurse=True)
+        )
         return {item["Key"]: item["Value"].decode() for item in items or [] if item["Value"]}
 
     def put_text(self, key: str, text: str) -> None:
@@ -186,31 +198,44 @@ class ConsulClient:
     def cas_put(self, key: str, text: str, index: int) -> bool:
         """Write `key` only if its ModifyIndex is still `index` (0: only if absent).
         False when another writer changed it first."""
-        return bool(self._call(CONSUL_KV_WRITE, f"write {key}",
-                               lambda: self._api.kv.put(key, text, cas=index)))
+        return bool(
+            self._call(
+                CONSUL_KV_WRITE, f"write {key}", lambda: self._api.kv.put(key, text, cas=index)
+            )
+        )
 
-    def fenced_cas_put(self, key: str, text: str, index: int, lock_key: str,
-                       session: str) -> bool:
+    def fenced_cas_put(self, key: str, text: str, index: int, lock_key: str, session: str) -> bool:
         """`cas_put`, in one transaction with a check that `session` still holds the lock
         on `lock_key` (Consul's `check-session` verb): a deposed leader's write fails
         whatever it believes. False on a check-and-set conflict; raises NotLeader when
         the session does not hold the lock."""
-        ops = [{"KV": {"Verb": "check-session", "Key": lock_key, "Session": session}},
-               {"KV": {"Verb": "cas", "Key": key, "Index": index,
-                       "Value": base64.b64encode(text.encode()).decode()}}]
+        ops = [
+            {"KV": {"Verb": "check-session", "Key": lock_key, "Session": session}},
+            {
+                "KV": {
+                    "Verb": "cas",
+                    "Key": key,
+                    "Index": index,
+                    "Value": base64.b64encode(text.encode()).decode(),
+                }
+            },
+        ]
+
         def put() -> bool:
             try:
                 # Not py-consul's `txn.put`: it sends no token (py-consul 1.8), so with
                 # ACLs every operation was "Permission denied" (found by test_acl.py).
-                self._api.http.put(CB.json(), "/v1/txn", data=json.dumps(ops),
-                                   headers=self._api.prepare_headers())
+                self._api.http.put(
+                    CB.json(), "/v1/txn", data=json.dumps(ops), headers=self._api.prepare_headers()
+                )
             except consul.exceptions.ClientError as exc:
                 failed = _failed_ops(exc)
                 if failed is None:
                     raise
                 if 0 in failed:
-                    raise NotLeader(f"write {key}: this planner's session no longer holds "
-                                    f"{lock_key}") from None
+                    raise NotLeader(
+                        f"write {key}: this planner's session no longer holds {lock_key}"
+                    ) from None
                 return False
             return True
 
@@ -260,89 +285,138 @@ class ConsulClient:
     def passing_checks(self, index: int | None, wait: str = "5s") -> tuple[int, list[Any]]:
         """Blocking query on every passing check: returns once the set changed after
         `index` (or after `wait`; short, so a shutdown never waits long on it)."""
-        new_index, checks = self._call(CONSUL_SERVICES_READ, "watch passing checks",
-                                       lambda: self._api.health.state(
-            "passing", index=index, wait=wait))
+        new_index, checks = self._call(
+            CONSUL_SERVICES_READ,
+            "watch passing checks",
+            lambda: self._api.health.state("passing", index=index, wait=wait),
+        )
         return int(new_index), checks or []
 
     def service_health(self, service: str) -> ServiceHealth:
         """Instances of `service` registered anywhere, and those whose checks all pass."""
-        _, nodes = self._call(CONSUL_SERVICES_READ, f"read health of {service}",
-                              lambda: self._api.health.service(service))
-        passing = [node for node in nodes
-                   if all(check["Status"] == "passing" for check in node["Checks"])]
-        allocs = frozenset(a for node in passing
-                           if (a := alloc_from_service_id(node["Service"]["ID"])))
+        _, nodes = self._call(
+            CONSUL_SERVICES_READ,
+            f"read health of {service}",
+            lambda: self._api.health.service(service),
+        )
+        passing = [
+            node for node in nodes if all(check["Status"] == "passing" for check in node["Checks"])
+        ]
+        allocs = frozenset(
+            a for node in passing if (a := alloc_from_service_id(node["Service"]["ID"]))
+        )
         return ServiceHealth(total=len(nodes), passing=len(passing), passing_allocs=allocs)
 
     # --- the planner's own service and session (leader election) ------------------
 
-    def register_ttl_service(self, name: str, service_id: str, address: str, port: int,
-                             ttl: str, deregister_after: str,
-                             meta: dict[str, str] | None = None) -> str:
+    def register_ttl_service(
+        self,
+        name: str,
+        service_id: str,
+        address: str,
+        port: int,
+        ttl: str,
+        deregister_after: str,
+        meta: dict[str, str] | None = None,
+    ) -> str:
         """Register a service with a TTL check that starts passing; returns the check ID
         (`service:<service_id>`). Consul removes the service `deregister_after` once the
         check stays critical (a planner that died without deregistering)."""
         check = consul.Check.ttl(ttl)
         check["DeregisterCriticalServiceAfter"] = deregister_after
         check["Status"] = "passing"
-        self._call(CONSUL_PLANNER_SERVICE_WRITE, f"register service {service_id}",
-                   lambda: self._api.agent.service.register(
-            name, service_id=service_id, address=address, port=port, check=check,
-            meta=meta))
+        self._call(
+            CONSUL_PLANNER_SERVICE_WRITE,
+            f"register service {service_id}",
+            lambda: self._api.agent.service.register(
+                name, service_id=service_id, address=address, port=port, check=check, meta=meta
+            ),
+        )
         return f"service:{service_id}"
 
     def deregister_service(self, service_id: str) -> None:
-        self._call(CONSUL_PLANNER_SERVICE_WRITE, f"deregister service {service_id}",
-                   lambda: self._api.agent.service.deregister(service_id))
+        self._call(
+            CONSUL_PLANNER_SERVICE_WRITE,
+            f"deregister service {service_id}",
+            lambda: self._api.agent.service.deregister(service_id),
+        )
 
     def pass_ttl(self, check_id: str) -> None:
-        self._call(CONSUL_PLANNER_SERVICE_WRITE, f"update check {check_id}",
-                   lambda: self._api.agent.check.ttl_pass(check_id))
+        self._call(
+            CONSUL_PLANNER_SERVICE_WRITE,
+            f"update check {check_id}",
+            lambda: self._api.agent.check.ttl_pass(check_id),
+        )
 
     def create_session(self, name: str, checks: list[str], lock_delay_s: int) -> str:
         """A session bound to `checks` (invalidated as soon as one goes critical), with
         the `release` behaviour: its locks are released, the keys stay."""
-        return str(self._call(CONSUL_SESSION_WRITE, "create session",
-                              lambda: self._api.session.create(
-            name=name, checks=checks, lock_delay=lock_delay_s, behavior="release")))
+        return str(
+            self._call(
+                CONSUL_SESSION_WRITE,
+                "create session",
+                lambda: self._api.session.create(
+                    name=name, checks=checks, lock_delay=lock_delay_s, behavior="release"
+                ),
+            )
+        )
 
     def destroy_session(self, session_id: str) -> None:
-        self._call(CONSUL_SESSION_WRITE, "destroy session",
-                   lambda: self._api.session.destroy(session_id))
+        self._call(
+            CONSUL_SESSION_WRITE, "destroy session", lambda: self._api.session.destroy(session_id)
+        )
 
     def session_info(self, session_id: str) -> dict[str, Any] | None:
         """`/v1/session/info/<id>`'s entry (Node, Checks ...), or None: no such session."""
-        _, info = self._call(CONSUL_SESSION_WRITE, f"read session {session_id}",
-                             lambda: self._api.session.info(session_id))
+        _, info = self._call(
+            CONSUL_SESSION_WRITE,
+            f"read session {session_id}",
+            lambda: self._api.session.info(session_id),
+        )
         return info or None
 
     def service_instances(self, service: str) -> list[dict[str, Any]]:
         """`/v1/health/service/<service>`: every instance, passing or not, with its node
         and checks."""
-        _, nodes = self._call(CONSUL_SERVICES_READ, f"read instances of {service}",
-                              lambda: self._api.health.service(service))
+        _, nodes = self._call(
+            CONSUL_SERVICES_READ,
+            f"read instances of {service}",
+            lambda: self._api.health.service(service),
+        )
         return list(nodes or [])
 
     def acquire(self, key: str, text: str, session_id: str) -> bool:
         """Try to take the lock on `key` for `session_id`, writing `text` when taken."""
-        return bool(self._call(CONSUL_KV_WRITE, f"acquire {key}", lambda: self._api.kv.put(
-            key, text, acquire=session_id)))
+        return bool(
+            self._call(
+                CONSUL_KV_WRITE,
+                f"acquire {key}",
+                lambda: self._api.kv.put(key, text, acquire=session_id),
+            )
+        )
 
     def release(self, key: str, session_id: str) -> None:
-        self._call(CONSUL_KV_WRITE, f"release {key}",
-                   lambda: self._api.kv.put(key, None, release=session_id))
+        self._call(
+            CONSUL_KV_WRITE,
+            f"release {key}",
+            lambda: self._api.kv.put(key, None, release=session_id),
+        )
 
-    def watch_names(self, prefix: KVPrefix, index: int | None,
-                    wait: str = "5s") -> tuple[int, set[str]]:
+    def watch_names(
+        self, prefix: KVPrefix, index: int | None, wait: str = "5s"
+    ) -> tuple[int, set[str]]:
         """Blocking read of the model names with a key under `prefix`: returns once the
         keys changed after `index` (or after `wait`)."""
-        new_index, keys = self._call(CONSUL_KV_READ, f"watch {prefix}", lambda: self._api.kv.get(
-            prefix, keys=True, index=index, wait=wait))
+        new_index, keys = self._call(
+            CONSUL_KV_READ,
+            f"watch {prefix}",
+            lambda: self._api.kv.get(prefix, keys=True, index=index, wait=wait),
+        )
         return int(new_index), {n for k in keys or [] if (n := model_from_key(prefix, k))}
 
     def watch_key(self, key: str, index: int | None, wait: str = "5s") -> tuple[int, Any]:
         """Blocking read of one key: (index, item with Session, Value, ModifyIndex or None)."""
-        new_index, item = self._call(CONSUL_KV_READ, f"watch {key}", lambda: self._api.kv.get(
-            key, index=index, wait=wait))
+        new_index, item = self._call(
+            CONSUL_KV_READ, f"watch {key}", lambda: self._api.kv.get(key, index=index, wait=wait)
+        )
         return int(new_index), item

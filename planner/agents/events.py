@@ -48,12 +48,16 @@ from planner.spec.settings import NOMAD_TLS_VARS, tls_reason
 TOPICS = ("Allocation", "Deployment", "Evaluation", "Job", "Node")
 
 
-async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: int,
-                        token: str | None = None, topics: tuple[str, ...] = TOPICS,
-                        read_timeout: float = 65.0,
-                        on_message: Callable[[], None] | None = None,
-                        ssl: ssl_.SSLContext | None = None,
-                        ) -> AsyncIterator[dict[str, Any]]:
+async def stream_events(
+    session: aiohttp.ClientSession,
+    nomad_addr: str,
+    index: int,
+    token: str | None = None,
+    topics: tuple[str, ...] = TOPICS,
+    read_timeout: float = 65.0,
+    on_message: Callable[[], None] | None = None,
+    ssl: ssl_.SSLContext | None = None,
+) -> AsyncIterator[dict[str, Any]]:
     """Yield each event from `index` on (as Nomad starts it: `Cursor` judges the first
     one), forever; raise NomadUnavailable when the
     stream fails or goes silent for `read_timeout` seconds. `on_message` is called for
@@ -64,14 +68,23 @@ async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: 
     headers = {"X-Nomad-Token": token} if token else {}
     url = f"{nomad_addr.rstrip('/')}/v1/event/stream"
     try:
-        async with session.get(url, params=params, headers=headers, ssl=ssl or True,
-                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:
+        async with session.get(
+            url,
+            params=params,
+            headers=headers,
+            ssl=ssl or True,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        ) as resp:
             if resp.status == 403:
                 # The topics need read-job (nomad/stream/event_broker.go,
                 # aclAllowsSubscription); an unknown token is told apart by the client.
-                raise denied_error(Agent.NOMAD, [NOMAD_READ_JOB.rule],
-                                   TokenStatus.VALID if token else TokenStatus.EMPTY,
-                                   "event stream", await resp.text())
+                raise denied_error(
+                    Agent.NOMAD,
+                    [NOMAD_READ_JOB.rule],
+                    TokenStatus.VALID if token else TokenStatus.EMPTY,
+                    "event stream",
+                    await resp.text(),
+                )
             if resp.status != 200:
                 raise NomadUnavailable(f"event stream: HTTP {resp.status}: {await resp.text()}")
             while True:
@@ -85,8 +98,10 @@ async def stream_events(session: aiohttp.ClientSession, nomad_addr: str, index: 
                     yield event
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         if reason := tls_reason(exc):
-            raise NomadUnavailable(f"event stream: TLS with Nomad at {nomad_addr} failed "
-                                   f"({reason}); check {', '.join(NOMAD_TLS_VARS)}") from exc
+            raise NomadUnavailable(
+                f"event stream: TLS with Nomad at {nomad_addr} failed "
+                f"({reason}); check {', '.join(NOMAD_TLS_VARS)}"
+            ) from exc
         raise NomadUnavailable(f"event stream: {type(exc).__name__}: {exc}") from exc
 
 

@@ -56,16 +56,20 @@ def _response_text(exc: nomad_exc.BaseNomadException) -> str:
 
 
 @contextmanager
-def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
-                address: str = "") -> Iterator[None]:
+def _translated(
+    action: str, tls_failure: Callable[[BaseException], str | None], address: str = ""
+) -> Iterator[None]:
     """Nomad's and requests' errors as the planner's; `action` ("" for none) prefixes
     the message, `address` names the agent a connection failed to (NOMAD_ADDR)."""
     try:
         yield
     except nomad_exc.URLNotFoundNomadException as exc:
         raise NomadRejected(f"{action}: not found ({_response_text(exc)})") from exc
-    except (nomad_exc.BadRequestNomadException, nomad_exc.URLNotAuthorizedNomadException,
-            nomad_exc.VariableConflict) as exc:
+    except (
+        nomad_exc.BadRequestNomadException,
+        nomad_exc.URLNotAuthorizedNomadException,
+        nomad_exc.VariableConflict,
+    ) as exc:
         raise NomadRejected(f"{action}: {_response_text(exc)}") from exc
     except (nomad_exc.BaseNomadException, requests.RequestException) as exc:
         if failure := tls_failure(exc):
@@ -75,7 +79,8 @@ def _translated(action: str, tls_failure: Callable[[BaseException], str | None],
         failed = exc.nomad_resp if isinstance(exc, nomad_exc.BaseNomadException) else exc
         if isinstance(failed, requests.RequestException):
             raise NomadUnavailable(
-                prefix + no_answer("Nomad", "NOMAD_ADDR", address, failed)) from exc
+                prefix + no_answer("Nomad", "NOMAD_ADDR", address, failed)
+            ) from exc
         raise NomadUnavailable(f"{prefix}Nomad failed ({_response_text(exc)})") from exc
 
 
@@ -105,8 +110,13 @@ def _token_shaped(token: str) -> bool:
 class NomadClient:
     """Thin, typed wrapper over python-nomad for the calls the planner makes."""
 
-    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0,
-                 tls: ClientTLS | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout: float = 10.0,
+        tls: ClientTLS | None = None,
+    ) -> None:
         """Raises ValueError (naming the setting) when a configured TLS file is unusable."""
         url = urlparse(address if "://" in address else f"http://{address}")
         self.address = f"{url.scheme}://{url.netloc if url.port else url.netloc + ':4646'}"
@@ -117,22 +127,27 @@ class NomadClient:
         # `address` given, so python-nomad does not read NOMAD_ADDR itself; `cert`
         # always given (or its own NOMAD_CLIENT_* lookup would apply).
         self._logs_denied = False
-        self._api = nomad.Nomad(address=self.address, secure=url.scheme == "https",
-                                token=token, timeout=timeout, verify=self.tls.verify,
-                                cert=self.tls.cert or ("", ""))
+        self._api = nomad.Nomad(
+            address=self.address,
+            secure=url.scheme == "https",
+            token=token,
+            timeout=timeout,
+            verify=self.tls.verify,
+            cert=self.tls.cert or ("", ""),
+        )
 
     def _call(self, needs: Permission, action: str, fn: Callable[[], Any]) -> Any:
         """Run `fn`, translating its errors; a 403 is PermissionDenied naming `needs`,
         the ACL capability Nomad checks for this call."""
         try:
-            with _translated(action, lambda exc: self.tls.failure(self.address, exc),
-                             self.address):
+            with _translated(action, lambda exc: self.tls.failure(self.address, exc), self.address):
                 return fn()
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
                 token, detail = self.token_status()
-                raise denied_error(Agent.NOMAD, [needs.rule], token, action,
-                                   detail) from exc.__cause__
+                raise denied_error(
+                    Agent.NOMAD, [needs.rule], token, action, detail
+                ) from exc.__cause__
             raise
 
     def token_status(self) -> tuple[TokenStatus, str]:
@@ -142,8 +157,9 @@ class NomadClient:
         if not self.token:
             return TokenStatus.EMPTY, ""
         if not _token_shaped(self.token):
-            return TokenStatus.UNKNOWN, ("not a valid token: Nomad's ACL secret IDs are "
-                                         "UUIDs (workload identities JWTs)")
+            return TokenStatus.UNKNOWN, (
+                "not a valid token: Nomad's ACL secret IDs are UUIDs (workload identities JWTs)"
+            )
         try:
             self._api.acl.get_self_token()
         except nomad_exc.BaseNomadException as exc:
@@ -155,22 +171,22 @@ class NomadClient:
             pass
         return TokenStatus.VALID, ""
 
-    def denied(self, needs: list[Permission]
-               ) -> tuple[list[Permission], TokenStatus, str] | None:
+    def denied(self, needs: list[Permission]) -> tuple[list[Permission], TokenStatus, str] | None:
         """Which of `needs` this client's token is denied, asked with calls that change
         nothing (`planner.agents.access`): None when all are allowed (or Nomad enforces no
         ACLs), else (the denied ones, the token's status, Nomad's words for an unknown
         token). Raises NomadUnavailable when Nomad cannot be asked."""
         probe = PROBE_JOB
         probes: dict[Permission, Callable[[], Any]] = {
-            NOMAD_LIST_JOBS: lambda: self._api.jobs.request(method="get",
-                                                           params={"prefix": probe}),
+            NOMAD_LIST_JOBS: lambda: self._api.jobs.request(method="get", params={"prefix": probe}),
             NOMAD_READ_JOB: lambda: self._api.job.request(probe, method="get"),
             NOMAD_SUBMIT_JOB: lambda: self._api.job.request(
-                probe, "evaluate", json={"JobID": probe}, method="post"),
+                probe, "evaluate", json={"JobID": probe}, method="post"
+            ),
             # A hex prefix: Nomad parses a node ID prefix as hex.
-            NOMAD_NODE_READ: lambda: self._api.nodes.request(method="get",
-                                                            params={"prefix": "ffffffff"}),
+            NOMAD_NODE_READ: lambda: self._api.nodes.request(
+                method="get", params={"prefix": "ffffffff"}
+            ),
         }
         denied = []
         for permission in needs:
@@ -178,8 +194,7 @@ class NomadClient:
                 continue
             try:
                 # No action in a message: an agent that does not answer is no ACL matter.
-                with _translated("", lambda exc: self.tls.failure(self.address, exc),
-                                 self.address):
+                with _translated("", lambda exc: self.tls.failure(self.address, exc), self.address):
                     ask()
             except NomadRejected as exc:
                 if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
@@ -200,14 +215,18 @@ class NomadClient:
         request body itself through the library's generic request method.
         """
         body = {"JobHCL": hcl, "Variables": variables, "Canonicalize": True}
-        return self._call(NOMAD_PARSE_JOB, "parse jobspec", lambda: self._api.jobs.request(
-            "parse", json=body, method="post").json())
+        return self._call(
+            NOMAD_PARSE_JOB,
+            "parse jobspec",
+            lambda: self._api.jobs.request("parse", json=body, method="post").json(),
+        )
 
     def job(self, job_id: str) -> Job | None:
         """The registered job, or None when Nomad has no job with this ID."""
         try:
-            return self._call(NOMAD_READ_JOB, f"read job {job_id}",
-                              lambda: self._api.job.get_job(job_id))
+            return self._call(
+                NOMAD_READ_JOB, f"read job {job_id}", lambda: self._api.job.get_job(job_id)
+            )
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
                 return None
@@ -215,8 +234,11 @@ class NomadClient:
 
     def jobs(self) -> list[Job]:
         """Every job's stub (ID, Status, Stop, Meta in Nomad >= 1.6 via `meta=true`)."""
-        return self._call(NOMAD_LIST_JOBS, "list jobs", lambda: self._api.jobs.request(
-            method="get", params={"meta": "true"}).json())
+        return self._call(
+            NOMAD_LIST_JOBS,
+            "list jobs",
+            lambda: self._api.jobs.request(method="get", params={"meta": "true"}).json(),
+        )
 
     def register(self, job: Job, enforce_index: int | None = None) -> dict[str, Any]:
         """Register (create or update) a job; returns {EvalID, JobModifyIndex, ...}.
@@ -226,16 +248,23 @@ class NomadClient:
         if enforce_index is not None:
             body |= {"EnforceIndex": True, "JobModifyIndex": enforce_index}
         with _index_conflict():
-            return self._call(NOMAD_SUBMIT_JOB, f"register job {job['ID']}",
-                              lambda: self._api.job.register_job(job["ID"], body))
+            return self._call(
+                NOMAD_SUBMIT_JOB,
+                f"register job {job['ID']}",
+                lambda: self._api.job.register_job(job["ID"], body),
+            )
 
     def plan(self, job: Job) -> dict[str, Any]:
         """Dry-run the scheduler with a diff against the registered version."""
-        return self._call(NOMAD_SUBMIT_JOB, f"plan job {job['ID']}",
-                          lambda: self._api.job.plan_job(job["ID"], {"Job": job}, diff=True))
+        return self._call(
+            NOMAD_SUBMIT_JOB,
+            f"plan job {job['ID']}",
+            lambda: self._api.job.plan_job(job["ID"], {"Job": job}, diff=True),
+        )
 
-    def scale(self, job_id: str, group: str, count: int, message: str,
-              enforce_index: int | None = None) -> str | None:
+    def scale(
+        self, job_id: str, group: str, count: int, message: str, enforce_index: int | None = None
+    ) -> str | None:
         """Set a task group's count (/v1/job/:id/scale); returns the evaluation ID.
         With `enforce_index`, only if the job's JobModifyIndex is still that one
         (JobScaleRequest.EnforceIndex, nomad/structs/structs.go): NomadRejected otherwise.
@@ -246,9 +275,11 @@ class NomadClient:
         if enforce_index is not None:
             body |= {"EnforceIndex": True, "JobModifyIndex": enforce_index}
         with _index_conflict():
-            answer = self._call(NOMAD_SCALE_JOB, f"scale job {job_id}",
-                                lambda: self._api.job.request(job_id, "scale", json=body,
-                                                              method="post").json())
+            answer = self._call(
+                NOMAD_SCALE_JOB,
+                f"scale job {job_id}",
+                lambda: self._api.job.request(job_id, "scale", json=body, method="post").json(),
+            )
         return answer.get("EvalID") or None
 
     def evaluate(self, job_id: str, force_reschedule: bool = False) -> str | None:
@@ -258,46 +289,69 @@ class NomadClient:
         job's reschedule policy gave up on them (how `planner retry` starts a
         replica Nomad stopped after its restart attempts)."""
         body = {"JobID": job_id, "EvalOptions": {"ForceReschedule": force_reschedule}}
-        answer = self._call(NOMAD_SUBMIT_JOB, f"evaluate job {job_id}",
-                            lambda: self._api.job.request(job_id, "evaluate", json=body,
-                                                          method="post").json())
+        answer = self._call(
+            NOMAD_SUBMIT_JOB,
+            f"evaluate job {job_id}",
+            lambda: self._api.job.request(job_id, "evaluate", json=body, method="post").json(),
+        )
         return answer.get("EvalID") or None
 
     def deregister(self, job_id: str, purge: bool = False) -> dict[str, Any]:
         """Stop a job (purge=True also removes it from Nomad's state)."""
-        return self._call(NOMAD_SUBMIT_JOB, f"deregister job {job_id}",
-                          lambda: self._api.job.deregister_job(job_id, purge=purge))
+        return self._call(
+            NOMAD_SUBMIT_JOB,
+            f"deregister job {job_id}",
+            lambda: self._api.job.deregister_job(job_id, purge=purge),
+        )
 
     def versions(self, job_id: str) -> list[Job]:
         """Every stored version of a job, newest first."""
-        return self._call(NOMAD_READ_JOB, f"read versions of {job_id}",
-                          lambda: self._api.job.get_versions(job_id)["Versions"])
+        return self._call(
+            NOMAD_READ_JOB,
+            f"read versions of {job_id}",
+            lambda: self._api.job.get_versions(job_id)["Versions"],
+        )
 
     def deployments(self, job_id: str) -> list[dict[str, Any]]:
         """The job's deployments (JobVersion, JobCreateIndex, Status, StatusDescription);
         none for a job that does not exist."""
         try:
-            return self._call(NOMAD_READ_JOB, f"read deployments of {job_id}",
-                              lambda: self._api.job.get_deployments(job_id)) or []
+            return (
+                self._call(
+                    NOMAD_READ_JOB,
+                    f"read deployments of {job_id}",
+                    lambda: self._api.job.get_deployments(job_id),
+                )
+                or []
+            )
         except NomadRejected:
             return []
 
     def revert(self, job_id: str, version: int, current_version: int) -> dict[str, Any]:
         """Register job version `version` again as a new version, only if the job is
         still at `current_version` (EnforcePriorVersion); returns {EvalID, ...}."""
-        return self._call(NOMAD_SUBMIT_JOB, f"revert job {job_id} to version {version}",
-                          lambda: self._api.job.revert_job(job_id, version, current_version))
+        return self._call(
+            NOMAD_SUBMIT_JOB,
+            f"revert job {job_id} to version {version}",
+            lambda: self._api.job.revert_job(job_id, version, current_version),
+        )
 
     def allocations(self, job_id: str) -> list[dict[str, Any]]:
         """Allocation stubs of a job (ClientStatus, TaskStates with events)."""
-        return self._call(NOMAD_READ_JOB, f"read allocations of {job_id}",
-                          lambda: self._api.job.get_allocations(job_id))
+        return self._call(
+            NOMAD_READ_JOB,
+            f"read allocations of {job_id}",
+            lambda: self._api.job.get_allocations(job_id),
+        )
 
     def allocation(self, alloc_id: str) -> dict[str, Any] | None:
         """One allocation in full (with its Job), or None when Nomad no longer has it."""
         try:
-            return self._call(NOMAD_READ_JOB, f"read allocation {alloc_id[:8]}",
-                              lambda: self._api.allocation.get_allocation(alloc_id))
+            return self._call(
+                NOMAD_READ_JOB,
+                f"read allocation {alloc_id[:8]}",
+                lambda: self._api.allocation.get_allocation(alloc_id),
+            )
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
                 return None
@@ -309,41 +363,64 @@ class NomadClient:
         scheduler looked at the cluster. A filter expression (Nomad >= 1.3) asks only for
         allocations told to stop; its grammar has no `>`, so the index is compared here."""
         expression = 'DesiredStatus == "stop" or DesiredStatus == "evict"'
-        stubs = self._call(NOMAD_READ_JOB, "list stopping allocations",
-                           lambda: self._api.allocations.request(
-                               method="get", params={"filter": expression}).json())
-        return [a for a in stubs if a.get("ClientStatus") in ("running", "pending")
-                or (since_index and int(a.get("ModifyIndex", 0)) > since_index)]
+        stubs = self._call(
+            NOMAD_READ_JOB,
+            "list stopping allocations",
+            lambda: self._api.allocations.request(
+                method="get", params={"filter": expression}
+            ).json(),
+        )
+        return [
+            a
+            for a in stubs
+            if a.get("ClientStatus") in ("running", "pending")
+            or (since_index and int(a.get("ModifyIndex", 0)) > since_index)
+        ]
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node's stub with its resources (NodeResources.Devices: the GPUs)."""
-        return self._call(NOMAD_NODE_READ, "list nodes", lambda: self._api.nodes.request(
-            method="get", params={"resources": "true"}).json())
+        return self._call(
+            NOMAD_NODE_READ,
+            "list nodes",
+            lambda: self._api.nodes.request(method="get", params={"resources": "true"}).json(),
+        )
 
     def node(self, node_id: str) -> dict[str, Any] | None:
         """One node in full (Meta: static and dynamic metadata merged), or None when
         Nomad no longer has it."""
         try:
-            return self._call(NOMAD_NODE_READ, f"read node {node_id[:8]}",
-                              lambda: self._api.node.get_node(node_id))
+            return self._call(
+                NOMAD_NODE_READ,
+                f"read node {node_id[:8]}",
+                lambda: self._api.node.get_node(node_id),
+            )
         except NomadRejected as exc:
             if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
                 return None
             raise
 
     def evaluation(self, eval_id: str) -> dict[str, Any]:
-        return self._call(NOMAD_READ_JOB, f"read evaluation {eval_id}",
-                          lambda: self._api.evaluation.get_evaluation(eval_id))
+        return self._call(
+            NOMAD_READ_JOB,
+            f"read evaluation {eval_id}",
+            lambda: self._api.evaluation.get_evaluation(eval_id),
+        )
 
     def evaluations(self, job_id: str) -> list[dict[str, Any]]:
         """A job's evaluations (FailedTGAllocs, BlockedEval, Status), in no set order."""
-        return self._call(NOMAD_READ_JOB, f"read evaluations of {job_id}",
-                          lambda: self._api.job.get_evaluations(job_id))
+        return self._call(
+            NOMAD_READ_JOB,
+            f"read evaluations of {job_id}",
+            lambda: self._api.job.get_evaluations(job_id),
+        )
 
     def current_index(self) -> int:
         """Nomad's latest Raft index (X-Nomad-Index of a cheap list call)."""
-        response = self._call(NOMAD_LIST_JOBS, "read index", lambda: self._api.jobs.request(
-            method="get", params={"prefix": "\x00"}))
+        response = self._call(
+            NOMAD_LIST_JOBS,
+            "read index",
+            lambda: self._api.jobs.request(method="get", params={"prefix": "\x00"}),
+        )
         return int(response.headers.get("X-Nomad-Index", 0))
 
     def latest_index(self) -> int:
@@ -351,13 +428,20 @@ class NomadClient:
         allocs, evals, deployment, nodes: each list's X-Nomad-Index is its table's index,
         nomad/*_endpoint.go `state.Index(...)`): no event the stream delivered can be
         newer, so a watcher that saw a higher one talks to a reset Nomad."""
-        lists = ((NOMAD_LIST_JOBS, self._api.jobs), (NOMAD_READ_JOB, self._api.allocations),
-                 (NOMAD_READ_JOB, self._api.evaluations),
-                 (NOMAD_READ_JOB, self._api.deployments), (NOMAD_NODE_READ, self._api.nodes))
+        lists = (
+            (NOMAD_LIST_JOBS, self._api.jobs),
+            (NOMAD_READ_JOB, self._api.allocations),
+            (NOMAD_READ_JOB, self._api.evaluations),
+            (NOMAD_READ_JOB, self._api.deployments),
+            (NOMAD_NODE_READ, self._api.nodes),
+        )
         latest = 0
         for needs, endpoint in lists:
-            response = self._call(needs, "read index", lambda e=endpoint: e.request(
-                method="get", params={"prefix": "ffffffff-0000"}))
+            response = self._call(
+                needs,
+                "read index",
+                lambda e=endpoint: e.request(method="get", params={"prefix": "ffffffff-0000"}),
+            )
             latest = max(latest, int(response.headers.get("X-Nomad-Index", 0)))
         return latest
 
@@ -365,10 +449,13 @@ class NomadClient:
         """The last `size` bytes a task wrote to stderr, through the client filesystem
         API (/v1/client/fs/logs). Empty when the allocation's files are gone."""
         try:
-            return self._call(NOMAD_READ_LOGS, f"read stderr of {alloc_id[:8]}/{task}",
-                              lambda: self._api.client.stream_logs.stream(
-                                  alloc_id, task, "stderr", offset=size, origin="end",
-                                  plain=True))
+            return self._call(
+                NOMAD_READ_LOGS,
+                f"read stderr of {alloc_id[:8]}/{task}",
+                lambda: self._api.client.stream_logs.stream(
+                    alloc_id, task, "stderr", offset=size, origin="end", plain=True
+                ),
+            )
         except (NomadRejected, NomadUnavailable):
             return ""
         except PermissionDenied as exc:

@@ -79,9 +79,12 @@ def _document(name: str, text: str | None) -> StateDocument:
 class StateStore:
     """Reads and check-and-set writes of the state documents."""
 
-    def __init__(self, consul: ConsulClient,
-                 absent: Callable[[StateDocument], StateDocument | None] | None = None,
-                 fence: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        consul: ConsulClient,
+        absent: Callable[[StateDocument], StateDocument | None] | None = None,
+        fence: Callable[[], str | None] | None = None,
+    ) -> None:
         """`absent`, when given, completes the document created for a model that has
         none (the watcher seeds what it knows: the replicas passing now), or returns
         None for a model whose document must not be created (then nothing is written). `fence`, when
@@ -141,9 +144,12 @@ class StateStore:
         """Apply `change` to the current document with check-and-set, starting over on a
         conflict (at most MAX_CAS_ATTEMPTS times, then ConsulUnavailable)."""
         key = kv_key(KVPrefix.STATE, name)
-        retrying = Retrying(retry=retry_if_exception_type(CasConflict),
-                            stop=stop_after_attempt(MAX_CAS_ATTEMPTS),
-                            wait=wait_random(0, 0.02), reraise=True)
+        retrying = Retrying(
+            retry=retry_if_exception_type(CasConflict),
+            stop=stop_after_attempt(MAX_CAS_ATTEMPTS),
+            wait=wait_random(0, 0.02),
+            reraise=True,
+        )
         try:
             for attempt in retrying:
                 with attempt:
@@ -161,8 +167,9 @@ class StateStore:
                         raise CasConflict(key)
                     return Updated(before, after)
         except CasConflict:
-            raise ConsulUnavailable(f"write {key}: {MAX_CAS_ATTEMPTS} check-and-set "
-                                    "conflicts in a row") from None
+            raise ConsulUnavailable(
+                f"write {key}: {MAX_CAS_ATTEMPTS} check-and-set conflicts in a row"
+            ) from None
         raise AssertionError("unreachable: tenacity either returns or raises")
 
     def put_new(self, key: str, text: str) -> bool:
@@ -173,8 +180,7 @@ class StateStore:
     def create(self, name: str) -> bool:
         """Write a new model's document (counting failures from now) unless it has one;
         whether it wrote one."""
-        return self._consul.cas_put(kv_key(KVPrefix.STATE, name),
-                                    encode(_document(name, None)), 0)
+        return self._consul.cas_put(kv_key(KVPrefix.STATE, name), encode(_document(name, None)), 0)
 
     def delete(self, name: str) -> None:
         self._consul.delete_key(kv_key(KVPrefix.STATE, name))

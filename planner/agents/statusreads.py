@@ -16,8 +16,13 @@ def observed(nomad: NomadClient, consul: ConsulClient, name: str) -> Observed:
     return Observed(job, allocations, consul.service_health(service_name(name)))
 
 
-def model_status(nomad: NomadClient, consul: ConsulClient, name: str, record: ModelRecord,
-                 state: StateDocument | None = None) -> ModelStatus:
+def model_status(
+    nomad: NomadClient,
+    consul: ConsulClient,
+    name: str,
+    record: ModelRecord,
+    state: StateDocument | None = None,
+) -> ModelStatus:
     usage = consul.usage_records().get(name) if record.idle_after is not None else None
     state = state if state is not None else StateStore(consul).load(name)
     return observe(name, record, observed(nomad, consul, name), state, usage)
@@ -27,6 +32,7 @@ def gather(nomad: NomadClient, consul: ConsulClient) -> list[ModelStatus]:
     """Status of every applied model (the KV records), sorted by name."""
     states = StateStore(consul).load_all()
     usage = consul.usage_records()
-    return [observe(name, record, observed(nomad, consul, name),
-                    states.get(name), usage.get(name))
-            for name, record in sorted(consul.model_records().items())]
+    return [
+        observe(name, record, observed(nomad, consul, name), states.get(name), usage.get(name))
+        for name, record in sorted(consul.model_records().items())
+    ]

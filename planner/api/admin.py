@@ -56,17 +56,24 @@ from planner.errors import PlannerError, Rejected
 FORWARD_TIMEOUT_S = 30.0  # activation waits at most ~2 s for Nomad; room for a slow Nomad
 
 
-def _error(status: int, code: str, message: str,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "planner_error", "code": code}},
-                        status_code=status, headers=headers)
+def _error(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "planner_error", "code": code}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 def _authorized(authorization: str | None, token: str | None) -> JSONResponse | None:
     """None when the bearer token matches; otherwise the refusal to send."""
     if not token:
-        return _error(403, "admin_disabled", "no admin token is configured on this planner "
-                                             "(set LLMGW_ADMIN_TOKEN)")
+        return _error(
+            403,
+            "admin_disabled",
+            "no admin token is configured on this planner (set LLMGW_ADMIN_TOKEN)",
+        )
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
         return _error(401, "unauthorized", "a valid `Authorization: Bearer <token>` is required")
@@ -77,36 +84,57 @@ class Usage(BaseModel):
     models: list[str]
 
 
-async def _forward(node: PlannerNode, request: Request, session: aiohttp.ClientSession) \
-        -> Response:
+async def _forward(node: PlannerNode, request: Request, session: aiohttp.ClientSession) -> Response:
     """Relay a write to where the lock holder registered, or say why not."""
     route = node.leadership.route
     if isinstance(route, LeaderRefused):
         node.metrics.forward_refusals.labels(route.code.value).inc()
-        return _error(503, route.code.value, f"this follower does not forward writes to the "
-                      f"leader now: {route.reason}",
-                      {"Retry-After": "2"} if route.code.transient else None)
+        return _error(
+            503,
+            route.code.value,
+            f"this follower does not forward writes to the leader now: {route.reason}",
+            {"Retry-After": "2"} if route.code.transient else None,
+        )
     if route is None or route.planner_id == node.leadership.id:
-        return _error(503, "no_leader", "no planner holds the leader lock right now (an "
-                      "election is under way); retry in a few seconds", {"Retry-After": "2"})
-    headers = {k: v for k, v in request.headers.items()
-               if k.lower() in ("authorization", "content-type")}
+        return _error(
+            503,
+            "no_leader",
+            "no planner holds the leader lock right now (an "
+            "election is under way); retry in a few seconds",
+            {"Retry-After": "2"},
+        )
+    headers = {
+        k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")
+    }
     try:
         # No redirects: the token goes to the registered address and nowhere else.
-        async with session.post(route.url + request.url.path, data=await request.body(),
-                                headers=headers, allow_redirects=False) as answer:
+        async with session.post(
+            route.url + request.url.path,
+            data=await request.body(),
+            headers=headers,
+            allow_redirects=False,
+        ) as answer:
             body = await answer.read()
-            return Response(body, status_code=answer.status,
-                            media_type=answer.headers.get("Content-Type"))
+            return Response(
+                body, status_code=answer.status, media_type=answer.headers.get("Content-Type")
+            )
     except aiohttp.ClientSSLError as exc:
-        return _error(503, "leader_unverified", f"the leader at {route.url} could not be "
-                      f"verified ({type(exc).__name__}: {exc}); check LLMGW_PLANNER_CACERT "
-                      "(the CA that signed the planners' --tls-cert, for the host name they "
-                      "register)")
+        return _error(
+            503,
+            "leader_unverified",
+            f"the leader at {route.url} could not be "
+            f"verified ({type(exc).__name__}: {exc}); check LLMGW_PLANNER_CACERT "
+            "(the CA that signed the planners' --tls-cert, for the host name they "
+            "register)",
+        )
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return _error(503, "leader_unreachable", f"the leader at {route.url} did not "
-                      f"answer ({type(exc).__name__}: {exc}); retry shortly",
-                      {"Retry-After": "2"})
+        return _error(
+            503,
+            "leader_unreachable",
+            f"the leader at {route.url} did not "
+            f"answer ({type(exc).__name__}: {exc}); retry shortly",
+            {"Retry-After": "2"},
+        )
 
 
 def _verifying(context: ssl.SSLContext | None) -> ssl.SSLContext | bool:
@@ -115,13 +143,19 @@ def _verifying(context: ssl.SSLContext | None) -> ssl.SSLContext | bool:
     if context is None:
         return True  # aiohttp's default: the system's CAs, host name checked
     if context.verify_mode != ssl.CERT_REQUIRED or not context.check_hostname:
-        raise ValueError("the context for forwarding writes to the leader must verify its "
-                         "certificate and host name")
+        raise ValueError(
+            "the context for forwarding writes to the leader must verify its "
+            "certificate and host name"
+        )
     return context
 
 
-def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
-               forward_ssl: ssl.SSLContext | None = None) -> FastAPI:
+def create_app(
+    node: PlannerNode,
+    token: str | None,
+    run_node: bool = True,
+    forward_ssl: ssl.SSLContext | None = None,
+) -> FastAPI:
     """The admin app; with `run_node`, the node campaigns for its lifetime. `forward_ssl`
     verifies an https:// leader that writes are forwarded to (None: the system's CAs);
     raises ValueError when it does not check certificates and host names."""
@@ -132,8 +166,9 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=verify),
-                timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S)) as session:
+            connector=aiohttp.TCPConnector(ssl=verify),
+            timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S),
+        ) as session:
             forwarder["session"] = session
             task = asyncio.create_task(node.run(), name="planner-node") if run_node else None
             try:
@@ -162,8 +197,13 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
             leader = {"refused": {"code": route.code.value, "reason": route.reason}}
         elif route is not None:
             leader = {"id": route.planner_id, "address": route.url}
-        return {"status": "ok", "role": role, "ready": node.ready, "id": node.leadership.id,
-                "leader": leader}
+        return {
+            "status": "ok",
+            "role": role,
+            "ready": node.ready,
+            "id": node.leadership.id,
+            "leader": leader,
+        }
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -182,8 +222,7 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
         return model_status(nomad, consul, name, record).as_dict()
 
     @app.post("/v1/models/{name}/retry", response_model=None)
-    async def retry(name: str, request: Request,
-                    authorization: str | None = Header(None)) -> Any:
+    async def retry(name: str, request: Request, authorization: str | None = Header(None)) -> Any:
         refusal = _authorized(authorization, token)
         if refusal is not None:
             return refusal
@@ -197,8 +236,9 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
         return {**row.as_dict(), "retry": done}
 
     @app.post("/v1/models/{name}/activate", response_model=None)
-    async def activate(name: str, request: Request,
-                       authorization: str | None = Header(None)) -> Any:
+    async def activate(
+        name: str, request: Request, authorization: str | None = Header(None)
+    ) -> Any:
         refusal = _authorized(authorization, token)
         if refusal is not None:
             return refusal
@@ -210,8 +250,9 @@ def create_app(node: PlannerNode, token: str | None, run_node: bool = True,
             return _error(404, "model_not_found", str(exc))
 
     @app.post("/v1/usage", status_code=204, response_model=None)
-    async def usage(body: Usage, request: Request,
-                    authorization: str | None = Header(None)) -> Response | None:
+    async def usage(
+        body: Usage, request: Request, authorization: str | None = Header(None)
+    ) -> Response | None:
         refusal = _authorized(authorization, token)
         if refusal is not None:
             return refusal

@@ -103,9 +103,13 @@ class Outcome:
     plan: dict[str, Any] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.change.model, "action": str(self.change.action),
-                "reason": self.change.reason, "eval_id": self.eval_id,
-                "job_version": self.job_version}
+        return {
+            "model": self.change.model,
+            "action": str(self.change.action),
+            "reason": self.change.reason,
+            "eval_id": self.eval_id,
+            "job_version": self.job_version,
+        }
 
 
 def is_managed(job: Job) -> bool:
@@ -138,13 +142,21 @@ def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Chan
     "Parking": lifted only by a new source or profile, or `planner retry`); a new one
     lifts it."""
     if job["Meta"][JobMeta.DEFINITION_HASH] != parked.definition_hash:
-        return Change(name, Action.UPDATE, "source or profile changed; lifts parking", job,
-                      unpark=True)
+        return Change(
+            name, Action.UPDATE, "source or profile changed; lifts parking", job, unpark=True
+        )
     if old is not None and (old.get("Meta") or {}).get(SPEC_HASH_KEY) == job["Meta"][SPEC_HASH_KEY]:
-        return Change(name, Action.PARKED, f"parked: {parked.reason}; change its source or "
-                      f"profile, or run `planner retry {name}`")
-    return Change(name, Action.UPDATE, "job changed; stays parked (same source and profile)",
-                  parked_job(job, parked))
+        return Change(
+            name,
+            Action.PARKED,
+            f"parked: {parked.reason}; change its source or profile, or run `planner retry {name}`",
+        )
+    return Change(
+        name,
+        Action.UPDATE,
+        "job changed; stays parked (same source and profile)",
+        parked_job(job, parked),
+    )
 
 
 def _keep_activation(job: Job, old: Job) -> Job:
@@ -175,17 +187,23 @@ def _gone(name: str, old: Job | None, parked: bool, prune: bool) -> Change:
     else:
         how = "stopped; " if old.get("Stop") else ""
     if prune:
-        return Change(name, Action.DEREGISTER, f"{how}no longer defined in git",
-                      purge=old is not None)
+        return Change(
+            name, Action.DEREGISTER, f"{how}no longer defined in git", purge=old is not None
+        )
     verb = "stop" if old is not None and not old.get("Stop") else "remove"
-    return Change(name, Action.ORPHANED,
-                  f"{how}no longer defined in git; run with --prune to {verb} it")
+    return Change(
+        name, Action.ORPHANED, f"{how}no longer defined in git; run with --prune to {verb} it"
+    )
 
 
-def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
-           parked: dict[str, Parked] | None = None,
-           rolled_back: dict[str, UpdateFailed] | None = None,
-           records: Iterable[str] = ()) -> list[Change]:
+def decide(
+    rendered: dict[str, Job],
+    registered: dict[str, Job],
+    prune: bool,
+    parked: dict[str, Parked] | None = None,
+    rolled_back: dict[str, UpdateFailed] | None = None,
+    records: Iterable[str] = (),
+) -> list[Change]:
     """Pure: compare rendered jobs with registered llmgw jobs; one Change per model.
 
     `registered` holds only jobs llmgw manages (meta llmgw_model), keyed by ID;
@@ -194,10 +212,16 @@ def decide(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
     KV record (applied before, whether or not Nomad still has their job). Each Change
     carries the registered job's JobModifyIndex (`job_index`) and the rendered job.
     """
-    changes = [replace(change, job_index=_job_index(registered.get(change.model)),
-                       rendered=rendered.get(change.model))
-               for change in _changes(rendered, registered, prune, parked or {},
-                                      rolled_back or {}, records)]
+    changes = [
+        replace(
+            change,
+            job_index=_job_index(registered.get(change.model)),
+            rendered=rendered.get(change.model),
+        )
+        for change in _changes(
+            rendered, registered, prune, parked or {}, rolled_back or {}, records
+        )
+    ]
     return changes
 
 
@@ -205,9 +229,14 @@ def _job_index(job: Job | None) -> int:
     return int((job or {}).get("JobModifyIndex") or 0)
 
 
-def _changes(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
-             parked: dict[str, Parked], rolled_back: dict[str, UpdateFailed],
-             records: Iterable[str]) -> list[Change]:
+def _changes(
+    rendered: dict[str, Job],
+    registered: dict[str, Job],
+    prune: bool,
+    parked: dict[str, Parked],
+    rolled_back: dict[str, UpdateFailed],
+    records: Iterable[str],
+) -> list[Change]:
     changes = []
     for name, job in sorted(rendered.items()):
         old = registered.get(name)
@@ -215,15 +244,26 @@ def _changes(rendered: dict[str, Job], registered: dict[str, Job], prune: bool,
             changes.append(_parked_change(name, job, old, parked[name]))
         elif name in rolled_back:
             failed = rolled_back[name]
-            changes.append(Change(name, Action.ROLLED_BACK, (
-                f"this definition was rolled back ({failed.reason}); it is not tried "
-                f"again: change it, or run `planner retry {name}`")))
+            changes.append(
+                Change(
+                    name,
+                    Action.ROLLED_BACK,
+                    (
+                        f"this definition was rolled back ({failed.reason}); it is not tried "
+                        f"again: change it, or run `planner retry {name}`"
+                    ),
+                )
+            )
         elif old is None:
             changes.append(Change(name, Action.CREATE, "new model", job))
-        elif old.get("Stop") or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != \
-                job["Meta"][SPEC_HASH_KEY] or _counts(job, old) is not None:
-            changes.append(Change(name, Action.UPDATE, _update_reason(job, old),
-                                  _keep_activation(job, old)))
+        elif (
+            old.get("Stop")
+            or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != job["Meta"][SPEC_HASH_KEY]
+            or _counts(job, old) is not None
+        ):
+            changes.append(
+                Change(name, Action.UPDATE, _update_reason(job, old), _keep_activation(job, old))
+            )
         else:
             changes.append(Change(name, Action.UNCHANGED, "no changes"))
     for name in sorted((set(registered) | set(records or ())) - set(rendered)):
@@ -240,23 +280,38 @@ def _registered_llmgw_jobs(nomad: NomadClient) -> dict[str, Job]:
     return jobs
 
 
-def _check_foreign(rendered: dict[str, Job], nomad: NomadClient,
-                   models: dict[str, tuple[Path, ModelDefinition]],
-                   registered: dict[str, Job]) -> None:
+def _check_foreign(
+    rendered: dict[str, Job],
+    nomad: NomadClient,
+    models: dict[str, tuple[Path, ModelDefinition]],
+    registered: dict[str, Job],
+) -> None:
     """Refuse to overwrite a Nomad job of the same ID that llmgw does not manage."""
     errors = []
     for name in rendered:
         if name not in registered and nomad.job(name) is not None:
-            errors.append(DefinitionError(models[name][0], "name", (
-                f"Nomad already has a job {name!r} that llmgw does not manage "
-                "(no llmgw_model meta); rename the model or remove that job")))
+            errors.append(
+                DefinitionError(
+                    models[name][0],
+                    "name",
+                    (
+                        f"Nomad already has a job {name!r} that llmgw does not manage "
+                        "(no llmgw_model meta); rename the model or remove that job"
+                    ),
+                )
+            )
     if errors:
         raise InvalidDefinitions(errors)
 
 
-def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: ConsulClient,
-            prune: bool, needs: tuple[Permission, ...] = ()
-            ) -> tuple[dict[str, ModelDefinition], list[Change], dict[str, Fit]]:
+def prepare(
+    paths: list[Path],
+    settings: Settings,
+    nomad: NomadClient,
+    consul: ConsulClient,
+    prune: bool,
+    needs: tuple[Permission, ...] = (),
+) -> tuple[dict[str, ModelDefinition], list[Change], dict[str, Fit]]:
     """Validate everything and decide; changes nothing. The files are validated before
     anything else is judged (invalid files exit 2 whatever the agents); then the tokens
     must allow `needs` (`planner.agents.access`). Also returns each model's fit (`planner.spec.fit`:
@@ -273,22 +328,35 @@ def prepare(paths: list[Path], settings: Settings, nomad: NomadClient, consul: C
     models = load_definitions(paths, engines, settings.models_root)
     fits = check_models(models)
     template = settings.jobspec.read_text()
-    rendered = {name: render(d, settings, nomad, template, engines[d.profile.engine])
-                for name, (_, d) in models.items()}
+    rendered = {
+        name: render(d, settings, nomad, template, engines[d.profile.engine])
+        for name, (_, d) in models.items()
+    }
     registered = _registered_llmgw_jobs(nomad)
     _check_foreign(rendered, nomad, models, registered)
     definitions = {name: d for name, (_, d) in models.items()}
     # The stopped job's meta is the durable record of parking (docs/architecture.md):
     # a wiped or stale KV cache must never un-park a model on re-apply.
-    parked = {name: p for name, job in registered.items()
-              if (p := parked_from_job(job)) is not None}
-    return definitions, decide(rendered, registered, prune, parked,
-                               _rolled_back(rendered, registered, nomad),
-                               consul.model_records()), fits
+    parked = {
+        name: p for name, job in registered.items() if (p := parked_from_job(job)) is not None
+    }
+    return (
+        definitions,
+        decide(
+            rendered,
+            registered,
+            prune,
+            parked,
+            _rolled_back(rendered, registered, nomad),
+            consul.model_records(),
+        ),
+        fits,
+    )
 
 
-def _rolled_back(rendered: dict[str, Job], registered: dict[str, Job],
-                 nomad: NomadClient) -> dict[str, UpdateFailed]:
+def _rolled_back(
+    rendered: dict[str, Job], registered: dict[str, Job], nomad: NomadClient
+) -> dict[str, UpdateFailed]:
     """The models whose rendered definition Nomad rolled back, read from Nomad (job
     versions and deployments; `planner.model.rollout`), so a wiped KV cannot retry it."""
     found = {}
@@ -303,8 +371,13 @@ def _rolled_back(rendered: dict[str, Job], registered: dict[str, Job],
     return found
 
 
-def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
-            nomad: NomadClient, consul: ConsulClient, dry_run: bool) -> list[Outcome]:
+def execute(
+    definitions: dict[str, ModelDefinition],
+    changes: list[Change],
+    nomad: NomadClient,
+    consul: ConsulClient,
+    dry_run: bool,
+) -> list[Outcome]:
     """Carry out `changes` (or, with dry_run, ask Nomad for each plan instead), one
     model after the other, each whole or not at all (`_apply_model`).
 
@@ -327,8 +400,11 @@ def execute(definitions: dict[str, ModelDefinition], changes: list[Change],
         elif definition is None:
             outcomes.append(Outcome(change))
         else:
-            outcomes.append(_apply_model(change, definition.record(),
-                                         existing.get(change.model), applier, consul))
+            outcomes.append(
+                _apply_model(
+                    change, definition.record(), existing.get(change.model), applier, consul
+                )
+            )
     return outcomes
 
 
@@ -339,8 +415,13 @@ def _planned(change: Change, nomad: NomadClient) -> Outcome:
     return outcome
 
 
-def _apply_model(change: Change, record: ModelRecord, old: ModelRecord | None,
-                 applier: Applier, consul: ConsulClient) -> Outcome:
+def _apply_model(
+    change: Change,
+    record: ModelRecord,
+    old: ModelRecord | None,
+    applier: Applier,
+    consul: ConsulClient,
+) -> Outcome:
     """One model whole or not at all: its record written (only where it differs; a new
     model's state document too), then its job registered; when that fails, whatever
     the reason, the record is put back as it was (`old`; None: removed, with the state
@@ -356,8 +437,9 @@ def _apply_model(change: Change, record: ModelRecord, old: ModelRecord | None,
         raise
 
 
-def _restore(name: str, record: ModelRecord, old: ModelRecord | None, created: bool,
-             consul: ConsulClient) -> None:
+def _restore(
+    name: str, record: ModelRecord, old: ModelRecord | None, created: bool, consul: ConsulClient
+) -> None:
     if old is None:
         consul.delete_model_record(name)
     elif old != record:
@@ -379,8 +461,10 @@ def _register(change: Change, applier: Applier) -> Outcome:
             return _registered(change, applier)
         except Stale:
             continue
-    raise NomadRejected(f"model {change.model}: its job changed {MAX_DECISIONS} times "
-                        "while apply registered it (another writer); run apply again")
+    raise NomadRejected(
+        f"model {change.model}: its job changed {MAX_DECISIONS} times "
+        "while apply registered it (another writer); run apply again"
+    )
 
 
 def _noted(change: Change, note: str) -> Change:
@@ -395,14 +479,18 @@ def _registered(change: Change, applier: Applier) -> Outcome:
     if change.restart:
         # Replicas Nomad stopped after their restart attempts keep their place in the
         # count across a job stop (no reschedule): place them again.
-        effects.append(Evaluate(Reason.APPLY, "the stopped job is starting again",
-                                force_reschedule=True))
+        effects.append(
+            Evaluate(Reason.APPLY, "the stopped job is starting again", force_reschedule=True)
+        )
     answers = applier.write_job(change.model, effects, change.job_index)
     index = _job_index(answers[0])
     if change.unpark:
         applier.update(change.model, lambda s: set_parked(s, None, index))
-    return Outcome(change, eval_id=answers[0].get("EvalID") or None,
-                   job_version=_version_after(applier.nomad, change.model))
+    return Outcome(
+        change,
+        eval_id=answers[0].get("EvalID") or None,
+        job_version=_version_after(applier.nomad, change.model),
+    )
 
 
 def _decide_again(change: Change, nomad: NomadClient) -> Change:
@@ -412,20 +500,28 @@ def _decide_again(change: Change, nomad: NomadClient) -> Change:
         raise TypeError(f"model {name}: a change without its rendered job")
     job = nomad.job(name)
     if job is not None and not is_managed(job):
-        raise NomadRejected(f"model {name}: Nomad now has a job {name!r} that llmgw does "
-                            "not manage (no llmgw_model meta)")
+        raise NomadRejected(
+            f"model {name}: Nomad now has a job {name!r} that llmgw does "
+            "not manage (no llmgw_model meta)"
+        )
     registered = {name: job} if job is not None else {}
     parked = {name: p} if (p := parked_from_job(job)) is not None else {}
-    [again] = decide({name: rendered}, registered, False, parked,
-                     _rolled_back({name: rendered}, registered, nomad))
+    [again] = decide(
+        {name: rendered},
+        registered,
+        False,
+        parked,
+        _rolled_back({name: rendered}, registered, nomad),
+    )
     return again
 
 
 def _deregister(change: Change, applier: Applier, consul: ConsulClient) -> Outcome:
     outcome = Outcome(change)
     if change.purge:
-        [answer] = applier.write_job(change.model, [
-            Deregister(Reason.PRUNE, change.reason, purge=True)], change.job_index)
+        [answer] = applier.write_job(
+            change.model, [Deregister(Reason.PRUNE, change.reason, purge=True)], change.job_index
+        )
         outcome.eval_id = answer.get("EvalID") or None
     _forget(change.model, consul)
     return outcome

@@ -70,8 +70,12 @@ an ACL token (NOMAD_TOKEN, CONSUL_HTTP_TOKEN) lacks a permission: the message na
 the policy under acl/. `apply --dry-run --detailed-exitcode` exits as `terraform plan
 -detailed-exitcode` does instead: 0 no changes, 2 changes, 1 any error."""
 
-app = typer.Typer(help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 # Not a terminal (CI logs, pipes, grep): no colour, and rows never wrap.
 _WIDTH = None if sys.stdout.isatty() else 100_000
 out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
@@ -97,26 +101,34 @@ class ReportOutput(StrEnum):
 
 
 OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
-ApplyOutputOption = Annotated[ReportOutput, typer.Option(
-    "--output", "-o", help="table, json, or markdown (a plan summary for a merge request)")]
-StatusOutputOption = Annotated[ReportOutput, typer.Option(
-    "--output", "-o", help="table, json, or markdown")]
+ApplyOutputOption = Annotated[
+    ReportOutput,
+    typer.Option(
+        "--output", "-o", help="table, json, or markdown (a plan summary for a merge request)"
+    ),
+]
+StatusOutputOption = Annotated[
+    ReportOutput, typer.Option("--output", "-o", help="table, json, or markdown")
+]
 
 
-def _clients(needs: tuple[Permission, ...], output: Output | ReportOutput = Output.table,
-             error_exit: int | None = None,
-             **overrides: str | None) -> tuple[Settings, NomadClient, ConsulClient]:
+def _clients(
+    needs: tuple[Permission, ...],
+    output: Output | ReportOutput = Output.table,
+    error_exit: int | None = None,
+    **overrides: str | None,
+) -> tuple[Settings, NomadClient, ConsulClient]:
     """Settings from the environment (with the options in `overrides` that were given),
     checked, and the two agents' clients, once the agents said the tokens allow
     `needs`; exit 2 naming the setting that is wrong, 3 naming what a token lacks (or
     the agent that could not be asked); `error_exit`, when given, instead of either."""
     try:
-        settings = replace(Settings.from_env(),
-                           **{k: v for k, v in overrides.items() if v is not None})
+        settings = replace(
+            Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None}
+        )
         settings.validate()
         nomad = NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls)
-        consul = ConsulClient(settings.consul_url, settings.consul_token,
-                              tls=settings.consul_tls)
+        consul = ConsulClient(settings.consul_url, settings.consul_token, tls=settings.consul_tls)
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)
         code = 2 if error_exit is None else error_exit
@@ -130,8 +142,12 @@ def _clients(needs: tuple[Permission, ...], output: Output | ReportOutput = Outp
     return settings, nomad, consul
 
 
-def _fail(exc: PlannerError, output: Output | ReportOutput = Output.table,
-          files: str = "model", error_exit: int | None = None) -> typer.Exit:
+def _fail(
+    exc: PlannerError,
+    output: Output | ReportOutput = Output.table,
+    files: str = "model",
+    error_exit: int | None = None,
+) -> typer.Exit:
     """Report `exc` on stderr (and, with --output json or markdown, on stdout); the exit,
     `exc.exit_code` or `error_exit` when given (--detailed-exitcode's 1), which the JSON
     error's `exit_code` repeats. `files` says which definitions a list of problems is
@@ -139,40 +155,64 @@ def _fail(exc: PlannerError, output: Output | ReportOutput = Output.table,
     code = exc.exit_code if error_exit is None else error_exit
     problems = exc.errors if isinstance(exc, InvalidDefinitions) else []
     if problems:
-        err.print(f"error: {len(problems)} problem(s) in the {files} files; nothing was "
-                  "changed:")
+        err.print(f"error: {len(problems)} problem(s) in the {files} files; nothing was changed:")
         for problem in problems:
             err.print(f"  {problem}", markup=False)
     else:
         err.print(f"error: {exc}", markup=False)
-    listed = [{"file": str(p.file), "field": p.field, "message": p.message}
-              for p in problems]
+    listed = [{"file": str(p.file), "field": p.field, "message": p.message} for p in problems]
     if output == Output.json:
-        _print_error(code, type(exc).__name__, str(exc) if not problems else
-                     f"{len(problems)} problem(s) in the {files} files; nothing was changed",
-                     listed)
+        _print_error(
+            code,
+            type(exc).__name__,
+            str(exc)
+            if not problems
+            else f"{len(problems)} problem(s) in the {files} files; nothing was changed",
+            listed,
+        )
     elif output == ReportOutput.markdown:
         print(error_markdown(str(exc), listed), end="")
     return typer.Exit(code)
 
 
-def _print_error(exit_code: int, kind: str, message: str,
-                 problems: list[dict[str, str]] | None = None) -> None:
+def _print_error(
+    exit_code: int, kind: str, message: str, problems: list[dict[str, str]] | None = None
+) -> None:
     """The JSON every command prints on stdout, with --output json, when it fails:
     {"error": {"kind", "message", "exit_code", "problems": [{file, field, message}]}}."""
-    print(json.dumps({"error": {"kind": kind, "message": message, "exit_code": exit_code,
-                                "problems": problems or []}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "error": {
+                    "kind": kind,
+                    "message": message,
+                    "exit_code": exit_code,
+                    "problems": problems or [],
+                }
+            },
+            indent=2,
+        )
+    )
 
 
 @app.command()
 def apply(
     paths: Annotated[list[Path], typer.Argument(help="model files or folders of *.yaml")],
     prune: Annotated[bool, typer.Option(help="deregister models no longer in these files")] = False,
-    dry_run: Annotated[bool, typer.Option(help="print Nomad's plan diff and each "
-                                                "model's memory estimate; change nothing")] = False,
-    detailed_exitcode: Annotated[bool, typer.Option(
-        "--detailed-exitcode", help="with --dry-run, exit as `terraform plan "
-        "-detailed-exitcode` does: 0 no changes, 2 changes, 1 any error")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            help="print Nomad's plan diff and each model's memory estimate; change nothing"
+        ),
+    ] = False,
+    detailed_exitcode: Annotated[
+        bool,
+        typer.Option(
+            "--detailed-exitcode",
+            help="with --dry-run, exit as `terraform plan "
+            "-detailed-exitcode` does: 0 no changes, 2 changes, 1 any error",
+        ),
+    ] = False,
     wait: Annotated[bool, typer.Option(help="wait until changed models pass their checks")] = False,
     timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
     output: ApplyOutputOption = ReportOutput.table,
@@ -199,15 +239,23 @@ def apply(
         raise typer.Exit(2)
 
 
-def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: float,
-           output: ReportOutput, error_exit: int | None = None) -> bool:
+def _apply(
+    paths: list[Path],
+    prune: bool,
+    dry_run: bool,
+    wait: bool,
+    timeout: float,
+    output: ReportOutput,
+    error_exit: int | None = None,
+) -> bool:
     """`apply`'s work; whether anything changed (or would, in a dry run). Exits 1 when a
     definition Nomad rolled back was refused or --wait saw a model give up, 2 or 3 as
     the module says."""
     settings, nomad, consul = _clients((), output, error_exit)
     try:
-        definitions, changes, fits = prepare(paths, settings, nomad, consul, prune,
-                                             access.APPLY_DRY_RUN if dry_run else access.APPLY)
+        definitions, changes, fits = prepare(
+            paths, settings, nomad, consul, prune, access.APPLY_DRY_RUN if dry_run else access.APPLY
+        )
         outcomes = execute(definitions, changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc, output, error_exit=error_exit) from exc
@@ -215,13 +263,25 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
     shown = fits if dry_run else {}
     serving = _serving(definitions) if dry_run else {}
     if output == Output.json:
-        print(json.dumps({"dry_run": dry_run, "changes": [
-            _outcome_json(o, shown, serving) for o in outcomes]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "dry_run": dry_run,
+                    "changes": [_outcome_json(o, shown, serving) for o in outcomes],
+                },
+                indent=2,
+            )
+        )
     elif output == ReportOutput.markdown:
-        print(outcomes_markdown(outcomes, dry_run,
-                                {model: fit.text() for model, fit in shown.items()},
-                                {model: _serving_text(*s) for model, s in serving.items()}),
-              end="")
+        print(
+            outcomes_markdown(
+                outcomes,
+                dry_run,
+                {model: fit.text() for model, fit in shown.items()},
+                {model: _serving_text(*s) for model, s in serving.items()},
+            ),
+            end="",
+        )
     else:
         _print_outcomes(outcomes, dry_run, shown, serving)
     if not changed:
@@ -230,9 +290,12 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
     for change in refused:
         err.print(f"error: {change.model}: {change.reason}", markup=False)
     if wait and not dry_run:
-        _wait_serving([o.change.model for o in outcomes
-                       if o.change.action in (Action.CREATE, Action.UPDATE)],
-                      nomad, consul, timeout)
+        _wait_serving(
+            [o.change.model for o in outcomes if o.change.action in (Action.CREATE, Action.UPDATE)],
+            nomad,
+            consul,
+            timeout,
+        )
     if refused:
         raise typer.Exit(1)
     return bool(changed)
@@ -241,16 +304,16 @@ def _apply(paths: list[Path], prune: bool, dry_run: bool, wait: bool, timeout: f
 def _serving(definitions: dict[str, ModelDefinition]) -> dict[str, tuple[int, int]]:
     """{model: (slots, tokens of context each request can use)}, as its job runs it:
     the profile's --parallel (1 without one) and `context` (`planner.engines.fitargs`)."""
-    return {name: (slots(d.profile.args), d.profile.context)
-            for name, d in definitions.items()}
+    return {name: (slots(d.profile.args), d.profile.context) for name, d in definitions.items()}
 
 
 def _serving_text(slot_count: int, context: int) -> str:
     return f"{slot_count} x {context} tokens"
 
 
-def _outcome_json(outcome: Outcome, fits: dict[str, Fit],
-                  serving: dict[str, tuple[int, int]]) -> dict[str, Any]:
+def _outcome_json(
+    outcome: Outcome, fits: dict[str, Fit], serving: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
     data = outcome.as_dict()
     if outcome.change.model in serving:
         data["slots"], data["context_per_request"] = serving[outcome.change.model]
@@ -258,26 +321,38 @@ def _outcome_json(outcome: Outcome, fits: dict[str, Fit],
         data["estimate"] = fits[outcome.change.model].as_dict()
     if outcome.plan is not None:
         data["diff"] = format_diff(outcome.plan.get("Diff"))
-        data["placement"] = evaluation_reason(outcome.plan,
-                                              engine=engine_need(outcome.change.job))
+        data["placement"] = evaluation_reason(outcome.plan, engine=engine_need(outcome.change.job))
     return data
 
 
-def _print_outcomes(outcomes: list[Outcome], dry_run: bool, fits: dict[str, Fit],
-                    serving: dict[str, tuple[int, int]]) -> None:
+def _print_outcomes(
+    outcomes: list[Outcome],
+    dry_run: bool,
+    fits: dict[str, Fit],
+    serving: dict[str, tuple[int, int]],
+) -> None:
     """The table of changes; in a dry run, columns with each model's slots and context
     per request (`serving`) and its memory estimate from its GGUF header (`fits`)."""
     columns = ["model", "action", "reason", "evaluation", "version"]
-    table = Table(*columns, *(["slots x context"] if serving else []),
-                  *(["memory estimate"] if fits else []), box=None)
+    table = Table(
+        *columns,
+        *(["slots x context"] if serving else []),
+        *(["memory estimate"] if fits else []),
+        box=None,
+    )
     for o in outcomes:
         model = o.change.model
-        served = [_serving_text(*serving[model]) if model in serving else ""] \
-            if serving else []
+        served = [_serving_text(*serving[model]) if model in serving else ""] if serving else []
         estimate = [fits[model].text() if model in fits else ""] if fits else []
-        table.add_row(model, str(o.change.action), o.change.reason,
-                      (o.eval_id or "")[:8], "" if o.job_version is None else str(o.job_version),
-                      *served, *estimate)
+        table.add_row(
+            model,
+            str(o.change.action),
+            o.change.reason,
+            (o.eval_id or "")[:8],
+            "" if o.job_version is None else str(o.job_version),
+            *served,
+            *estimate,
+        )
     out.print(table)
     for o in outcomes:
         if o.plan is not None:
@@ -289,35 +364,40 @@ def _print_outcomes(outcomes: list[Outcome], dry_run: bool, fits: dict[str, Fit]
                 out.print(f"placement: would not place: {unplaced}", markup=False)
 
 
-def _wait_serving(models: list[str], nomad: NomadClient, consul: ConsulClient,
-                  timeout: float) -> None:
+def _wait_serving(
+    models: list[str], nomad: NomadClient, consul: ConsulClient, timeout: float
+) -> None:
     """Poll status every second (Consul health is what counts) and report each change."""
     deadline, last = time.monotonic() + timeout, ""
     while models:
         rows = {s.name: s for s in gather(nomad, consul) if s.name in models}
-        line = ", ".join(f"{n}: {s.state} ({s.reason}){_rollout(s)}"
-                         + (f" last error: {headline(s.last_error)}"
-                            if s.state == ModelState.FAILING else "")
-                         for n, s in sorted(rows.items()))
+        line = ", ".join(
+            f"{n}: {s.state} ({s.reason}){_rollout(s)}"
+            + (f" last error: {headline(s.last_error)}" if s.state == ModelState.FAILING else "")
+            for n, s in sorted(rows.items())
+        )
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line
-        if all(s.satisfied and s.rolled_out and not _deploying(nomad, s)
-               for s in rows.values()):
+        if all(s.satisfied and s.rolled_out and not _deploying(nomad, s) for s in rows.values()):
             return
         # States that do not end by waiting: an operator has to act.
-        given_up = {n: s for n, s in rows.items()
-                    if s.state in (ModelState.PARKED, ModelState.UNPLACEABLE)
-                    or s.update_failed is not None
-                    # While a rollout runs, a new replica Nomad stopped makes Nomad
-                    # roll the update back: wait for that verdict (update_failed).
-                    or (s.rolled_out and any(r.state == ReplicaState.STOPPED
-                                             for r in s.replicas))}
+        given_up = {
+            n: s
+            for n, s in rows.items()
+            if s.state in (ModelState.PARKED, ModelState.UNPLACEABLE)
+            or s.update_failed is not None
+            # While a rollout runs, a new replica Nomad stopped makes Nomad
+            # roll the update back: wait for that verdict (update_failed).
+            or (s.rolled_out and any(r.state == ReplicaState.STOPPED for r in s.replicas))
+        }
         if given_up:
             for name, row in sorted(given_up.items()):
-                err.print(f"error: {name} is {row.state}: {row.reason}"
-                          + (f"; last error: {headline(row.last_error)}" if row.last_error
-                             else ""), markup=False)
+                err.print(
+                    f"error: {name} is {row.state}: {row.reason}"
+                    + (f"; last error: {headline(row.last_error)}" if row.last_error else ""),
+                    markup=False,
+                )
             raise typer.Exit(1)
         if time.monotonic() > deadline:
             err.print(f"error: not serving after {timeout:.0f} s")
@@ -341,12 +421,17 @@ def _rollout(row: ModelStatus) -> str:
         return ""
     new = [r for r in row.replicas if r.job_version == row.job_version]
     healthy = sum(1 for r in new if r.state == ReplicaState.SERVING)
-    serving_old = sum(1 for r in row.replicas
-                      if r.job_version != row.job_version and r.state == ReplicaState.SERVING)
-    progress = (f"{healthy} of {len(new)} new replica(s) healthy" if new
-                else "no new replica placed yet")
-    return (f"; rolling out version {row.job_version}: {progress}, {serving_old} old "
-            "serving meanwhile")
+    serving_old = sum(
+        1
+        for r in row.replicas
+        if r.job_version != row.job_version and r.state == ReplicaState.SERVING
+    )
+    progress = (
+        f"{healthy} of {len(new)} new replica(s) healthy" if new else "no new replica placed yet"
+    )
+    return (
+        f"; rolling out version {row.job_version}: {progress}, {serving_old} old serving meanwhile"
+    )
 
 
 def _rows(output: Output | ReportOutput) -> list[ModelStatus]:
@@ -359,10 +444,17 @@ def _rows(output: Output | ReportOutput) -> list[ModelStatus]:
 
 
 @app.command()
-def status(output: StatusOutputOption = ReportOutput.table,
-           nodes: Annotated[bool, typer.Option(
-               "--nodes", help="the engines installed per node instead; exit 0 only when "
-                               "every node has every defined engine")] = False) -> None:
+def status(
+    output: StatusOutputOption = ReportOutput.table,
+    nodes: Annotated[
+        bool,
+        typer.Option(
+            "--nodes",
+            help="the engines installed per node instead; exit 0 only when "
+            "every node has every defined engine",
+        ),
+    ] = False,
+) -> None:
     """A row per applied model; exit 0 only when every model has what it should."""
     if nodes:
         _status_nodes(output)
@@ -379,11 +471,28 @@ def status(output: StatusOutputOption = ReportOutput.table,
 
 
 def _print_status(rows: list[ModelStatus]) -> None:
-    table = Table("model", "state", "desired", "running", "ready", "failures", "reason",
-                  "last error", box=None)
+    table = Table(
+        "model",
+        "state",
+        "desired",
+        "running",
+        "ready",
+        "failures",
+        "reason",
+        "last error",
+        box=None,
+    )
     for r in rows:
-        table.add_row(r.name, r.state, str(r.desired), str(r.running), str(r.ready),
-                      str(r.consecutive_failures), r.reason, headline(r.last_error))
+        table.add_row(
+            r.name,
+            r.state,
+            str(r.desired),
+            str(r.running),
+            str(r.ready),
+            str(r.consecutive_failures),
+            r.reason,
+            headline(r.last_error),
+        )
     out.print(table)
     if not rows:
         err.print("no models applied yet (run `planner apply models/`)")
@@ -417,9 +526,12 @@ def _print_installs(rows: list[NodeInstall]) -> None:
         err.print("no engines defined (run `planner engines apply engines/`)")
 
 
-engines_app = typer.Typer(help=f"Engines (engines/*.yaml): a sysbatch job installs each on "
-                               f"every node and records it in the node's metadata.\n\n"
-                               f"{EXIT_CODES}", no_args_is_help=True)
+engines_app = typer.Typer(
+    help=f"Engines (engines/*.yaml): a sysbatch job installs each on "
+    f"every node and records it in the node's metadata.\n\n"
+    f"{EXIT_CODES}",
+    no_args_is_help=True,
+)
 app.add_typer(engines_app, name="engines")
 
 
@@ -427,8 +539,9 @@ app.add_typer(engines_app, name="engines")
 def engines_apply(
     paths: Annotated[list[Path], typer.Argument(help="engine files or folders of *.yaml")],
     dry_run: Annotated[bool, typer.Option(help="print Nomad's plan; change nothing")] = False,
-    wait: Annotated[bool, typer.Option(help="wait until every node has them (exit 1 when "
-                                            "an install fails)")] = False,
+    wait: Annotated[
+        bool, typer.Option(help="wait until every node has them (exit 1 when an install fails)")
+    ] = False,
     timeout: Annotated[float, typer.Option(help="seconds --wait waits at most")] = 600.0,
     output: OutputOption = Output.table,
 ) -> None:
@@ -440,15 +553,25 @@ def engines_apply(
     except PlannerError as exc:
         raise _fail(exc, output, files="engine") from exc
     if output is Output.json:
-        print(json.dumps({"dry_run": dry_run, "changes": [
-            {k: v for k, v in o.items() if k != "plan"} | (
-                {"diff": format_diff(o["plan"].get("Diff"))} if "plan" in o else {})
-            for o in outcomes]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "dry_run": dry_run,
+                    "changes": [
+                        {k: v for k, v in o.items() if k != "plan"}
+                        | ({"diff": format_diff(o["plan"].get("Diff"))} if "plan" in o else {})
+                        for o in outcomes
+                    ],
+                },
+                indent=2,
+            )
+        )
     else:
         table = Table("engine", "action", "reason", "job", "evaluation", box=None)
         for o in outcomes:
-            table.add_row(o["engine"], o["action"], o["reason"], o["job_id"],
-                          (o["eval_id"] or "")[:8])
+            table.add_row(
+                o["engine"], o["action"], o["reason"], o["job_id"], (o["eval_id"] or "")[:8]
+            )
         out.print(table)
     if wait and not dry_run:
         _wait_installed({o["engine"] for o in outcomes}, output, timeout)
@@ -461,9 +584,11 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
     deadline, last = time.monotonic() + timeout, ""
     while True:
         rows = [r for r in _installs(output) if r.engine in engines]
-        line = ", ".join(f"{e}: on {sum(r.ok for r in rows if r.engine == e)} of "
-                         f"{sum(1 for r in rows if r.engine == e)} nodes"
-                         for e in sorted(engines))
+        line = ", ".join(
+            f"{e}: on {sum(r.ok for r in rows if r.engine == e)} of "
+            f"{sum(1 for r in rows if r.engine == e)} nodes"
+            for e in sorted(engines)
+        )
         if line != last:
             err.print(f"waiting: {line}", markup=False)
             last = line
@@ -474,12 +599,13 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
         failed = [r for r in rows if not r.ok and r.install == "failed"]
         # Every node's answer first: one that failed fast must not hide another's failure
         # (nor its crash) still on its way.
-        answered = all(r.install == "failed" or (r.ok and r.install == "complete")
-                       for r in rows)
+        answered = all(r.install == "failed" or (r.ok and r.install == "complete") for r in rows)
         if (failed and answered) or time.monotonic() > deadline:
             for r in failed:
-                err.print(f"error: {r.engine} {r.wanted} failed to install on {r.node}: "
-                          f"{r.error}", markup=False)
+                err.print(
+                    f"error: {r.engine} {r.wanted} failed to install on {r.node}: {r.error}",
+                    markup=False,
+                )
             if not answered:
                 err.print(f"error: not installed everywhere after {timeout:.0f} s")
             raise typer.Exit(1)
@@ -495,14 +621,22 @@ def models(output: OutputOption = Output.table) -> None:
         return
     table = Table("model", "state", "failures", "reason", "since", "last error", box=None)
     for r in rows:
-        table.add_row(r.name, r.state, str(r.consecutive_failures), r.reason, r.since or "",
-                      headline(r.last_error))
+        table.add_row(
+            r.name,
+            r.state,
+            str(r.consecutive_failures),
+            r.reason,
+            r.since or "",
+            headline(r.last_error),
+        )
     out.print(table)
 
 
 @app.command()
-def retry(model: Annotated[str, typer.Argument(help="the model to start again")],
-          output: OutputOption = Output.table) -> None:
+def retry(
+    model: Annotated[str, typer.Argument(help="the model to start again")],
+    output: OutputOption = Output.table,
+) -> None:
     """Lift a model's parking and start it again (the admin API's retry, run directly)."""
     _, nomad, consul = _clients(access.RETRY, output)
     try:
@@ -534,24 +668,39 @@ def advertised_url(advertise: str, serves_tls: bool) -> str:
 def serve(
     host: Annotated[str, typer.Option(help="admin API listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="admin API port")] = 4650,
-    advertise: Annotated[str, typer.Option(help="the admin API's URL as other planners "
-                                                "reach it; HOST:PORT without a scheme takes "
-                                                "https when serving TLS, else http "
-                                                "(default HOST:PORT of --host, --port)")] = "",
-    park_after: Annotated[int, typer.Option(help="consecutive start failures that park a "
-                                                 "model")] = PARK_AFTER,
-    stable_after: Annotated[int, typer.Option(help="seconds a replica must stay healthy "
-                                                   "before its failures are forgiven")]
-    = STABLE_AFTER_S,
-    reconcile_every: Annotated[float, typer.Option(help="seconds between full reconciles "
-                                                        "of every model from Nomad (the "
-                                                        "backstop for lost events)")]
-    = RECONCILE_EVERY_S,
-    tls_cert: Annotated[str | None, typer.Option(help="serve the admin API over HTTPS with "
-                                                      "this PEM certificate (env "
-                                                      "LLMGW_TLS_CERT)")] = None,
-    tls_key: Annotated[str | None, typer.Option(help="its PEM private key (env "
-                                                     "LLMGW_TLS_KEY)")] = None,
+    advertise: Annotated[
+        str,
+        typer.Option(
+            help="the admin API's URL as other planners "
+            "reach it; HOST:PORT without a scheme takes "
+            "https when serving TLS, else http "
+            "(default HOST:PORT of --host, --port)"
+        ),
+    ] = "",
+    park_after: Annotated[
+        int, typer.Option(help="consecutive start failures that park a model")
+    ] = PARK_AFTER,
+    stable_after: Annotated[
+        int,
+        typer.Option(help="seconds a replica must stay healthy before its failures are forgiven"),
+    ] = STABLE_AFTER_S,
+    reconcile_every: Annotated[
+        float,
+        typer.Option(
+            help="seconds between full reconciles "
+            "of every model from Nomad (the "
+            "backstop for lost events)"
+        ),
+    ] = RECONCILE_EVERY_S,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(
+            help="serve the admin API over HTTPS with this PEM certificate (env LLMGW_TLS_CERT)"
+        ),
+    ] = None,
+    tls_key: Annotated[
+        str | None, typer.Option(help="its PEM private key (env LLMGW_TLS_KEY)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
 ) -> None:
     """Campaign for leadership; while leading, run the watcher (start failures, parking,
@@ -574,17 +723,32 @@ def serve(
         err.print(f"warning: could not check the ACL tokens yet: {exc}", markup=False)
     except PlannerError as exc:
         raise _fail(exc) from None
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     rules = Rules(park_after=park_after, stable_after_ns=stable_after * 10**9)
-    node = PlannerNode(nomad, consul, url, rules,
-                       settings.datacenters, certificate_paths=settings.certificate_files,
-                       reconcile_every=reconcile_every)
+    node = PlannerNode(
+        nomad,
+        consul,
+        url,
+        rules,
+        settings.datacenters,
+        certificate_paths=settings.certificate_files,
+        reconcile_every=reconcile_every,
+    )
     forward_ssl = settings.planner_tls.context() if settings.planner_tls.configured else None
-    admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None,
-                       forward_ssl=forward_ssl)
-    uvicorn.run(admin, host=host, port=port, log_level=log_level, access_log=False,
-                ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
+    admin = create_app(node, os.environ.get("LLMGW_ADMIN_TOKEN") or None, forward_ssl=forward_ssl)
+    uvicorn.run(
+        admin,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
+    )
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ def _object(obj: dict[str, Any], indent: str, kind: str = "") -> list[str]:
     if obj.get("Type", "None") == "None":
         return []
     mark = _MARK.get(obj.get("Type", "None"), "?")
-    label = f'{kind}: "{obj["Name"]}"' if kind else f'{obj.get("Name", "")} {{'
+    label = f'{kind}: "{obj["Name"]}"' if kind else f"{obj.get('Name', '')} {{"
     lines = [f"{indent}{mark} {label}"]
     inner = indent + "  "
     lines += [_field(f, inner) for f in obj.get("Fields") or [] if f.get("Type") != "None"]

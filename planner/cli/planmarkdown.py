@@ -19,8 +19,11 @@ from planner.model.placement import evaluation_reason
 from planner.model.status import ModelStatus, headline
 
 # How the heading counts each action that changes something, in `terraform plan` order.
-_VERBS = ((Action.CREATE, "to create"), (Action.UPDATE, "to update"),
-          (Action.DEREGISTER, "to remove"))
+_VERBS = (
+    (Action.CREATE, "to create"),
+    (Action.UPDATE, "to update"),
+    (Action.DEREGISTER, "to remove"),
+)
 _DONE = {Action.CREATE: "created", Action.UPDATE: "updated", Action.DEREGISTER: "removed"}
 
 
@@ -50,21 +53,34 @@ def heading(outcomes: list[Outcome], dry_run: bool) -> str:
     return f"llmgw {'plan' if dry_run else 'apply'}: {', '.join(parts) or 'no changes'}"
 
 
-def outcomes_markdown(outcomes: list[Outcome], dry_run: bool,
-                      estimates: Mapping[str, str] | None = None,
-                      serving: Mapping[str, str] | None = None) -> str:
+def outcomes_markdown(
+    outcomes: list[Outcome],
+    dry_run: bool,
+    estimates: Mapping[str, str] | None = None,
+    serving: Mapping[str, str] | None = None,
+) -> str:
     """The whole document for one `apply` run. `estimates`: {model: its memory estimate
     as the table shows it (`Fit.text()`)}, `serving`: {model: its slots x context per
     request}, each a column as in the plain table when given (a dry run)."""
     lines = [f"### {heading(outcomes, dry_run)}", ""]
     if outcomes:
-        columns = [(title, cells) for title, cells in (("slots x context", serving),
-                                                       ("memory estimate", estimates))
-                   if cells]
-        lines += _table(("model", "action", "reason", *(title for title, _ in columns)),
-                        ((f"`{o.change.model}`", _action(o), o.change.reason,
-                          *(cells.get(o.change.model, "") for _, cells in columns))
-                         for o in outcomes))
+        columns = [
+            (title, cells)
+            for title, cells in (("slots x context", serving), ("memory estimate", estimates))
+            if cells
+        ]
+        lines += _table(
+            ("model", "action", "reason", *(title for title, _ in columns)),
+            (
+                (
+                    f"`{o.change.model}`",
+                    _action(o),
+                    o.change.reason,
+                    *(cells.get(o.change.model, "") for _, cells in columns),
+                )
+                for o in outcomes
+            ),
+        )
     else:
         lines.append("No model files, and no llmgw model in Nomad.")
     for o in outcomes:
@@ -72,11 +88,20 @@ def outcomes_markdown(outcomes: list[Outcome], dry_run: bool,
             continue
         unplaced = evaluation_reason(o.plan)
         if unplaced:
-            lines += ["", f"> [!WARNING]\n> `{o.change.model}` would not be placed: "
-                          f"{cell(unplaced)}"]
-        lines += ["", f"<details><summary><code>{o.change.model}</code>: Nomad's plan"
-                      "</summary>", "", "```diff",
-                  *format_diff(o.plan.get("Diff")), "```", "", "</details>"]
+            lines += [
+                "",
+                f"> [!WARNING]\n> `{o.change.model}` would not be placed: {cell(unplaced)}",
+            ]
+        lines += [
+            "",
+            f"<details><summary><code>{o.change.model}</code>: Nomad's plan</summary>",
+            "",
+            "```diff",
+            *format_diff(o.plan.get("Diff")),
+            "```",
+            "",
+            "</details>",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -90,9 +115,13 @@ def error_markdown(message: str, problems: list[dict[str, str]]) -> str:
     lines = ["### llmgw plan failed", ""]
     if problems:
         lines += [f"{len(problems)} problem(s) in the model files; nothing was changed.", ""]
-        lines += _table(("file", "field", "problem"),
-                        ((f"`{p['file']}`", f"`{p['field']}`" if p["field"] else "",
-                          p["message"]) for p in problems))
+        lines += _table(
+            ("file", "field", "problem"),
+            (
+                (f"`{p['file']}`", f"`{p['field']}`" if p["field"] else "", p["message"])
+                for p in problems
+            ),
+        )
     else:
         lines.append(cell(message))
     return "\n".join(lines) + "\n"
@@ -101,11 +130,25 @@ def error_markdown(message: str, problems: list[dict[str, str]]) -> str:
 def status_markdown(rows: list[ModelStatus]) -> str:
     """`planner status` as a table, headed by whether every model has what it should."""
     short = [r for r in rows if not r.satisfied]
-    title = (f"{len(short)} of {len(rows)} model(s) short of what they should have"
-             if short else f"all {len(rows)} model(s) have what they should")
+    title = (
+        f"{len(short)} of {len(rows)} model(s) short of what they should have"
+        if short
+        else f"all {len(rows)} model(s) have what they should"
+    )
     lines = [f"### llmgw status: {title}", ""]
-    lines += _table(("model", "state", "desired", "ready", "failures", "reason", "last error"),
-                    ((f"`{r.name}`", f"**{r.state}**" if not r.satisfied else r.state,
-                      r.desired, r.ready, r.consecutive_failures, r.reason,
-                      headline(r.last_error)) for r in rows))
+    lines += _table(
+        ("model", "state", "desired", "ready", "failures", "reason", "last error"),
+        (
+            (
+                f"`{r.name}`",
+                f"**{r.state}**" if not r.satisfied else r.state,
+                r.desired,
+                r.ready,
+                r.consecutive_failures,
+                r.reason,
+                headline(r.last_error),
+            )
+            for r in rows
+        ),
+    )
     return "\n".join(lines) + "\n"

@@ -72,8 +72,9 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def not_leading(name: str, event: Event, guard: Guard | None = None) \
-        -> concurrent.futures.Future[Outcome]:
+def not_leading(
+    name: str, event: Event, guard: Guard | None = None
+) -> concurrent.futures.Future[Outcome]:
     """The `submit` of a planner that does not lead: raises NotLeader."""
     raise NotLeader("this planner does not lead: no worker decides for models here")
 
@@ -82,12 +83,19 @@ class Activator:
     """Asks the model's worker for an activation and waits for its evaluation; records
     use for idle scale-down."""
 
-    def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
-                 usage: UsageBook, clock: Callable[[], datetime] = _now,
-                 eval_wait: float = EVAL_WAIT, datacenters: tuple[str, ...] = ("*",),
-                 changed: Callable[[str], None] = lambda name: None,
-                 submit: Submit = not_leading,
-                 mark: Callable[[str], None] = lambda name: None) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        consul: ConsulClient,
+        store: StateStore,
+        usage: UsageBook,
+        clock: Callable[[], datetime] = _now,
+        eval_wait: float = EVAL_WAIT,
+        datacenters: tuple[str, ...] = ("*",),
+        changed: Callable[[str], None] = lambda name: None,
+        submit: Submit = not_leading,
+        mark: Callable[[str], None] = lambda name: None,
+    ) -> None:
         """`submit` hands an event to the model's worker (the leader's `Workers.submit`);
         `mark` asks for one more pass of the model (`Watcher.mark`)."""
         self.nomad, self.consul, self.store, self.usage = nomad, consul, store, usage
@@ -122,11 +130,13 @@ class Activator:
         try:
             outcome = self.submit(name, Event.ACTIVATE, None).result(PASS_WAIT)
         except Stale as exc:
-            raise Unavailable(f"model {name}: its job kept changing while deciding ({exc}); "
-                              "ask again") from exc
+            raise Unavailable(
+                f"model {name}: its job kept changing while deciding ({exc}); ask again"
+            ) from exc
         except concurrent.futures.TimeoutError:
-            raise Unavailable(f"model {name}: no decision within {PASS_WAIT:.0f} s (Nomad "
-                              "or Consul slow)") from None
+            raise Unavailable(
+                f"model {name}: no decision within {PASS_WAIT:.0f} s (Nomad or Consul slow)"
+            ) from None
         if outcome.plan.answer is not None:
             return outcome.plan.answer
         self.attempts += 1
@@ -134,10 +144,15 @@ class Activator:
         log.info("model %s: placement attempt (evaluation %s)", name, (eval_id or "")[:8])
         evaluation = self._wait(eval_id)
         if evaluation is None:
-            return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
-                                    reason="placed; the server is starting", eval_id=eval_id)
-        answer = unplaced.answer(self.nomad, record, self.nomad.job(name), evaluation,
-                                 self.datacenters, self.clock())
+            return ActivationAnswer(
+                name=name,
+                status=ActivationStatus.LOADING,
+                reason="placed; the server is starting",
+                eval_id=eval_id,
+            )
+        answer = unplaced.answer(
+            self.nomad, record, self.nomad.job(name), evaluation, self.datacenters, self.clock()
+        )
         before = outcome.document.unplaceable
         if answer is not None and before is not None and before.reason == answer.reason:
             answer = answer.model_copy(update={"since": before.since})
@@ -158,14 +173,27 @@ class Activator:
 
 def _answer(name: str, unplaceable: Unplaceable | None, eval_id: str | None) -> ActivationAnswer:
     if unplaceable is None:
-        return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
-                                reason="placed; the server is starting", eval_id=eval_id)
+        return ActivationAnswer(
+            name=name,
+            status=ActivationStatus.LOADING,
+            reason="placed; the server is starting",
+            eval_id=eval_id,
+        )
     if unplaceable.provisional:
-        return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
-                                reason=unplaceable.reason, since=unplaceable.since,
-                                eval_id=eval_id)
-    return ActivationAnswer(name=name, status=ActivationStatus.UNPLACEABLE,
-                            reason=unplaceable.reason, since=unplaceable.since, eval_id=eval_id)
+        return ActivationAnswer(
+            name=name,
+            status=ActivationStatus.LOADING,
+            reason=unplaceable.reason,
+            since=unplaceable.since,
+            eval_id=eval_id,
+        )
+    return ActivationAnswer(
+        name=name,
+        status=ActivationStatus.UNPLACEABLE,
+        reason=unplaceable.reason,
+        since=unplaceable.since,
+        eval_id=eval_id,
+    )
 
 
 def answers_for_every_status() -> list[ActivationAnswer]:
@@ -174,12 +202,19 @@ def answers_for_every_status() -> list[ActivationAnswer]:
     room = Unplaceable(reason="waiting for room", provisional=True)
     short = Unplaceable(reason="memory exhausted on 1 of 1 node")
     return [
-        ActivationAnswer(name="m", status=ActivationStatus.PARKED, reason="5 consecutive start "
-                         "failures", last_error="Terminated: Exit Code: 1", since="2026-01-01"),
+        ActivationAnswer(
+            name="m",
+            status=ActivationStatus.PARKED,
+            reason="5 consecutive start failures",
+            last_error="Terminated: Exit Code: 1",
+            since="2026-01-01",
+        ),
         ActivationAnswer(name="m", status=ActivationStatus.SERVING, reason="passes"),
         ActivationAnswer(name="m", status=ActivationStatus.STOPPED, reason="0 replicas wanted"),
-        ActivationAnswer(name="m", status=ActivationStatus.LOADING, reason="an instance is "
-                         "starting"),
-        _answer("m", None, "e1"), _answer("m", room, "e2"), _answer("m", short, "e3"),
+        ActivationAnswer(
+            name="m", status=ActivationStatus.LOADING, reason="an instance is starting"
+        ),
+        _answer("m", None, "e1"),
+        _answer("m", room, "e2"),
+        _answer("m", short, "e3"),
     ]
-

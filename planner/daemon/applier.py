@@ -86,8 +86,9 @@ class Applier:
     def __init__(self, nomad: NomadClient, store: StateStore | None = None) -> None:
         self.nomad, self.store = nomad, store
 
-    def apply(self, name: str, before: StateDocument, plan: Plan,
-              observation: Observation) -> Applied:
+    def apply(
+        self, name: str, before: StateDocument, plan: Plan, observation: Observation
+    ) -> Applied:
         """Carry out `plan` for model `name`, decided on `before` (the document read at
         `observation.state_index`) and `observation`. Raises Stale (nothing more done)
         when Nomad or Consul moved since; NotLeader when deposed; NomadRejected for any
@@ -100,15 +101,17 @@ class Applier:
         if any(isinstance(e, Park | Unpark) for e in plan.effects):
             # The parking the document caches is the job's as of this write.
             applied.state = applied.state.model_copy(update={"job_index": index})
-        if applied.state != before and \
-                not store.write(name, applied.state, observation.state_index):
+        if applied.state != before and not store.write(
+            name, applied.state, observation.state_index
+        ):
             raise Stale(f"model {name}: its state document changed meanwhile")
         for note in plan.notes:
             log.log(note.level, "model %s: %s", name, note.text)
         return applied
 
-    def write_job(self, job_id: str, effects: Sequence[Effect], job_index: int,
-                  job: Job | None = None) -> list[dict[str, Any]]:
+    def write_job(
+        self, job_id: str, effects: Sequence[Effect], job_index: int, job: Job | None = None
+    ) -> list[dict[str, Any]]:
         """Carry out `effects` on job `job_id` as it was read at JobModifyIndex
         `job_index` (0: it did not exist; `job`: the job read, which Park and Unpark
         change), with `apply`'s index checks, for a write no state document is decided
@@ -128,8 +131,9 @@ class Applier:
             raise TypeError("this Applier writes jobs only: it was given no StateStore")
         return self.store
 
-    def _effects(self, name: str, effects: Sequence[Effect], job: Job | None,
-                 index: int) -> list[dict[str, Any]]:
+    def _effects(
+        self, name: str, effects: Sequence[Effect], job: Job | None, index: int
+    ) -> list[dict[str, Any]]:
         if effects and self.store is not None:
             self.store.assert_leading()
         answers = []
@@ -139,8 +143,7 @@ class Applier:
             index = _index_after([answer], index)
         return answers
 
-    def _write(self, name: str, effect: Effect, job: Job | None,
-               index: int) -> dict[str, Any]:
+    def _write(self, name: str, effect: Effect, job: Job | None, index: int) -> dict[str, Any]:
         try:
             return self._call(name, effect, job or {}, index)
         except NomadRejected as exc:
@@ -157,8 +160,11 @@ class Applier:
             case Register(job=new):
                 return self.nomad.register(new, enforce_index=index)
             case Scale(group=group, count=count, words=words):
-                return {"EvalID": self.nomad.scale(name, group, count, f"llmgw: {words}",
-                                                   enforce_index=index)}
+                return {
+                    "EvalID": self.nomad.scale(
+                        name, group, count, f"llmgw: {words}", enforce_index=index
+                    )
+                }
             case Revert(version=version, prior_version=prior):
                 return self.nomad.revert(name, version, prior)
             case Evaluate(force_reschedule=force):
@@ -183,5 +189,8 @@ def _is_index_conflict(exc: NomadRejected) -> bool:
     """Nomad's words for a lost EnforceIndex (register, scale) or EnforcePriorVersion
     (revert) check (nomad/job_endpoint.go)."""
     text = str(exc)
-    return "Enforcing job modify index" in text or "enforcing version" in text.lower() \
+    return (
+        "Enforcing job modify index" in text
+        or "enforcing version" in text.lower()
         or "job exists with conflicting job modify index" in text
+    )

@@ -34,15 +34,20 @@ log = logging.getLogger("planner.engines")
 def missing(node: Mapping[str, Any], jobs: Mapping[str, Job]) -> list[str]:
     """The engines (by name) whose version `node`'s metadata does not record (pure)."""
     meta = node.get("Meta") or {}
-    return sorted(name for name, d in definitions_of(jobs).items()
-                  if meta.get(d.meta_key) != d.version)
+    return sorted(
+        name for name, d in definitions_of(jobs).items() if meta.get(d.meta_key) != d.version
+    )
 
 
 class EngineFollower:
     """Keeps the engines' install jobs in view and evaluates them for new nodes."""
 
-    def __init__(self, nomad: NomadClient, datacenters: Sequence[str] = ("*",),
-                 applier: Applier | None = None) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        datacenters: Sequence[str] = ("*",),
+        applier: Applier | None = None,
+    ) -> None:
         """`applier` writes the evaluations (the leader's, fenced by its store); None: an
         unfenced one over `nomad`."""
         self.nomad, self.datacenters = nomad, datacenters
@@ -73,16 +78,29 @@ class EngineFollower:
             if key in self._evaluated:
                 continue
             try:
-                self.applier.write_job(job["ID"], [Evaluate(
-                    Reason.ENGINE, f"node {node.get('Name')} lacks it")], key[2], job)
+                self.applier.write_job(
+                    job["ID"],
+                    [Evaluate(Reason.ENGINE, f"node {node.get('Name')} lacks it")],
+                    key[2],
+                    job,
+                )
             except PlannerError as exc:
-                log.warning("engine %s: cannot evaluate %s for node %s: %s", name, job["ID"],
-                            node.get("Name"), exc)
+                log.warning(
+                    "engine %s: cannot evaluate %s for node %s: %s",
+                    name,
+                    job["ID"],
+                    node.get("Name"),
+                    exc,
+                )
                 continue
             self._evaluated.add(key)
             evaluated.append(job["ID"])
-            log.info("engine %s: node %s lacks it; evaluated %s to install it there", name,
-                     node.get("Name"), job["ID"])
+            log.info(
+                "engine %s: node %s lacks it; evaluated %s to install it there",
+                name,
+                node.get("Name"),
+                job["ID"],
+            )
         return evaluated
 
     def reconcile(self) -> None:

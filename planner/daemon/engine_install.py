@@ -146,37 +146,49 @@ def _check_model(definition: EngineDefinition) -> dict[str, Any]:
     kind = engine(definition.kind)
     args = kind.server_args("llmgw-check", CHECK_CONTEXT, gpus=0)
     path, body = kind.check_request
-    return {"check_model": definition.check_model,
-            "check_serve_args": " ".join(definition.check_model if arg == MODEL_FILE else arg
-                                         for arg in args),
-            "check_health_path": kind.health_path, "check_request_path": path,
-            "check_request_body": body, "memory_mb": CHECK_MEMORY_MB}
+    return {
+        "check_model": definition.check_model,
+        "check_serve_args": " ".join(
+            definition.check_model if arg == MODEL_FILE else arg for arg in args
+        ),
+        "check_health_path": kind.health_path,
+        "check_request_path": path,
+        "check_request_body": body,
+        "memory_mb": CHECK_MEMORY_MB,
+    }
 
 
 def spec_hash(job: Job) -> str:
     """16 hex chars of sha256 over the rendered job without its round and the hash."""
-    meta = {k: v for k, v in (job.get("Meta") or {}).items()
-            if k not in (META_SPEC_HASH, META_ROUND)}
+    meta = {
+        k: v for k, v in (job.get("Meta") or {}).items() if k not in (META_SPEC_HASH, META_ROUND)
+    }
     canonical = json.dumps({**job, "Meta": meta}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def render(definition: EngineDefinition, settings: Settings, nomad: NomadClient,
-           template: str | None = None) -> Job:
+def render(
+    definition: EngineDefinition,
+    settings: Settings,
+    nomad: NomadClient,
+    template: str | None = None,
+) -> Job:
     """The install job of one engine, parsed by Nomad, its record and hash in the meta.
     Raises NomadRejected when Nomad refuses it, NomadUnavailable when unreachable."""
     hcl = template if template is not None else TEMPLATE.read_text()
     job = nomad.parse(hcl, variable_file(variables(definition, settings)))
-    job["Meta"] = {**(job.get("Meta") or {}),
-                   META_RECORD: definition.model_dump_json(), META_ROUND: "0",
-                   META_COMMAND: definition.command(settings.engine_root)}
+    job["Meta"] = {
+        **(job.get("Meta") or {}),
+        META_RECORD: definition.model_dump_json(),
+        META_ROUND: "0",
+        META_COMMAND: definition.command(settings.engine_root),
+    }
     job["Meta"][META_SPEC_HASH] = spec_hash(job)
     return job
 
 
 def is_engine_job(job: Mapping[str, Any]) -> bool:
-    return META_RECORD in (job.get("Meta") or {}) and str(job.get("ID", "")).startswith(
-        JOB_PREFIX)
+    return META_RECORD in (job.get("Meta") or {}) and str(job.get("ID", "")).startswith(JOB_PREFIX)
 
 
 def registered(nomad: NomadClient) -> dict[str, Job]:
@@ -207,9 +219,10 @@ def refs_of(jobs: Mapping[str, Job], root: str) -> dict[str, EngineRef]:
     job recorded (META_COMMAND); `root` places the command only for a job registered
     before that record existed."""
     refs = managed(definitions_of(jobs), root)
-    return {name: replace(ref, command=(jobs[name].get("Meta") or {}).get(META_COMMAND)
-                          or ref.command)
-            for name, ref in refs.items()}
+    return {
+        name: replace(ref, command=(jobs[name].get("Meta") or {}).get(META_COMMAND) or ref.command)
+        for name, ref in refs.items()
+    }
 
 
 def engine_refs(nomad: NomadClient, settings: Settings) -> dict[str, EngineRef]:
@@ -219,8 +232,9 @@ def engine_refs(nomad: NomadClient, settings: Settings) -> dict[str, EngineRef]:
     return {**unmanaged(settings.engines), **refs_of(registered(nomad), settings.engine_root)}
 
 
-def changed_builds(engines: Mapping[str, tuple[Path, EngineDefinition]],
-                   installed: Mapping[str, EngineDefinition]) -> list[DefinitionError]:
+def changed_builds(
+    engines: Mapping[str, tuple[Path, EngineDefinition]], installed: Mapping[str, EngineDefinition]
+) -> list[DefinitionError]:
     """Pure: an engine whose artifact, path or sha256 changed while its version stayed.
     Nodes record only the version (node meta `llmgw_engine_<name>`) and model jobs
     constrain on it, so a new build under an old version would leave every model job as
@@ -230,24 +244,40 @@ def changed_builds(engines: Mapping[str, tuple[Path, EngineDefinition]],
         old = installed.get(name)
         if old is None or old.version != new.version:
             continue
-        changed = [f"{field} {getattr(old, field)!r} -> {getattr(new, field)!r}"
-                   for field in BUILD_FIELDS if getattr(old, field) != getattr(new, field)]
+        changed = [
+            f"{field} {getattr(old, field)!r} -> {getattr(new, field)!r}"
+            for field in BUILD_FIELDS
+            if getattr(old, field) != getattr(new, field)
+        ]
         if changed:
-            problems.append(DefinitionError(file, "version", (
-                f"a changed build needs a new version: {'; '.join(changed)}, but version "
-                f"{new.version!r} is already registered; give the build a new version")))
+            problems.append(
+                DefinitionError(
+                    file,
+                    "version",
+                    (
+                        f"a changed build needs a new version: {'; '.join(changed)}, but version "
+                        f"{new.version!r} is already registered; give the build a new version"
+                    ),
+                )
+            )
     return problems
 
 
 def failed_nodes(job: Job, allocations: Sequence[Mapping[str, Any]]) -> list[str]:
     """Nodes whose latest install allocation of this job version failed."""
-    return sorted(a.get("NodeName") or node for node, a in _latest_by_node(job, allocations).items()
-                  if a.get("ClientStatus") == "failed")
+    return sorted(
+        a.get("NodeName") or node
+        for node, a in _latest_by_node(job, allocations).items()
+        if a.get("ClientStatus") == "failed"
+    )
 
 
-def decide(rendered: Mapping[str, Job], jobs: Mapping[str, Job],
-           failed: Mapping[str, Sequence[str]],
-           stopped: Mapping[str, int] | None = None) -> list[EngineChange]:
+def decide(
+    rendered: Mapping[str, Job],
+    jobs: Mapping[str, Job],
+    failed: Mapping[str, Sequence[str]],
+    stopped: Mapping[str, int] | None = None,
+) -> list[EngineChange]:
     """What each engine needs (pure): `jobs` the registered install jobs, `failed` the
     nodes where the current version's install failed, by engine, `stopped` the
     JobModifyIndex of a stopped install job Nomad still keeps, by engine. Each change
@@ -256,30 +286,46 @@ def decide(rendered: Mapping[str, Job], jobs: Mapping[str, Job],
     for name, job in sorted(rendered.items()):
         old = jobs.get(name)
         if old is None:
-            changes.append(EngineChange(name, EngineAction.CREATE, "new engine", job,
-                                        (stopped or {}).get(name, 0)))
+            changes.append(
+                EngineChange(
+                    name, EngineAction.CREATE, "new engine", job, (stopped or {}).get(name, 0)
+                )
+            )
             continue
         index = int(old.get("JobModifyIndex") or 0)
         old_meta = old.get("Meta") or {}
         if old_meta.get(META_SPEC_HASH) != job["Meta"][META_SPEC_HASH]:
-            reason = (f"version {old_meta.get(META_VERSION)} -> {job['Meta'][META_VERSION]}"
-                      if old_meta.get(META_VERSION) != job["Meta"][META_VERSION]
-                      else "definition changed")
+            reason = (
+                f"version {old_meta.get(META_VERSION)} -> {job['Meta'][META_VERSION]}"
+                if old_meta.get(META_VERSION) != job["Meta"][META_VERSION]
+                else "definition changed"
+            )
             changes.append(EngineChange(name, EngineAction.UPDATE, reason, job, index))
         elif failed.get(name):
             round_ = int(old_meta.get(META_ROUND) or 0) + 1
             again = {**job, "Meta": {**job["Meta"], META_ROUND: str(round_)}}
-            changes.append(EngineChange(name, EngineAction.RETRY, (
-                f"install failed on {', '.join(failed[name])}: running it again "
-                f"(round {round_})"), again, index))
+            changes.append(
+                EngineChange(
+                    name,
+                    EngineAction.RETRY,
+                    (
+                        f"install failed on {', '.join(failed[name])}: running it again "
+                        f"(round {round_})"
+                    ),
+                    again,
+                    index,
+                )
+            )
         else:
-            changes.append(EngineChange(name, EngineAction.UNCHANGED, "no changes",
-                                        job_index=index))
+            changes.append(
+                EngineChange(name, EngineAction.UNCHANGED, "no changes", job_index=index)
+            )
     return changes
 
 
-def prepare_engines(paths: list[Path], settings: Settings,
-                    nomad: NomadClient) -> list[EngineChange]:
+def prepare_engines(
+    paths: list[Path], settings: Settings, nomad: NomadClient
+) -> list[EngineChange]:
     """Validate every file (and refuse a changed build under a registered version,
     `changed_builds`) and render every job, then decide; changes nothing. Raises
     InvalidDefinitions, NomadRejected or NomadUnavailable."""
@@ -290,17 +336,24 @@ def prepare_engines(paths: list[Path], settings: Settings,
         raise InvalidDefinitions(problems)
     template = TEMPLATE.read_text()
     rendered = {name: render(d, settings, nomad, template) for name, (_, d) in engines.items()}
-    failed = {name: failed_nodes(job, nomad.allocations(job["ID"]))
-              for name, job in jobs.items() if name in rendered}
+    failed = {
+        name: failed_nodes(job, nomad.allocations(job["ID"]))
+        for name, job in jobs.items()
+        if name in rendered
+    }
     # A stopped install job (`registered` leaves it out) is still Nomad's: registering
     # the engine again updates it, at its index.
-    stopped = {name: int(job.get("JobModifyIndex") or 0) for name in rendered
-               if name not in jobs and (job := nomad.job(f"{JOB_PREFIX}{name}")) is not None}
+    stopped = {
+        name: int(job.get("JobModifyIndex") or 0)
+        for name in rendered
+        if name not in jobs and (job := nomad.job(f"{JOB_PREFIX}{name}")) is not None
+    }
     return decide(rendered, jobs, failed, stopped)
 
 
-def execute_engines(changes: Sequence[EngineChange], nomad: NomadClient,
-                    dry_run: bool = False) -> list[dict[str, Any]]:
+def execute_engines(
+    changes: Sequence[EngineChange], nomad: NomadClient, dry_run: bool = False
+) -> list[dict[str, Any]]:
     """Register what changed, evaluate what did not (a node that joined since gets the
     engine); with `dry_run`, Nomad's plan instead. One dict per engine: engine, action,
     reason, job_id, eval_id (and plan with dry_run). Raises NomadRejected (also when an
@@ -310,19 +363,29 @@ def execute_engines(changes: Sequence[EngineChange], nomad: NomadClient,
     outcomes = []
     for change in changes:
         job_id = f"{JOB_PREFIX}{change.engine}"
-        outcome: dict[str, Any] = {"engine": change.engine, "action": str(change.action),
-                                   "reason": change.reason, "job_id": job_id, "eval_id": None}
+        outcome: dict[str, Any] = {
+            "engine": change.engine,
+            "action": str(change.action),
+            "reason": change.reason,
+            "job_id": job_id,
+            "eval_id": None,
+        }
         if dry_run:
             if change.job is not None:
                 outcome["plan"] = nomad.plan(change.job)
         else:
-            effect: Effect = Evaluate(Reason.ENGINE, "a node that joined since gets it") \
-                if change.job is None else Register(Reason.ENGINE, change.reason, change.job)
+            effect: Effect = (
+                Evaluate(Reason.ENGINE, "a node that joined since gets it")
+                if change.job is None
+                else Register(Reason.ENGINE, change.reason, change.job)
+            )
             try:
                 [answer] = applier.write_job(job_id, [effect], change.job_index)
             except Stale as exc:
-                raise NomadRejected(f"engine {change.engine}: its install job changed "
-                                    "while this ran (another writer); run it again") from exc
+                raise NomadRejected(
+                    f"engine {change.engine}: its install job changed "
+                    "while this ran (another writer); run it again"
+                ) from exc
             outcome["eval_id"] = answer.get("EvalID") or None
         outcomes.append(outcome)
     return outcomes
@@ -353,25 +416,31 @@ class Progress:
     crashed: tuple[tuple[str, str], ...] = ()  # (node, how the engine died there)
 
 
-def progress(nomad: NomadClient, name: str, version: str,
-             datacenters: Sequence[str]) -> Progress:
+def progress(nomad: NomadClient, name: str, version: str, datacenters: Sequence[str]) -> Progress:
     """Where engine `name` at `version` stands on the schedulable nodes."""
     nodes = _nodes(nomad, datacenters)
     key = meta_key(name)
     have = {n["ID"] for n in nodes if (n.get("Meta") or {}).get(key) == version}
     job = nomad.job(f"{JOB_PREFIX}{name}")
     coming, crashed = 0, []
-    if job is not None and not job.get("Stop") and \
-            (job.get("Meta") or {}).get(META_VERSION) == version:
+    if (
+        job is not None
+        and not job.get("Stop")
+        and (job.get("Meta") or {}).get(META_VERSION) == version
+    ):
         latest = _latest_by_node(job, nomad.allocations(job["ID"]))
         lacking = [(n, latest.get(n["ID"]) or {}) for n in nodes if n["ID"] not in have]
-        coming = sum(1 for _, a in lacking
-                     if a.get("ClientStatus") in ("pending", "running", "complete"))
-        crashed = [(n.get("Name", ""), crash) for n, a in lacking
-                   if a.get("ClientStatus") == "failed"
-                   and (crash := crash_of(_alloc_error(nomad, a)))]
-    return Progress(installed=len(have), nodes=len(nodes), installing=coming,
-                    crashed=tuple(crashed))
+        coming = sum(
+            1 for _, a in lacking if a.get("ClientStatus") in ("pending", "running", "complete")
+        )
+        crashed = [
+            (n.get("Name", ""), crash)
+            for n, a in lacking
+            if a.get("ClientStatus") == "failed" and (crash := crash_of(_alloc_error(nomad, a)))
+        ]
+    return Progress(
+        installed=len(have), nodes=len(nodes), installing=coming, crashed=tuple(crashed)
+    )
 
 
 def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall]:
@@ -380,8 +449,10 @@ def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall
     definitions = definitions_of(jobs)
     if not definitions:
         return []  # no engine defined: no node to read
-    allocs = {name: _latest_by_node(jobs[name], nomad.allocations(jobs[name]["ID"]))
-              for name in definitions}
+    allocs = {
+        name: _latest_by_node(jobs[name], nomad.allocations(jobs[name]["ID"]))
+        for name in definitions
+    }
     rows = []
     for node in _nodes(nomad, datacenters):
         meta = node.get("Meta") or {}
@@ -389,15 +460,22 @@ def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall
             alloc = allocs[name].get(node.get("ID", ""))
             status = (alloc or {}).get("ClientStatus", "")
             error = _alloc_error(nomad, alloc) if status == "failed" else ""
-            rows.append(NodeInstall(node=node.get("Name", ""), engine=name,
-                                    wanted=definition.version,
-                                    installed=meta.get(definition.meta_key),
-                                    install=status, error=error))
+            rows.append(
+                NodeInstall(
+                    node=node.get("Name", ""),
+                    engine=name,
+                    wanted=definition.version,
+                    installed=meta.get(definition.meta_key),
+                    install=status,
+                    error=error,
+                )
+            )
     return rows
 
 
-def _latest_by_node(job: Job, allocations: Sequence[Mapping[str, Any]]
-                    ) -> dict[str, Mapping[str, Any]]:
+def _latest_by_node(
+    job: Job, allocations: Sequence[Mapping[str, Any]]
+) -> dict[str, Mapping[str, Any]]:
     latest: dict[str, Mapping[str, Any]] = {}
     for alloc in allocations:
         if alloc.get("JobVersion") != job.get("Version"):
@@ -409,8 +487,16 @@ def _latest_by_node(job: Job, allocations: Sequence[Mapping[str, Any]]
 
 
 # Task events that say why a task could not start or ended (nomad/structs/structs.go).
-_FAILURE_EVENTS = frozenset({"Failed Validation", "Driver Failure", "Failed Artifact Download",
-                             "Setup Failure", "Terminated", "Task hook failed"})
+_FAILURE_EVENTS = frozenset(
+    {
+        "Failed Validation",
+        "Driver Failure",
+        "Failed Artifact Download",
+        "Setup Failure",
+        "Terminated",
+        "Task hook failed",
+    }
+)
 
 
 # The install script's last line when the engine's run-once check failed

@@ -39,12 +39,19 @@ log = logging.getLogger("planner.daemon.idle")
 
 def still_idle(record: ModelRecord, last_used: datetime | None, now: datetime) -> bool:
     """Unused for its idle_after (a model never used is not idle: see idle_models)."""
-    return record.idle_after is not None and last_used is not None and \
-        now - last_used >= timedelta(seconds=record.idle_after)
+    return (
+        record.idle_after is not None
+        and last_used is not None
+        and now - last_used >= timedelta(seconds=record.idle_after)
+    )
 
 
-def idle_models(records: dict[str, ModelRecord], counts: dict[str, int],
-                last_used: dict[str, datetime | None], now: datetime) -> list[str]:
+def idle_models(
+    records: dict[str, ModelRecord],
+    counts: dict[str, int],
+    last_used: dict[str, datetime | None],
+    now: datetime,
+) -> list[str]:
     """On-demand models running instances and unused for their `idle_after` (seconds).
     A model with no recorded use is never idle: its use is recorded on activation, and
     a new leader counts every active model as used when it takes over."""
@@ -58,10 +65,16 @@ def idle_models(records: dict[str, ModelRecord], counts: dict[str, int],
 
 
 class IdleScaler:
-    def __init__(self, nomad: NomadClient, consul: ConsulClient, usage: UsageBook,
-                 clock: Callable[[], datetime], interval: float = 5.0,
-                 assert_leading: Callable[[], None] = lambda: None,
-                 submit: Submit = not_leading) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        consul: ConsulClient,
+        usage: UsageBook,
+        clock: Callable[[], datetime],
+        interval: float = 5.0,
+        assert_leading: Callable[[], None] = lambda: None,
+        submit: Submit = not_leading,
+    ) -> None:
         """`submit` hands an event to the model's worker (the leader's `Workers.submit`)."""
         self.nomad, self.consul, self.usage = nomad, consul, usage
         self.clock = clock
@@ -71,9 +84,11 @@ class IdleScaler:
 
     def active(self) -> dict[str, int]:
         """Current counts of the on-demand models: {name: count}."""
-        return {name: group_count(self.nomad.job(name))
-                for name, record in self.consul.model_records().items()
-                if record.idle_after is not None}
+        return {
+            name: group_count(self.nomad.job(name))
+            for name, record in self.consul.model_records().items()
+            if record.idle_after is not None
+        }
 
     def check(self) -> list[str]:
         """Hand every idle on-demand model to its worker (Event.IDLE); returns the names
@@ -85,20 +100,27 @@ class IdleScaler:
         for name in idle_models(records, counts, last, self.clock()):
             self.assert_leading()
             record = records[name]
-            future = self.submit(name, Event.IDLE, lambda n=name, r=record: still_idle(
-                r, self.usage.last_used(n), self.clock()))
+            future = self.submit(
+                name,
+                Event.IDLE,
+                lambda n=name, r=record: still_idle(r, self.usage.last_used(n), self.clock()),
+            )
             try:
                 outcome = future.result(PASS_WAIT)
             except Skipped:
                 continue  # asked for meanwhile
             except (Stale, concurrent.futures.TimeoutError) as exc:
-                log.warning("model %s: idle scale-down not decided: %s", name,
-                            exc or "no pass within the wait")
+                log.warning(
+                    "model %s: idle scale-down not decided: %s",
+                    name,
+                    exc or "no pass within the wait",
+                )
                 continue
             if any(isinstance(e, Scale) for e in outcome.plan.effects):
                 scaled.append(name)
-                log.info("model %s: scaled to 0 after %s s without requests", name,
-                         record.idle_after)
+                log.info(
+                    "model %s: scaled to 0 after %s s without requests", name, record.idle_after
+                )
         return scaled
 
     async def run(self) -> None:

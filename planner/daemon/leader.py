@@ -61,8 +61,14 @@ OnChange = Callable[[bool], Awaitable[None]]
 class Leadership:
     """Campaigns for `llmgw/leader` forever; calls `on_change(True/False)` on each change."""
 
-    def __init__(self, consul: ConsulClient, address: str, on_change: OnChange,
-                 ttl_s: int = TTL_S, lock_delay_s: int = LOCK_DELAY_S) -> None:
+    def __init__(
+        self,
+        consul: ConsulClient,
+        address: str,
+        on_change: OnChange,
+        ttl_s: int = TTL_S,
+        lock_delay_s: int = LOCK_DELAY_S,
+    ) -> None:
         self.consul = consul
         self._url = parse_admin_url(address)  # ValueError for a bad --advertise
         self.address = str(self._url)
@@ -92,8 +98,14 @@ class Leadership:
         # The scheme goes into the registration too: it, not the key's text, says
         # whether followers and routers must speak TLS to this instance.
         self._check_id = self.consul.register_ttl_service(
-            PLANNER_SERVICE, self.service_id, self._url.host, self._url.port,
-            f"{self.ttl_s}s", deregister_after="1m", meta={SCHEME_META: self._url.scheme})
+            PLANNER_SERVICE,
+            self.service_id,
+            self._url.host,
+            self._url.port,
+            f"{self.ttl_s}s",
+            deregister_after="1m",
+            meta={SCHEME_META: self._url.scheme},
+        )
         threading.Thread(target=self._heartbeat, name="leader-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -113,8 +125,11 @@ class Leadership:
                 if self._check_id is None:
                     await asyncio.to_thread(self._register)
                 self._session = await asyncio.to_thread(
-                    self.consul.create_session, f"llmgw planner {self.id}",
-                    ["serfHealth", self._check_id or ""], self.lock_delay_s)
+                    self.consul.create_session,
+                    f"llmgw planner {self.id}",
+                    ["serfHealth", self._check_id or ""],
+                    self.lock_delay_s,
+                )
                 await self._campaign(self._session)
             except PlannerError as exc:
                 log.warning("leader election: %s; again in 2 s", exc)
@@ -123,12 +138,18 @@ class Leadership:
 
     async def _campaign(self, session: str) -> None:
         """Hold or wait for the lock with `session`; return when the session is gone."""
-        record = encode(LeaderRecord(id=self.id, address=self.address,
-                                     since=datetime.now(UTC).isoformat(timespec="seconds")))
+        record = encode(
+            LeaderRecord(
+                id=self.id,
+                address=self.address,
+                since=datetime.now(UTC).isoformat(timespec="seconds"),
+            )
+        )
         index: int | None = None
         while True:
             if not self.is_leader and await asyncio.to_thread(
-                    self.consul.acquire, LEADER_KEY, record, session):
+                self.consul.acquire, LEADER_KEY, record, session
+            ):
                 log.info("this planner (%s, %s) is the leader", self.id, self.address)
                 await self._set(True)
             index, item = await asyncio.to_thread(self.consul.watch_key, LEADER_KEY, index)
@@ -136,14 +157,16 @@ class Leadership:
             await self._follow(item if holder and holder != session else None)
             if self.is_leader and holder != session:
                 if item is None and await asyncio.to_thread(
-                        self.consul.acquire, LEADER_KEY, record, session):
+                    self.consul.acquire, LEADER_KEY, record, session
+                ):
                     # The key was deleted (`consul kv delete -recurse llmgw/`) but the
                     # session is still ours: take it again without stopping the work.
-                    log.warning("the leader lock's key was deleted; this planner took it "
-                                "again")
+                    log.warning("the leader lock's key was deleted; this planner took it again")
                     continue
-                log.warning("this planner lost the leader lock (%s)",
-                            "key deleted" if item is None else "session invalidated")
+                log.warning(
+                    "this planner lost the leader lock (%s)",
+                    "key deleted" if item is None else "session invalidated",
+                )
                 await self._set(False)
                 if item is None or holder is not None:
                     continue  # the key went away (or another holds it): campaign again
@@ -169,17 +192,26 @@ class Leadership:
             self.route, self._resolved_for = None, None
             return
         if isinstance(route, LeaderRefused):
-            log.warning("writes will not be forwarded to the leader: %s (%s)", route.reason,
-                        route.code)
+            log.warning(
+                "writes will not be forwarded to the leader: %s (%s)", route.reason, route.code
+            )
         elif isinstance(route, LeaderRoute) and route != self.route:
-            log.info("the leader is planner %s at %s (its registration on node %s)",
-                     route.planner_id, route.url, route.node)
+            log.info(
+                "the leader is planner %s at %s (its registration on node %s)",
+                route.planner_id,
+                route.url,
+                route.node,
+            )
         self.route, self._resolved_for = route, seen
 
     def _resolve(self, item: dict) -> Resolution:
         holder = str(item["Session"])
-        return resolve_leader(holder, item.get("Value"), self.consul.session_info(holder),
-                              self.consul.service_instances(PLANNER_SERVICE))
+        return resolve_leader(
+            holder,
+            item.get("Value"),
+            self.consul.session_info(holder),
+            self.consul.service_instances(PLANNER_SERVICE),
+        )
 
     async def _set(self, leader: bool) -> None:
         if leader == self.is_leader:
@@ -199,4 +231,3 @@ class Leadership:
             await asyncio.to_thread(self.consul.deregister_service, self.service_id)
         except PlannerError as exc:
             log.warning("resigning: %s", exc)
-

@@ -70,36 +70,60 @@ class ModelCollector(Collector):
                 family.add_metric([row.status.name], value(row))
             return family
 
-        yield gauge("llmgw_model_desired_replicas", "Replicas the model should have now: "
-                    "its definition's replicas (even while parked or stopped), or for an "
-                    "on-demand model its replicas while asked for within idle_after, else 0.",
-                    lambda r: r.wanted)
-        yield gauge("llmgw_model_ready_replicas", "Replicas of the model passing their "
-                    "health check in Consul.", lambda r: r.status.ready)
-        state = GaugeMetricFamily("llmgw_model_state", "1 for the state the model is in, 0 "
-                                  "for every other state (see docs/architecture.md).",
-                                  labels=["model", "state"])
+        yield gauge(
+            "llmgw_model_desired_replicas",
+            "Replicas the model should have now: "
+            "its definition's replicas (even while parked or stopped), or for an "
+            "on-demand model its replicas while asked for within idle_after, else 0.",
+            lambda r: r.wanted,
+        )
+        yield gauge(
+            "llmgw_model_ready_replicas",
+            "Replicas of the model passing their health check in Consul.",
+            lambda r: r.status.ready,
+        )
+        state = GaugeMetricFamily(
+            "llmgw_model_state",
+            "1 for the state the model is in, 0 for every other state (see docs/architecture.md).",
+            labels=["model", "state"],
+        )
         for row in rows:
             for kind in ModelState:
                 state.add_metric([row.status.name, str(kind)], float(row.status.state == kind))
         yield state
-        yield gauge("llmgw_model_consecutive_start_failures", "Start failures in a row "
-                    "(forgiven after a stable run); the model parks at --park-after with no "
-                    "healthy replica.", lambda r: r.status.consecutive_failures)
-        total = CounterMetricFamily("llmgw_model_start_failures", "Start failures counted "
-                                    "for the model, ever.", labels=["model"])
+        yield gauge(
+            "llmgw_model_consecutive_start_failures",
+            "Start failures in a row "
+            "(forgiven after a stable run); the model parks at --park-after with no "
+            "healthy replica.",
+            lambda r: r.status.consecutive_failures,
+        )
+        total = CounterMetricFamily(
+            "llmgw_model_start_failures",
+            "Start failures counted for the model, ever.",
+            labels=["model"],
+        )
         for row in rows:
             total.add_metric([row.status.name], row.status.start_failures_total)
         yield total
-        yield gauge("llmgw_model_parked", "1 while the model is parked: stopped after too "
-                    "many start failures until its definition changes or `planner retry`.",
-                    lambda r: float(r.status.state == ModelState.PARKED))
-        yield gauge("llmgw_model_unplaceable", "1 while Nomad's last answer left replicas "
-                    "of the model unplaced (not while room is being made for it).",
-                    lambda r: float(r.unplaceable))
-        yield gauge("llmgw_model_update_failed", "1 while the applied definition is one "
-                    "Nomad rolled back: the model serves the definition before it.",
-                    lambda r: float(r.status.update_failed is not None))
+        yield gauge(
+            "llmgw_model_parked",
+            "1 while the model is parked: stopped after too "
+            "many start failures until its definition changes or `planner retry`.",
+            lambda r: float(r.status.state == ModelState.PARKED),
+        )
+        yield gauge(
+            "llmgw_model_unplaceable",
+            "1 while Nomad's last answer left replicas "
+            "of the model unplaced (not while room is being made for it).",
+            lambda r: float(r.unplaceable),
+        )
+        yield gauge(
+            "llmgw_model_update_failed",
+            "1 while the applied definition is one "
+            "Nomad rolled back: the model serves the definition before it.",
+            lambda r: float(r.status.update_failed is not None),
+        )
 
     def describe(self) -> Sequence[Metric]:
         return []
@@ -110,8 +134,9 @@ class EngineCollector(Collector):
     (an empty list on a follower), read at most every `min_interval` seconds: one node
     read per node, so a fast scraper does not multiply the load on Nomad."""
 
-    def __init__(self, rows: Callable[[], Sequence[NodeInstall]],
-                 min_interval: float = 10.0) -> None:
+    def __init__(
+        self, rows: Callable[[], Sequence[NodeInstall]], min_interval: float = 10.0
+    ) -> None:
         self._rows, self._min_interval = rows, min_interval
         self._cached: tuple[float, Sequence[NodeInstall]] = (float("-inf"), ())
 
@@ -127,10 +152,12 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
-            "llmgw_engine_installed", "1 where the node's metadata records this version of "
+            "llmgw_engine_installed",
+            "1 where the node's metadata records this version of "
             "the engine (llmgw_engine_<name>), 0 where a schedulable node lacks the defined "
             "version: models that need it are not placed there.",
-            labels=["node", "engine", "version"])
+            labels=["node", "engine", "version"],
+        )
         for row in self._read():
             family.add_metric([row.node, row.engine, row.wanted], float(row.ok))
             if row.installed and not row.ok:
@@ -144,36 +171,59 @@ class EngineCollector(Collector):
 class PlannerMetrics:
     """The registry and the instruments the node, leadership and watcher update."""
 
-    def __init__(self, rows: Callable[[], Sequence[Row]],
-                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
-                 engines: Callable[[], Sequence[NodeInstall]] = lambda: ()) -> None:
+    def __init__(
+        self,
+        rows: Callable[[], Sequence[Row]],
+        certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
+        engines: Callable[[], Sequence[NodeInstall]] = lambda: (),
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.leader = Gauge("llmgw_planner_leader", "1 on the planner instance that holds the "
-                            "leader lock and acts, 0 on the others.", registry=self.registry)
+        self.leader = Gauge(
+            "llmgw_planner_leader",
+            "1 on the planner instance that holds the leader lock and acts, 0 on the others.",
+            registry=self.registry,
+        )
         self.leader_changes = Counter(
-            "llmgw_planner_leader_changes", "Times this planner instance became or stopped "
-            "being the leader.", registry=self.registry)
+            "llmgw_planner_leader_changes",
+            "Times this planner instance became or stopped being the leader.",
+            registry=self.registry,
+        )
         self.forward_refusals = Counter(
-            "llmgw_planner_leader_forward_refusals", "Writes this follower refused instead "
+            "llmgw_planner_leader_forward_refusals",
+            "Writes this follower refused instead "
             "of forwarding, because llmgw/leader disagrees with where the lock holder "
-            "registered (code: llmgw_contract.leadership.Refusal).", ["code"],
-            registry=self.registry)
+            "registered (code: llmgw_contract.leadership.Refusal).",
+            ["code"],
+            registry=self.registry,
+        )
         self.reconnects = Counter(
-            "llmgw_planner_event_stream_reconnects", "Reconnects of the leader's Nomad event "
-            "stream (each followed by a reconcile).", registry=self.registry)
+            "llmgw_planner_event_stream_reconnects",
+            "Reconnects of the leader's Nomad event stream (each followed by a reconcile).",
+            registry=self.registry,
+        )
         self.losses = Counter(
-            "llmgw_planner_event_stream_losses", "Events the leader's Nomad event stream may "
+            "llmgw_planner_event_stream_losses",
+            "Events the leader's Nomad event stream may "
             "have lost: kind=gap (it started later than the index asked for: Nomad's bounded "
             "event buffer had dropped them), kind=reset (Nomad's index went back). Each is "
-            "followed by a reconcile of every model.", ["kind"], registry=self.registry)
+            "followed by a reconcile of every model.",
+            ["kind"],
+            registry=self.registry,
+        )
         self.last_message = Gauge(
-            "llmgw_planner_event_stream_last_message_timestamp_seconds", "Unix time of the "
+            "llmgw_planner_event_stream_last_message_timestamp_seconds",
+            "Unix time of the "
             "last event or heartbeat on the leader's Nomad event stream (a heartbeat comes "
-            "every 30 s); 0 when this instance does not lead.", registry=self.registry)
+            "every 30 s); 0 when this instance does not lead.",
+            registry=self.registry,
+        )
         self.reconcile = Histogram(
-            "llmgw_planner_reconcile_duration_seconds", "How long a reconcile from Nomad's "
+            "llmgw_planner_reconcile_duration_seconds",
+            "How long a reconcile from Nomad's "
             "list APIs took (on start, on every stream reconnect).",
-            buckets=_RECONCILE_BUCKETS, registry=self.registry)
+            buckets=_RECONCILE_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(ModelCollector(rows))
         self.registry.register(CertificateCollector(certificate_paths))
         self.registry.register(EngineCollector(engines))

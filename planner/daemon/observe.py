@@ -79,16 +79,18 @@ class VersionCache:
         name, created = job["ID"], int(job.get("CreateIndex") or 0)
         with self._lock:
             known = self._jobs.get(name)
-            if known is not None and known.create_index == created and \
-                    known.covers(wanted):
+            if known is not None and known.create_index == created and known.covers(wanted):
                 return _newest_first(known.by_version)
         try:
             listed = nomad.versions(name)
         except NomadRejected:
             listed = []  # purged between the job's read and this one
         self.reads += 1
-        mine = {int(v.get("Version") or 0): v for v in listed
-                if int(v.get("CreateIndex") or 0) == created}
+        mine = {
+            int(v.get("Version") or 0): v
+            for v in listed
+            if int(v.get("CreateIndex") or 0) == created
+        }
         mine.setdefault(int(job.get("Version") or 0), job)
         with self._lock:
             self._jobs[name] = _Versions(created, mine)
@@ -136,9 +138,13 @@ def latest_evaluation(evaluations: list[dict[str, Any]]) -> dict[str, Any] | Non
     return max(done, key=lambda e: int(e.get("ModifyIndex") or 0), default=None)
 
 
-def _stderr_tails(nomad: NomadClient, document: StateDocument, definitions: set[str],
-                  allocations: list[dict[str, Any]],
-                  definition_of_version: Callable[[int], str]) -> dict[str, str]:
+def _stderr_tails(
+    nomad: NomadClient,
+    document: StateDocument,
+    definitions: set[str],
+    allocations: list[dict[str, Any]],
+    definition_of_version: Callable[[int], str],
+) -> dict[str, str]:
     """The stderr tail of every start failure not counted yet, for allocations of the
     definitions the document may judge by (key: `StartFailure.key`). By key alone, never
     by this machine's clock against the node's (issue 19, "Clocks")."""
@@ -156,15 +162,21 @@ def _stderr_tails(nomad: NomadClient, document: StateDocument, definitions: set[
 class Observer:
     """Reads one model at a time (any number of threads at once, one per model)."""
 
-    def __init__(self, nomad: NomadClient, consul: ConsulClient, store: StateStore,
-                 datacenters: tuple[str, ...] = ("*",),
-                 versions: VersionCache | None = None) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        consul: ConsulClient,
+        store: StateStore,
+        datacenters: tuple[str, ...] = ("*",),
+        versions: VersionCache | None = None,
+    ) -> None:
         self.nomad, self.consul, self.store = nomad, consul, store
         self.datacenters = datacenters
         self.versions = versions or VersionCache()
 
-    def observe(self, name: str, passing: Mapping[str, int],
-                now: datetime) -> tuple[StateDocument, Observation]:
+    def observe(
+        self, name: str, passing: Mapping[str, int], now: datetime
+    ) -> tuple[StateDocument, Observation]:
         """(the document as stored, everything read of model `name`). `passing`: alloc
         id -> since (Unix ns) of this model's allocations passing their Consul check now
         (the watcher's health loop). Raises the clients' PlannerErrors (the worker
@@ -175,36 +187,61 @@ class Observer:
         job = self.nomad.job(name)
         if job is None:
             self.versions.forget(name)
-            return document, Observation(name=name, record=record, job=None,
-                                         passing=dict(passing), state_index=state_index,
-                                         nomad_index=nomad_index)
+            return document, Observation(
+                name=name,
+                record=record,
+                job=None,
+                passing=dict(passing),
+                state_index=state_index,
+                nomad_index=nomad_index,
+            )
         allocations = self.nomad.allocations(name)
         deployments = self.nomad.deployments(name)
         wanted = {int(job.get("Version") or 0)}
         wanted |= {int(a["JobVersion"]) for a in allocations if "JobVersion" in a}
-        wanted |= {int(d["JobVersion"]) for d in deployments
-                   if d.get("JobCreateIndex") == job.get("CreateIndex") and "JobVersion" in d}
+        wanted |= {
+            int(d["JobVersion"])
+            for d in deployments
+            if d.get("JobCreateIndex") == job.get("CreateIndex") and "JobVersion" in d
+        }
         versions = self.versions.versions(self.nomad, job, wanted)
         by_version = {int(v.get("Version") or 0): definition_of(v) for v in versions}
         evaluation = latest_evaluation(self.nomad.evaluations(name))
-        placement = unplaced.answer(self.nomad, record, job, evaluation, self.datacenters,
-                                    now) if evaluation is not None and record else None
+        placement = (
+            unplaced.answer(self.nomad, record, job, evaluation, self.datacenters, now)
+            if evaluation is not None and record
+            else None
+        )
         definitions = {document.definition_hash, record.definition_hash if record else ""}
         definitions.discard("")
         # A document not stored yet takes what Nomad shows as history (counted without
         # reading it: `planner.model.fold`), so nothing of it is read.
-        stderr = _stderr_tails(self.nomad, document, definitions, allocations,
-                               lambda v: by_version.get(v, "")) if state_index else {}
+        stderr = (
+            _stderr_tails(
+                self.nomad, document, definitions, allocations, lambda v: by_version.get(v, "")
+            )
+            if state_index
+            else {}
+        )
         mine = {a["ID"] for a in allocations}
         return document, Observation(
-            name=name, record=record, job=job, versions=versions,
-            allocations=tuple(allocations), deployments=tuple(deployments),
-            evaluation=evaluation, placement=placement,
+            name=name,
+            record=record,
+            job=job,
+            versions=versions,
+            allocations=tuple(allocations),
+            deployments=tuple(deployments),
+            evaluation=evaluation,
+            placement=placement,
             passing={a: s for a, s in passing.items() if a in mine},
-            stderr=stderr, state_index=state_index, nomad_index=nomad_index)
+            stderr=stderr,
+            state_index=state_index,
+            nomad_index=nomad_index,
+        )
 
 
-def observe(observer: Observer, name: str, passing: Mapping[str, int],
-            now: datetime) -> tuple[StateDocument, Observation]:
+def observe(
+    observer: Observer, name: str, passing: Mapping[str, int], now: datetime
+) -> tuple[StateDocument, Observation]:
     """`Observer.observe` as a function (the worker's default reader)."""
     return observer.observe(name, passing, now)

@@ -23,9 +23,14 @@ from planner.model.unplaceable import engine_need, filtered_for, gpu_need, room_
 from planner.vocab import Job, group_count
 
 
-def shortfall(nomad: NomadClient, record: ModelRecord, job: Job | None,
-              evaluation: dict[str, Any], datacenters: tuple[str, ...],
-              engine: EngineNeed | None = None) -> Shortfall | None:
+def shortfall(
+    nomad: NomadClient,
+    record: ModelRecord,
+    job: Job | None,
+    evaluation: dict[str, Any],
+    datacenters: tuple[str, ...],
+    engine: EngineNeed | None = None,
+) -> Shortfall | None:
     """What the evaluation left unplaced and why; None when it placed everything.
     `engine`: the engine need with its counts (default: read from the job, counted
     only when the scheduler filtered nodes for it)."""
@@ -35,26 +40,32 @@ def shortfall(nomad: NomadClient, record: ModelRecord, job: Job | None,
     gpus = gpu_inventory(nomad.nodes(), datacenters=datacenters) if need else []
     if engine is None:
         engine, _ = _engine_coming(nomad, job, evaluation, datacenters)
-    return evaluation_shortfall(evaluation, max(group_count(job), 1), need, gpus,
-                                engine=engine)
+    return evaluation_shortfall(evaluation, max(group_count(job), 1), need, gpus, engine=engine)
 
 
-def _engine_coming(nomad: NomadClient, job: Job | None, evaluation: dict[str, Any],
-                   datacenters: tuple[str, ...]) -> tuple[EngineNeed | None, int]:
+def _engine_coming(
+    nomad: NomadClient, job: Job | None, evaluation: dict[str, Any], datacenters: tuple[str, ...]
+) -> tuple[EngineNeed | None, int]:
     """The engine the scheduler filtered nodes for, counted, and on how many nodes its
     install is still on its way (0: it is not, or no engine was missing)."""
     engine = engine_need(job)
     if engine is None or not filtered_for(engine, evaluation):
         return None, 0
     counted = progress(nomad, engine.name, engine.version, datacenters)
-    return (replace(engine, installed=counted.installed, nodes=counted.nodes,
-                    crashed=counted.crashed),
-            counted.installing)
+    return (
+        replace(engine, installed=counted.installed, nodes=counted.nodes, crashed=counted.crashed),
+        counted.installing,
+    )
 
 
-def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
-           evaluation: dict[str, Any], datacenters: tuple[str, ...],
-           now: datetime) -> Unplaceable | None:
+def answer(
+    nomad: NomadClient,
+    record: ModelRecord,
+    job: Job | None,
+    evaluation: dict[str, Any],
+    datacenters: tuple[str, ...],
+    now: datetime,
+) -> Unplaceable | None:
     """The Unplaceable record an evaluation calls for, provisional while allocations
     stop somewhere; None when it placed every replica."""
     if not evaluation.get("FailedTGAllocs"):
@@ -63,18 +74,30 @@ def answer(nomad: NomadClient, record: ModelRecord, job: Job | None,
     short = shortfall(nomad, record, job, evaluation, datacenters, engine)
     if short is None:
         return None
-    stopping = nomad.stopping_allocations(int(evaluation.get("SnapshotIndex") or 0)) \
-        if room_helps(evaluation) else []
+    stopping = (
+        nomad.stopping_allocations(int(evaluation.get("SnapshotIndex") or 0))
+        if room_helps(evaluation)
+        else []
+    )
     reason = short.reason
     if installing and engine is not None:
         # The node's metadata change unblocks Nomad's blocked evaluation (nomad/fsm.go,
         # a node upsert unblocks its class): it places the model when the install ends.
-        reason = (f"waiting for engine {engine.name} {engine.version} to install on "
-                  f"{installing} node(s); Nomad places it when it is recorded ({reason})")
+        reason = (
+            f"waiting for engine {engine.name} {engine.version} to install on "
+            f"{installing} node(s); Nomad places it when it is recorded ({reason})"
+        )
     elif stopping:
         nodes = sorted({a.get("NodeName") or a.get("NodeID", "")[:8] for a in stopping})
-        reason = (f"waiting for room: {len(stopping)} allocation(s) stopping or stopped on "
-                  f"{', '.join(nodes)}; Nomad places it again when they end ({reason})")
-    return Unplaceable(reason=reason, since=now.isoformat(timespec="seconds"),
-                       eval_id=evaluation.get("ID"), placed=short.placed,
-                       desired=short.desired, provisional=bool(stopping or installing))
+        reason = (
+            f"waiting for room: {len(stopping)} allocation(s) stopping or stopped on "
+            f"{', '.join(nodes)}; Nomad places it again when they end ({reason})"
+        )
+    return Unplaceable(
+        reason=reason,
+        since=now.isoformat(timespec="seconds"),
+        eval_id=evaluation.get("ID"),
+        placed=short.placed,
+        desired=short.desired,
+        provisional=bool(stopping or installing),
+    )

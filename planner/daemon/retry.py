@@ -39,35 +39,45 @@ from planner.model.transition import Event, decide
 PASS_WAIT_S = 60.0
 
 
-def answered(future: concurrent.futures.Future[Outcome],
-             name: str) -> tuple[StateDocument, str]:
+def answered(future: concurrent.futures.Future[Outcome], name: str) -> tuple[StateDocument, str]:
     """The document and the words of a retry's pass (`Plan.summary`). Raises Rejected
     (no job), Unavailable (the job kept changing under the decision, or no answer
     within PASS_WAIT_S) or what the clients raised."""
     try:
         outcome = future.result(PASS_WAIT_S)
     except Stale as exc:
-        raise Unavailable(f"model {name}: its job kept changing while deciding the retry "
-                          f"({exc}); retry again") from exc
+        raise Unavailable(
+            f"model {name}: its job kept changing while deciding the retry ({exc}); retry again"
+        ) from exc
     except concurrent.futures.TimeoutError:
-        raise Unavailable(f"model {name}: no decision within {PASS_WAIT_S:.0f} s (Nomad "
-                          "or Consul slow)") from None
+        raise Unavailable(
+            f"model {name}: no decision within {PASS_WAIT_S:.0f} s (Nomad or Consul slow)"
+        ) from None
     return outcome.applied.state, outcome.plan.summary
 
 
-def retry(nomad: NomadClient, consul: ConsulClient, name: str, rules: Rules | None = None,
-          clock: Callable[[], datetime] = lambda: datetime.now(UTC)
-          ) -> tuple[StateDocument, str]:
+def retry(
+    nomad: NomadClient,
+    consul: ConsulClient,
+    name: str,
+    rules: Rules | None = None,
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+) -> tuple[StateDocument, str]:
     """Try model `name` again from this process (`planner retry`): observe, decide
     `Event.RETRY`, apply; on a refused index, again (`Workers`' bounded attempts).
     Returns the document written and what was done, in words."""
     store = StateStore(consul)
-    observer, applier, rules = Observer(nomad, consul, store), Applier(nomad, store), \
-        rules or Rules()
-    workers = Workers(lambda model: observer.observe(model, {}, clock()),
-                      lambda document, observation, event: decide(
-                          document, observation, event, rules, clock()),
-                      applier.apply, max_passes=1)
+    observer, applier, rules = (
+        Observer(nomad, consul, store),
+        Applier(nomad, store),
+        rules or Rules(),
+    )
+    workers = Workers(
+        lambda model: observer.observe(model, {}, clock()),
+        lambda document, observation, event: decide(document, observation, event, rules, clock()),
+        applier.apply,
+        max_passes=1,
+    )
     try:
         return answered(workers.submit(name, Event.RETRY), name)
     finally:

@@ -57,11 +57,18 @@ log = logging.getLogger("planner.daemon.serve")
 class PlannerNode:
     """Leadership, and the work only the leader does, for one `planner serve`."""
 
-    def __init__(self, nomad: NomadClient, consul: ConsulClient, address: str,
-                 rules: Rules | None = None, datacenters: tuple[str, ...] = ("*",),
-                 clock: Callable[[], datetime] = utcnow, idle_interval: float = 5.0,
-                 certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
-                 reconcile_every: float = RECONCILE_EVERY_S) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        consul: ConsulClient,
+        address: str,
+        rules: Rules | None = None,
+        datacenters: tuple[str, ...] = ("*",),
+        clock: Callable[[], datetime] = utcnow,
+        idle_interval: float = 5.0,
+        certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
+        reconcile_every: float = RECONCILE_EVERY_S,
+    ) -> None:
         self.nomad, self.consul = nomad, consul
         self.reconcile_every = reconcile_every
         self.rules = rules or Rules()
@@ -74,17 +81,33 @@ class PlannerNode:
         self.usage = UsageBook(consul, clock)
         self.book = StatusBook(nomad, consul, self.usage, clock)
         self.metrics = PlannerMetrics(self.book.rows, certificate_paths, self._engine_installs)
-        self.activator = Activator(nomad, consul, self.store, self.usage, clock=clock,
-                                   datacenters=datacenters, changed=self.book.mark,
-                                   submit=self._submit, mark=self._mark)
-        self.idle = IdleScaler(nomad, consul, self.usage, clock, interval=idle_interval,
-                               assert_leading=self.store.assert_leading, submit=self._submit)
+        self.activator = Activator(
+            nomad,
+            consul,
+            self.store,
+            self.usage,
+            clock=clock,
+            datacenters=datacenters,
+            changed=self.book.mark,
+            submit=self._submit,
+            mark=self._mark,
+        )
+        self.idle = IdleScaler(
+            nomad,
+            consul,
+            self.usage,
+            clock,
+            interval=idle_interval,
+            assert_leading=self.store.assert_leading,
+            submit=self._submit,
+        )
         self.watcher: Watcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
 
-    def _submit(self, name: str, event: Event,
-                guard: Guard | None = None) -> concurrent.futures.Future[Outcome]:
+    def _submit(
+        self, name: str, event: Event, guard: Guard | None = None
+    ) -> concurrent.futures.Future[Outcome]:
         """Hand `event` to the model's worker (the leader's); NotLeader otherwise."""
         watcher = self.watcher
         if watcher is None:
@@ -142,13 +165,22 @@ class PlannerNode:
         assert self._session is not None
         active = await asyncio.to_thread(self.idle.active)
         await asyncio.to_thread(self.usage.start_over, [n for n, c in active.items() if c])
-        self.watcher = Watcher(self.nomad, self.consul, self.rules, self.clock,
-                               self.datacenters, self.metrics, self.book.mark,
-                               fence=self.leadership.session,
-                               reconcile_every=self.reconcile_every)
-        self._tasks = [asyncio.create_task(self.watcher.run(self._session), name="watcher"),
-                       asyncio.create_task(self.idle.run(), name="idle-scaler"),
-                       asyncio.create_task(self.book.run(), name="status-book")]
+        self.watcher = Watcher(
+            self.nomad,
+            self.consul,
+            self.rules,
+            self.clock,
+            self.datacenters,
+            self.metrics,
+            self.book.mark,
+            fence=self.leadership.session,
+            reconcile_every=self.reconcile_every,
+        )
+        self._tasks = [
+            asyncio.create_task(self.watcher.run(self._session), name="watcher"),
+            asyncio.create_task(self.idle.run(), name="idle-scaler"),
+            asyncio.create_task(self.book.run(), name="status-book"),
+        ]
         log.info("leading: watcher, idle scaler and status book started")
 
     async def _stop_work(self) -> None:

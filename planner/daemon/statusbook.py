@@ -58,18 +58,30 @@ def wanted_replicas(record: ModelRecord, last_used: datetime | None, now: dateti
     return record.replicas if asked else 0
 
 
-def row(record: ModelRecord, status: ModelStatus, state: StateDocument,
-        last_used: datetime | None, now: datetime) -> Row:
+def row(
+    record: ModelRecord,
+    status: ModelStatus,
+    state: StateDocument,
+    last_used: datetime | None,
+    now: datetime,
+) -> Row:
     short = state.unplaceable is not None and not state.unplaceable.provisional
-    return Row(status, wanted_replicas(record, last_used, now),
-               short and status.state != ModelState.PARKED)
+    return Row(
+        status, wanted_replicas(record, last_used, now), short and status.state != ModelState.PARKED
+    )
 
 
 class StatusBook:
     """Rows of every defined model; refreshed on `mark(name)` and every FULL_REFRESH_S."""
 
-    def __init__(self, nomad: NomadClient, consul: ConsulClient, usage: UsageBook,
-                 clock: Callable[[], datetime], full_every: float = FULL_REFRESH_S) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        consul: ConsulClient,
+        usage: UsageBook,
+        clock: Callable[[], datetime],
+        full_every: float = FULL_REFRESH_S,
+    ) -> None:
         self.nomad, self.consul, self.usage = nomad, consul, usage
         self.clock = clock
         self.full_every = full_every
@@ -122,8 +134,9 @@ class StatusBook:
         names: set[str] | None = None
         while True:
             try:
-                new_index, now = await asyncio.to_thread(self.consul.watch_names,
-                                                         KVPrefix.MODELS, index)
+                new_index, now = await asyncio.to_thread(
+                    self.consul.watch_names, KVPrefix.MODELS, index
+                )
             except PlannerError as exc:
                 log.warning("record watch: %s; again in 2 s", exc)
                 index = None
@@ -153,8 +166,9 @@ class StatusBook:
             last_used = self.usage.last_used(name)
             state = self.store.load(name)
             usage = UsageRecord(last_used_at=last_used.isoformat()) if last_used else None
-            status = observe(name, records[name], observed(self.nomad, self.consul, name),
-                             state, usage, now)
+            status = observe(
+                name, records[name], observed(self.nomad, self.consul, name), state, usage, now
+            )
             fresh[name] = row(records[name], status, state, last_used, now)
         with self._lock:
             if names is None:

@@ -44,8 +44,10 @@ class UsageBook:
         """A new leader: forget, read the copies, and count `active` models used now."""
         now = self._clock()
         with self._lock:
-            self._last = {n: datetime.fromisoformat(r.last_used_at)
-                          for n, r in self._consul.usage_records().items()}
+            self._last = {
+                n: datetime.fromisoformat(r.last_used_at)
+                for n, r in self._consul.usage_records().items()
+            }
             self._persisted = dict(self._last)
             for name in active:
                 self._last[name] = now

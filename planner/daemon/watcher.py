@@ -101,8 +101,7 @@ class PassingBook:
                 if alloc not in self._since:
                     self._since[alloc] = (model, at_ns)
                     changed.add(model)
-                    log.info("model %s: allocation %s passes its health check", model,
-                             alloc[:8])
+                    log.info("model %s: allocation %s passes its health check", model, alloc[:8])
         return changed
 
     def of(self, model: str) -> dict[str, int]:
@@ -114,28 +113,38 @@ class PassingBook:
         """Models with a replica passing for `stable_after_ns` whose healthy run no TICK
         pass has judged yet (`settle`): asked again every tick until one has."""
         with self._lock:
-            return {m for a, (m, s) in self._since.items()
-                    if now_ns - s >= stable_after_ns and (a, s) not in self._ticked}
+            return {
+                m
+                for a, (m, s) in self._since.items()
+                if now_ns - s >= stable_after_ns and (a, s) not in self._ticked
+            }
 
     def settle(self, passing: Mapping[str, int], now_ns: int, stable_after_ns: int) -> None:
         """A TICK pass judged these healthy runs (alloc -> since, as it observed them)."""
         with self._lock:
-            self._ticked |= {(a, s) for a, s in passing.items()
-                             if now_ns - s >= stable_after_ns and
-                             self._since.get(a, ("", -1))[1] == s}
+            self._ticked |= {
+                (a, s)
+                for a, s in passing.items()
+                if now_ns - s >= stable_after_ns and self._since.get(a, ("", -1))[1] == s
+            }
 
 
 class Watcher:
     """Maps Nomad's events and Consul's health to model names, for the workers."""
 
-    def __init__(self, nomad: NomadClient, consul: ConsulClient,
-                 rules: Rules | None = None, clock: Callable[[], datetime] = utcnow,
-                 datacenters: tuple[str, ...] = ("*",),
-                 metrics: PlannerMetrics | None = None,
-                 changed: Callable[[str], None] = lambda name: None,
-                 fence: Callable[[], str | None] | None = None,
-                 reconcile_every: float = RECONCILE_EVERY_S,
-                 decide: Decide = transition.decide) -> None:
+    def __init__(
+        self,
+        nomad: NomadClient,
+        consul: ConsulClient,
+        rules: Rules | None = None,
+        clock: Callable[[], datetime] = utcnow,
+        datacenters: tuple[str, ...] = ("*",),
+        metrics: PlannerMetrics | None = None,
+        changed: Callable[[str], None] = lambda name: None,
+        fence: Callable[[], str | None] | None = None,
+        reconcile_every: float = RECONCILE_EVERY_S,
+        decide: Decide = transition.decide,
+    ) -> None:
         """`fence` names the leader's session: every state write checks it still holds
         the lock (`planner.agents.state`), and every Nomad write checks first (the applier).
         `changed` is told each model a pass decided on (its status may have changed)."""
@@ -170,12 +179,12 @@ class Watcher:
     def _observe(self, name: str) -> tuple[StateDocument, Observation]:
         return self.observer.observe(name, self.passing.of(name), self.clock())
 
-    def _decide(self, document: StateDocument, observation: Observation,
-                event: Event) -> Plan:
+    def _decide(self, document: StateDocument, observation: Observation, event: Event) -> Plan:
         return self._decide_fn(document, observation, event, self.rules, self.clock())
 
-    def _apply(self, name: str, before: StateDocument, plan: Plan,
-               observation: Observation) -> Applied:
+    def _apply(
+        self, name: str, before: StateDocument, plan: Plan, observation: Observation
+    ) -> Applied:
         if observation.state_index == 0 and observation.record is not None:
             # The document was missing and seeded (`_seed`): write it even when the plan
             # changes nothing, or the next pass would seed again, counting from later.
@@ -185,8 +194,7 @@ class Watcher:
     def _done(self, name: str, outcome: Outcome) -> None:
         observation = outcome.observation
         if outcome.event == Event.TICK:
-            self.passing.settle(observation.passing, self.now_ns(),
-                                self.rules.stable_after_ns)
+            self.passing.settle(observation.passing, self.now_ns(), self.rules.stable_after_ns)
         if observation.record is None and observation.job is None:
             # Pruned: its record and job are gone; later events of the purged job are
             # not a model's (a worker's slot and its versions go with it).
@@ -205,16 +213,20 @@ class Watcher:
         record = read_record(self.consul, state.name)
         if record is None:
             return None
-        log.warning("model %s: its state document was missing; counting failures from now",
-                    state.name)
+        log.warning(
+            "model %s: its state document was missing; counting failures from now", state.name
+        )
         state = for_definition(state, record.definition_hash)
         now = self.now_ns()
         replicas = tuple(
-            ReplicaRecord(alloc_id=alloc_id, definition_hash=record.definition_hash,
-                          healthy_entries=(since,),
-                          stable_entry=since if now - since >= self.rules.stable_after_ns
-                          else 0)
-            for alloc_id, since in sorted(self.passing.of(state.name).items()))
+            ReplicaRecord(
+                alloc_id=alloc_id,
+                definition_hash=record.definition_hash,
+                healthy_entries=(since,),
+                stable_entry=since if now - since >= self.rules.stable_after_ns else 0,
+            )
+            for alloc_id, since in sorted(self.passing.of(state.name).items())
+        )
         return state.model_copy(update={"replicas": replicas})
 
     # --- which models -------------------------------------------------------------------------
@@ -235,8 +247,7 @@ class Watcher:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         try:
-            await asyncio.gather(self._follow_events(session), self._follow_health(),
-                                 self._tick())
+            await asyncio.gather(self._follow_events(session), self._follow_health(), self._tick())
         finally:
             self.workers.stop()
 
@@ -244,9 +255,11 @@ class Watcher:
         """Reconcile, then follow the stream; reconnect at once after a session that
         delivered events, with a back-off (1 s doubling to 30 s) while none does."""
         while True:
-            retrying = AsyncRetrying(retry=retry_if_exception_type(Exception),
-                                     wait=wait_exponential(multiplier=1, max=30),
-                                     before_sleep=self._log_reconnect)
+            retrying = AsyncRetrying(
+                retry=retry_if_exception_type(Exception),
+                wait=wait_exponential(multiplier=1, max=30),
+                before_sleep=self._log_reconnect,
+            )
             async for attempt in retrying:
                 with attempt:
                     await self._session(session)
@@ -260,22 +273,34 @@ class Watcher:
         delivered = False
         seen = self.metrics.message_seen if self.metrics else None
         try:
-            async for event in stream_events(session, self.nomad.address, cursor.asked,
-                                             self.nomad.token, on_message=seen,
-                                             ssl=self.nomad.ssl_context):
+            async for event in stream_events(
+                session,
+                self.nomad.address,
+                cursor.asked,
+                self.nomad.token,
+                on_message=seen,
+                ssl=self.nomad.ssl_context,
+            ):
                 index = int(event.get("Index") or 0)
                 first = cursor.first is None
                 verdict = cursor.judge(index)
                 if first:
-                    log.info("event stream: asked for index %d, first event at %d (%s)",
-                             cursor.asked, index, verdict)
+                    log.info(
+                        "event stream: asked for index %d, first event at %d (%s)",
+                        cursor.asked,
+                        index,
+                        verdict,
+                    )
                 if verdict == Verdict.CHECK:
                     verdict = await asyncio.to_thread(self._check_reset, index)
                 if verdict == Verdict.SEEN:
                     continue
                 if verdict == Verdict.GAP:
-                    await asyncio.to_thread(self._lost, "gap", f"the stream started at index "
-                                            f"{index}, not at {cursor.asked}")
+                    await asyncio.to_thread(
+                        self._lost,
+                        "gap",
+                        f"the stream started at index {index}, not at {cursor.asked}",
+                    )
                 await self.handle_event(event)
                 self.index = max(self.index, index)
                 delivered = True
@@ -299,9 +324,14 @@ class Watcher:
         self.resets += 1
         if self.metrics is not None:
             self.metrics.losses.labels("reset").inc()
-        log.warning("Nomad's index went back (%s; Nomad is at %d, this watcher saw %d): "
-                    "its state was rebuilt; dropping every cache and reading every model "
-                    "again", seen, latest, self.index)
+        log.warning(
+            "Nomad's index went back (%s; Nomad is at %d, this watcher saw %d): "
+            "its state was rebuilt; dropping every cache and reading every model "
+            "again",
+            seen,
+            latest,
+            self.index,
+        )
         self.index = latest
         self.versions.clear()
         self.reconcile_models()
@@ -311,8 +341,11 @@ class Watcher:
         self.gaps += 1
         if self.metrics is not None:
             self.metrics.losses.labels(kind).inc()
-        log.warning("event stream: %s (Nomad's event buffer had dropped events in "
-                    "between); reconciling every model", why)
+        log.warning(
+            "event stream: %s (Nomad's event buffer had dropped events in "
+            "between); reconciling every model",
+            why,
+        )
         self.reconcile_models()
 
     def _count_reconnect(self) -> None:
@@ -328,19 +361,25 @@ class Watcher:
             log.warning("event stream: %s; reconcile and reconnect in %.0f s", exc, delay)
         else:
             # A bug in handling one event must not end the watch for good.
-            log.error("event handling failed (%r); reconcile and reconnect in %.0f s", exc,
-                      delay, exc_info=exc)
+            log.error(
+                "event handling failed (%r); reconcile and reconnect in %.0f s",
+                exc,
+                delay,
+                exc_info=exc,
+            )
 
     async def _follow_health(self) -> None:
         """Follow the passing checks; on any failure, start over from a full read 2 s later."""
-        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception), wait=wait_fixed(2),
-                                 before_sleep=self._log_health_retry)
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(Exception),
+            wait=wait_fixed(2),
+            before_sleep=self._log_health_retry,
+        )
         async for attempt in retrying:
             with attempt:
                 index: int | None = None
                 while True:
-                    new_index, checks = await asyncio.to_thread(self.consul.passing_checks,
-                                                                index)
+                    new_index, checks = await asyncio.to_thread(self.consul.passing_checks, index)
                     # Any change of index is news; one that goes backwards means Consul's
                     # state was reset, so start over instead of waiting on a future index.
                     index = new_index if index is None or new_index >= index else None
@@ -393,8 +432,9 @@ class Watcher:
         caches of models gone, and mark every model."""
         repair.restore(self.nomad, self.consul, self.store)
         names = set(self.consul.model_records())
-        names |= {j.get("ID", "") for j in self.nomad.jobs()
-                  if JobMeta.MODEL in (j.get("Meta") or {})}
+        names |= {
+            j.get("ID", "") for j in self.nomad.jobs() if JobMeta.MODEL in (j.get("Meta") or {})
+        }
         with self._models_lock:
             gone = self._models - names
             self._models = names | (self._models & gone)  # the gone ones: one last pass

@@ -89,15 +89,20 @@ class _Slot:
 class Workers:
     """Serial passes per model; `mark` and `submit` may be called from any thread."""
 
-    def __init__(self, observe: Observe, decide: Decide, apply: Apply,
-                 max_attempts: int = MAX_ATTEMPTS, max_passes: int = MAX_PASSES,
-                 done: Callable[[str, Outcome], None] = lambda name, outcome: None) -> None:
+    def __init__(
+        self,
+        observe: Observe,
+        decide: Decide,
+        apply: Apply,
+        max_attempts: int = MAX_ATTEMPTS,
+        max_passes: int = MAX_PASSES,
+        done: Callable[[str, Outcome], None] = lambda name, outcome: None,
+    ) -> None:
         """`done` is told each pass that completed (from the pass's thread)."""
         self._observe, self._decide, self._apply = observe, decide, apply
         self.max_attempts = max_attempts
         self._done = done
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_passes,
-                                                           thread_name_prefix="model")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_passes, thread_name_prefix="model")
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()  # guards _slots only; never held during a pass
         self._stopped = False
@@ -124,8 +129,9 @@ class Workers:
         for name in sorted(names):
             self.mark(name)
 
-    def submit(self, name: str, event: Event,
-               guard: Guard | None = None) -> concurrent.futures.Future[Outcome]:
+    def submit(
+        self, name: str, event: Event, guard: Guard | None = None
+    ) -> concurrent.futures.Future[Outcome]:
         """A pass for `event` whose outcome the caller waits for. `guard`, when given, is
         asked right before each decision and before the plan is applied: False ends the
         pass with Skipped and nothing written. A submission joins one of the same event
@@ -209,13 +215,11 @@ class Workers:
                 for future in command.futures:
                     future.set_result(outcome)
 
-    def _failed(self, name: str, event: Event, exc: Exception,
-                command: _Command | None) -> None:
+    def _failed(self, name: str, event: Event, exc: Exception, command: _Command | None) -> None:
         if isinstance(exc, Skipped):
             log.info("model %s: %s not carried out: %s", name, event, exc)
         elif isinstance(exc, PlannerError | Stale):
-            log.warning("model %s: %s pass: %s; the next event decides again", name, event,
-                        exc)
+            log.warning("model %s: %s pass: %s; the next event decides again", name, event, exc)
         else:
             log.error("model %s: %s pass failed", name, event, exc_info=exc)
         for future in command.futures if command else ():
@@ -227,21 +231,33 @@ class Workers:
                 raise Skipped(f"{event}: no longer wanted")
             document, observation = self._observe(name)
             plan = self._decide(document, observation, event)
-            log.debug("model %s: %s pass, attempt %d: %d effect(s)", name, event, attempt,
-                      len(plan.effects))
+            log.debug(
+                "model %s: %s pass, attempt %d: %d effect(s)",
+                name,
+                event,
+                attempt,
+                len(plan.effects),
+            )
             if guard is not None and plan.effects and not guard():
                 raise Skipped(f"{event}: no longer wanted")
             try:
                 applied = self._apply(name, document, plan, observation)
             except Stale as exc:
                 self.stale += 1
-                log.info("model %s: %s (attempt %d of %d); observing again", name, exc,
-                         attempt, self.max_attempts)
+                log.info(
+                    "model %s: %s (attempt %d of %d); observing again",
+                    name,
+                    exc,
+                    attempt,
+                    self.max_attempts,
+                )
                 continue
             self.passes += 1
             outcome = Outcome(event, document, observation, plan, applied, attempt)
             self._done(name, outcome)
             return outcome
         self.given_up += 1
-        raise Stale(f"{event}: refused {self.max_attempts} times in a row (other writers of "
-                    f"model {name}); waiting for the next event")
+        raise Stale(
+            f"{event}: refused {self.max_attempts} times in a row (other writers of "
+            f"model {name}); waiting for the next event"
+        )

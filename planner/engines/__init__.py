@@ -42,8 +42,9 @@ class Engine(Protocol):
     # once to `server_args` serving an engine's `check_model` before recording it.
     check_request: tuple[str, str]
 
-    def server_args(self, model: str, context: int, gpus: int,
-                    args: Sequence[str] = ()) -> list[str]:
+    def server_args(
+        self, model: str, context: int, gpus: int, args: Sequence[str] = ()
+    ) -> list[str]:
         """argv after the command: serve `MODEL_FILE` as `model` on NOMAD_IP:NOMAD_PORT
         with `context` tokens of context for every request, on `gpus` GPUs (0: CPU
         only), serving as many requests at once as the operator's `profile.args` (`args`)
@@ -71,8 +72,9 @@ def engine(kind: str) -> Engine:
     try:
         return KINDS[kind]
     except KeyError:
-        raise KeyError(f"unknown engine kind {kind!r} (known: {', '.join(sorted(KINDS))})") \
-            from None
+        raise KeyError(
+            f"unknown engine kind {kind!r} (known: {', '.join(sorted(KINDS))})"
+        ) from None
 
 
 __all__ = ["DEFAULT_KIND", "KINDS", "MODEL_FILE", "NOMAD_IP", "NOMAD_PORT", "Engine", "engine"]

@@ -100,8 +100,9 @@ def _last(args: Sequence[str], names: tuple[str, ...]) -> tuple[int, str] | None
     return found
 
 
-def _count(found: tuple[int, str] | None, default: int, auto: int,
-           what: str) -> tuple[int, tuple[int, str] | None]:
+def _count(
+    found: tuple[int, str] | None, default: int, auto: int, what: str
+) -> tuple[int, tuple[int, str] | None]:
     """A positive count (-1 or 0: llama-server's auto), or the problem at its index."""
     if found is None:
         return default, None
@@ -119,10 +120,14 @@ def _slots(found: tuple[int, str] | None) -> tuple[int, tuple[int, str] | None]:
     count, problem = _count(found, DEFAULT_PARALLEL, 0, "a number of slots")
     if found is None or problem or count >= 1:
         return count, problem
-    return DEFAULT_PARALLEL, (found[0], (
-        f"expected a number of slots, 1 or more, got {found[1]!r} (llama-server's auto lets "
-        "each build choose its own count and share one cache; llmgw gives each slot "
-        "`profile.context` tokens)"))
+    return DEFAULT_PARALLEL, (
+        found[0],
+        (
+            f"expected a number of slots, 1 or more, got {found[1]!r} (llama-server's auto lets "
+            "each build choose its own count and share one cache; llmgw gives each slot "
+            "`profile.context` tokens)"
+        ),
+    )
 
 
 def slots(args: Sequence[str]) -> int:
@@ -142,23 +147,32 @@ def server_args(args: Sequence[str]) -> tuple[ServerArgs, list[tuple[int, str]]]
         if text.isdigit():
             layers = int(text)
         elif text not in ("all", "auto"):
-            problems.append((index, f"expected a number of layers, 'all' or 'auto', got "
-                                    f"{text!r}"))
+            problems.append((index, f"expected a number of layers, 'all' or 'auto', got {text!r}"))
     types = []
     for names, default in ((CACHE_TYPE_K, "f16"), (CACHE_TYPE_V, "f16")):
         found = _last(args, names)
         if found is not None and found[1] not in CACHE_TYPES:
-            problems.append((found[0], f"expected a cache type, one of {', '.join(CACHE_TYPES)}"
-                                       f", got {found[1]!r}"))
+            problems.append(
+                (
+                    found[0],
+                    f"expected a cache type, one of {', '.join(CACHE_TYPES)}, got {found[1]!r}",
+                )
+            )
             found = None
         types.append(found[1] if found else default)
     parallel, problem = _slots(_last(args, PARALLEL))
     problems += [problem] if problem else []
-    problems += [(i, f"{arg} is not for llmgw: every slot has its own cache of "
-                     "`profile.context` tokens, what each request can use; a unified cache "
-                     "would let one request take the others'. Remove it (set the slots with "
-                     "--parallel)") for i, arg in enumerate(args) if arg in UNIFIED_CACHE]
-    ubatch, problem = _count(_last(args, UBATCH), DEFAULT_UBATCH, DEFAULT_UBATCH,
-                             "a batch size")
+    problems += [
+        (
+            i,
+            f"{arg} is not for llmgw: every slot has its own cache of "
+            "`profile.context` tokens, what each request can use; a unified cache "
+            "would let one request take the others'. Remove it (set the slots with "
+            "--parallel)",
+        )
+        for i, arg in enumerate(args)
+        if arg in UNIFIED_CACHE
+    ]
+    ubatch, problem = _count(_last(args, UBATCH), DEFAULT_UBATCH, DEFAULT_UBATCH, "a batch size")
     problems += [problem] if problem else []
     return ServerArgs(layers, types[0], types[1], parallel, ubatch), problems

@@ -24,8 +24,7 @@ from planner.engines.fitargs import slots
 # the quote ends at "expected 'GGUF'" when that follows within a few characters, else
 # the rest of the line goes (older builds print no "expected").
 NOT_GGUF = "not a GGUF file (bad magic)"
-_BAD_MAGIC = re.compile(r"invalid magic characters:?\s*'.{0,12}?',\s*expected 'GGUF'",
-                        re.DOTALL)
+_BAD_MAGIC = re.compile(r"invalid magic characters:?\s*'.{0,12}?',\s*expected 'GGUF'", re.DOTALL)
 _BAD_MAGIC_REST = re.compile(r"invalid magic characters[^\n]*(\n[^\n]{0,4}'[ \t]*(?=\n|$))?")
 # llama.cpp's grammar parser quotes the grammar it could not parse (a file, with
 # --grammar-file): the rest of the line goes.
@@ -44,8 +43,9 @@ class LlamaCpp:
     check_args = ("--version",)
     check_request = ("/completion", '{"prompt": "Hello", "n_predict": 1}')
 
-    def server_args(self, model: str, context: int, gpus: int,
-                    args: Sequence[str] = ()) -> list[str]:
+    def server_args(
+        self, model: str, context: int, gpus: int, args: Sequence[str] = ()
+    ) -> list[str]:
         """The slot count is always given (the profile's last --parallel, else 1): left
         out, llama-server picks its own (4, sharing one unified cache, on recent builds).
         --ctx-size is the whole cache, which llama.cpp splits evenly between the slots
@@ -53,9 +53,21 @@ class LlamaCpp:
         n_seq_max), so it is `context` x slots: each request can use `context` tokens
         (rounded up to a multiple of 256 by llama.cpp; `planner.engines.fitargs`)."""
         parallel = slots(args)
-        server = ["--model", MODEL_FILE, "--alias", model, "--host", NOMAD_IP,
-                  "--port", NOMAD_PORT, "--parallel", str(parallel),
-                  "--ctx-size", str(context * parallel), "--metrics"]
+        server = [
+            "--model",
+            MODEL_FILE,
+            "--alias",
+            model,
+            "--host",
+            NOMAD_IP,
+            "--port",
+            NOMAD_PORT,
+            "--parallel",
+            str(parallel),
+            "--ctx-size",
+            str(context * parallel),
+            "--metrics",
+        ]
         return server + (["--n-gpu-layers", ALL_LAYERS] if gpus > 0 else [])
 
     def error_lines(self, stderr_tail: str) -> str:
@@ -80,7 +92,7 @@ def stderr_summary(tail: str, keep_errors: int = 8, keep_last: int = 2) -> str:
     lines, errors = [], []
     for raw in redacted(tail).splitlines():
         match = LOG_PREFIX.match(raw)
-        line = (raw[match.end():] if match else raw).strip()
+        line = (raw[match.end() :] if match else raw).strip()
         if not line or line in lines:
             continue
         lines.append(line)

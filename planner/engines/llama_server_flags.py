@@ -63,13 +63,13 @@ class FlagClass(StrEnum):
 WHY: dict[FlagClass, str] = {
     FlagClass.TEMPLATE: "is set by the planner's job template",
     FlagClass.MODEL: "loads weights other than `source`'s, which the planner neither "
-                     "verifies, fits nor places: the model file comes from `source`",
+    "verifies, fits nor places: the model file comes from `source`",
     FlagClass.FILE: "reads or writes a file on the node, as the model task's user (root "
-                    "under raw_exec by default)",
+    "under raw_exec by default)",
     FlagClass.NETWORK: "reaches beyond the replica's own port from the node",
     FlagClass.EXEC: "runs programs or tools on the node",
     FlagClass.API: "changes the HTTP API the router and Consul's health check rely on, or "
-                   "opens a route beyond it",
+    "opens a route beyond it",
     FlagClass.NODE: "takes more of the node than the job's resources",
     FlagClass.LOGS: "hides the log the planner reads a failed start's cause from",
     FlagClass.EXITS: "prints something and exits: the server would never start",
@@ -93,8 +93,13 @@ class Option:
 
     def refusal(self, flag: str) -> str:
         """Why `flag` (one of `flags`) may not be in a model file's args."""
-        remove = "remove it and its value" if self.values == 1 else \
-            "remove it and its values" if self.values else "remove it"
+        remove = (
+            "remove it and its value"
+            if self.values == 1
+            else "remove it and its values"
+            if self.values
+            else "remove it"
+        )
         note = f" ({self.note})" if self.note else ""
         return f"{flag} {WHY[self.kind]}; {remove}{note}"
 
@@ -127,8 +132,9 @@ def parse_table(text: str) -> dict[str, Option]:
         option = Option(parts[1], flags, values, kind, parts[2] if len(parts) > 2 else "")
         for flag in flags:
             if flag in found:
-                raise ValueError(f"{TABLE.name}:{number}: {flag} is already in "
-                                 f"{found[flag].head!r}")
+                raise ValueError(
+                    f"{TABLE.name}:{number}: {flag} is already in {found[flag].head!r}"
+                )
             found[flag] = option
     return found
 
@@ -154,8 +160,9 @@ def _element(arg: str) -> str | None:
     if "\0" in arg or "\n" in arg:
         return f"argument {arg!r} contains a NUL or newline"
     if not arg.strip():
-        return f"argument {arg!r} is empty; llama-server rejects it as an invalid argument: " \
-               "remove it"
+        return (
+            f"argument {arg!r} is empty; llama-server rejects it as an invalid argument: remove it"
+        )
     if arg != arg.strip() and is_flag(arg.strip()):
         return f"argument {arg!r} has spaces around the flag; write {arg.strip()!r}"
     if "${" in arg:
@@ -172,16 +179,23 @@ def _flag(arg: str, options: dict[str, Option]) -> tuple[Option | None, str | No
         option = options.get(spelled(flag))
         if option is not None and option.kind is not FlagClass.SERVING:
             return None, option.refusal(flag)
-        why = ("llama-server does not split --flag=value" if sep == "=" else
-               "each element is one argv element; no shell splits it")
+        why = (
+            "llama-server does not split --flag=value"
+            if sep == "="
+            else "each element is one argv element; no shell splits it"
+        )
         right = json.dumps([flag, value.strip()] if value.strip() else [flag])
-        return None, (f"{arg!r} is one element; write the flag and its value as separate "
-                      f"elements: {right} ({why})")
+        return None, (
+            f"{arg!r} is one element; write the flag and its value as separate "
+            f"elements: {right} ({why})"
+        )
     option = options.get(spelled(arg))
     if option is None:
-        return None, (f"{arg} is not a flag of llama-server ({BUILD}, "
-                      "planner/engines/llama_server_flags.txt); llama-server would exit "
-                      "with \"invalid argument\"")
+        return None, (
+            f"{arg} is not a flag of llama-server ({BUILD}, "
+            "planner/engines/llama_server_flags.txt); llama-server would exit "
+            'with "invalid argument"'
+        )
     if option.kind is not FlagClass.SERVING:
         return option, option.refusal(arg)
     if spelled(arg) != arg:
@@ -189,8 +203,9 @@ def _flag(arg: str, options: dict[str, Option]) -> tuple[Option | None, str | No
     return option, None
 
 
-def judge(args: list[str] | tuple[str, ...],
-          options: dict[str, Option] | None = None) -> list[tuple[int, str]]:
+def judge(
+    args: list[str] | tuple[str, ...], options: dict[str, Option] | None = None
+) -> list[tuple[int, str]]:
     """Every problem of a model's `profile.args` as (index in args, message), in order;
     [] when llama-server would start with them and every flag is `serving`. `options`
     defaults to the committed table."""
@@ -203,9 +218,11 @@ def judge(args: list[str] | tuple[str, ...],
         if pending or (pending is None and not is_flag(arg.strip())):
             pending = pending - 1 if pending else pending
         elif not is_flag(arg.strip()):
-            problem = problem or (f"argument {arg!r} is not a flag, and no flag before it "
-                                  "takes a value; llama-server would exit with \"invalid "
-                                  "argument\"")
+            problem = problem or (
+                f"argument {arg!r} is not a flag, and no flag before it "
+                'takes a value; llama-server would exit with "invalid '
+                'argument"'
+            )
         else:
             # A flag with a problem of its own still says how many values follow it.
             option, flag_problem = _flag(arg.strip(), options)
@@ -215,6 +232,11 @@ def judge(args: list[str] | tuple[str, ...],
         if problem:
             problems.append((index, problem))
     if pending and owner is not None:
-        problems.append((owner[0], f"{owner[1]} takes a value; llama-server would exit with "
-                                   "\"expected value for argument\""))
+        problems.append(
+            (
+                owner[0],
+                f"{owner[1]} takes a value; llama-server would exit with "
+                '"expected value for argument"',
+            )
+        )
     return problems

@@ -37,7 +37,6 @@ from planner.vocab import GROUP, group_count
 __all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]
 
 
-
 @dataclass(frozen=True)
 class Activated:
     state: StateDocument
@@ -49,20 +48,27 @@ def parked_answer(state: StateDocument) -> ActivationAnswer | None:
     parked = state.parked
     if parked is None:
         return None
-    return ActivationAnswer(name=state.name, status=ActivationStatus.PARKED,
-                            reason=parked.reason, last_error=parked.last_error,
-                            since=parked.since)
+    return ActivationAnswer(
+        name=state.name,
+        status=ActivationStatus.PARKED,
+        reason=parked.reason,
+        last_error=parked.last_error,
+        since=parked.since,
+    )
 
 
 def reverting(name: str) -> ActivationAnswer:
     """The answer while a failed update is rolled back to the version that serves."""
-    return ActivationAnswer(name=name, status=ActivationStatus.LOADING,
-                            reason="a failed update is being rolled back")
+    return ActivationAnswer(
+        name=name, status=ActivationStatus.LOADING, reason="a failed update is being rolled back"
+    )
 
 
 def _starting(allocations: tuple[dict[str, Any], ...]) -> bool:
-    return any(a.get("DesiredStatus") == "run" and a.get("ClientStatus") in ("pending", "running")
-               for a in allocations)
+    return any(
+        a.get("DesiredStatus") == "run" and a.get("ClientStatus") in ("pending", "running")
+        for a in allocations
+    )
 
 
 def activate(state: StateDocument, observation: Observation, now: datetime) -> Activated:
@@ -71,49 +77,87 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
     record, job = observation.record, observation.job
     assert record is not None  # checked by transition.decide
     name = observation.name
-    parked = parked_from_job(job) or (state.parked if job is None or job.get("Stop")
-                                      else None)
+    parked = parked_from_job(job) or (state.parked if job is None or job.get("Stop") else None)
     if parked is not None:
-        return Activated(state, answer=ActivationAnswer(
-            name=name, status=ActivationStatus.PARKED, reason=parked.reason,
-            last_error=parked.last_error, since=parked.since))
+        return Activated(
+            state,
+            answer=ActivationAnswer(
+                name=name,
+                status=ActivationStatus.PARKED,
+                reason=parked.reason,
+                last_error=parked.last_error,
+                since=parked.since,
+            ),
+        )
     if observation.passing:
-        return Activated(state, answer=ActivationAnswer(
-            name=name, status=ActivationStatus.SERVING,
-            reason="an instance passes its health check"))
+        return Activated(
+            state,
+            answer=ActivationAnswer(
+                name=name,
+                status=ActivationStatus.SERVING,
+                reason="an instance passes its health check",
+            ),
+        )
     if job is None or job.get("Stop"):
-        return Activated(state, answer=ActivationAnswer(
-            name=name, status=ActivationStatus.STOPPED,
-            reason="its Nomad job is not running; run `planner apply` (or `planner retry`) "
-                   "first"))
+        return Activated(
+            state,
+            answer=ActivationAnswer(
+                name=name,
+                status=ActivationStatus.STOPPED,
+                reason="its Nomad job is not running; run `planner apply` (or `planner retry`) "
+                "first",
+            ),
+        )
     count = group_count(job)
     if record.idle_after is None and count == 0:
-        return Activated(state, answer=ActivationAnswer(
-            name=name, status=ActivationStatus.STOPPED,
-            reason="0 replicas wanted (replicas: 0 in its definition)"))
+        return Activated(
+            state,
+            answer=ActivationAnswer(
+                name=name,
+                status=ActivationStatus.STOPPED,
+                reason="0 replicas wanted (replicas: 0 in its definition)",
+            ),
+        )
     if fold.stopped_by_nomad(state, fold.infos(observation).values()):
         return _park_stopped(state, now)
-    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional \
-        else None
+    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
     if _starting(observation.allocations) and short is None:
-        return Activated(state, answer=ActivationAnswer(
-            name=name, status=ActivationStatus.LOADING,
-            reason=state.unplaceable.reason if state.unplaceable else "an instance is starting"))
+        return Activated(
+            state,
+            answer=ActivationAnswer(
+                name=name,
+                status=ActivationStatus.LOADING,
+                reason=state.unplaceable.reason if state.unplaceable else "an instance is starting",
+            ),
+        )
     target = max(record.replicas, 1) if record.idle_after is not None else count
     state = state.model_copy(update={"unplaceable": None})
     if count < target:
-        return Activated(state, (Scale(Reason.ACTIVATION, "activation", group=GROUP,
-                                       count=target),))
-    return Activated(state, (Evaluate(Reason.ACTIVATION, "activation: a fresh placement "
-                                      "attempt", force_reschedule=False),))
+        return Activated(
+            state, (Scale(Reason.ACTIVATION, "activation", group=GROUP, count=target),)
+        )
+    return Activated(
+        state,
+        (
+            Evaluate(
+                Reason.ACTIVATION, "activation: a fresh placement attempt", force_reschedule=False
+            ),
+        ),
+    )
 
 
 def _park_stopped(state: StateDocument, now: datetime) -> Activated:
-    reason = (f"every replica stopped by Nomad after its restart attempts "
-              f"({state.consecutive_failures} consecutive start failures counted)")
-    parked = Parked(reason=reason, last_error=state.last_error,
-                    since=now.isoformat(timespec="seconds"),
-                    definition_hash=state.definition_hash)
+    reason = (
+        f"every replica stopped by Nomad after its restart attempts "
+        f"({state.consecutive_failures} consecutive start failures counted)"
+    )
+    parked = Parked(
+        reason=reason,
+        last_error=state.last_error,
+        since=now.isoformat(timespec="seconds"),
+        definition_hash=state.definition_hash,
+    )
     state = state.model_copy(update={"parked": parked})
-    return Activated(state, (Park(Reason.ALL_STOPPED, reason, parked=parked),),
-                     parked_answer(state))
+    return Activated(
+        state, (Park(Reason.ALL_STOPPED, reason, parked=parked),), parked_answer(state)
+    )

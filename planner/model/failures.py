@@ -51,8 +51,15 @@ PARK_AFTER = 5  # consecutive start failures; `planner serve --park-after` overr
 STABLE_AFTER_S = 120  # a healthy run this long resets the counts; `--stable-after` overrides
 
 # Nomad's task event types (nomad/structs/structs.go, TaskEvent constants).
-ENDS_A_START = frozenset({"Terminated", "Driver Failure", "Failed Artifact Download",
-                          "Setup Failure", "Failed Validation"})
+ENDS_A_START = frozenset(
+    {
+        "Terminated",
+        "Driver Failure",
+        "Failed Artifact Download",
+        "Setup Failure",
+        "Failed Validation",
+    }
+)
 STOP_REQUESTED = frozenset({"Killing", "Killed", "Sibling Task Failed"})
 NEW_START = frozenset({"Started", "Restarting", "Received"})
 RESTART_SIGNALED = "Restart Signaled"
@@ -108,8 +115,7 @@ class AllocInfo:
     def stopped(self) -> bool:
         """Nomad gave up on it after its restart attempts: failed, still wanted, and
         nothing placed in its stead (the job never reschedules by itself)."""
-        return self.desired_status == "run" and self.client_status == "failed" and \
-            not self.replaced
+        return self.desired_status == "run" and self.client_status == "failed" and not self.replaced
 
 
 def iso(nanos: int) -> str:
@@ -137,8 +143,9 @@ def start_failures(alloc: dict[str, Any]) -> Iterator[StartFailure]:
                 stopping = True
             elif kind in ENDS_A_START and not stopping:
                 signal, message = ended(alloc, task, event)
-                yield StartFailure(f"{alloc['ID']}/{task}/{at}", alloc["ID"], task,
-                                   message, at, started, signal)
+                yield StartFailure(
+                    f"{alloc['ID']}/{task}/{at}", alloc["ID"], task, message, at, started, signal
+                )
 
 
 def memory_limit_mib(alloc: dict[str, Any], task: str) -> int | None:
@@ -157,12 +164,14 @@ def ended(alloc: dict[str, Any], task: str, event: dict[str, Any]) -> tuple[int,
     details = event.get("Details") or {}
     exit_code = int(event.get("ExitCode") or details.get("exit_code") or 0)
     oom = event.get("Message") == "OOM Killed" or details.get("oom_killed") == "true"
-    signal = lasterror.crash_signal(exit_code, int(event.get("Signal") or
-                                                   details.get("signal") or 0))
+    signal = lasterror.crash_signal(
+        exit_code, int(event.get("Signal") or details.get("signal") or 0)
+    )
     if kind == "Terminated" and (signal or oom):
         signal = signal or lasterror.SIGKILL
-        return signal, lasterror.crash_line(signal, exit_code, oom_killed=oom,
-                                            memory_limit_mib=memory_limit_mib(alloc, task))
+        return signal, lasterror.crash_line(
+            signal, exit_code, oom_killed=oom, memory_limit_mib=memory_limit_mib(alloc, task)
+        )
     message = event.get("DisplayMessage") or event.get("Message") or kind
     return 0, f"{kind}: {message}"
 
@@ -196,19 +205,25 @@ def track(state: StateDocument, info: AllocInfo) -> StateDocument:
     if info.desired_status != "run":
         if known is None:
             return state
-        return state.model_copy(update={
-            "replicas": tuple(r for r in state.replicas if r.alloc_id != info.alloc_id)})
+        return state.model_copy(
+            update={"replicas": tuple(r for r in state.replicas if r.alloc_id != info.alloc_id)}
+        )
     if info.definition_hash != state.definition_hash:
         return state
     if known is not None:
         if known.name:
             return state
         # Seeded from the passing checks alone (a recreated document): name it now.
-        return _with_replica(state, known.model_copy(update={"name": info.name,
-                                                             "node": info.node}))
-    return _with_replica(state, ReplicaRecord(alloc_id=info.alloc_id, name=info.name,
-                                              node=info.node,
-                                              definition_hash=info.definition_hash))
+        return _with_replica(state, known.model_copy(update={"name": info.name, "node": info.node}))
+    return _with_replica(
+        state,
+        ReplicaRecord(
+            alloc_id=info.alloc_id,
+            name=info.name,
+            node=info.node,
+            definition_hash=info.definition_hash,
+        ),
+    )
 
 
 def healthy_entry(replica: ReplicaRecord | None, failure: StartFailure) -> int:
@@ -219,21 +234,26 @@ def healthy_entry(replica: ReplicaRecord | None, failure: StartFailure) -> int:
     return min(inside, default=0)
 
 
-def judge(state: StateDocument, failure: StartFailure, stderr_tail: str, rules: Rules,
-          error_lines: Callable[[str], str] = llama_cpp.stderr_summary) -> StateDocument:
+def judge(
+    state: StateDocument,
+    failure: StartFailure,
+    stderr_tail: str,
+    rules: Rules,
+    error_lines: Callable[[str], str] = llama_cpp.stderr_summary,
+) -> StateDocument:
     """Account for one ended run of a replica of the current definition: a failure
     (start failure, or crash within the stability window), or the end of a stable run.
     `error_lines` is the model's engine's reading of its stderr (`Engine.error_lines`)."""
-    replica = state.replica(failure.alloc_id) or ReplicaRecord(alloc_id=failure.alloc_id,
-                                                               definition_hash=state.definition_hash)
+    replica = state.replica(failure.alloc_id) or ReplicaRecord(
+        alloc_id=failure.alloc_id, definition_hash=state.definition_hash
+    )
     # Pruned by what Nomad still shows (`planner.model.fold`), not by count: evicting by
     # count recounted old failures at the next reconcile (issue 19).
     counted = (*state.counted, failure.key)
     entry = healthy_entry(replica, failure)
     # A run the stability tick already found stable (its entry and `now` both from the
     # planner's clock) ended stable, whatever the node's clock says of its end.
-    if entry and (replica.stable_entry == entry or
-                  failure.at_ns - entry >= rules.stable_after_ns):
+    if entry and (replica.stable_entry == entry or failure.at_ns - entry >= rules.stable_after_ns):
         return stabilize(state.model_copy(update={"counted": counted}), replica.alloc_id, entry)
     detail = error_lines(stderr_tail)
     message = failure.message
@@ -241,13 +261,22 @@ def judge(state: StateDocument, failure: StartFailure, stderr_tail: str, rules: 
         message += f" ({(failure.at_ns - entry) / 1e9:.0f} s after it passed its health check)"
     last_error = message + (f"\n{detail}" if detail else "")
     at = iso(failure.at_ns)
-    replica = replica.model_copy(update={
-        "consecutive_failures": replica.consecutive_failures + 1,
-        "last_error": last_error, "last_error_at": at})
-    state = state.model_copy(update={
-        "consecutive_failures": state.consecutive_failures + 1,
-        "start_failures_total": state.start_failures_total + 1,
-        "last_error": last_error, "last_error_at": at, "counted": counted})
+    replica = replica.model_copy(
+        update={
+            "consecutive_failures": replica.consecutive_failures + 1,
+            "last_error": last_error,
+            "last_error_at": at,
+        }
+    )
+    state = state.model_copy(
+        update={
+            "consecutive_failures": state.consecutive_failures + 1,
+            "start_failures_total": state.start_failures_total + 1,
+            "last_error": last_error,
+            "last_error_at": at,
+            "counted": counted,
+        }
+    )
     return _with_replica(state, replica)
 
 
@@ -271,8 +300,9 @@ def stabilize(state: StateDocument, alloc_id: str, entry: int) -> StateDocument:
     return _with_replica(state, replica)
 
 
-def due_stable(state: StateDocument, passing_since: Mapping[str, int], now_ns: int,
-               rules: Rules) -> list[tuple[str, int]]:
+def due_stable(
+    state: StateDocument, passing_since: Mapping[str, int], now_ns: int, rules: Rules
+) -> list[tuple[str, int]]:
     """(alloc, entry) of replicas passing without a break for the whole stability window
     and not yet marked stable for that run. `passing_since`: alloc -> when it started
     passing, as the watcher saw it."""
@@ -290,39 +320,55 @@ def due_stable(state: StateDocument, passing_since: Mapping[str, int], now_ns: i
 # --- the model ------------------------------------------------------------------------
 
 
-def protective(state: StateDocument, allocs: Mapping[str, AllocInfo],
-               passing_now: frozenset[str]) -> list[str]:
+def protective(
+    state: StateDocument, allocs: Mapping[str, AllocInfo], passing_now: frozenset[str]
+) -> list[str]:
     """Allocations of the current definition that forbid parking: live and passing their
     check now (whatever their past failures: a passing replica always protects, the
     README's "no replica healthy", issue 19), or live with no failure of their own
     (still loading)."""
     clean = {r.alloc_id for r in state.replicas if r.consecutive_failures == 0}
-    return sorted(a.alloc_id for a in allocs.values()
-                  if a.live and a.definition_hash == state.definition_hash
-                  and (a.alloc_id in passing_now or a.alloc_id in clean))
+    return sorted(
+        a.alloc_id
+        for a in allocs.values()
+        if a.live
+        and a.definition_hash == state.definition_hash
+        and (a.alloc_id in passing_now or a.alloc_id in clean)
+    )
 
 
-def serving_before(state: StateDocument, allocs: Mapping[str, AllocInfo],
-                   passing_now: frozenset[str]) -> bool:
+def serving_before(
+    state: StateDocument, allocs: Mapping[str, AllocInfo], passing_now: frozenset[str]
+) -> bool:
     """A replica of an earlier definition still serves: an update is rolling out beside
     it (`planner.model.rollout`), and Nomad rolls the update back if it fails; parking would
     stop what serves (issue "Model updates without downtime")."""
-    return any(a.live and a.definition_hash != state.definition_hash
-               and a.alloc_id in passing_now for a in allocs.values())
+    return any(
+        a.live and a.definition_hash != state.definition_hash and a.alloc_id in passing_now
+        for a in allocs.values()
+    )
 
 
 def all_stopped(state: StateDocument, allocs: Mapping[str, AllocInfo]) -> bool:
     """Every replica of the current definition the job still wants was stopped by Nomad
     after its restart attempts: nothing will start again by itself."""
-    wanted = [a for a in allocs.values()
-              if a.definition_hash == state.definition_hash and a.desired_status == "run"
-              and not a.replaced]
+    wanted = [
+        a
+        for a in allocs.values()
+        if a.definition_hash == state.definition_hash
+        and a.desired_status == "run"
+        and not a.replaced
+    ]
     return bool(wanted) and all(a.stopped for a in wanted)
 
 
-def decide_parking(state: StateDocument, allocs: Mapping[str, AllocInfo],
-                   passing_now: frozenset[str], now: datetime,
-                   rules: Rules) -> StateDocument:
+def decide_parking(
+    state: StateDocument,
+    allocs: Mapping[str, AllocInfo],
+    passing_now: frozenset[str],
+    now: datetime,
+    rules: Rules,
+) -> StateDocument:
     """Park once the count reaches `park_after` and no replica protects the model, or
     once Nomad stopped every replica after its restart attempts with failures counted
     (fewer than `park_after` only when some were not counted: a document lost from KV,
@@ -335,13 +381,18 @@ def decide_parking(state: StateDocument, allocs: Mapping[str, AllocInfo],
     if state.consecutive_failures >= rules.park_after:
         reason = f"{state.consecutive_failures} consecutive start failures"
     elif all_stopped(state, allocs):
-        reason = (f"every replica stopped by Nomad after its restart attempts "
-                  f"({state.consecutive_failures} consecutive start failures counted)")
+        reason = (
+            f"every replica stopped by Nomad after its restart attempts "
+            f"({state.consecutive_failures} consecutive start failures counted)"
+        )
     else:
         return state
-    parked = Parked(reason=reason, last_error=state.last_error,
-                    since=now.isoformat(timespec="seconds"),
-                    definition_hash=state.definition_hash)
+    parked = Parked(
+        reason=reason,
+        last_error=state.last_error,
+        since=now.isoformat(timespec="seconds"),
+        definition_hash=state.definition_hash,
+    )
     return state.model_copy(update={"parked": parked})
 
 
@@ -350,9 +401,15 @@ def for_definition(state: StateDocument, definition_hash: str) -> StateDocument:
     over and forgets the old replicas (parking is lifted by `apply`, not here)."""
     if state.definition_hash == definition_hash:
         return state
-    return state.model_copy(update={"definition_hash": definition_hash,
-                                    "consecutive_failures": 0, "replicas": (),
-                                    "last_error": None, "last_error_at": None})
+    return state.model_copy(
+        update={
+            "definition_hash": definition_hash,
+            "consecutive_failures": 0,
+            "replicas": (),
+            "last_error": None,
+            "last_error_at": None,
+        }
+    )
 
 
 def forgiven(state: StateDocument) -> StateDocument:

@@ -90,13 +90,15 @@ def alloc_info(alloc: Allocation, versions: Mapping[int, str]) -> AllocInfo:
     """What counting needs of an allocation; an allocation without JobVersion (an event
     stub) has no known definition and never counts."""
     version = alloc.get("JobVersion")
-    return AllocInfo(alloc_id=alloc["ID"], name=alloc.get("Name", ""),
-                     node=alloc.get("NodeName") or str(alloc.get("NodeID", ""))[:8],
-                     definition_hash=versions.get(int(version), "") if version is not None
-                     else "",
-                     client_status=alloc.get("ClientStatus", ""),
-                     desired_status=alloc.get("DesiredStatus", ""),
-                     replaced=bool(alloc.get("NextAllocation")))
+    return AllocInfo(
+        alloc_id=alloc["ID"],
+        name=alloc.get("Name", ""),
+        node=alloc.get("NodeName") or str(alloc.get("NodeID", ""))[:8],
+        definition_hash=versions.get(int(version), "") if version is not None else "",
+        client_status=alloc.get("ClientStatus", ""),
+        desired_status=alloc.get("DesiredStatus", ""),
+        replaced=bool(alloc.get("NextAllocation")),
+    )
 
 
 def infos(observation: Observation) -> dict[str, AllocInfo]:
@@ -111,8 +113,7 @@ def error_lines(job: Job | None) -> Callable[[str], str]:
     return engines.KINDS.get(kind, engines.engine(engines.DEFAULT_KIND)).error_lines
 
 
-def fold(document: StateDocument, observation: Observation, rules: Rules,
-         now: datetime) -> Folded:
+def fold(document: StateDocument, observation: Observation, rules: Rules, now: datetime) -> Folded:
     """The document as `observation` shows the model now, with the effects it calls
     for (at most one: `Park` or `Revert`) and notes. A pruned model (no record) is
     left as it is."""
@@ -169,24 +170,39 @@ def _for_definition(state: StateDocument, definition_hash: str) -> StateDocument
     """A new definition starts every count over and forgets the old replicas."""
     if not definition_hash or state.definition_hash == definition_hash:
         return state
-    return state.model_copy(update={"definition_hash": definition_hash,
-                                    "consecutive_failures": 0, "replicas": (),
-                                    "last_error": None, "last_error_at": None})
+    return state.model_copy(
+        update={
+            "definition_hash": definition_hash,
+            "consecutive_failures": 0,
+            "replicas": (),
+            "last_error": None,
+            "last_error_at": None,
+        }
+    )
 
 
-def _rollback(state: StateDocument, observation: Observation, allocs: Mapping[str, AllocInfo],
-              rules: Rules, now: datetime, notes: list[NoteLine]) -> tuple[StateDocument, bool]:
+def _rollback(
+    state: StateDocument,
+    observation: Observation,
+    allocs: Mapping[str, AllocInfo],
+    rules: Rules,
+    now: datetime,
+    notes: list[NoteLine],
+) -> tuple[StateDocument, bool]:
     """Record an applied definition Nomad rolled back; True when it was rolled back."""
     record, job = observation.record, observation.job
     if record is None or job is None:
         return state, False
-    failed = rolled_back(list(observation.versions), list(observation.deployments),
-                         record.definition_hash)
+    failed = rolled_back(
+        list(observation.versions), list(observation.deployments), record.definition_hash
+    )
     if failed is None:
         return state, False
     known = state.update_failed
-    if known is not None and (known.definition_hash, known.job_version) == \
-            (failed.definition_hash, failed.job_version):
+    if known is not None and (known.definition_hash, known.job_version) == (
+        failed.definition_hash,
+        failed.job_version,
+    ):
         return state, True
     # Its replicas' last failures first: Nomad may fail the deployment before the last
     # failed start was seen (found by test: rolled back at 4 of 5).
@@ -194,9 +210,14 @@ def _rollback(state: StateDocument, observation: Observation, allocs: Mapping[st
     state = _count(state, observation, allocs, failed.definition_hash, rules, [])
     running = definition_of(job)
     after = record_rollback(state, failed, running, now)
-    notes.append((logging.ERROR, f"update to definition {failed.definition_hash[:12]} rolled "
-                  f"back ({failed.reason}); it serves on {running[:12]}; last error: "
-                  f"{headline(state.last_error)}"))
+    notes.append(
+        (
+            logging.ERROR,
+            f"update to definition {failed.definition_hash[:12]} rolled "
+            f"back ({failed.reason}); it serves on {running[:12]}; last error: "
+            f"{headline(state.last_error)}",
+        )
+    )
     return after, True
 
 
@@ -208,13 +229,17 @@ def _incarnation(alloc: Allocation, job: Job | None) -> bool:
     return int(alloc["CreateIndex"] or 0) >= int((job or {}).get("CreateIndex") or 0)
 
 
-def _failures(observation: Observation, allocs: Mapping[str, AllocInfo],
-              definition: str) -> list[StartFailure]:
+def _failures(
+    observation: Observation, allocs: Mapping[str, AllocInfo], definition: str
+) -> list[StartFailure]:
     """Every failure of an allocation of `definition` in this incarnation, oldest first."""
-    found = [f for alloc in observation.allocations
-             if allocs[alloc["ID"]].definition_hash == definition
-             and _incarnation(alloc, observation.job)
-             for f in start_failures(alloc)]
+    found = [
+        f
+        for alloc in observation.allocations
+        if allocs[alloc["ID"]].definition_hash == definition
+        and _incarnation(alloc, observation.job)
+        for f in start_failures(alloc)
+    ]
     return sorted(found, key=lambda f: (f.at_ns, f.key))
 
 
@@ -232,8 +257,14 @@ def healthy_runs(state: StateDocument, passing_since: Mapping[str, int]) -> Stat
     return state
 
 
-def _count(state: StateDocument, observation: Observation, allocs: Mapping[str, AllocInfo],
-           definition: str, rules: Rules, notes: list[NoteLine]) -> StateDocument:
+def _count(
+    state: StateDocument,
+    observation: Observation,
+    allocs: Mapping[str, AllocInfo],
+    definition: str,
+    rules: Rules,
+    notes: list[NoteLine],
+) -> StateDocument:
     lines = error_lines(observation.job)
     for failure in _failures(observation, allocs, definition):
         if failure.key in state.counted:
@@ -243,16 +274,21 @@ def _count(state: StateDocument, observation: Observation, allocs: Mapping[str, 
         if state.consecutive_failures > before:
             replica = state.replica(failure.alloc_id)
             info = allocs[failure.alloc_id]
-            notes.append((logging.WARNING,
-                          f"replica {replica.index if replica else info.name} on {info.node}: "
-                          f"start failure {replica.consecutive_failures if replica else 0} in "
-                          f"a row (model: {state.consecutive_failures}): "
-                          f"{headline(state.last_error)}"))
+            notes.append(
+                (
+                    logging.WARNING,
+                    f"replica {replica.index if replica else info.name} on {info.node}: "
+                    f"start failure {replica.consecutive_failures if replica else 0} in "
+                    f"a row (model: {state.consecutive_failures}): "
+                    f"{headline(state.last_error)}",
+                )
+            )
     return state
 
 
-def _prune(state: StateDocument, observation: Observation,
-           allocs: Mapping[str, AllocInfo]) -> StateDocument:
+def _prune(
+    state: StateDocument, observation: Observation, allocs: Mapping[str, AllocInfo]
+) -> StateDocument:
     """Keep what Nomad still shows: counted keys of allocations it lists (a key of a
     garbage-collected allocation can never be seen again), and replica records of
     allocations it lists, bounded by the definition's replicas; live ones never go."""
@@ -260,11 +296,15 @@ def _prune(state: StateDocument, observation: Observation,
     created = {a["ID"]: int(a.get("CreateIndex") or 0) for a in observation.allocations}
     shown = [r for r in state.replicas if r.alloc_id in allocs]
     live = [r for r in shown if allocs[r.alloc_id].live]
-    rest = sorted((r for r in shown if not allocs[r.alloc_id].live),
-                  key=lambda r: created.get(r.alloc_id, 0), reverse=True)
-    bound = max(group_count(observation.job),
-                observation.record.replicas if observation.record else 0, 1)
-    keep = {r.alloc_id for r in (*live, *rest[:max(bound - len(live), 0)])}
+    rest = sorted(
+        (r for r in shown if not allocs[r.alloc_id].live),
+        key=lambda r: created.get(r.alloc_id, 0),
+        reverse=True,
+    )
+    bound = max(
+        group_count(observation.job), observation.record.replicas if observation.record else 0, 1
+    )
+    keep = {r.alloc_id for r in (*live, *rest[: max(bound - len(live), 0)])}
     replicas = tuple(r for r in state.replicas if r.alloc_id in keep)
     return state.model_copy(update={"counted": counted, "replicas": replicas})
 
@@ -272,13 +312,17 @@ def _prune(state: StateDocument, observation: Observation,
 def all_running(observation: Observation) -> bool:
     """Every replica the job wants runs."""
     count = group_count(observation.job)
-    running = [a for a in observation.allocations
-               if a.get("ClientStatus") == "running" and a.get("DesiredStatus") == "run"]
+    running = [
+        a
+        for a in observation.allocations
+        if a.get("ClientStatus") == "running" and a.get("DesiredStatus") == "run"
+    ]
     return count > 0 and len(running) >= count
 
 
-def _placement(state: StateDocument, observation: Observation,
-               notes: list[NoteLine]) -> StateDocument:
+def _placement(
+    state: StateDocument, observation: Observation, notes: list[NoteLine]
+) -> StateDocument:
     before = state.unplaceable
     if observation.evaluation is not None:
         state = with_unplaceable(state, observation.placement)
@@ -286,43 +330,79 @@ def _placement(state: StateDocument, observation: Observation,
         state = state.model_copy(update={"unplaceable": None})
     if before is not None and state.unplaceable is None:
         notes.append((logging.INFO, f"placed (was unplaceable: {before.reason})"))
-    elif state.unplaceable is not None and not state.unplaceable.provisional and \
-            (before is None or before.reason != state.unplaceable.reason):
+    elif (
+        state.unplaceable is not None
+        and not state.unplaceable.provisional
+        and (before is None or before.reason != state.unplaceable.reason)
+    ):
         notes.append((logging.WARNING, f"unplaceable: {state.unplaceable.reason}"))
     return state
 
 
-def _park(state: StateDocument, allocs: Mapping[str, AllocInfo], observation: Observation,
-          rules: Rules, now: datetime, notes: list[NoteLine]) -> Park | None:
+def _park(
+    state: StateDocument,
+    allocs: Mapping[str, AllocInfo],
+    observation: Observation,
+    rules: Rules,
+    now: datetime,
+    notes: list[NoteLine],
+) -> Park | None:
     passing_now = frozenset(observation.passing)
     decided = decide_parking(state, allocs, passing_now, now, rules)
     if decided.parked is None:
         if state.parked is None and state.consecutive_failures >= rules.park_after:
-            notes.append((logging.WARNING, f"{state.consecutive_failures} consecutive start "
-                          "failures, not parked: a healthy replica serves (degraded)"))
+            notes.append(
+                (
+                    logging.WARNING,
+                    f"{state.consecutive_failures} consecutive start "
+                    "failures, not parked: a healthy replica serves (degraded)",
+                )
+            )
         return None
-    reason = Reason.START_FAILURES if decided.consecutive_failures >= rules.park_after \
+    reason = (
+        Reason.START_FAILURES
+        if decided.consecutive_failures >= rules.park_after
         else Reason.ALL_STOPPED
-    notes.append((logging.ERROR, f"parked ({decided.parked.reason}); last error: "
-                  f"{headline(state.last_error)}"))
+    )
+    notes.append(
+        (
+            logging.ERROR,
+            f"parked ({decided.parked.reason}); last error: {headline(state.last_error)}",
+        )
+    )
     return Park(reason, decided.parked.reason, parked=decided.parked)
 
 
 def _revert(job: Job, observation: Observation) -> tuple[Effect, ...]:
     """Do what auto_revert could not: roll a failed update back to the version whose
     replicas serve (`rollout.stuck_update`)."""
-    version = stuck_update(job, list(observation.deployments), list(observation.allocations),
-                           frozenset(observation.passing))
+    version = stuck_update(
+        job,
+        list(observation.deployments),
+        list(observation.allocations),
+        frozenset(observation.passing),
+    )
     if version is None:
         return ()
-    return (Revert(Reason.UPDATE_STUCK, f"its update failed and Nomad had no stable version "
-                   f"to roll back to; reverting to version {version}, which serves",
-                   version=version, prior_version=observation.job_version),)
+    return (
+        Revert(
+            Reason.UPDATE_STUCK,
+            f"its update failed and Nomad had no stable version "
+            f"to roll back to; reverting to version {version}, which serves",
+            version=version,
+            prior_version=observation.job_version,
+        ),
+    )
 
 
 def stopped_by_nomad(state: StateDocument, allocs: Iterable[AllocInfo]) -> bool:
     """Every replica of the current definition the job still wants was stopped by Nomad
     after its restart attempts (`failures.all_stopped`)."""
-    wanted_ = [a for a in allocs if a.definition_hash == state.definition_hash
-               and a.desired_status == "run" and not a.replaced]
+    wanted_ = [
+        a
+        for a in allocs
+        if a.definition_hash == state.definition_hash
+        and a.desired_status == "run"
+        and not a.replaced
+    ]
     return bool(wanted_) and all(a.stopped for a in wanted_)

@@ -36,10 +36,12 @@ META_VALUE_LIMIT = 2000
 
 def parked_job(job: Job, parked: Parked) -> Job:
     """`job` stopped, with the parking reason in its meta."""
-    meta = {**(job.get("Meta") or {}),
-            JobMeta.PARKED_REASON: parked.reason,
-            JobMeta.PARKED_LAST_ERROR: clipped(parked.last_error or "", META_VALUE_LIMIT),
-            JobMeta.PARKED_SINCE: parked.since}
+    meta = {
+        **(job.get("Meta") or {}),
+        JobMeta.PARKED_REASON: parked.reason,
+        JobMeta.PARKED_LAST_ERROR: clipped(parked.last_error or "", META_VALUE_LIMIT),
+        JobMeta.PARKED_SINCE: parked.since,
+    }
     return {**job, "Stop": True, "Meta": meta}
 
 
@@ -53,10 +55,12 @@ def parked_from_job(job: Job | None) -> Parked | None:
     meta: dict[str, Any] = (job or {}).get("Meta") or {}
     if JobMeta.PARKED_REASON not in meta:
         return None
-    return Parked(reason=meta[JobMeta.PARKED_REASON],
-                  last_error=meta.get(JobMeta.PARKED_LAST_ERROR) or None,
-                  since=meta.get(JobMeta.PARKED_SINCE, ""),
-                  definition_hash=meta.get(JobMeta.DEFINITION_HASH, ""))
+    return Parked(
+        reason=meta[JobMeta.PARKED_REASON],
+        last_error=meta.get(JobMeta.PARKED_LAST_ERROR) or None,
+        since=meta.get(JobMeta.PARKED_SINCE, ""),
+        definition_hash=meta.get(JobMeta.DEFINITION_HASH, ""),
+    )
 
 
 def set_parked(state: StateDocument, parked: Parked | None, job_index: int) -> StateDocument:

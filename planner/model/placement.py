@@ -104,8 +104,12 @@ class Shortfall:
     desired: int
 
 
-def gpu_inventory(nodes: Sequence[Mapping[str, Any]], *, datacenters: Sequence[str] = ("*",),
-                  node_pool: str | None = None) -> list[NodeGpus]:
+def gpu_inventory(
+    nodes: Sequence[Mapping[str, Any]],
+    *,
+    datacenters: Sequence[str] = ("*",),
+    node_pool: str | None = None,
+) -> list[NodeGpus]:
     """Nomad's `GET /v1/nodes?resources=true` stubs -> one NodeGpus per node the scheduler
     would evaluate, in the order given.
 
@@ -125,23 +129,30 @@ def gpu_inventory(nodes: Sequence[Mapping[str, Any]], *, datacenters: Sequence[s
             continue
         resources = node.get("NodeResources")
         if resources is None:
-            raise ValueError(f"node {node.get('Name')!r} has no NodeResources: "
-                             "list nodes with GET /v1/nodes?resources=true")
+            raise ValueError(
+                f"node {node.get('Name')!r} has no NodeResources: "
+                "list nodes with GET /v1/nodes?resources=true"
+            )
         memory: list[int | None] = []
         for device in resources.get("Devices") or []:
             if (device.get("Vendor"), device.get("Type")) != (GPU_VENDOR, GPU_TYPE):
                 continue
             size = _attribute_bytes((device.get("Attributes") or {}).get("memory"))
-            memory += [size for instance in device.get("Instances") or []
-                       if instance.get("Healthy")]
+            memory += [
+                size for instance in device.get("Instances") or [] if instance.get("Healthy")
+            ]
         inventory.append(NodeGpus(node=node.get("Name", ""), memory_bytes=tuple(memory)))
     return inventory
 
 
-def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
-                         need: GpuNeed | None = None,
-                         gpus: Sequence[NodeGpus] = (), *,
-                         engine: EngineNeed | None = None) -> Shortfall | None:
+def evaluation_shortfall(
+    evaluation: Mapping[str, Any],
+    desired: int,
+    need: GpuNeed | None = None,
+    gpus: Sequence[NodeGpus] = (),
+    *,
+    engine: EngineNeed | None = None,
+) -> Shortfall | None:
     """What an evaluation (or plan answer) left unplaced and why; None when it left nothing.
 
     `desired` is the task group's count. Each failed task group stands for
@@ -151,14 +162,16 @@ def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
     when unknown (then device mismatches are told without naming which). `engine` is the
     versioned engine the job constrains on (None: an LLMGW_ENGINES engine, no constraint).
     """
-    failed = {group: metric or {} for group, metric in
-              (evaluation.get("FailedTGAllocs") or {}).items()}
+    failed = {
+        group: metric or {} for group, metric in (evaluation.get("FailedTGAllocs") or {}).items()
+    }
     if not failed:
         return None
     unplaced = sum(1 + int(metric.get("CoalescedFailures") or 0) for metric in failed.values())
     desired = max(desired, unplaced)
-    reasons = dict.fromkeys(metric_reason(failed[group], need, gpus, engine=engine)
-                            for group in sorted(failed))
+    reasons = dict.fromkeys(
+        metric_reason(failed[group], need, gpus, engine=engine) for group in sorted(failed)
+    )
     reason = "; ".join(reasons)
     placed = desired - unplaced
     if placed:
@@ -166,16 +179,22 @@ def evaluation_shortfall(evaluation: Mapping[str, Any], desired: int,
     return Shortfall(reason=reason, placed=placed, desired=desired)
 
 
-def evaluation_reason(evaluation: Mapping[str, Any], *,
-                      engine: EngineNeed | None = None) -> str | None:
+def evaluation_reason(
+    evaluation: Mapping[str, Any], *, engine: EngineNeed | None = None
+) -> str | None:
     """The reason an evaluation left allocations unplaced, or None if it placed them all;
     for callers without the task group count or an inventory (e.g. `apply --dry-run`)."""
     shortfall = evaluation_shortfall(evaluation, desired=0, engine=engine)
     return shortfall.reason if shortfall else None
 
 
-def metric_reason(metric: Mapping[str, Any], need: GpuNeed | None = None,
-                  gpus: Sequence[NodeGpus] = (), *, engine: EngineNeed | None = None) -> str:
+def metric_reason(
+    metric: Mapping[str, Any],
+    need: GpuNeed | None = None,
+    gpus: Sequence[NodeGpus] = (),
+    *,
+    engine: EngineNeed | None = None,
+) -> str:
     """One AllocMetric -> its reasons, a missing engine first, then devices, joined by
     '; '."""
     total = int(metric.get("NodesEvaluated") or 0)
@@ -190,8 +209,13 @@ def metric_reason(metric: Mapping[str, Any], need: GpuNeed | None = None,
     return "; ".join(parts)
 
 
-def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
-              gpus: Sequence[NodeGpus], engine: EngineNeed | None = None) -> list[str]:
+def _filtered(
+    metric: Mapping[str, Any],
+    total: int,
+    need: GpuNeed | None,
+    gpus: Sequence[NodeGpus],
+    engine: EngineNeed | None = None,
+) -> list[str]:
     constraints = dict(metric.get("ConstraintFiltered") or {})
     same_class = constraints.pop(COMPUTED_CLASS_INELIGIBLE, 0)
     if not constraints and same_class and _lacking_gpus(need, gpus) == same_class:
@@ -214,8 +238,7 @@ def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
             # The nodes with the engine lack the devices and those with the devices lack
             # the engine: each part alone reads as if the other would do.
             asked = f"{need.count} {GPU}{_at_least(need)}" if need else "the devices asked for"
-            parts.insert(0, f"no node has both engine {engine.name} {engine.version} and "
-                            f"{asked}")
+            parts.insert(0, f"no node has both engine {engine.name} {engine.version} and {asked}")
     if MISSING_DEVICES in constraints:
         parts.append(_missing_devices(constraints.pop(MISSING_DEVICES), total, need, gpus))
     for constraint, count in sorted(constraints.items()):
@@ -228,14 +251,18 @@ def _filtered(metric: Mapping[str, Any], total: int, need: GpuNeed | None,
     return parts
 
 
-def _missing_devices(filtered: int, total: int, need: GpuNeed | None,
-                     gpus: Sequence[NodeGpus]) -> str:
+def _missing_devices(
+    filtered: int, total: int, need: GpuNeed | None, gpus: Sequence[NodeGpus]
+) -> str:
     if need is None or need.count < 1:
-        return (f"no node has the devices the job asks for: {_nodes(filtered, total)} "
-                f'filtered ("{MISSING_DEVICES}")')
+        return (
+            f"no node has the devices the job asks for: {_nodes(filtered, total)} "
+            f'filtered ("{MISSING_DEVICES}")'
+        )
     head = f"needs {need.count} {GPU}{_at_least(need)}"
-    unexplained = (f"{head}: no node matches "
-                   f'({_nodes(filtered, total)} filtered, "{MISSING_DEVICES}")')
+    unexplained = (
+        f'{head}: no node matches ({_nodes(filtered, total)} filtered, "{MISSING_DEVICES}")'
+    )
     if not gpus:
         return unexplained
     with_gpus = [node for node in gpus if node.memory_bytes]
@@ -243,8 +270,10 @@ def _missing_devices(filtered: int, total: int, need: GpuNeed | None,
         return f"{head}: no node has an {GPU} device ({_nodes(filtered, total)} filtered)"
     most = max(_fitting(node, need) for node in with_gpus)
     if need.memory_bytes is not None and most == 0:
-        return (f"{head}: {_count(len(with_gpus), 'node')} {_have(len(with_gpus))} GPUs, "
-                f"none with enough memory ({_largest(with_gpus)})")
+        return (
+            f"{head}: {_count(len(with_gpus), 'node')} {_have(len(with_gpus))} GPUs, "
+            f"none with enough memory ({_largest(with_gpus)})"
+        )
     if most < need.count:
         return f"{head}: the most{_at_least(need)} on one node is {most}"
     if all(_fitting(node, need) >= need.count for node in gpus):
@@ -269,7 +298,7 @@ def _engine_somewhere(filtered: int, total: int, engine: EngineNeed) -> bool:
 
 
 def _missing_engine(filtered: int, total: int, engine: EngineNeed) -> str:
-    """"engine llama.cpp 11434 is installed on 0 of 2 nodes": the count is of the
+    """ "engine llama.cpp 11434 is installed on 0 of 2 nodes": the count is of the
     schedulable nodes' metadata when known, else of the nodes the scheduler did not
     filter for it."""
     installed = engine.installed if engine.installed is not None else total - filtered
@@ -282,8 +311,10 @@ def _missing_engine(filtered: int, total: int, engine: EngineNeed) -> str:
     by_how: dict[str, list[str]] = {}
     for node, how in engine.crashed:
         by_how.setdefault(how, []).append(node)
-    crashes = "; ".join(f"on node{'s' if len(n) > 1 else ''} {', '.join(sorted(n))}: {how}"
-                        for how, n in by_how.items())
+    crashes = "; ".join(
+        f"on node{'s' if len(n) > 1 else ''} {', '.join(sorted(n))}: {how}"
+        for how, n in by_how.items()
+    )
     return f"engine {engine.name} {engine.version} crashed {crashes} ({counted})"
 
 
@@ -300,18 +331,23 @@ def _exhausted(metric: Mapping[str, Any], total: int, need: GpuNeed | None) -> l
     return parts
 
 
-def schedulable(node: Mapping[str, Any], datacenters: Sequence[str] = ("*",),
-                node_pool: str | None = None) -> bool:
+def schedulable(
+    node: Mapping[str, Any], datacenters: Sequence[str] = ("*",), node_pool: str | None = None
+) -> bool:
     """A node stub the scheduler would evaluate (see `gpu_inventory`)."""
     return _schedulable(node, datacenters, node_pool)
 
 
-def _schedulable(node: Mapping[str, Any], datacenters: Sequence[str],
-                 node_pool: str | None) -> bool:
-    return (node.get("Status") == "ready" and not node.get("Drain")
-            and node.get("SchedulingEligibility") == "eligible"
-            and any(fnmatchcase(node.get("Datacenter", ""), dc) for dc in datacenters)
-            and node_pool in (None, "all", node.get("NodePool")))
+def _schedulable(
+    node: Mapping[str, Any], datacenters: Sequence[str], node_pool: str | None
+) -> bool:
+    return (
+        node.get("Status") == "ready"
+        and not node.get("Drain")
+        and node.get("SchedulingEligibility") == "eligible"
+        and any(fnmatchcase(node.get("Datacenter", ""), dc) for dc in datacenters)
+        and node_pool in (None, "all", node.get("NodePool"))
+    )
 
 
 def _attribute_bytes(attribute: Mapping[str, Any] | None) -> int | None:

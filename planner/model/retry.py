@@ -36,33 +36,55 @@ class Retried:
 def stopped_replicas(observation: Observation) -> int:
     """Allocations Nomad stopped after their restart attempts (failed, still wanted,
     nothing placed in their stead)."""
-    return sum(1 for a in observation.allocations
-               if a.get("ClientStatus") == "failed" and a.get("DesiredStatus") == "run"
-               and not a.get("NextAllocation"))
+    return sum(
+        1
+        for a in observation.allocations
+        if a.get("ClientStatus") == "failed"
+        and a.get("DesiredStatus") == "run"
+        and not a.get("NextAllocation")
+    )
 
 
 def retry(state: StateDocument, observation: Observation) -> Retried:
     """The retry of the model in `state` (folded from `observation`, whose job exists)."""
     job = observation.job or {}
     if parked_from_job(job) is not None or job.get("Stop"):
-        summary = "parking lifted; the job is starting again" if parked_from_job(job) \
+        summary = (
+            "parking lifted; the job is starting again"
+            if parked_from_job(job)
             else "the stopped job is starting again"
-        return Retried(retried(state), (Unpark(Reason.RETRY, summary),
-                                        Evaluate(Reason.RETRY, "place the stopped replicas "
-                                                 "again", force_reschedule=True)), summary)
+        )
+        return Retried(
+            retried(state),
+            (
+                Unpark(Reason.RETRY, summary),
+                Evaluate(Reason.RETRY, "place the stopped replicas again", force_reschedule=True),
+            ),
+            summary,
+        )
     failed = state.update_failed
     if failed is not None:
-        summary = (f"rolling definition {failed.definition_hash[:12]} out again (job "
-                   f"version {failed.job_version}) beside the one serving")
-        return Retried(state.model_copy(update={"update_failed": None}),
-                       (Revert(Reason.RETRY, summary, version=failed.job_version,
-                               prior_version=observation.job_version),), summary)
+        summary = (
+            f"rolling definition {failed.definition_hash[:12]} out again (job "
+            f"version {failed.job_version}) beside the one serving"
+        )
+        return Retried(
+            state.model_copy(update={"update_failed": None}),
+            (
+                Revert(
+                    Reason.RETRY,
+                    summary,
+                    version=failed.job_version,
+                    prior_version=observation.job_version,
+                ),
+            ),
+            summary,
+        )
     state = forgiven(state)
     stopped = stopped_replicas(observation)
     if stopped:
         summary = f"{stopped} stopped replica(s) placed again"
-        return Retried(state, (Evaluate(Reason.RETRY, summary, force_reschedule=True),),
-                       summary)
+        return Retried(state, (Evaluate(Reason.RETRY, summary, force_reschedule=True),), summary)
     if state.unplaceable is not None:
         summary = "asked the scheduler to place it again"
         return Retried(state, (Evaluate(Reason.RETRY, summary),), summary)

@@ -31,8 +31,9 @@ def definition_of(job: Job) -> str:
     return str((job.get("Meta") or {}).get(JobMeta.DEFINITION_HASH, ""))
 
 
-def rolled_back(versions: list[Job], deployments: list[dict[str, Any]],
-                definition_hash: str) -> UpdateFailed | None:
+def rolled_back(
+    versions: list[Job], deployments: list[dict[str, Any]], definition_hash: str
+) -> UpdateFailed | None:
     """Pure: the rollback of `definition_hash`, if Nomad rolled it back.
 
     `versions` are the job's versions newest first (GET /v1/job/:id/versions),
@@ -45,29 +46,44 @@ def rolled_back(versions: list[Job], deployments: list[dict[str, Any]],
     if carrying is None:
         return None
     version, created = carrying.get("Version"), versions[0].get("CreateIndex")
-    deployment = max((d for d in deployments if d.get("JobVersion") == version
-                      and d.get("JobCreateIndex") == created),
-                     key=lambda d: d.get("CreateIndex", 0), default=None)
+    deployment = max(
+        (
+            d
+            for d in deployments
+            if d.get("JobVersion") == version and d.get("JobCreateIndex") == created
+        ),
+        key=lambda d: d.get("CreateIndex", 0),
+        default=None,
+    )
     if deployment is None or deployment.get("Status") != FAILED:
         return None
-    return UpdateFailed(definition_hash=definition_hash, job_version=int(version or 0),
-                        reason=deployment.get("StatusDescription") or "deployment failed")
+    return UpdateFailed(
+        definition_hash=definition_hash,
+        job_version=int(version or 0),
+        reason=deployment.get("StatusDescription") or "deployment failed",
+    )
 
 
-def record_rollback(state: StateDocument, failed: UpdateFailed, running: str,
-                    now: datetime) -> StateDocument:
+def record_rollback(
+    state: StateDocument, failed: UpdateFailed, running: str, now: datetime
+) -> StateDocument:
     """The state once `failed` was rolled back and the job runs definition `running`:
     the failed definition's count and last error move into `update_failed`, and the
     replicas are judged by `running` from now on. Recording it again changes nothing."""
     known = state.update_failed
-    if known is not None and (known.definition_hash, known.job_version) == \
-            (failed.definition_hash, failed.job_version):
+    if known is not None and (known.definition_hash, known.job_version) == (
+        failed.definition_hash,
+        failed.job_version,
+    ):
         return state
     same = state.definition_hash == failed.definition_hash
-    failed = failed.model_copy(update={
-        "consecutive_failures": state.consecutive_failures if same else 0,
-        "last_error": state.last_error if same else None,
-        "since": now.isoformat(timespec="seconds")})
+    failed = failed.model_copy(
+        update={
+            "consecutive_failures": state.consecutive_failures if same else 0,
+            "last_error": state.last_error if same else None,
+            "since": now.isoformat(timespec="seconds"),
+        }
+    )
     return for_definition(state.model_copy(update={"update_failed": failed}), running)
 
 
@@ -83,20 +99,31 @@ def for_applied(state: StateDocument, applied: str) -> StateDocument:
     return for_definition(state, applied)
 
 
-def stuck_update(job: Job, deployments: list[dict[str, Any]],
-                 allocations: list[dict[str, Any]], passing: frozenset[str]) -> int | None:
+def stuck_update(
+    job: Job,
+    deployments: list[dict[str, Any]],
+    allocations: list[dict[str, Any]],
+    passing: frozenset[str],
+) -> int | None:
     """Pure: the job version to revert to when the job's current version failed its
     deployment and Nomad did not roll it back, because no version was stable yet (an
     update applied before the previous one's deployment had completed), while
     replicas of an earlier version serve. None when there is nothing to do."""
     version, created = job.get("Version"), job.get("CreateIndex")
-    mine = [d for d in deployments if d.get("JobVersion") == version
-            and d.get("JobCreateIndex") == created]
+    mine = [
+        d
+        for d in deployments
+        if d.get("JobVersion") == version and d.get("JobCreateIndex") == created
+    ]
     latest = max(mine, key=lambda d: d.get("CreateIndex", 0), default=None)
     if latest is None or latest.get("Status") != FAILED:
         return None
-    serving = [int(a.get("JobVersion") or 0) for a in allocations
-               if a.get("ID") in passing and a.get("DesiredStatus") == "run"
-               and a.get("ClientStatus") == "running" and a.get("JobVersion") != version]
+    serving = [
+        int(a.get("JobVersion") or 0)
+        for a in allocations
+        if a.get("ID") in passing
+        and a.get("DesiredStatus") == "run"
+        and a.get("ClientStatus") == "running"
+        and a.get("JobVersion") != version
+    ]
     return max(serving) if serving else None
-

@@ -93,12 +93,16 @@ class Observed:
 
 def _stable(record: ReplicaRecord | None) -> bool:
     """Its latest healthy run lasted the stability window."""
-    return record is not None and record.stable_entry != 0 and \
-        record.stable_entry == max(record.healthy_entries, default=0)
+    return (
+        record is not None
+        and record.stable_entry != 0
+        and record.stable_entry == max(record.healthy_entries, default=0)
+    )
 
 
-def _replica_state(alloc: dict[str, Any], record: ReplicaRecord | None,
-                   passing: bool) -> str | None:
+def _replica_state(
+    alloc: dict[str, Any], record: ReplicaRecord | None, passing: bool
+) -> str | None:
     client, desired = alloc.get("ClientStatus"), alloc.get("DesiredStatus")
     failures = record.consecutive_failures if record else 0
     if desired != "run":
@@ -124,51 +128,76 @@ def replicas(observed: Observed, state: StateDocument) -> tuple[ReplicaStatus, .
         if kind is None:
             continue
         entry = max(record.healthy_entries, default=0) if record and passes else 0
-        rows.append(ReplicaStatus(
-            replica=alloc.get("Name", "").partition(".")[2] or alloc["ID"][:8],
-            alloc_id=alloc["ID"], node=alloc.get("NodeName") or alloc.get("NodeID", "")[:8],
-            state=kind, consecutive_failures=record.consecutive_failures if record else 0,
-            last_error=record.last_error if record else None,
-            last_error_at=record.last_error_at if record else None,
-            healthy_since=iso(entry) if entry else None, stable=passes and _stable(record),
-            job_version=alloc.get("JobVersion")))
+        rows.append(
+            ReplicaStatus(
+                replica=alloc.get("Name", "").partition(".")[2] or alloc["ID"][:8],
+                alloc_id=alloc["ID"],
+                node=alloc.get("NodeName") or alloc.get("NodeID", "")[:8],
+                state=kind,
+                consecutive_failures=record.consecutive_failures if record else 0,
+                last_error=record.last_error if record else None,
+                last_error_at=record.last_error_at if record else None,
+                healthy_since=iso(entry) if entry else None,
+                stable=passes and _stable(record),
+                job_version=alloc.get("JobVersion"),
+            )
+        )
     return tuple(rows)
 
 
 def _describe(bad: Iterable[ReplicaStatus]) -> str:
     parts = []
     for r in bad:
-        words: dict[str, str] = {ReplicaState.STOPPED: "stopped by Nomad after its restart "
-                                 "attempts", ReplicaState.FAILING: "failing"}
+        words: dict[str, str] = {
+            ReplicaState.STOPPED: "stopped by Nomad after its restart attempts",
+            ReplicaState.FAILING: "failing",
+        }
         what = words.get(r.state, r.state)
-        parts.append(f"{r.replica} on {r.node}: {r.consecutive_failures} consecutive "
-                     f"failures, {what}")
+        parts.append(
+            f"{r.replica} on {r.node}: {r.consecutive_failures} consecutive failures, {what}"
+        )
     return "; ".join(parts)
 
 
-def observe(name: str, record: ModelRecord, observed: Observed,
-            state: StateDocument | None = None, usage: UsageRecord | None = None,
-            now: datetime | None = None) -> ModelStatus:
+def observe(
+    name: str,
+    record: ModelRecord,
+    observed: Observed,
+    state: StateDocument | None = None,
+    usage: UsageRecord | None = None,
+    now: datetime | None = None,
+) -> ModelStatus:
     """Pure: one model's status from what Nomad, Consul and the planner's state say."""
     state = state or StateDocument(name=name)
     now = now or datetime.now(UTC)
     rows = replicas(observed, state)
     desired = group_count(observed.job)
     ready = observed.health.passing
-    failed = state.update_failed if state.update_failed and \
-        state.update_failed.definition_hash == record.definition_hash else None
-    base: dict[str, Any] = {"name": name, "desired": desired, "ready": ready,
-            "running": sum(1 for a in observed.allocations if a.get("ClientStatus") == "running"),
-            "consecutive_failures": state.consecutive_failures,
-            "start_failures_total": state.start_failures_total, "replicas": rows,
-            "job_version": (observed.job or {}).get("Version"),
-            "update_failed": failed.model_dump() if failed else None}
+    failed = (
+        state.update_failed
+        if state.update_failed and state.update_failed.definition_hash == record.definition_hash
+        else None
+    )
+    base: dict[str, Any] = {
+        "name": name,
+        "desired": desired,
+        "ready": ready,
+        "running": sum(1 for a in observed.allocations if a.get("ClientStatus") == "running"),
+        "consecutive_failures": state.consecutive_failures,
+        "start_failures_total": state.start_failures_total,
+        "replicas": rows,
+        "job_version": (observed.job or {}).get("Version"),
+        "update_failed": failed.model_dump() if failed else None,
+    }
 
-    def status(kind: ModelState, reason: str, last_error: str | None = None,
-               since: str | None = None) -> ModelStatus:
+    def status(
+        kind: ModelState, reason: str, last_error: str | None = None, since: str | None = None
+    ) -> ModelStatus:
         if failed is not None:
-            reason += (f"; update to definition {failed.definition_hash[:12]} rolled back "
-                       f"({failed.reason}); serving the definition before it")
+            reason += (
+                f"; update to definition {failed.definition_hash[:12]} rolled back "
+                f"({failed.reason}); serving the definition before it"
+            )
             last_error = last_error or failed.last_error
         return ModelStatus(**base, state=kind, reason=reason, last_error=last_error, since=since)
 
@@ -179,26 +208,36 @@ def observe(name: str, record: ModelRecord, observed: Observed,
         return _wants_none(record, observed.job, state, usage, now, status)
     bad = [r for r in rows if r.state in (ReplicaState.FAILING, ReplicaState.STOPPED)]
     clean = [r for r in rows if r.state == ReplicaState.SERVING]
-    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional \
-        else None
+    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
     counts = f"{ready} of {desired} ready"
     if ready == 0:
         if short is not None and not any(r.state != ReplicaState.STOPPED for r in rows):
             return status(ModelState.UNPLACEABLE, short.reason, state.last_error, short.since)
         if bad or state.consecutive_failures:
-            return status(ModelState.FAILING, _failing_reason(counts, state, bad),
-                          state.last_error, state.last_error_at)
+            return status(
+                ModelState.FAILING,
+                _failing_reason(counts, state, bad),
+                state.last_error,
+                state.last_error_at,
+            )
         waiting = state.unplaceable.reason if state.unplaceable else counts
         return status(ModelState.LOADING, waiting)
     if bad or short is not None:
         trouble = "; ".join(filter(None, [_describe(bad), short.reason if short else ""]))
         if clean:
             worst = bad[0] if bad else None
-            return status(ModelState.DEGRADED, f"{counts}; {trouble}",
-                          worst.last_error if worst else None,
-                          worst.last_error_at if worst else short.since if short else None)
-        return status(ModelState.FAILING, f"{counts}, crashing: {trouble}; stable after "
-                      f"{STABLE_AFTER_S} s healthy", state.last_error, state.last_error_at)
+            return status(
+                ModelState.DEGRADED,
+                f"{counts}; {trouble}",
+                worst.last_error if worst else None,
+                worst.last_error_at if worst else short.since if short else None,
+            )
+        return status(
+            ModelState.FAILING,
+            f"{counts}, crashing: {trouble}; stable after {STABLE_AFTER_S} s healthy",
+            state.last_error,
+            state.last_error_at,
+        )
     if ready < desired:
         return status(ModelState.LOADING, counts)
     return status(ModelState.SERVING, counts)
@@ -206,8 +245,9 @@ def observe(name: str, record: ModelRecord, observed: Observed,
 
 def _failing_reason(counts: str, state: StateDocument, bad: list[ReplicaStatus]) -> str:
     count = state.consecutive_failures
-    reason = f"{counts}; {count} consecutive start failures" if count else \
-        f"{counts}; last start failed"
+    reason = (
+        f"{counts}; {count} consecutive start failures" if count else f"{counts}; last start failed"
+    )
     stopped = [r for r in bad if r.state == ReplicaState.STOPPED]
     if stopped:
         reason += f"; {_describe(stopped)}"
@@ -225,9 +265,14 @@ def _parked(job: Job | None, state: StateDocument) -> Parked | None:
     return None
 
 
-def _wants_none(record: ModelRecord, job: Job | None, state: StateDocument,
-                usage: UsageRecord | None, now: datetime,
-                status: Callable[..., ModelStatus]) -> ModelStatus:
+def _wants_none(
+    record: ModelRecord,
+    job: Job | None,
+    state: StateDocument,
+    usage: UsageRecord | None,
+    now: datetime,
+    status: Callable[..., ModelStatus],
+) -> ModelStatus:
     """Desired 0: idle on purpose, an on-demand model asked for and not yet placed, or
     a job that is missing or stopped while its definition wants replicas."""
     idle_after = record.idle_after
@@ -235,13 +280,19 @@ def _wants_none(record: ModelRecord, job: Job | None, state: StateDocument,
         if usage is not None:
             asked = (now - datetime.fromisoformat(usage.last_used_at)).total_seconds()
             if asked < idle_after:
-                return status(ModelState.LOADING, f"asked for {asked:.0f} s ago; no "
-                              "instance yet", state.last_error)
-        return status(ModelState.IDLE, f"on demand: starts on request, stops {idle_after} s "
-                      "after the last one", None, usage.last_used_at if usage else None)
+                return status(
+                    ModelState.LOADING,
+                    f"asked for {asked:.0f} s ago; no instance yet",
+                    state.last_error,
+                )
+        return status(
+            ModelState.IDLE,
+            f"on demand: starts on request, stops {idle_after} s after the last one",
+            None,
+            usage.last_used_at if usage else None,
+        )
     if (job is None or job.get("Stop")) and record.replicas > 0:
-        return status(ModelState.STOPPED, "job not registered" if job is None else
-                      "job stopped")
+        return status(ModelState.STOPPED, "job not registered" if job is None else "job stopped")
     return status(ModelState.IDLE, "0 replicas wanted")
 
 

@@ -79,8 +79,9 @@ class Plan:
         return dataclasses.replace(self, notes=(*self.notes, Note(level, text)))
 
 
-def decide(document: StateDocument, observation: Observation, event: Event, rules: Rules,
-           now: datetime) -> Plan:
+def decide(
+    document: StateDocument, observation: Observation, event: Event, rules: Rules, now: datetime
+) -> Plan:
     """The plan for one model after `event`, given `document` (as stored at
     `observation.state_index`; 0: none stored, the document is a new one) and what
     `observation` read. Raises Rejected for RETRY without a job and ACTIVATE without
@@ -93,26 +94,38 @@ def decide(document: StateDocument, observation: Observation, event: Event, rule
         return Plan(folded.state, folded.effects, notes)
     if event is Event.RETRY:
         if observation.job is None:
-            raise Rejected(f"model {observation.name!r} has no Nomad job; run "
-                           "`planner apply` first")
+            raise Rejected(
+                f"model {observation.name!r} has no Nomad job; run `planner apply` first"
+            )
         retried = retry.retry(folded.state, observation)
-        return Plan(retried.state, retried.effects, (*notes, Note(logging.INFO,
-                                                                  retried.summary)),
-                    summary=retried.summary)
+        return Plan(
+            retried.state,
+            retried.effects,
+            (*notes, Note(logging.INFO, retried.summary)),
+            summary=retried.summary,
+        )
     if event is Event.ACTIVATE:
         if observation.record is None:
             raise Rejected(f"model {observation.name!r} was never applied")
         if any(isinstance(e, Park) for e in folded.effects):  # parking due: at once
-            return Plan(folded.state, folded.effects, notes,
-                        answer=activate.parked_answer(folded.state))
+            return Plan(
+                folded.state, folded.effects, notes, answer=activate.parked_answer(folded.state)
+            )
         activated = activate.activate(folded.state, observation, now)
         if folded.effects:  # a stuck update's revert: the one job write of this plan
-            return Plan(folded.state, folded.effects, notes,
-                        answer=activated.answer or activate.reverting(observation.name))
+            return Plan(
+                folded.state,
+                folded.effects,
+                notes,
+                answer=activated.answer or activate.reverting(observation.name),
+            )
         plan = Plan(activated.state, activated.effects, notes, answer=activated.answer)
         if activated.state.parked is not None and folded.state.parked is None:
-            plan = plan.note(f"parked ({activated.state.parked.reason}); last error: "
-                             f"{headline(activated.state.last_error)}", logging.ERROR)
+            plan = plan.note(
+                f"parked ({activated.state.parked.reason}); last error: "
+                f"{headline(activated.state.last_error)}",
+                logging.ERROR,
+            )
         return plan
     if event is Event.IDLE:
         if folded.effects:
@@ -121,8 +134,7 @@ def decide(document: StateDocument, observation: Observation, event: Event, rule
     raise ValueError(f"unknown event {event!r}")
 
 
-def _tick(document: StateDocument, observation: Observation, rules: Rules,
-          now: datetime) -> Plan:
+def _tick(document: StateDocument, observation: Observation, rules: Rules, now: datetime) -> Plan:
     state = fold.healthy_runs(document, observation.passing)
     now_ns = int(now.timestamp() * 10**9)
     due = due_stable(state, observation.passing, now_ns, rules)
@@ -131,16 +143,23 @@ def _tick(document: StateDocument, observation: Observation, rules: Rules,
         state = stabilize(state, alloc_id, entry)
     plan = Plan(state)
     if reset:
-        plan = plan.note(f"healthy for {rules.stable_after_ns // 10**9} s; consecutive "
-                         "failures reset")
+        plan = plan.note(
+            f"healthy for {rules.stable_after_ns // 10**9} s; consecutive failures reset"
+        )
     return plan
 
 
 def _idle(observation: Observation) -> tuple[Effect, ...]:
     """Scale an on-demand model's running job to 0 (the idle rule is `planner.daemon.idle`)."""
     record, job = observation.record, observation.job
-    if record is None or record.idle_after is None or job is None or job.get("Stop") or \
-            group_count(job) == 0:
+    if (
+        record is None
+        or record.idle_after is None
+        or job is None
+        or job.get("Stop")
+        or group_count(job) == 0
+    ):
         return ()
-    return (Scale(Reason.IDLE, f"idle: no request for {record.idle_after} s",
-                  group=GROUP, count=0),)
+    return (
+        Scale(Reason.IDLE, f"idle: no request for {record.idle_after} s", group=GROUP, count=0),
+    )

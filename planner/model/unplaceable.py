@@ -47,13 +47,15 @@ def engine_need(job: Job | None) -> EngineNeed | None:
         for constraint in group.get("Constraints") or []:
             target = constraint.get("LTarget") or ""
             if target.startswith(prefix) and constraint.get("Operand") in ("=", "==", "is"):
-                return EngineNeed(target[len(prefix):-1], constraint.get("RTarget") or "")
+                return EngineNeed(target[len(prefix) : -1], constraint.get("RTarget") or "")
     return None
 
 
 def filtered_for(engine: EngineNeed, evaluation: dict[str, Any]) -> bool:
-    return any(engine.constraint in ((metric or {}).get("ConstraintFiltered") or {})
-               for metric in (evaluation.get("FailedTGAllocs") or {}).values())
+    return any(
+        engine.constraint in ((metric or {}).get("ConstraintFiltered") or {})
+        for metric in (evaluation.get("FailedTGAllocs") or {}).values()
+    )
 
 
 def room_helps(evaluation: dict[str, Any]) -> bool:
@@ -61,8 +63,10 @@ def room_helps(evaluation: dict[str, Any]) -> bool:
     allocation that ends can make room. When every node was filtered (no GPU device, a
     constraint, a datacenter), nothing that stops changes the answer (found by test: a
     GPU model on a CPU cluster waited 45 s because a CPU model was scaling down)."""
-    return any((metric or {}).get("NodesExhausted")
-               for metric in (evaluation.get("FailedTGAllocs") or {}).values())
+    return any(
+        (metric or {}).get("NodesExhausted")
+        for metric in (evaluation.get("FailedTGAllocs") or {}).values()
+    )
 
 
 def with_unplaceable(state: StateDocument, unplaceable: Unplaceable | None) -> StateDocument:

@@ -82,9 +82,16 @@ from planner.spec.sources import (
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,55}[a-z0-9])?$"
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 # The error type of a refused `profile.args` element: its message is whole (no "got").
@@ -121,10 +128,15 @@ def _judge_args(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[s
     args: tuple[str, ...] = handler(value)
     problems = judge(args)
     if problems:
-        raise ValidationError.from_exception_data("args", [
-            InitErrorDetails(type=PydanticCustomError(ARG_ERROR, message), loc=(index,),
-                             input=args[index])
-            for index, message in problems])
+        raise ValidationError.from_exception_data(
+            "args",
+            [
+                InitErrorDetails(
+                    type=PydanticCustomError(ARG_ERROR, message), loc=(index,), input=args[index]
+                )
+                for index, message in problems
+            ],
+        )
     return args
 
 
@@ -202,14 +214,17 @@ class ModelDefinition(BaseModel):
             for shard in shards:
                 problem = outside_root(shard.local_path or "", root)
                 if problem:
-                    raise ValueError(f"{problem} (LLMGW_MODELS_ROOT): the model task "
-                                     "opens this path on every node")
+                    raise ValueError(
+                        f"{problem} (LLMGW_MODELS_ROOT): the model task "
+                        "opens this path on every node"
+                    )
         return source
 
     @field_validator("sha256")
     @classmethod
-    def _sha256_fits_the_source(cls, sha256: str | tuple[str, ...] | None,
-                                info: ValidationInfo) -> str | tuple[str, ...] | None:
+    def _sha256_fits_the_source(
+        cls, sha256: str | tuple[str, ...] | None, info: ValidationInfo
+    ) -> str | tuple[str, ...] | None:
         # Judged against a valid source only (fields are validated in order); an invalid
         # one has its own error.
         source = info.data.get("source")
@@ -217,17 +232,23 @@ class ModelDefinition(BaseModel):
             return sha256
         resolved = resolve_source(source)
         if resolved.download_url is None:
-            raise ValueError("sha256 is checked when Nomad downloads the source; "
-                             "a file:// source is not downloaded")
+            raise ValueError(
+                "sha256 is checked when Nomad downloads the source; "
+                "a file:// source is not downloaded"
+            )
         split = split_of(source_name(resolved.local_path, resolved.download_url))
         if isinstance(sha256, tuple) and (split is None or len(sha256) != split.count):
             raise ValueError(
                 f"sha256 is a list of {len(sha256)}: a list is one sha256 per shard of a "
-                f"split source ({split.count} here)" if split else
-                "sha256 is a list, but the source is one file: give its sha256 alone")
+                f"split source ({split.count} here)"
+                if split
+                else "sha256 is a list, but the source is one file: give its sha256 alone"
+            )
         if isinstance(sha256, str) and split is not None:
-            raise ValueError(f"the source is split in {split.count} files: give sha256 as a "
-                             f"list of {split.count}, one per shard in order")
+            raise ValueError(
+                f"the source is split in {split.count} files: give sha256 as a "
+                f"list of {split.count}, one per shard in order"
+            )
         return sha256
 
     @property
@@ -239,8 +260,11 @@ class ModelDefinition(BaseModel):
     @property
     def definition_hash(self) -> str:
         """16 hex chars of sha256 over source, sha256 and profile (not replicas)."""
-        body = {"source": self.source, "sha256": self.sha256,
-                "profile": self.profile.model_dump(mode="json")}
+        body = {
+            "source": self.source,
+            "sha256": self.sha256,
+            "profile": self.profile.model_dump(mode="json"),
+        }
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -251,13 +275,15 @@ class ModelDefinition(BaseModel):
     def record(self) -> ModelRecord:
         """The KV record the router and the planner's daemons read (llmgw/models/<name>);
         the job's meta carries a copy, so a wiped KV can be restored from Nomad."""
-        return ModelRecord(name=self.name, definition_hash=self.definition_hash,
-                           replicas=self.replicas, source=self.source,
-                           sha256=list(self.sha256) if isinstance(self.sha256, tuple)
-                           else self.sha256,
-                           profile=self.profile.model_dump(mode="json"),
-                           on_demand=self.on_demand.model_dump(mode="json")
-                           if self.on_demand else None)
+        return ModelRecord(
+            name=self.name,
+            definition_hash=self.definition_hash,
+            replicas=self.replicas,
+            source=self.source,
+            sha256=list(self.sha256) if isinstance(self.sha256, tuple) else self.sha256,
+            profile=self.profile.model_dump(mode="json"),
+            on_demand=self.on_demand.model_dump(mode="json") if self.on_demand else None,
+        )
 
 
 def name_is_not_reserved(name: str) -> str:
@@ -298,8 +324,13 @@ def resolve_source(source: str) -> ResolvedSource:
             raise ValueError(f"expected hf://org/repo[@revision]/path/file.gguf, got {source!r}")
         repo, _, revision = parts[0].partition("@")
         file_path = quote("/".join(parts[1:]))
-        return ResolvedSource(local_path=None, download_url=(
-            f"https://huggingface.co/{url.netloc}/{repo}/resolve/{revision or 'main'}/{file_path}"))
+        return ResolvedSource(
+            local_path=None,
+            download_url=(
+                f"https://huggingface.co/{url.netloc}/{repo}/resolve/"
+                f"{revision or 'main'}/{file_path}"
+            ),
+        )
     raise ValueError(f"expected a file://, https:// or hf:// source, got {source!r}")
 
 
@@ -331,17 +362,20 @@ def _derived_shards(resolved: ResolvedSource) -> list[Shard]:
     if split is not None and resolved.download_url is not None:
         problem = plain_name_problem(name)
         if problem:
-            raise ValueError(f"{problem}: each shard of a split source is saved under its "
-                             "own name on the node")
+            raise ValueError(
+                f"{problem}: each shard of a split source is saved under its own name on the node"
+            )
     if split is not None and split.number != 1:
         raise ValueError(
             f"source names shard {split.number} of a {split.count}-file split model; name "
-            f"its first, {split.name(1)} (llama-server opens the others from it)")
+            f"its first, {split.name(1)} (llama-server opens the others from it)"
+        )
     shards = expand(resolved.local_path, resolved.download_url, None)
     text = interpolated(shards)
     if text is not None:
-        raise ValueError(f"the source gives the job {text!r}, which holds '${{', which "
-                         "Nomad would interpolate")
+        raise ValueError(
+            f"the source gives the job {text!r}, which holds '${{', which Nomad would interpolate"
+        )
     return shards
 
 
@@ -354,7 +388,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice", key_node.start_mark)
+                    None, None, f"key {key!r} appears twice", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -372,10 +407,12 @@ def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
         return f"unknown field (expected one of: {', '.join(allowed)}){hint}"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "string_pattern_mismatch" and error["loc"] == ("name",):
-        message = ("expected a DNS label: lowercase letters, digits and '-', "
-                   "starting and ending with a letter or digit, at most 57 characters")
+        message = (
+            "expected a DNS label: lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit, at most 57 characters"
+        )
     if error["type"] in ("tuple_type", "list_type"):
-        message = "expected a list of strings, e.g. [\"--threads\", \"2\"]"
+        message = 'expected a list of strings, e.g. ["--threads", "2"]'
     # The input is shown unless the message shows it already (a file:// source's path).
     shown = "got " in message or str(error.get("input")).removeprefix("file://") in message
     if error["type"] not in ("missing", ARG_ERROR) and "input" in error and not shown:
@@ -383,8 +420,9 @@ def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
     return message
 
 
-def parse_file(path: Path, models_root: str | None = DEFAULT_MODELS_ROOT
-               ) -> tuple[ModelDefinition | None, list[DefinitionError]]:
+def parse_file(
+    path: Path, models_root: str | None = DEFAULT_MODELS_ROOT
+) -> tuple[ModelDefinition | None, list[DefinitionError]]:
     """Read and check one YAML file; returns the definition or every problem in it.
     A file:// source must lie under `models_root` (None: not checked)."""
     try:
@@ -401,16 +439,29 @@ def parse_file(path: Path, models_root: str | None = DEFAULT_MODELS_ROOT
             problem += " (YAML indentation must use spaces, not tabs)"
         return None, [DefinitionError(path, "", f"invalid YAML: {where}{problem}")]
     if data is None:
-        return None, [DefinitionError(path, "", "file is empty; expected a mapping with "
-                                                "name, source, profile and replicas")]
+        return None, [
+            DefinitionError(
+                path,
+                "",
+                "file is empty; expected a mapping with name, source, profile and replicas",
+            )
+        ]
     if not isinstance(data, dict):
-        return None, [DefinitionError(path, "", "expected a mapping with name, source, profile "
-                                                f"and replicas, got a {type(data).__name__}")]
+        return None, [
+            DefinitionError(
+                path,
+                "",
+                "expected a mapping with name, source, profile "
+                f"and replicas, got a {type(data).__name__}",
+            )
+        ]
     try:
         return ModelDefinition.model_validate(data, context={"models_root": models_root}), []
     except ValidationError as exc:
-        return None, [DefinitionError(path, _field_path(e["loc"]), _explain(e, ModelDefinition))
-                      for e in exc.errors()]
+        return None, [
+            DefinitionError(path, _field_path(e["loc"]), _explain(e, ModelDefinition))
+            for e in exc.errors()
+        ]
 
 
 def expand_paths(paths: list[Path]) -> list[Path]:
@@ -432,17 +483,22 @@ class _Named(Protocol):
 Named = TypeVar("Named", bound=_Named)
 
 
-def collect(paths: list[Path], parse: Callable[[Path], tuple[Named | None,
-                                                              list[DefinitionError]]],
-            kind: str) -> tuple[dict[str, tuple[Path, Named]], list[DefinitionError]]:
+def collect(
+    paths: list[Path],
+    parse: Callable[[Path], tuple[Named | None, list[DefinitionError]]],
+    kind: str,
+) -> tuple[dict[str, tuple[Path, Named]], list[DefinitionError]]:
     """Parse every file of `paths` with `parse`: ({name: (file, definition)}, every
     problem), a file naming a `kind` another file named already being one of them.
     Shared by model and engine files (`planner.spec.engine_definitions`)."""
     files = expand_paths(paths)
     errors: list[DefinitionError] = []
     if not files:
-        errors.append(DefinitionError(Path(" ".join(map(str, paths)) or "."), "",
-                                      f"no {kind} files (*.yaml, *.yml) found"))
+        errors.append(
+            DefinitionError(
+                Path(" ".join(map(str, paths)) or "."), "", f"no {kind} files (*.yaml, *.yml) found"
+            )
+        )
     found: dict[str, tuple[Path, Named]] = {}
     for path in files:
         definition, problems = parse(path)
@@ -450,16 +506,26 @@ def collect(paths: list[Path], parse: Callable[[Path], tuple[Named | None,
         if definition is None:
             continue
         if definition.name in found:
-            errors.append(DefinitionError(path, "name", (
-                f"{kind} {definition.name!r} is already defined in {found[definition.name][0]}")))
+            errors.append(
+                DefinitionError(
+                    path,
+                    "name",
+                    (
+                        f"{kind} {definition.name!r} is already defined in "
+                        f"{found[definition.name][0]}"
+                    ),
+                )
+            )
             continue
         found[definition.name] = (path, definition)
     return found, errors
 
 
-def load_definitions(paths: list[Path], engines: Collection[str] | None = None,
-                     models_root: str = DEFAULT_MODELS_ROOT
-                     ) -> dict[str, tuple[Path, ModelDefinition]]:
+def load_definitions(
+    paths: list[Path],
+    engines: Collection[str] | None = None,
+    models_root: str = DEFAULT_MODELS_ROOT,
+) -> dict[str, tuple[Path, ModelDefinition]]:
     """Load every model from files and folders: {name: (file, definition)}.
 
     Raises InvalidDefinitions carrying every problem of every file (unknown
@@ -468,14 +534,20 @@ def load_definitions(paths: list[Path], engines: Collection[str] | None = None,
     `engines` is given, an engine not among them); then the caller must
     change nothing.
     """
-    models, errors = collect(paths, functools.partial(parse_file, models_root=models_root),
-                             "model")
+    models, errors = collect(paths, functools.partial(parse_file, models_root=models_root), "model")
     for path, definition in models.values():
         if engines is not None and definition.profile.engine not in engines:
-            errors.append(DefinitionError(path, "profile.engine", (
-                f"unknown engine {definition.profile.engine!r} (this planner knows: "
-                f"{', '.join(sorted(engines))}; define it in engines/*.yaml and run `planner "
-                f"engines apply`, or name it in LLMGW_ENGINES)")))
+            errors.append(
+                DefinitionError(
+                    path,
+                    "profile.engine",
+                    (
+                        f"unknown engine {definition.profile.engine!r} (this planner knows: "
+                        f"{', '.join(sorted(engines))}; define it in engines/*.yaml and run "
+                        f"`planner engines apply`, or name it in LLMGW_ENGINES)"
+                    ),
+                )
+            )
     if errors:
         raise InvalidDefinitions(errors)
     return models

@@ -73,10 +73,15 @@ def _version_text(value: object) -> object:
     1.10 as 1.1 and 2024-01-02 as a date, so any other scalar was already rewritten."""
     if value is None or isinstance(value, str | list | dict):
         return value  # pydantic says what is wrong with these
-    kind = "number" if isinstance(value, int | float) and not isinstance(value, bool) else \
-        type(value).__name__
-    raise ValueError(f"YAML read this version as the {kind} {value!r}, not as written: "
-                     "quote it, e.g. version: \"11434\"")
+    kind = (
+        "number"
+        if isinstance(value, int | float) and not isinstance(value, bool)
+        else type(value).__name__
+    )
+    raise ValueError(
+        f"YAML read this version as the {kind} {value!r}, not as written: "
+        'quote it, e.g. version: "11434"'
+    )
 
 
 def _hex_text(value: object) -> object:
@@ -97,7 +102,8 @@ class EngineDefinition(BaseModel):
     artifact: str | None = None
     path: str | None = None
     sha256: Annotated[str, BeforeValidator(_hex_text)] | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$")
+        None, pattern=r"^[0-9a-f]{64}$"
+    )
     # A small model on every node: before recording the engine, its install serves it
     # and completes one token (a build that crashes on the first graph compute, as a
     # -march=native build with AMX kernels did, passes `--version`).
@@ -118,22 +124,24 @@ class EngineDefinition(BaseModel):
         if "${" in artifact:
             # Nomad interpolates ${...} in an artifact's source: node attributes and
             # metadata would go into the URL.
-            raise ValueError(f"the artifact URL contains '${{', which Nomad would "
-                             f"interpolate, got {artifact!r}")
+            raise ValueError(
+                f"the artifact URL contains '${{', which Nomad would interpolate, got {artifact!r}"
+            )
         url = urlparse(artifact)
         name = posixpath.basename(url.path)
         if url.scheme != "https" or not url.netloc or not name:
             raise ValueError(f"expected https://host/path/to/binary, got {artifact!r}")
         if not _matches(_FILE_NAME, name):
-            raise ValueError(f"the URL's file name {name!r} is not a plain file name "
-                             "(letters, digits, '.', '_', '+', '-')")
+            raise ValueError(
+                f"the URL's file name {name!r} is not a plain file name "
+                "(letters, digits, '.', '_', '+', '-')"
+            )
         return artifact
 
     @field_validator("path")
     @classmethod
     def _path_is_absolute(cls, path: str | None) -> str | None:
-        if path is not None and (not path.startswith("/") or any(
-                c in path for c in "\0\n\"'$`\\")):
+        if path is not None and (not path.startswith("/") or any(c in path for c in "\0\n\"'$`\\")):
             raise ValueError(f"expected an absolute path on the nodes, got {path!r}")
         return path
 
@@ -142,17 +150,24 @@ class EngineDefinition(BaseModel):
     def _check_model_is_a_gguf_path(cls, path: str | None) -> str | None:
         # No blanks, quotes, `$`, `%` or backslashes: the install script splits its
         # check's arguments on blanks, and Nomad interpolates `${` and `%{` in them.
-        if path is not None and (not path.startswith("/") or not path.endswith(".gguf") or
-                                 any(c in path for c in "\0\n\t \"'$%`\\")):
-            raise ValueError(f"expected an absolute path of a .gguf file on the nodes, "
-                             f"without blanks, quotes, '$', '%' or '\\', got {path!r}")
+        if path is not None and (
+            not path.startswith("/")
+            or not path.endswith(".gguf")
+            or any(c in path for c in "\0\n\t \"'$%`\\")
+        ):
+            raise ValueError(
+                f"expected an absolute path of a .gguf file on the nodes, "
+                f"without blanks, quotes, '$', '%' or '\\', got {path!r}"
+            )
         return path
 
     @model_validator(mode="after")
     def _one_source(self) -> EngineDefinition:
         if (self.artifact is None) == (self.path is None):
-            raise ValueError("give exactly one of artifact (a URL every node downloads) and "
-                             "path (where the engine already is on every node)")
+            raise ValueError(
+                "give exactly one of artifact (a URL every node downloads) and "
+                "path (where the engine already is on every node)"
+            )
         if self.artifact is not None and self.sha256 is None:
             raise ValueError("an artifact needs its sha256: nodes run what they download")
         return self
@@ -176,8 +191,7 @@ class EngineDefinition(BaseModel):
     @property
     def definition_hash(self) -> str:
         """16 hex chars of sha256 over the whole definition."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True,
-                               separators=(",", ":"))
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -209,8 +223,9 @@ def unmanaged(engines: Mapping[str, str]) -> dict[str, EngineRef]:
 
 def managed(definitions: Mapping[str, EngineDefinition], root: str) -> dict[str, EngineRef]:
     """Defined engines as references, installed under `root` on the nodes."""
-    return {name: EngineRef(name, d.kind, d.command(root), d.version)
-            for name, d in definitions.items()}
+    return {
+        name: EngineRef(name, d.kind, d.command(root), d.version) for name, d in definitions.items()
+    }
 
 
 def _explain(error: Mapping[str, Any]) -> str:
@@ -218,12 +233,13 @@ def _explain(error: Mapping[str, Any]) -> str:
         return f"unknown field (expected one of: {', '.join(EngineDefinition.model_fields)})"
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "string_pattern_mismatch" and error["loc"] == ("name",):
-        message = ("expected a lower-case name whose dot-separated parts each start with a "
-                   "letter or '_' (letters, digits, '_', '-'), e.g. llama.cpp")
+        message = (
+            "expected a lower-case name whose dot-separated parts each start with a "
+            "letter or '_' (letters, digits, '_', '-'), e.g. llama.cpp"
+        )
     elif error["type"] == "string_pattern_mismatch" and error["loc"] == ("version",):
         message = "expected a version such as 11434 or b4500 (letters, digits, '.', '_', '+', '-')"
-    if error["type"] != "missing" and error["loc"] and "input" in error and \
-            "got " not in message:
+    if error["type"] != "missing" and error["loc"] and "input" in error and "got " not in message:
         message += f" (got {error['input']!r})"
     return message
 
@@ -240,13 +256,16 @@ def parse_engine_file(path: Path) -> tuple[EngineDefinition | None, list[Definit
         problem = getattr(exc, "problem", None) or str(exc)
         return None, [DefinitionError(path, "", f"invalid YAML: {where}{problem}")]
     if not isinstance(data, dict):
-        return None, [DefinitionError(path, "", "expected a mapping with name, version and "
-                                                "artifact or path")]
+        return None, [
+            DefinitionError(path, "", "expected a mapping with name, version and artifact or path")
+        ]
     try:
         return EngineDefinition.model_validate(data), []
     except ValidationError as exc:
-        return None, [DefinitionError(path, ".".join(map(str, e["loc"])) or "(top level)",
-                                      _explain(e)) for e in exc.errors()]
+        return None, [
+            DefinitionError(path, ".".join(map(str, e["loc"])) or "(top level)", _explain(e))
+            for e in exc.errors()
+        ]
 
 
 def load_engines(paths: list[Path]) -> dict[str, tuple[Path, EngineDefinition]]:

@@ -113,28 +113,48 @@ class Estimate:
         return self.total - self.gpu_bytes
 
     def parts(self) -> str:
-        tokens = (f"{self.slots} slots x {self.context} tokens" if self.slots > 1
-                  else f"{self.context} tokens")
-        text = (f"weights {size_text(self.weights)} + KV cache {size_text(self.kv_cache)} "
-                f"for {tokens} + compute {size_text(self.compute)} + overhead "
-                f"{size_text(self.overhead)}")
+        tokens = (
+            f"{self.slots} slots x {self.context} tokens"
+            if self.slots > 1
+            else f"{self.context} tokens"
+        )
+        text = (
+            f"weights {size_text(self.weights)} + KV cache {size_text(self.kv_cache)} "
+            f"for {tokens} + compute {size_text(self.compute)} + overhead "
+            f"{size_text(self.overhead)}"
+        )
         if self.offload < 1.0:
-            text += (f"; {self.gpu_layers} of {self.layers} layers on the GPU: "
-                     f"{size_text(self.gpu_bytes)} there, {size_text(self.host_bytes)} in "
-                     "host memory")
+            text += (
+                f"; {self.gpu_layers} of {self.layers} layers on the GPU: "
+                f"{size_text(self.gpu_bytes)} there, {size_text(self.host_bytes)} in "
+                "host memory"
+            )
         return text
 
     def text(self) -> str:
         return f"≈ {size_text(self.total)} ({self.parts()})"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bytes": self.total, "context": self.context, "slots": self.slots,
-                "weights": self.weights,
-                "kv_cache": self.kv_cache, "compute": self.compute,
-                "overhead": self.overhead, "trained_context": self.trained_context,
-                **({"gpu_layers": self.gpu_layers, "layers": self.layers,
-                    "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes}
-                   if self.offload < 1.0 else {})}
+        return {
+            "bytes": self.total,
+            "context": self.context,
+            "slots": self.slots,
+            "weights": self.weights,
+            "kv_cache": self.kv_cache,
+            "compute": self.compute,
+            "overhead": self.overhead,
+            "trained_context": self.trained_context,
+            **(
+                {
+                    "gpu_layers": self.gpu_layers,
+                    "layers": self.layers,
+                    "gpu_bytes": self.gpu_bytes,
+                    "host_bytes": self.host_bytes,
+                }
+                if self.offload < 1.0
+                else {}
+            ),
+        }
 
 
 def _ints(value: Any, layers: int) -> list[int]:
@@ -150,8 +170,7 @@ def _scalar(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) else None
 
 
-def estimate(headers: list[GgufHeader], context: int,
-             args: ServerArgs = DEFAULT) -> Estimate:
+def estimate(headers: list[GgufHeader], context: int, args: ServerArgs = DEFAULT) -> Estimate:
     """Pure: the estimate from a model's headers (every shard; metadata from the first)
     for llama-server run with `args`. Missing keys count as 0 (an architecture without
     them is llama-server's to refuse)."""
@@ -159,61 +178,128 @@ def estimate(headers: list[GgufHeader], context: int,
     layers = _scalar(first.arch_key(Keys.LLM.BLOCK_COUNT)) or 0
     embed = _scalar(first.arch_key(Keys.LLM.EMBEDDING_LENGTH)) or 0
     heads = _scalar(first.arch_key(Keys.Attention.HEAD_COUNT)) or 0
-    kv_heads = _ints(first.arch_key(Keys.Attention.HEAD_COUNT_KV)
-                     or first.arch_key(Keys.Attention.HEAD_COUNT), layers)
+    kv_heads = _ints(
+        first.arch_key(Keys.Attention.HEAD_COUNT_KV) or first.arch_key(Keys.Attention.HEAD_COUNT),
+        layers,
+    )
     head_dim = embed // heads if heads else 0
     key = _scalar(first.arch_key(Keys.Attention.KEY_LENGTH)) or head_dim
     value = _scalar(first.arch_key(Keys.Attention.VALUE_LENGTH)) or head_dim
     ffn = _scalar(first.arch_key(Keys.LLM.FEED_FORWARD_LENGTH)) or 0
     tokens = first.metadata.get(Keys.Tokenizer.LIST)
-    vocab = tokens.length if isinstance(tokens, ArrayLength) else \
-        len(tokens) if isinstance(tokens, list) else _scalar(first.arch_key(Keys.LLM.VOCAB_SIZE))
+    vocab = (
+        tokens.length
+        if isinstance(tokens, ArrayLength)
+        else len(tokens)
+        if isinstance(tokens, list)
+        else _scalar(first.arch_key(Keys.LLM.VOCAB_SIZE))
+    )
     cells = slot_cells(context)
-    kv = round(args.parallel * cells * sum(kv_heads[:layers])
-               * (key * args.kv_bytes_k + value * args.kv_bytes_v))
-    compute = (args.ubatch * 4 * (3 * ffn + 4 * embed + heads * key)
-               + args.ubatch * cells * 2 + (vocab or 0) * args.parallel * 4)
-    return Estimate(context, sum(h.tensor_bytes for h in headers), kv, compute,
-                    trained_context=_scalar(first.arch_key(Keys.LLM.CONTEXT_LENGTH)),
-                    layers=layers, gpu_layers=args.gpu_layers, slots=args.parallel)
+    kv = round(
+        args.parallel
+        * cells
+        * sum(kv_heads[:layers])
+        * (key * args.kv_bytes_k + value * args.kv_bytes_v)
+    )
+    compute = (
+        args.ubatch * 4 * (3 * ffn + 4 * embed + heads * key)
+        + args.ubatch * cells * 2
+        + (vocab or 0) * args.parallel * 4
+    )
+    return Estimate(
+        context,
+        sum(h.tensor_bytes for h in headers),
+        kv,
+        compute,
+        trained_context=_scalar(first.arch_key(Keys.LLM.CONTEXT_LENGTH)),
+        layers=layers,
+        gpu_layers=args.gpu_layers,
+        slots=args.parallel,
+    )
 
 
 def judge(definition: ModelDefinition, file: Path, est: Estimate) -> list[DefinitionError]:
     """Pure: the problems of one definition against its estimate."""
     profile, problems = definition.profile, []
     trained = est.trained_context
-    if trained and profile.context > trained and \
-            not any(a in CONTEXT_STRETCHERS for a in profile.args):
-        problems.append(DefinitionError(file, "profile.context", (
-            f"{profile.context} tokens is more than the model was trained for "
-            f"({trained}, its context_length); ask for at most {trained}, or stretch it "
-            "on purpose with --rope-scaling in args")))
+    if (
+        trained
+        and profile.context > trained
+        and not any(a in CONTEXT_STRETCHERS for a in profile.args)
+    ):
+        problems.append(
+            DefinitionError(
+                file,
+                "profile.context",
+                (
+                    f"{profile.context} tokens is more than the model was trained for "
+                    f"({trained}, its context_length); ask for at most {trained}, or stretch it "
+                    "on purpose with --rope-scaling in args"
+                ),
+            )
+        )
     if not profile.gpus:
-        return problems + _over(file, "profile.memory", est.total, profile.memory,
-                                size_text(profile.memory), profile.context, est)
+        return problems + _over(
+            file,
+            "profile.memory",
+            est.total,
+            profile.memory,
+            size_text(profile.memory),
+            profile.context,
+            est,
+        )
     if profile.gpu_memory and est.offload > 0:
-        gives = (f"{profile.gpus} x {size_text(profile.gpu_memory)}" if profile.gpus > 1
-                 else size_text(profile.gpu_memory))
-        problems += _over(file, "profile.gpu_memory", est.gpu_bytes,
-                          profile.gpus * profile.gpu_memory, gives, profile.context, est)
+        gives = (
+            f"{profile.gpus} x {size_text(profile.gpu_memory)}"
+            if profile.gpus > 1
+            else size_text(profile.gpu_memory)
+        )
+        problems += _over(
+            file,
+            "profile.gpu_memory",
+            est.gpu_bytes,
+            profile.gpus * profile.gpu_memory,
+            gives,
+            profile.context,
+            est,
+        )
     if est.offload < 1.0:
-        problems += _over(file, "profile.memory", est.host_bytes, profile.memory,
-                          size_text(profile.memory), profile.context, est)
+        problems += _over(
+            file,
+            "profile.memory",
+            est.host_bytes,
+            profile.memory,
+            size_text(profile.memory),
+            profile.context,
+            est,
+        )
     return problems
 
 
-def _over(file: Path, where: str, need: int, limit: int, gives: str, context: int,
-          est: Estimate) -> list[DefinitionError]:
+def _over(
+    file: Path, where: str, need: int, limit: int, gives: str, context: int, est: Estimate
+) -> list[DefinitionError]:
     if need <= limit:
         return []
-    what = "the model needs" if est.offload >= 1.0 else (
-        f"with {est.gpu_layers} of {est.layers} layers on the GPU (--n-gpu-layers), "
-        + ("the GPU share needs" if where == "profile.gpu_memory" else
-           "the rest needs"))
+    what = (
+        "the model needs"
+        if est.offload >= 1.0
+        else (
+            f"with {est.gpu_layers} of {est.layers} layers on the GPU (--n-gpu-layers), "
+            + ("the GPU share needs" if where == "profile.gpu_memory" else "the rest needs")
+        )
+    )
     tokens = f"{est.slots} slots x {context}" if est.slots > 1 else f"{context}"
-    return [DefinitionError(file, where, (
-        f"{what} ≈ {size_text(need)} for {tokens} tokens of context; profile gives "
-        f"{gives} ({est.parts()}; from the GGUF header)"))]
+    return [
+        DefinitionError(
+            file,
+            where,
+            (
+                f"{what} ≈ {size_text(need)} for {tokens} tokens of context; profile gives "
+                f"{gives} ({est.parts()}; from the GGUF header)"
+            ),
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -227,15 +313,18 @@ class Fit:
         return self.estimate.text() if self.estimate else self.note
 
     def as_dict(self) -> dict[str, Any]:
-        return {**(self.estimate.as_dict() if self.estimate else {}),
-                **({"note": self.note} if self.note else {})}
+        return {
+            **(self.estimate.as_dict() if self.estimate else {}),
+            **({"note": self.note} if self.note else {}),
+        }
 
 
 Reader = Callable[[Shard], GgufHeader]
 
 
-def check_models(models: dict[str, tuple[Path, ModelDefinition]],
-                 read: Reader | None = None) -> dict[str, Fit]:
+def check_models(
+    models: dict[str, tuple[Path, ModelDefinition]], read: Reader | None = None
+) -> dict[str, Fit]:
     """Read every model's header(s) and judge it: {name: Fit}. Raises InvalidDefinitions
     with every problem of every model (field `source` when it cannot be read)."""
     reader = read or read_shard
@@ -244,8 +333,9 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
         # The args first, whether or not the header can be read: the job's slot count
         # comes from them (planner.engines.llama_cpp).
         args, arg_problems = server_args(definition.profile.args)
-        problems += [DefinitionError(file, f"profile.args.{i}", message)
-                     for i, message in arg_problems]
+        problems += [
+            DefinitionError(file, f"profile.args.{i}", message) for i, message in arg_problems
+        ]
         headers: list[GgufHeader] = []
         try:
             for shard in definition.shards:
@@ -254,10 +344,17 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
             if headers:
                 # Its first shard is here, so this is the nodes' folder (or a copy of it)
                 # and a shard is missing: llama-server would fail at every start.
-                problems.append(DefinitionError(file, "source", (
-                    f"{exc.filename} is missing: the first shard of this split model is on "
-                    f"this machine but shard {len(headers) + 1} of "
-                    f"{len(definition.shards)} is not")))
+                problems.append(
+                    DefinitionError(
+                        file,
+                        "source",
+                        (
+                            f"{exc.filename} is missing: the first shard of this split model is on "
+                            f"this machine but shard {len(headers) + 1} of "
+                            f"{len(definition.shards)} is not"
+                        ),
+                    )
+                )
             else:
                 fits[name] = Fit(None, f"not checked: {exc.filename} is not on this machine")
             continue
@@ -269,8 +366,11 @@ def check_models(models: dict[str, tuple[Path, ModelDefinition]],
         if unknown:
             # A quantization newer than the gguf package: its size is unknown, so the
             # estimate would be short; llama-server judges the file.
-            fits[name] = Fit(None, f"not checked: ggml tensor type(s) {unknown} unknown "
-                                   "to this planner's gguf package")
+            fits[name] = Fit(
+                None,
+                f"not checked: ggml tensor type(s) {unknown} unknown "
+                "to this planner's gguf package",
+            )
             continue
         if not definition.profile.gpus:
             args = replace(args, gpu_layers=None)  # a CPU profile holds every layer
@@ -286,11 +386,30 @@ def _split_problems(file: Path, headers: list[GgufHeader]) -> list[DefinitionErr
     """Each shard says it is the shard its name says (split.no, split.count)."""
     if len(headers) == 1:
         split = headers[0].split
-        return [] if split is None else [DefinitionError(file, "source", (
-            f"{headers[0].where} is shard {split[0] + 1} of a {split[1]}-file split "
-            "model; name its first shard, <name>-00001-of-"
-            f"{split[1]:05d}.gguf"))]
-    return [DefinitionError(file, "source", (
-        f"{h.where} says it is shard {h.split[0] + 1 if h.split else '(none)'} of "
-        f"{h.split[1] if h.split else 1}; its name says {i + 1} of {len(headers)}"))
-        for i, h in enumerate(headers) if h.split != (i, len(headers))]
+        return (
+            []
+            if split is None
+            else [
+                DefinitionError(
+                    file,
+                    "source",
+                    (
+                        f"{headers[0].where} is shard {split[0] + 1} of a {split[1]}-file split "
+                        "model; name its first shard, <name>-00001-of-"
+                        f"{split[1]:05d}.gguf"
+                    ),
+                )
+            ]
+        )
+    return [
+        DefinitionError(
+            file,
+            "source",
+            (
+                f"{h.where} says it is shard {h.split[0] + 1 if h.split else '(none)'} of "
+                f"{h.split[1] if h.split else 1}; its name says {i + 1} of {len(headers)}"
+            ),
+        )
+        for i, h in enumerate(headers)
+        if h.split != (i, len(headers))
+    ]

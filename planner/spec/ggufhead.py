@@ -45,10 +45,17 @@ TIMEOUT_S = 30
 KEEP_ARRAY = 4096
 
 _SCALARS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
 }
 
 
@@ -115,7 +122,7 @@ class _Cursor:
         end = self.pos + n
         if end > len(self.buf):
             raise _NeedMore(end)
-        chunk = self.buf[self.pos:end]
+        chunk = self.buf[self.pos : end]
         self.pos = end
         return chunk
 
@@ -173,8 +180,10 @@ def parse(buf: bytes, where: str, file_size: int | None) -> GgufHeader:
         raise SourceError(f"{where} is not a GGUF file (no GGUF magic in its first bytes)")
     version = cursor.unpack("<I")
     if version not in (2, 3):
-        raise SourceError(f"{where}: GGUF version {version} is not supported (2 or 3; "
-                          "a big-endian file reads as a huge version)")
+        raise SourceError(
+            f"{where}: GGUF version {version} is not supported (2 or 3; "
+            "a big-endian file reads as a huge version)"
+        )
     tensors, pairs = cursor.unpack("<Q"), cursor.unpack("<Q")
     metadata: dict[str, Any] = {}
     for _ in range(pairs):
@@ -184,12 +193,14 @@ def parse(buf: bytes, where: str, file_size: int | None) -> GgufHeader:
     tensor_bytes = sum(_tensor_bytes(cursor, unknown) for _ in range(tensors))
     alignment = metadata.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
     data_offset = -(-cursor.pos // alignment) * alignment
-    return GgufHeader(where, metadata, tensors, tensor_bytes, data_offset, file_size,
-                      frozenset(unknown))
+    return GgufHeader(
+        where, metadata, tensors, tensor_bytes, data_offset, file_size, frozenset(unknown)
+    )
 
 
-def _read_growing(first: bytes, read: Callable[[int, int], bytes], where: str,
-                  file_size: int | None) -> GgufHeader:
+def _read_growing(
+    first: bytes, read: Callable[[int, int], bytes], where: str, file_size: int | None
+) -> GgufHeader:
     """Parse from `first` (the file's first FIRST_READ bytes, fewer if it is shorter) and
     `read(start, end)` (bytes [start, end), fewer at the file's end), reading 4x more
     each time the header goes on."""
@@ -201,8 +212,7 @@ def _read_growing(first: bytes, read: Callable[[int, int], bytes], where: str,
             if ended:
                 raise SourceError(f"{where} ends inside its GGUF header") from None
             if more.needed > MAX_HEADER:
-                raise SourceError(f"{where}: GGUF header larger than {MAX_HEADER} bytes") \
-                    from None
+                raise SourceError(f"{where}: GGUF header larger than {MAX_HEADER} bytes") from None
             end = max(more.needed, 4 * len(buf))
             chunk = read(len(buf), end)
             buf, ended = buf + chunk, len(buf) + len(chunk) < end
@@ -235,8 +245,9 @@ def read_remote(url: str, opener: Callable[..., Any] = urllib.request.urlopen) -
     sizes: list[int | None] = [None]
 
     def read(start: int, end: int) -> bytes:
-        request = urllib.request.Request(url, headers={"Range": f"bytes={start}-{end - 1}",
-                                                       "User-Agent": "llmgw-planner"})
+        request = urllib.request.Request(
+            url, headers={"Range": f"bytes={start}-{end - 1}", "User-Agent": "llmgw-planner"}
+        )
         try:
             with opener(request, timeout=TIMEOUT_S, context=context) as response:
                 if response.status == 206:

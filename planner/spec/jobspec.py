@@ -59,8 +59,9 @@ def _hcl_value(value: Any) -> str:
     return json.dumps(value).replace("${", "$${").replace("%{", "%%{")
 
 
-def variables(definition: ModelDefinition, settings: Settings,
-              ref: EngineRef | None = None) -> dict[str, Any]:
+def variables(
+    definition: ModelDefinition, settings: Settings, ref: EngineRef | None = None
+) -> dict[str, Any]:
     """The template's variables for one model, run by engine `ref` (default: the
     profile's engine in LLMGW_ENGINES). Raises KeyError for an unknown engine."""
     profile = definition.profile
@@ -73,8 +74,9 @@ def variables(definition: ModelDefinition, settings: Settings,
         "definition_hash": definition.definition_hash,
         "engine_command": ref.command,
         # What differs per engine (planner.engines): its arguments and readiness path.
-        "engine_args": server.server_args(definition.name, profile.context, profile.gpus,
-                                          profile.args),
+        "engine_args": server.server_args(
+            definition.name, profile.context, profile.gpus, profile.args
+        ),
         "health_path": server.health_path,
         # Run only where the node's metadata records this version (an engine defined in
         # engines/*.yaml); none for an LLMGW_ENGINES engine.
@@ -84,8 +86,11 @@ def variables(definition: ModelDefinition, settings: Settings,
         "user": settings.task_user,
         "source_path": source.local_path or "",
         # Every shard of a split source under its own name (planner/spec/sources.py).
-        "artifacts": [{"url": shard.url, "sha256": shard.sha256 or "", "file": shard.file}
-                      for shard in definition.shards if shard.url],
+        "artifacts": [
+            {"url": shard.url, "sha256": shard.sha256 or "", "file": shard.file}
+            for shard in definition.shards
+            if shard.url
+        ],
         "context": profile.context,
         "gpus": profile.gpus,
         # Nomad compares device memory with units: "${device.attr.memory} >= 24 GiB".
@@ -118,21 +123,32 @@ def spec_hash(job: Job) -> str:
     compares: a hash that changed with the count would replace every allocation."""
     meta = {k: v for k, v in (job.get("Meta") or {}).items() if k != SPEC_HASH_KEY}
     groups = [_without_count(tg) for tg in job.get("TaskGroups") or []]
-    canonical = json.dumps({**job, "Meta": meta, "TaskGroups": groups}, sort_keys=True,
-                           separators=(",", ":"))
+    canonical = json.dumps(
+        {**job, "Meta": meta, "TaskGroups": groups}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def _without_count(group: dict[str, Any]) -> dict[str, Any]:
-    update = {k: v for k, v in (group.get("Update") or {}).items()
-              if k not in ("Canary", "AutoPromote")}
-    tasks = [{**task, "Services": [
-        {**service, "Meta": {k: v for k, v in (service.get("Meta") or {}).items()
-                             if k != REPLICAS_META}}
-        for service in task.get("Services") or []]}
-        for task in group.get("Tasks") or []]
-    return {**{k: v for k, v in group.items() if k != "Count"}, "Update": update,
-            "Tasks": tasks}
+    update = {
+        k: v for k, v in (group.get("Update") or {}).items() if k not in ("Canary", "AutoPromote")
+    }
+    tasks = [
+        {
+            **task,
+            "Services": [
+                {
+                    **service,
+                    "Meta": {
+                        k: v for k, v in (service.get("Meta") or {}).items() if k != REPLICAS_META
+                    },
+                }
+                for service in task.get("Services") or []
+            ],
+        }
+        for task in group.get("Tasks") or []
+    ]
+    return {**{k: v for k, v in group.items() if k != "Count"}, "Update": update, "Tasks": tasks}
 
 
 def replicas_of(job: Job) -> int:
@@ -155,8 +171,13 @@ def record_of(job: Job) -> ModelRecord:
     return ModelRecord.model_validate({**data, "replicas": replicas_of(job)})
 
 
-def render(definition: ModelDefinition, settings: Settings, nomad: ParsesJobs,
-           template: str | None = None, ref: EngineRef | None = None) -> Job:
+def render(
+    definition: ModelDefinition,
+    settings: Settings,
+    nomad: ParsesJobs,
+    template: str | None = None,
+    ref: EngineRef | None = None,
+) -> Job:
     """The Nomad job for one model run by engine `ref` (see `variables`), parsed and
     canonicalized by Nomad, hashes in its meta.
 

@@ -96,8 +96,9 @@ def _engines(text: str) -> dict[str, str]:
             raise ValueError(f"LLMGW_ENGINES: expected name=path, got {item!r}")
         if "${" in path:
             # The job template runs it as the task's command, which Nomad interpolates.
-            raise ValueError(f"LLMGW_ENGINES: {item!r} contains '${{', which Nomad would "
-                             "interpolate")
+            raise ValueError(
+                f"LLMGW_ENGINES: {item!r} contains '${{', which Nomad would interpolate"
+            )
         engines[name.strip()] = path.strip()
     return engines
 
@@ -106,16 +107,19 @@ def _task_user(text: str) -> str:
     """LLMGW_TASK_USER: empty, or a user name as useradd accepts it (shadow-utils'
     default NAME_REGEX, at most 32 characters)."""
     if text and not re.fullmatch(r"[a-z_][a-z0-9_-]{0,30}\$?", text):
-        raise ValueError(f"LLMGW_TASK_USER: expected a user name such as nobody or llmgw, "
-                         f"got {text!r}")
+        raise ValueError(
+            f"LLMGW_TASK_USER: expected a user name such as nobody or llmgw, got {text!r}"
+        )
     return text
 
 
 def _models_root(text: str) -> str:
     parts = text.split(":")
     if any(not p.startswith("/") for p in parts) or any(c in text for c in "\0\n$"):
-        raise ValueError(f"LLMGW_MODELS_ROOT: expected an absolute path on the nodes (or "
-                         f"several joined by ':'), got {text!r}")
+        raise ValueError(
+            f"LLMGW_MODELS_ROOT: expected an absolute path on the nodes (or "
+            f"several joined by ':'), got {text!r}"
+        )
     return text
 
 
@@ -145,8 +149,13 @@ def tls_reason(exc: BaseException) -> str | None:
             return reason
         if isinstance(error, ssl.SSLError):
             outer = outer or str(error)
-        inner = (*error.args, reason, getattr(error, "nomad_resp", None), error.__cause__,
-                 error.__context__)
+        inner = (
+            *error.args,
+            reason,
+            getattr(error, "nomad_resp", None),
+            error.__cause__,
+            error.__context__,
+        )
         stack.extend(e for e in inner if isinstance(e, BaseException))
     return outer
 
@@ -189,8 +198,7 @@ class ClientTLS:
         reason = tls_reason(exc)
         if reason is None:
             return None
-        paths = list(zip(self.names, (self.cacert, self.client_cert, self.client_key),
-                         strict=True))
+        paths = list(zip(self.names, (self.cacert, self.client_cert, self.client_key), strict=True))
         given = [f"{name}={path}" for name, path in paths if name and path]
         unset = [name for name, path in paths if name and not path]
         check = [", ".join(given)] if given else []
@@ -206,7 +214,8 @@ class Settings:
     consul_addr: str = "127.0.0.1:8500"
     consul_token: str | None = None
     engines: dict[str, str] = field(
-        default_factory=lambda: {"llama.cpp": "/opt/llmgw/bin/llama-server"})
+        default_factory=lambda: {"llama.cpp": "/opt/llmgw/bin/llama-server"}
+    )
     engine_root: str = "/opt/llmgw/engines"
     engine_nomad_addr: str = ""
     task_driver: str = "raw_exec"
@@ -229,19 +238,28 @@ class Settings:
 
     @property
     def nomad_tls(self) -> ClientTLS:
-        return ClientTLS("Nomad", NOMAD_TLS_VARS, self.nomad_cacert, self.nomad_client_cert,
-                         self.nomad_client_key)
+        return ClientTLS(
+            "Nomad",
+            NOMAD_TLS_VARS,
+            self.nomad_cacert,
+            self.nomad_client_cert,
+            self.nomad_client_key,
+        )
 
     @property
     def consul_tls(self) -> ClientTLS:
-        return ClientTLS("Consul", CONSUL_TLS_VARS, self.consul_cacert,
-                         self.consul_client_cert, self.consul_client_key)
+        return ClientTLS(
+            "Consul",
+            CONSUL_TLS_VARS,
+            self.consul_cacert,
+            self.consul_client_cert,
+            self.consul_client_key,
+        )
 
     @property
     def planner_tls(self) -> ClientTLS:
         """TLS towards the leader planner (a follower forwarding a write)."""
-        return ClientTLS("the leader planner", (PLANNER_CACERT_VAR, "", ""),
-                         self.planner_cacert)
+        return ClientTLS("the leader planner", (PLANNER_CACERT_VAR, "", ""), self.planner_cacert)
 
     @property
     def consul_url(self) -> str:
@@ -258,8 +276,18 @@ class Settings:
     def certificate_files(self) -> list[str]:
         """The certificate files configured (CAs, client certificates, the serving
         certificate), for the certificate expiry metrics; keys are not certificates."""
-        return [p for p in (self.nomad_cacert, self.nomad_client_cert, self.consul_cacert,
-                            self.consul_client_cert, self.planner_cacert, self.tls_cert) if p]
+        return [
+            p
+            for p in (
+                self.nomad_cacert,
+                self.nomad_client_cert,
+                self.consul_cacert,
+                self.consul_client_cert,
+                self.planner_cacert,
+                self.tls_cert,
+            )
+            if p
+        ]
 
     def validate(self) -> None:
         """Check the addresses and load every configured TLS file once. Raises
@@ -273,8 +301,9 @@ class Settings:
             if tls.configured:
                 tls.context()
         if self.tls_cert or self.tls_key:
-            tls_context(("", *SERVING_TLS_VARS), certfile=self.tls_cert, keyfile=self.tls_key,
-                        server=True)
+            tls_context(
+                ("", *SERVING_TLS_VARS), certfile=self.tls_cert, keyfile=self.tls_key, server=True
+            )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -287,8 +316,7 @@ class Settings:
             nomad_token=env.get("NOMAD_TOKEN") or None,
             consul_addr=env.get("CONSUL_HTTP_ADDR") or defaults.consul_addr,
             consul_token=env.get("CONSUL_HTTP_TOKEN") or None,
-            engines=_engines(env["LLMGW_ENGINES"]) if "LLMGW_ENGINES" in env
-            else defaults.engines,
+            engines=_engines(env["LLMGW_ENGINES"]) if "LLMGW_ENGINES" in env else defaults.engines,
             engine_root=env.get("LLMGW_ENGINE_ROOT") or defaults.engine_root,
             engine_nomad_addr=env.get("LLMGW_ENGINE_NOMAD_ADDR", ""),
             task_driver=env.get("LLMGW_TASK_DRIVER", defaults.task_driver),

@@ -81,8 +81,10 @@ def plain_name_problem(name: str) -> str | None:
     """Why `name` may not be a file name in the job (`PLAIN_NAME`), or None when it may."""
     if PLAIN_NAME.fullmatch(name):
         return None
-    return (f"the file name {name!r} (percent-decoded) is not a plain file name (letters, "
-            "digits, '.', '_', '+', '-'; first a letter or digit)")
+    return (
+        f"the file name {name!r} (percent-decoded) is not a plain file name (letters, "
+        "digits, '.', '_', '+', '-'; first a letter or digit)"
+    )
 
 
 def node_path_problem(path: str) -> str | None:
@@ -93,8 +95,10 @@ def node_path_problem(path: str) -> str | None:
     file not found; a '..' resolves after any symlink before it, and '.' and '..' are
     refused alike so that every source names its file by one plain path."""
     if "%" in path:
-        return (f"{path} has a '%': the node opens the path as written and decodes nothing; "
-                "write the path without percent-encoding")
+        return (
+            f"{path} has a '%': the node opens the path as written and decodes nothing; "
+            "write the path without percent-encoding"
+        )
     if "\\" in path:
         return f"{path} has a '\\': node paths are separated by '/' only"
     for segment in path.split("/"):
@@ -120,22 +124,28 @@ def _beside(url: str, name: str) -> str:
     return urlunparse(parts._replace(path=parts.path.rsplit("/", 1)[0] + "/" + quote(name)))
 
 
-def expand(local_path: str | None, download_url: str | None,
-           sha256: str | tuple[str, ...] | None) -> list[Shard]:
+def expand(
+    local_path: str | None, download_url: str | None, sha256: str | tuple[str, ...] | None
+) -> list[Shard]:
     """Every file of a source, the one llama-server is given first. A split source's
     shards keep their names; a single download is saved as SINGLE_FILE."""
     split = split_of(source_name(local_path, download_url))
     if split is None:
         single = sha256 if isinstance(sha256, str) else None
-        return [Shard(local_path, download_url,
-                      PurePosixPath(local_path).name if local_path else SINGLE_FILE, single)]
+        return [
+            Shard(
+                local_path,
+                download_url,
+                PurePosixPath(local_path).name if local_path else SINGLE_FILE,
+                single,
+            )
+        ]
     sums = sha256 if isinstance(sha256, tuple) else (None,) * split.count
     found = []
     for number, digest in zip(range(1, split.count + 1), sums, strict=True):
         name = split.name(number)
         if local_path is not None:
-            found.append(Shard(str(PurePosixPath(local_path).with_name(name)), None, name,
-                               digest))
+            found.append(Shard(str(PurePosixPath(local_path).with_name(name)), None, name, digest))
         else:
             found.append(Shard(None, _beside(download_url or "", name), name, digest))
     return found
@@ -190,8 +200,9 @@ def outside_root(path: str, root: str) -> str | None:
     lexical = posixpath.normpath(path)
     # Judged by the roots its text lies under; a link problem under one of them is
     # the answer only if no other root admits it.
-    problems = [_through_a_link(path, one) for one in roots
-                if _under(lexical, posixpath.normpath(one))]
+    problems = [
+        _through_a_link(path, one) for one in roots if _under(lexical, posixpath.normpath(one))
+    ]
     if None in problems:
         return None
     if problems:
@@ -202,6 +213,7 @@ def outside_root(path: str, root: str) -> str | None:
 def _through_a_link(path: str, root: str) -> str | None:
     real, real_root = os.path.realpath(path), os.path.realpath(root)
     if not _under(real, real_root):
-        return (f"{path} leads through a link on this machine to {real}, outside the models "
-                f"root {root}")
+        return (
+            f"{path} leads through a link on this machine to {real}, outside the models root {root}"
+        )
     return None

@@ -55,15 +55,22 @@ class Tokens:
 @pytest.fixture(scope="module")
 def acl_cluster(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tokens = AclTokens(consul=str(uuid.uuid4()), nomad=str(uuid.uuid4()))
-    with own_cluster(tmp_path_factory.mktemp("acl-cluster"), ACL_PORT_OFFSETS,
-                     acl=tokens) as cluster:
+    with own_cluster(
+        tmp_path_factory.mktemp("acl-cluster"), ACL_PORT_OFFSETS, acl=tokens
+    ) as cluster:
         yield cluster
 
 
 def _cli(cluster: Cluster, *argv: str) -> str:
     """Run the `nomad` or `consul` CLI as the cluster's operator (management tokens)."""
-    run = subprocess.run([str(BIN / argv[0]), *argv[1:]], cwd=REPO, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, **cluster.management_env})
+    run = subprocess.run(
+        [str(BIN / argv[0]), *argv[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **cluster.management_env},
+    )
     assert run.returncode == 0, f"{argv}: {run.stderr}"
     return run.stdout
 
@@ -71,22 +78,65 @@ def _cli(cluster: Cluster, *argv: str) -> str:
 @pytest.fixture(scope="module")
 def tokens(acl_cluster: Cluster) -> Tokens:
     """Policies from the files in acl/, and a token of each, made with the CLIs."""
-    _cli(acl_cluster, "nomad", "acl", "policy", "apply", "-description", "llmgw planner",
-         "llmgw-planner", "acl/nomad/planner.hcl")
-    nomad_planner = json.loads(_cli(acl_cluster, "nomad", "acl", "token", "create", "-name",
-                                    "llmgw-planner", "-policy", "llmgw-planner", "-json"))
+    _cli(
+        acl_cluster,
+        "nomad",
+        "acl",
+        "policy",
+        "apply",
+        "-description",
+        "llmgw planner",
+        "llmgw-planner",
+        "acl/nomad/planner.hcl",
+    )
+    nomad_planner = json.loads(
+        _cli(
+            acl_cluster,
+            "nomad",
+            "acl",
+            "token",
+            "create",
+            "-name",
+            "llmgw-planner",
+            "-policy",
+            "llmgw-planner",
+            "-json",
+        )
+    )
     secrets = {}
     for who in ("planner", "router"):
-        _cli(acl_cluster, "consul", "acl", "policy", "create", "-name", f"llmgw-{who}",
-             "-rules", f"@acl/consul/{who}.hcl")
-        secrets[who] = json.loads(_cli(acl_cluster, "consul", "acl", "token", "create",
-                                       "-description", f"llmgw {who}", "-policy-name",
-                                       f"llmgw-{who}", "-format", "json"))["SecretID"]
+        _cli(
+            acl_cluster,
+            "consul",
+            "acl",
+            "policy",
+            "create",
+            "-name",
+            f"llmgw-{who}",
+            "-rules",
+            f"@acl/consul/{who}.hcl",
+        )
+        secrets[who] = json.loads(
+            _cli(
+                acl_cluster,
+                "consul",
+                "acl",
+                "token",
+                "create",
+                "-description",
+                f"llmgw {who}",
+                "-policy-name",
+                f"llmgw-{who}",
+                "-format",
+                "json",
+            )
+        )["SecretID"]
     return Tokens(nomad_planner["SecretID"], secrets["planner"], secrets["router"])
 
 
-def env_with(cluster: Cluster, binaries: Path, nomad: str | None,
-             consul: str | None) -> dict[str, str]:
+def env_with(
+    cluster: Cluster, binaries: Path, nomad: str | None, consul: str | None
+) -> dict[str, str]:
     """The cluster's addresses and these tokens only (None: the variable unset)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NOMAD_TOKEN", "CONSUL_HTTP_TOKEN")}
     env |= {**cluster.env, "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'}"}
@@ -102,19 +152,26 @@ def planner_env(acl_cluster: Cluster, binaries: Path, tokens: Tokens) -> dict[st
 
 
 def planner_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "planner.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def write_model(folder: Path, name: str, source: Path) -> Path:
     folder.mkdir(exist_ok=True)
     (folder / f"{name}.yaml").write_text(
-        f"name: {name}\nsource: file://{source}\nprofile:\n  {SMALL}\nreplicas: 1\n")
+        f"name: {name}\nsource: file://{source}\nprofile:\n  {SMALL}\nreplicas: 1\n"
+    )
     return folder
 
 
-def status_of(url: str, headers: dict[str, str], method: str = "GET",
-              body: bytes | None = None) -> int:
+def status_of(
+    url: str, headers: dict[str, str], method: str = "GET", body: bytes | None = None
+) -> int:
     """The HTTP status an agent answers (a denial is 403)."""
     request = urllib.request.Request(url, headers=headers, method=method, data=body)
     try:
@@ -126,11 +183,17 @@ def status_of(url: str, headers: dict[str, str], method: str = "GET",
 
 
 @contextlib.contextmanager
-def exited(argv: list[str], env: dict[str, str], timeout: float = 60) -> Iterator[
-        subprocess.CompletedProcess[str]]:
+def exited(
+    argv: list[str], env: dict[str, str], timeout: float = 60
+) -> Iterator[subprocess.CompletedProcess[str]]:
     """Run a daemon that must exit by itself (a refused token); yields how it ended."""
-    proc = subprocess.Popen([sys.executable, "-m", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -141,8 +204,13 @@ def exited(argv: list[str], env: dict[str, str], timeout: float = 60) -> Iterato
 
 
 def test_planner_and_router_work_with_exactly_their_policies(
-        acl_cluster: Cluster, binaries: Path, tokens: Tokens, planner_env: dict[str, str],
-        tiny_model: Path, tmp_path: Path) -> None:
+    acl_cluster: Cluster,
+    binaries: Path,
+    tokens: Tokens,
+    planner_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     folder = write_model(tmp_path / "models", "acl-tiny", tiny_model)
     applied = planner_cli(planner_env, "apply", str(folder), "--wait", "--timeout", "120")
     assert applied.returncode == 0, applied.stderr
@@ -152,21 +220,36 @@ def test_planner_and_router_work_with_exactly_their_policies(
         daemon.start()  # in the try: a start that times out still stops the process
         assert http_json(f"{daemon.url}/health")["role"] == "leader"
         # The router: its Consul token only, no Nomad token at all.
-        with run_router(acl_cluster, daemon.url, CONSUL_HTTP_TOKEN=tokens.router_consul,
-                        NOMAD_TOKEN="") as router:
-            answer = wait_for(lambda: http_json(f"{router}/v1/completions", {
-                "model": "acl-tiny", "prompt": "hi", "max_tokens": 4}, timeout=30), 60,
-                "a completion through the router with its own token")
+        with run_router(
+            acl_cluster, daemon.url, CONSUL_HTTP_TOKEN=tokens.router_consul, NOMAD_TOKEN=""
+        ) as router:
+            answer = wait_for(
+                lambda: http_json(
+                    f"{router}/v1/completions",
+                    {"model": "acl-tiny", "prompt": "hi", "max_tokens": 4},
+                    timeout=30,
+                ),
+                60,
+                "a completion through the router with its own token",
+            )
             assert answer["usage"]["completion_tokens"] == 4
 
         # A failing model's last error carries its stderr: the leader read its logs
         # (read-logs), and counted the failure from the event stream (read-job).
         kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
-        assert planner_cli(planner_env, "apply",
-                           str(write_model(folder, "acl-kev", kev))).returncode == 0
-        failing = wait_for(lambda: (m := daemon.model("acl-kev"))["consecutive_failures"] >= 1
-                           and KEV_ERROR in (m["last_error"] or "") and m, 60,
-                           "acl-kev's first counted failure, with llama.cpp's stderr")
+        assert (
+            planner_cli(planner_env, "apply", str(write_model(folder, "acl-kev", kev))).returncode
+            == 0
+        )
+        failing = wait_for(
+            lambda: (
+                (m := daemon.model("acl-kev"))["consecutive_failures"] >= 1
+                and KEV_ERROR in (m["last_error"] or "")
+                and m
+            ),
+            60,
+            "acl-kev's first counted failure, with llama.cpp's stderr",
+        )
         assert failing["state"] in ("failing", "parked")
         retried = planner_cli(planner_env, "retry", "acl-kev")
         assert retried.returncode == 0, retried.stderr
@@ -194,29 +277,38 @@ def test_planner_and_router_work_with_exactly_their_policies(
 
 
 def test_a_missing_permission_is_named_with_exit_3(
-        acl_cluster: Cluster, binaries: Path, tokens: Tokens, planner_env: dict[str, str],
-        tiny_model: Path, tmp_path: Path) -> None:
+    acl_cluster: Cluster,
+    binaries: Path,
+    tokens: Tokens,
+    planner_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     folder = write_model(tmp_path / "models", "acl-denied", tiny_model)
     unknown = str(uuid.uuid4())
 
     # No tokens: both agents' anonymous policies deny everything; both are named.
     run = planner_cli(env_with(acl_cluster, binaries, None, None), "apply", str(folder))
     assert run.returncode == 3 and "Traceback" not in run.stderr
-    assert ('Nomad denied list-jobs on namespace "default", read-job on namespace '
-            '"default", submit-job on namespace "default": NOMAD_TOKEN is empty' in run.stderr)
+    assert (
+        'Nomad denied list-jobs on namespace "default", read-job on namespace '
+        '"default", submit-job on namespace "default": NOMAD_TOKEN is empty' in run.stderr
+    )
     assert "acl/nomad/planner.hcl" in run.stderr and "acl/consul/planner.hcl" in run.stderr
     assert 'Consul denied key_prefix "llmgw/" write: CONSUL_HTTP_TOKEN is empty' in run.stderr
 
     # A token Nomad does not know.
-    run = planner_cli(env_with(acl_cluster, binaries, unknown, tokens.planner_consul),
-                      "apply", str(folder))
+    run = planner_cli(
+        env_with(acl_cluster, binaries, unknown, tokens.planner_consul), "apply", str(folder)
+    )
     assert run.returncode == 3 and "Traceback" not in run.stderr
     assert "Nomad does not know the token in NOMAD_TOKEN" in run.stderr
 
     # A malformed one (not a UUID, as Nomad's secret IDs are): not a valid token either,
     # not one that "lacks" permissions (QA on issue 11).
-    run = planner_cli(env_with(acl_cluster, binaries, "not-a-token", tokens.planner_consul),
-                      "apply", str(folder))
+    run = planner_cli(
+        env_with(acl_cluster, binaries, "not-a-token", tokens.planner_consul), "apply", str(folder)
+    )
     assert run.returncode == 3 and "Traceback" not in run.stderr
     assert "Nomad does not know the token in NOMAD_TOKEN" in run.stderr, run.stderr
     assert "lacks" not in run.stderr
@@ -229,7 +321,8 @@ def test_a_missing_permission_is_named_with_exit_3(
     assert (error["kind"], error["exit_code"]) == ("PermissionDenied", 3)
     assert error["message"].startswith(
         'Consul denied key_prefix "llmgw/" write: the token in CONSUL_HTTP_TOKEN lacks it; '
-        "give the token the policy in acl/consul/planner.hcl")
+        "give the token the policy in acl/consul/planner.hcl"
+    )
     management = acl_cluster.acl.headers  # type: ignore[union-attr]
     assert status_of(f"{acl_cluster.nomad_addr}/v1/job/acl-denied", management) == 404
     # ... but it may plan: a dry run only reads from Consul.
@@ -241,45 +334,62 @@ def test_a_missing_permission_is_named_with_exit_3(
     assert "Consul does not know the token in CONSUL_HTTP_TOKEN (ACL not found)" in run.stderr
 
     # The daemons refuse to start, naming what they lack.
-    with exited(["planner.cli.main", "serve", "--port", "1"], {**weak,
-                "LLMGW_ADMIN_TOKEN": ADMIN_TOKEN}) as serve:
+    with exited(
+        ["planner.cli.main", "serve", "--port", "1"], {**weak, "LLMGW_ADMIN_TOKEN": ADMIN_TOKEN}
+    ) as serve:
         assert serve.returncode == 3 and "Traceback" not in serve.stderr
-        assert ('Consul denied key_prefix "llmgw/" write, session_prefix "" write, '
-                'service "llmgw-planner" write: the token in CONSUL_HTTP_TOKEN lacks them'
-                in serve.stderr)
-    for token, says in ((None, "CONSUL_HTTP_TOKEN is empty"),
-                        (unknown, "Consul does not know the token in CONSUL_HTTP_TOKEN")):
-        with exited(["router.cli", "serve", "--port", "1"],
-                    env_with(acl_cluster, binaries, None, token)) as router:
+        assert (
+            'Consul denied key_prefix "llmgw/" write, session_prefix "" write, '
+            'service "llmgw-planner" write: the token in CONSUL_HTTP_TOKEN lacks them'
+            in serve.stderr
+        )
+    for token, says in (
+        (None, "CONSUL_HTTP_TOKEN is empty"),
+        (unknown, "Consul does not know the token in CONSUL_HTTP_TOKEN"),
+    ):
+        with exited(
+            ["router.cli", "serve", "--port", "1"], env_with(acl_cluster, binaries, None, token)
+        ) as router:
             assert router.returncode == 3 and "Traceback" not in router.stderr
-            assert ('Consul denied key_prefix "llmgw/" read, service_prefix "llmgw-" read, '
-                    'node_prefix "" read, session_prefix "" read' in router.stderr), \
-                router.stderr
+            assert (
+                'Consul denied key_prefix "llmgw/" read, service_prefix "llmgw-" read, '
+                'node_prefix "" read, session_prefix "" read' in router.stderr
+            ), router.stderr
             assert says in router.stderr and "acl/consul/router.hcl" in router.stderr
 
     for command in (["planner.cli.main", "--help"], ["router.cli", "--help"]):
-        shown = subprocess.run([sys.executable, "-m", *command], capture_output=True,
-                               text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
+        shown = subprocess.run(
+            [sys.executable, "-m", *command],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "COLUMNS": "200"},
+        )
         assert "3 " in shown.stdout and "ACL token" in shown.stdout, shown.stdout
 
 
 def test_the_policy_files_are_the_agents_policies_and_the_router_has_no_nomad_one(
-        acl_cluster: Cluster, tokens: Tokens) -> None:
+    acl_cluster: Cluster, tokens: Tokens
+) -> None:
     """The files the fixture applied are what Nomad holds, byte for byte, and acl/ holds
     what the Terraform module reads: no Nomad policy for the router, which never calls
     Nomad (it finds replicas in Consul and asks the planner's admin API)."""
     assert sorted(str(p.relative_to(REPO)) for p in (REPO / "acl").rglob("*.hcl")) == [
-        "acl/consul/planner.hcl", "acl/consul/router.hcl", "acl/nomad/engine-install.hcl",
-        "acl/nomad/planner.hcl"]
-    request = urllib.request.Request(f"{acl_cluster.nomad_addr}/v1/acl/policy/llmgw-planner",
-                                     headers=acl_cluster.acl.headers)  # type: ignore[union-attr]
+        "acl/consul/planner.hcl",
+        "acl/consul/router.hcl",
+        "acl/nomad/engine-install.hcl",
+        "acl/nomad/planner.hcl",
+    ]
+    request = urllib.request.Request(
+        f"{acl_cluster.nomad_addr}/v1/acl/policy/llmgw-planner", headers=acl_cluster.acl.headers
+    )  # type: ignore[union-attr]
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.load(response)["Rules"] == (REPO / "acl/nomad/planner.hcl").read_text()
 
 
 def test_an_engine_installs_with_its_job_policy_attached_and_not_without(
-        acl_cluster: Cluster, binaries: Path, planner_env: dict[str, str],
-        tmp_path: Path) -> None:
+    acl_cluster: Cluster, binaries: Path, planner_env: dict[str, str], tmp_path: Path
+) -> None:
     """acl/nomad/engine-install.hcl, attached to the engine's install job as acl/README.md
     says, is what its workload identity needs to record the engine in the node's
     metadata; without it the install fails with Nomad's refusal (QA on issue 11: the
@@ -287,7 +397,8 @@ def test_an_engine_installs_with_its_job_policy_attached_and_not_without(
     engine = tmp_path / "engines"
     engine.mkdir()
     (engine / "acl_engine.yaml").write_text(
-        f"name: acl_engine\nversion: \"1\"\npath: {(binaries / 'llama-server').resolve()}\n")
+        f'name: acl_engine\nversion: "1"\npath: {(binaries / "llama-server").resolve()}\n'
+    )
     # The agent's HTTP API with ?node_id=: the Task API socket under pytest's deep
     # temporary folder would pass the 107-byte limit of a unix socket path.
     env = {**planner_env, "LLMGW_ENGINE_NOMAD_ADDR": acl_cluster.nomad_addr}
@@ -296,9 +407,21 @@ def test_an_engine_installs_with_its_job_policy_attached_and_not_without(
     assert "403: Permission denied" in denied.stderr
     assert "attach acl/nomad/engine-install.hcl to job llmgw-engine-acl_engine" in denied.stderr
 
-    _cli(acl_cluster, "nomad", "acl", "policy", "apply", "-namespace", "default", "-job",
-         "llmgw-engine-acl_engine", "-description", "llmgw engine install: acl_engine",
-         "llmgw-engine-install-acl-engine", "acl/nomad/engine-install.hcl")
+    _cli(
+        acl_cluster,
+        "nomad",
+        "acl",
+        "policy",
+        "apply",
+        "-namespace",
+        "default",
+        "-job",
+        "llmgw-engine-acl_engine",
+        "-description",
+        "llmgw engine install: acl_engine",
+        "llmgw-engine-install-acl-engine",
+        "acl/nomad/engine-install.hcl",
+    )
     installed = planner_cli(env, "engines", "apply", str(engine), "--wait", "--timeout", "120")
     assert installed.returncode == 0, installed.stderr
     management = acl_cluster.acl.headers  # type: ignore[union-attr]
@@ -308,6 +431,7 @@ def test_an_engine_installs_with_its_job_policy_attached_and_not_without(
 
 
 def _management_json(url: str, headers: dict[str, str]) -> Any:
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                timeout=10) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers), timeout=10
+    ) as response:
         return json.load(response)

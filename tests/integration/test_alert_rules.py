@@ -30,8 +30,10 @@ def promtool(*args: str) -> None:
         pytest.fail(f"{tool} is missing: run `make bootstrap` first")
     proc = subprocess.run([str(tool), *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        pytest.fail(f"promtool {' '.join(args)} exited {proc.returncode}:\n"
-                    f"{proc.stdout}{proc.stderr}", pytrace=False)
+        pytest.fail(
+            f"promtool {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}",
+            pytrace=False,
+        )
 
 
 def test_rules_file_is_valid() -> None:

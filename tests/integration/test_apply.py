@@ -42,9 +42,7 @@ def test_c01_invalid_files_register_nothing(
         f"name: c01-a\nsource: {source}\nprofile: {{}}\nreplica: 2\n"
     )
     (folder / "bad-name.yaml").write_text(f"name: C01_Bad\nsource: {source}\nprofile: {{}}\n")
-    (folder / "negative.yaml").write_text(
-        f"name: c01-b\nsource: {source}\nprofile:\n  gpus: -1\n"
-    )
+    (folder / "negative.yaml").write_text(f"name: c01-b\nsource: {source}\nprofile:\n  gpus: -1\n")
     (folder / "dup.yaml").write_text(f"name: c01-valid\nsource: {source}\nprofile: {{}}\n")
     (folder / "tabs.yaml").write_text("name: c01-c\nprofile:\n\tgpus: 1\n")
     (folder / "empty.yaml").write_text("")
@@ -74,35 +72,57 @@ PROFILE = "context: 512\n  cpu: 100\n  memory: 256MiB\n  args: "
 # Issue 18: args that would reach beyond the model on every node, each as
 # (model, args, the refusal's field and start).
 REACHING_ARGS = [
-    ("r-log-file", '["--log-file", "/etc/cron.d/x"]',
-     "profile.args.0: --log-file reads or writes a file on the node, as the model task's "
-     "user (root under raw_exec by default); remove it and its value"),
-    ("r-slot-save", '["--threads", "1", "--slot-save-path", "/"]',
-     "profile.args.2: --slot-save-path reads or writes a file on the node"),
+    (
+        "r-log-file",
+        '["--log-file", "/etc/cron.d/x"]',
+        "profile.args.0: --log-file reads or writes a file on the node, as the model task's "
+        "user (root under raw_exec by default); remove it and its value",
+    ),
+    (
+        "r-slot-save",
+        '["--threads", "1", "--slot-save-path", "/"]',
+        "profile.args.2: --slot-save-path reads or writes a file on the node",
+    ),
     ("r-path", '["--path", "/"]', "profile.args.0: --path reads or writes a file"),
-    ("r-template-file", '["--chat-template-file", "/etc/shadow"]',
-     "profile.args.0: --chat-template-file reads or writes a file"),
-    ("r-grammar-file", '["--grammar-file", "/etc/shadow"]',
-     "profile.args.0: --grammar-file reads or writes a file"),
+    (
+        "r-template-file",
+        '["--chat-template-file", "/etc/shadow"]',
+        "profile.args.0: --chat-template-file reads or writes a file",
+    ),
+    (
+        "r-grammar-file",
+        '["--grammar-file", "/etc/shadow"]',
+        "profile.args.0: --grammar-file reads or writes a file",
+    ),
     ("r-lora", '["--lora", "/root/x.gguf"]', "profile.args.0: --lora reads or writes a file"),
     ("r-mmproj", '["-mm", "/root/x.gguf"]', "profile.args.0: -mm reads or writes a file"),
-    ("r-draft", '["--model-draft", "/root/x.gguf"]',
-     "profile.args.0: --model-draft loads weights other than `source`'s"),
+    (
+        "r-draft",
+        '["--model-draft", "/root/x.gguf"]',
+        "profile.args.0: --model-draft loads weights other than `source`'s",
+    ),
     ("r-underscore", '["--log_file", "/x"]', "profile.args.0: --log_file reads or writes"),
     ("r-joined", '["--log-file=/x"]', "profile.args.0: --log-file reads or writes"),
-    ("r-rpc", '["--rpc", "10.0.0.1:50052"]', "profile.args.0: --rpc reaches beyond the "
-                                              "replica's own port from the node"),
+    (
+        "r-rpc",
+        '["--rpc", "10.0.0.1:50052"]',
+        "profile.args.0: --rpc reaches beyond the replica's own port from the node",
+    ),
     ("r-tools", '["--tools", "all"]', "profile.args.0: --tools runs programs or tools"),
     ("r-hf", '["-hf", "org/repo"]', "profile.args.0: -hf loads weights other than"),
-    ("r-unknown", '["--not-a-flag"]', "profile.args.0: --not-a-flag is not a flag of "
-                                      "llama-server"),
-    ("r-interpolated", '["--threads", "${attr.cpu.numcores}"]',
-     "profile.args.1: argument '${attr.cpu.numcores}' contains '${'"),
+    ("r-unknown", '["--not-a-flag"]', "profile.args.0: --not-a-flag is not a flag of llama-server"),
+    (
+        "r-interpolated",
+        '["--threads", "${attr.cpu.numcores}"]',
+        "profile.args.1: argument '${attr.cpu.numcores}' contains '${'",
+    ),
 ]
 
 
 def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
-    cluster: Cluster, planner: Callable, model_files: Callable[..., Path],
+    cluster: Cluster,
+    planner: Callable,
+    model_files: Callable[..., Path],
     models_root: Path,
 ) -> None:
     folder = model_files("r-valid", replicas=0)
@@ -115,50 +135,85 @@ def test_c01_args_and_sources_that_reach_beyond_the_model_register_nothing(
     (models_root / "up-link").symlink_to("../")
     above = Path(os.path.realpath(models_root)).parent
     sources = [
-        ("s-outside", f"file://{outside}/m.gguf",
-         # The integration tests' roots: their temp folder and /opt/llmgw/models.
-         f"source: {outside}/m.gguf is outside the models roots "
-         f"{os.environ['LLMGW_MODELS_ROOT']} (LLMGW_MODELS_ROOT)"),
-        ("s-dotdot", f"file://{models_root}/../../etc/shadow",
-         f"source: {models_root}/../../etc/shadow has a '..' segment"),
-        ("s-link", f"file://{models_root}/key.gguf",
-         f"source: {models_root}/key.gguf leads through a link on this machine to "
-         f"{os.path.realpath('/etc/hostname')}, outside the models root {models_root}"),
-        ("s-dirlink", f"file://{models_root}/etc-link/nonexistent_key",
-         f"source: {models_root}/etc-link/nonexistent_key leads through a link on this "
-         f"machine to {os.path.realpath('/etc')}/nonexistent_key, outside the models root"),
-        ("s-up", f"file://{models_root}/up-link/x.gguf",
-         f"source: {models_root}/up-link/x.gguf leads through a link on this machine to "
-         f"{above}/x.gguf, outside the models root"),
-        ("s-percent", f"file://{models_root}/%2e%2e/%2e%2e/etc/shadow",
-         f"source: {models_root}/%2e%2e/%2e%2e/etc/shadow has a '%': the node opens the "
-         "path as written"),
-        ("s-backslash", f"file://{models_root}/..\\..\\etc\\shadow",
-         f"source: {models_root}/..\\..\\etc\\shadow has a '\\'"),
-        ("s-dot", f"file://{models_root}/./m.gguf",
-         f"source: {models_root}/./m.gguf has a '.' segment"),
+        (
+            "s-outside",
+            f"file://{outside}/m.gguf",
+            # The integration tests' roots: their temp folder and /opt/llmgw/models.
+            f"source: {outside}/m.gguf is outside the models roots "
+            f"{os.environ['LLMGW_MODELS_ROOT']} (LLMGW_MODELS_ROOT)",
+        ),
+        (
+            "s-dotdot",
+            f"file://{models_root}/../../etc/shadow",
+            f"source: {models_root}/../../etc/shadow has a '..' segment",
+        ),
+        (
+            "s-link",
+            f"file://{models_root}/key.gguf",
+            f"source: {models_root}/key.gguf leads through a link on this machine to "
+            f"{os.path.realpath('/etc/hostname')}, outside the models root {models_root}",
+        ),
+        (
+            "s-dirlink",
+            f"file://{models_root}/etc-link/nonexistent_key",
+            f"source: {models_root}/etc-link/nonexistent_key leads through a link on this "
+            f"machine to {os.path.realpath('/etc')}/nonexistent_key, outside the models root",
+        ),
+        (
+            "s-up",
+            f"file://{models_root}/up-link/x.gguf",
+            f"source: {models_root}/up-link/x.gguf leads through a link on this machine to "
+            f"{above}/x.gguf, outside the models root",
+        ),
+        (
+            "s-percent",
+            f"file://{models_root}/%2e%2e/%2e%2e/etc/shadow",
+            f"source: {models_root}/%2e%2e/%2e%2e/etc/shadow has a '%': the node opens the "
+            "path as written",
+        ),
+        (
+            "s-backslash",
+            f"file://{models_root}/..\\..\\etc\\shadow",
+            f"source: {models_root}/..\\..\\etc\\shadow has a '\\'",
+        ),
+        (
+            "s-dot",
+            f"file://{models_root}/./m.gguf",
+            f"source: {models_root}/./m.gguf has a '.' segment",
+        ),
         # Issue 18 QA, D3: a percent-encoded `${` in a split source's file name reached
         # the artifact's destination and the args decoded, and Nomad interpolated it.
-        ("s-encoded", "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
-         "source: the file name '${node.unique.name}-00001-of-00002.gguf' (percent-decoded) "
-         "is not a plain file name"),
-        ("s-interpolated", "https://h/${node.unique.id}/m.gguf",
-         "source: the source contains '${', which Nomad would interpolate"),
+        (
+            "s-encoded",
+            "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
+            "source: the file name '${node.unique.name}-00001-of-00002.gguf' (percent-decoded) "
+            "is not a plain file name",
+        ),
+        (
+            "s-interpolated",
+            "https://h/${node.unique.id}/m.gguf",
+            "source: the source contains '${', which Nomad would interpolate",
+        ),
         ("s-hf", "hf://${meta.org}/repo/m.gguf", "source: the source contains '${'"),
     ]
     for name, source, _ in sources:
         model_files(name, replicas=0, source=source)
-    model_files("s-sha256", replicas=0, source="https://h/m.gguf",
-                extra="sha256: ${meta.sum}\n")
-    sources.append(("s-sha256", "", "sha256: expected a sha256 (64 hex digits) or a list of "
-                                    "them, got '${meta.sum}'"))
+    model_files("s-sha256", replicas=0, source="https://h/m.gguf", extra="sha256: ${meta.sum}\n")
+    sources.append(
+        (
+            "s-sha256",
+            "",
+            "sha256: expected a sha256 (64 hex digits) or a list of them, got '${meta.sum}'",
+        )
+    )
 
     result = planner("apply", str(folder))
 
     assert result.returncode == 2, result.stderr
     for name, _, expected in REACHING_ARGS + sources:
         assert any(f"{name}.yaml: {expected}" in line for line in result.stderr.splitlines()), (
-            f"{name}: {expected!r} not in:\n{result.stderr}")
+            f"{name}: {expected!r} not in:\n{result.stderr}"
+        )
     assert "nothing was changed" in result.stderr
     for name in ["r-valid"] + [n for n, _, _ in REACHING_ARGS + sources]:
         assert job_or_none(cluster, name) is None, name
@@ -232,8 +287,7 @@ def test_prune_deregisters_models_gone_from_git(
     model_files("prune-stopped", replicas=0)
     assert planner("apply", str(folder)).returncode == 0
     (folder / "prune-stopped.yaml").unlink()
-    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/prune-stopped",
-                                  method="DELETE")
+    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/prune-stopped", method="DELETE")
     urllib.request.urlopen(stop, timeout=10).close()
     listed = planner("apply", str(folder), "--output", "json")
     assert actions(listed, "prune-stopped") == ["orphaned"]

@@ -41,8 +41,9 @@ SMALL = 'cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 def github_scripts(job: str) -> list[str]:
     """The `run:` scripts of a GitHub Actions job's steps that call `planner`."""
     workflow = yaml.safe_load((EXAMPLES / "github-actions.yml").read_text())
-    return [step["run"] for step in workflow["jobs"][job]["steps"]
-            if "planner " in step.get("run", "")]
+    return [
+        step["run"] for step in workflow["jobs"][job]["steps"] if "planner " in step.get("run", "")
+    ]
 
 
 def gitlab_scripts(job: str) -> list[str]:
@@ -66,9 +67,14 @@ class Pipeline:
         fails ends the job); the last result, stdout and stderr of all."""
         out, err, code = "", "", 0
         for script in scripts:
-            done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c",
-                                   script], cwd=self.checkout, env=self.env,
-                                  capture_output=True, text=True, timeout=600)
+            done = subprocess.run(
+                ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", script],
+                cwd=self.checkout,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             out, err, code = out + done.stdout, err + done.stderr, done.returncode
             if code:
                 break
@@ -81,14 +87,16 @@ class Pipeline:
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          text=True, timeout=60).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, timeout=60
+    ).stdout.strip()
 
 
-def model(name: str, source: Path, context: int = 512, replicas: int = 1,
-          gpus: int = 0) -> str:
-    return (f"name: {name}\nsource: file://{source}\nprofile:\n  context: {context}\n"
-            f"  gpus: {gpus}\n  {SMALL}\nreplicas: {replicas}\n")
+def model(name: str, source: Path, context: int = 512, replicas: int = 1, gpus: int = 0) -> str:
+    return (
+        f"name: {name}\nsource: file://{source}\nprofile:\n  context: {context}\n"
+        f"  gpus: {gpus}\n  {SMALL}\nreplicas: {replicas}\n"
+    )
 
 
 def commits(repo: Path, prefix: str, source: Path) -> list[str]:
@@ -113,21 +121,30 @@ def commits(repo: Path, prefix: str, source: Path) -> list[str]:
 
 
 @pytest.fixture(params=["github", "gitlab"])
-def pipeline(request: pytest.FixtureRequest, cluster: Cluster, planner_env: dict[str, str],
-             planner_daemon: PlannerDaemon, tmp_path: Path) -> Iterator[Pipeline]:
+def pipeline(
+    request: pytest.FixtureRequest,
+    cluster: Cluster,
+    planner_env: dict[str, str],
+    planner_daemon: PlannerDaemon,
+    tmp_path: Path,
+) -> Iterator[Pipeline]:
     forge = request.param
-    scripts = (github_scripts if forge == "github" else gitlab_scripts)
+    scripts = github_scripts if forge == "github" else gitlab_scripts
     job_names = ("plan", "apply") if forge == "github" else ("llmgw:plan", "llmgw:apply")
-    env = {**planner_env, "GITHUB_OUTPUT": str(tmp_path / "github-output"),
-           # `planner` as the runner finds it once the wheel is installed.
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **planner_env,
+        "GITHUB_OUTPUT": str(tmp_path / "github-output"),
+        # `planner` as the runner finds it once the wheel is installed.
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     Path(env["GITHUB_OUTPUT"]).touch()
     yield Pipeline(forge, scripts(job_names[0]), scripts(job_names[1]), tmp_path / "repo", env)
     forget_models(cluster, *(f"ci-{forge}-{m}" for m in "abc"))
 
 
 def test_the_pipelines_plan_apply_prune_and_fail_on_an_unplaceable_model(
-        pipeline: Pipeline, cluster: Cluster, tiny_model: Path) -> None:
+    pipeline: Pipeline, cluster: Cluster, tiny_model: Path
+) -> None:
     assert pipeline.plan and pipeline.apply, "no planner command found in the example"
     prefix = f"ci-{pipeline.forge}"
     pipeline.checkout.mkdir()
@@ -161,8 +178,7 @@ def test_the_pipelines_plan_apply_prune_and_fail_on_an_unplaceable_model(
     assert job["Version"] > version and "1024" in json.dumps(job["TaskGroups"])
     assert prefix + "-b" not in {j["ID"] for j in nomad_get(cluster, "/v1/jobs")}
     assert pipeline.run(pipeline.plan).returncode == 0
-    assert (pipeline.checkout / "plan.md").read_text().startswith(
-        "### llmgw plan: no changes\n")
+    assert (pipeline.checkout / "plan.md").read_text().startswith("### llmgw plan: no changes\n")
     if pipeline.forge == "github":
         assert pipeline.plan_exitcode() == "0"
 

@@ -24,13 +24,18 @@ from tests.support.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.integration
 
 CONTEXT = 512
-PROFILE = (f"context: {CONTEXT}\n  cpu: 100\n  memory: 512MiB\n"
-           '  args: ["--threads", "1", "--parallel", "2"]')
+PROFILE = (
+    f"context: {CONTEXT}\n  cpu: 100\n  memory: 512MiB\n"
+    '  args: ["--threads", "1", "--parallel", "2"]'
+)
 
 
 def completion(router: str, model: str, prompt: str, **extra: object) -> dict:
-    return http_json(f"{router}/v1/completions",
-                     {"model": model, "prompt": prompt, "max_tokens": 8, **extra}, timeout=60)
+    return http_json(
+        f"{router}/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": 8, **extra},
+        timeout=60,
+    )
 
 
 def router_serves(router: str, model: str) -> bool:
@@ -44,15 +49,17 @@ def router_serves(router: str, model: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def slotted(cluster: Cluster, planner: Callable, router: str,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def slotted(
+    cluster: Cluster, planner: Callable, router: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """A model of the slow test model (it streams for seconds: two requests overlap)
     with 2 slots of CONTEXT tokens; yields its replica's host:port."""
     folder = tmp_path_factory.mktemp("slots")
     slow = write_tiny_gguf(folder / "slow.gguf", width=512, layers=8)
     (folder / "models").mkdir()
     (folder / "models" / "slots.yaml").write_text(
-        f"name: ctx-slots\nsource: file://{slow}\nprofile:\n  {PROFILE}\nreplicas: 1\n")
+        f"name: ctx-slots\nsource: file://{slow}\nprofile:\n  {PROFILE}\nreplicas: 1\n"
+    )
     result = planner("apply", str(folder / "models"), "--wait", "--timeout", "180")
     assert result.returncode == 0, result.stdout + result.stderr
     [endpoint] = passing_endpoints(cluster, "llmgw-ctx-slots")
@@ -87,14 +94,22 @@ def test_a_prompt_beyond_the_context_gets_400_naming_it(router: str, slotted: st
 def test_two_requests_run_at_once(router: str, slotted: str) -> None:
     # Both streams have their first token before either has its last: with one slot,
     # llama-server would start the second only after the first ended.
-    body = json.dumps({"model": "ctx-slots", "prompt": "go", "max_tokens": 400,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": "ctx-slots",
+            "prompt": "go",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     spans: list[tuple[float, float, int]] = []
     both_sent = threading.Barrier(2)
 
     def stream() -> None:
-        request = urllib.request.Request(f"{router}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{router}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         both_sent.wait(10)
         with urllib.request.urlopen(request, timeout=120) as response:
             times = [time.monotonic() for line in response if line.startswith(b"data: {")]

@@ -50,8 +50,13 @@ CONFIG_PREFIX = "llmgw-config"
 
 def _request(url: str, method: str, body: Any = None) -> None:
     """`body`: sent as it is when a string (a Consul KV value), else as JSON."""
-    data = body.encode() if isinstance(body, str) else None if body is None \
+    data = (
+        body.encode()
+        if isinstance(body, str)
+        else None
+        if body is None
         else json.dumps(body).encode()
+    )
     request = urllib.request.Request(url, data=data, method=method)
     with urllib.request.urlopen(request, timeout=10) as response:
         response.read()
@@ -65,8 +70,11 @@ def put_settings(cluster: Cluster, job: str, settings: dict[str, str]) -> None:
 
 def put_tokens(cluster: Cluster, job: str, tokens: dict[str, str]) -> None:
     """The Nomad variable nomad/jobs/<job>, whose *_TOKEN items the jobs' template reads."""
-    _request(f"{cluster.nomad_addr}/v1/var/nomad/jobs/{job}", "PUT",
-             {"Namespace": "default", "Path": f"nomad/jobs/{job}", "Items": tokens})
+    _request(
+        f"{cluster.nomad_addr}/v1/var/nomad/jobs/{job}",
+        "PUT",
+        {"Namespace": "default", "Path": f"nomad/jobs/{job}", "Items": tokens},
+    )
 
 
 def nomad_run(cluster: Cluster, jobspec: str, variables: dict[str, Any]) -> int:
@@ -74,8 +82,13 @@ def nomad_run(cluster: Cluster, jobspec: str, variables: dict[str, Any]) -> int:
     argv = [str(BIN / "nomad"), "job", "run", "-detach"]
     for name, value in variables.items():
         argv += ["-var", f"{name}={value}"]
-    done = subprocess.run([*argv, str(ROOT / "jobspecs" / jobspec)], capture_output=True,
-                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", **cluster.env})
+    done = subprocess.run(
+        [*argv, str(ROOT / "jobspecs" / jobspec)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", **cluster.env},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     job = Path(jobspec).name.removesuffix(".nomad.hcl")
     return nomad_get(cluster, f"/v1/job/llmgw-{job}")["Version"]
@@ -89,8 +102,10 @@ def deployed(cluster: Cluster, job: str, version: int, timeout: float = 300) -> 
         if deployment is None or deployment["JobVersion"] != version:
             return None
         if deployment["Status"] in ("failed", "cancelled"):
-            pytest.fail(f"{job} v{version}: deployment {deployment['Status']}: "
-                        f"{deployment['StatusDescription']}; {allocation_events(cluster, job)}")
+            pytest.fail(
+                f"{job} v{version}: deployment {deployment['Status']}: "
+                f"{deployment['StatusDescription']}; {allocation_events(cluster, job)}"
+            )
         return deployment if deployment["Status"] == "successful" else None
 
     return wait_for(successful, timeout, f"{job} v{version} deployed")
@@ -98,15 +113,21 @@ def deployed(cluster: Cluster, job: str, version: int, timeout: float = 300) -> 
 
 def allocation_events(cluster: Cluster, job: str) -> list[str]:
     """The last task events of the job's allocations, for a failure message."""
-    return [f"{a['ID'][:8]} {task}: {state['Events'][-1]['DisplayMessage']}"
-            for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
-            for task, state in (a.get("TaskStates") or {}).items() if state["Events"]]
+    return [
+        f"{a['ID'][:8]} {task}: {state['Events'][-1]['DisplayMessage']}"
+        for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
+        for task, state in (a.get("TaskStates") or {}).items()
+        if state["Events"]
+    ]
 
 
 def running_versions(cluster: Cluster, job: str) -> dict[str, int]:
     """{allocation ID: job version} of the job's allocations that run and should."""
-    return {a["ID"]: a["JobVersion"] for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
-            if a["DesiredStatus"] == "run" and a["ClientStatus"] == "running"}
+    return {
+        a["ID"]: a["JobVersion"]
+        for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
+        if a["DesiredStatus"] == "run" and a["ClientStatus"] == "running"
+    }
 
 
 def purge(cluster: Cluster, *jobs: str) -> None:
@@ -133,13 +154,20 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def install_vars(dist: str) -> dict[str, str]:
     """The jobspecs' variables for this cluster's node: the wheel, the wheelhouse, the
     Python that makes the venvs."""
-    return {"wheel_url": dist, "wheelhouse_url": dist.rsplit("/", 1)[0] + "/wheelhouse/",
-            "python": base_python()}
+    return {
+        "wheel_url": dist,
+        "wheelhouse_url": dist.rsplit("/", 1)[0] + "/wheelhouse/",
+        "python": base_python(),
+    }
 
 
 @pytest.fixture(scope="module")
-def jobs(cluster: Cluster, planner_env: dict[str, str], planner_daemon: PlannerDaemon,
-         install_vars: dict[str, str]) -> Iterator[dict[str, int]]:
+def jobs(
+    cluster: Cluster,
+    planner_env: dict[str, str],
+    planner_daemon: PlannerDaemon,
+    install_vars: dict[str, str],
+) -> Iterator[dict[str, int]]:
     """Both jobs running, deployed; yields {job: version}. The session's own `planner
     serve` stands aside meanwhile, so the planner job's two instances are the only
     candidates for leader."""
@@ -152,10 +180,14 @@ def jobs(cluster: Cluster, planner_env: dict[str, str], planner_daemon: PlannerD
         put_tokens(cluster, PLANNER_JOB, {"LLMGW_ADMIN_TOKEN": ADMIN_TOKEN})
         put_tokens(cluster, ROUTER_JOB, {"LLMGW_PLANNER_TOKEN": ADMIN_TOKEN})
         versions = {
-            PLANNER_JOB: nomad_run(cluster, "planner.nomad.hcl", {
-                **install_vars, **addresses, "nomad_addr": cluster.nomad_addr}),
-            ROUTER_JOB: nomad_run(cluster, "router.nomad.hcl", {
-                **install_vars, **addresses, "instances": 2}),
+            PLANNER_JOB: nomad_run(
+                cluster,
+                "planner.nomad.hcl",
+                {**install_vars, **addresses, "nomad_addr": cluster.nomad_addr},
+            ),
+            ROUTER_JOB: nomad_run(
+                cluster, "router.nomad.hcl", {**install_vars, **addresses, "instances": 2}
+            ),
         }
         for job, version in versions.items():
             deployed(cluster, job, version)
@@ -168,8 +200,10 @@ def jobs(cluster: Cluster, planner_env: dict[str, str], planner_daemon: PlannerD
 
 def planner_roles(cluster: Cluster) -> dict[str, str]:
     """{admin address: role} of every passing planner instance, from its /health."""
-    return {address: http_json(f"http://{address}/health", timeout=5)["role"]
-            for address in passing_endpoints(cluster, PLANNER_SERVICE)}
+    return {
+        address: http_json(f"http://{address}/health", timeout=5)["role"]
+        for address in passing_endpoints(cluster, PLANNER_SERVICE)
+    }
 
 
 def leader_address(cluster: Cluster) -> str:
@@ -179,29 +213,46 @@ def leader_address(cluster: Cluster) -> str:
 
 def one_leader(cluster: Cluster) -> str:
     """Wait until both planner instances pass, one of them leading; its address."""
-    roles = wait_for(lambda: (r := planner_roles(cluster)) and len(r) == 2
-                     and sorted(r.values()) == ["follower", "leader"] and r, 120,
-                     "two planner instances, one leading")
+    roles = wait_for(
+        lambda: (
+            (r := planner_roles(cluster))
+            and len(r) == 2
+            and sorted(r.values()) == ["follower", "leader"]
+            and r
+        ),
+        120,
+        "two planner instances, one leading",
+    )
     [leader] = [address for address, role in roles.items() if role == "leader"]
     assert leader_address(cluster) == f"http://{leader}"
     return leader
 
 
-def test_two_planner_instances_one_leader_one_standby(cluster: Cluster,
-                                                      jobs: dict[str, int]) -> None:
+def test_two_planner_instances_one_leader_one_standby(
+    cluster: Cluster, jobs: dict[str, int]
+) -> None:
     leader = one_leader(cluster)
     allocations = nomad_get(cluster, f"/v1/job/{PLANNER_JOB}/allocations")
-    [leading] = [a["ID"] for a in allocations if a["DesiredStatus"] == "run"
-                 and _alloc_port(cluster, a["ID"]) == int(leader.rsplit(":", 1)[1])]
+    [leading] = [
+        a["ID"]
+        for a in allocations
+        if a["DesiredStatus"] == "run"
+        and _alloc_port(cluster, a["ID"]) == int(leader.rsplit(":", 1)[1])
+    ]
     # The leader's allocation is stopped (a drained node, a lost one): the standby
     # takes the lock, and Nomad places a new standby.
     started = time.monotonic()
     _request(f"{cluster.nomad_addr}/v1/allocation/{leading}/stop", "POST")
-    successor = wait_for(lambda: (a := leader_address(cluster)) != f"http://{leader}" and a,
-                         30, "the standby to lead")
+    successor = wait_for(
+        lambda: (a := leader_address(cluster)) != f"http://{leader}" and a,
+        30,
+        "the standby to lead",
+    )
     took = time.monotonic() - started
-    print(f"planner failover: {successor} leads {took:.1f} s after the leader's "
-          f"allocation was stopped")
+    print(
+        f"planner failover: {successor} leads {took:.1f} s after the leader's "
+        f"allocation was stopped"
+    )
     assert one_leader(cluster) == successor.removeprefix("http://")
     assert len(running_versions(cluster, PLANNER_JOB)) == 2
 
@@ -216,36 +267,52 @@ def _alloc_port(cluster: Cluster, alloc_id: str) -> int | None:
 
 
 def completion(router: str) -> dict:
-    return http_json(f"http://{router}/v1/completions",
-                     {"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=60)
+    return http_json(
+        f"http://{router}/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 4},
+        timeout=60,
+    )
 
 
-def test_the_router_job_serves_the_model(cluster: Cluster, jobs: dict[str, int],
-                                        model_files: Callable[..., Path],
-                                        planner: Callable[..., subprocess.CompletedProcess[str]],
-                                        planner_env: dict[str, str]) -> None:
+def test_the_router_job_serves_the_model(
+    cluster: Cluster,
+    jobs: dict[str, int],
+    model_files: Callable[..., Path],
+    planner: Callable[..., subprocess.CompletedProcess[str]],
+    planner_env: dict[str, str],
+) -> None:
     applied = planner("apply", "--wait", "--timeout", "120", str(model_files(MODEL)))
     assert applied.returncode == 0, applied.stdout + applied.stderr
     # The setting from Consul KV reached the planner job: its model job runs the
     # engine LLMGW_ENGINES names (not the default /opt/llmgw/bin/llama-server).
     [task] = nomad_get(cluster, f"/v1/job/{MODEL}")["TaskGroups"][0]["Tasks"]
     assert f"llama.cpp={task['Config']['command']}" in planner_env["LLMGW_ENGINES"]
-    routers = wait_for(lambda: len(r := passing_endpoints(cluster, ROUTER_SERVICE)) == 2 and r,
-                       60, "two passing routers")
+    routers = wait_for(
+        lambda: len(r := passing_endpoints(cluster, ROUTER_SERVICE)) == 2 and r,
+        60,
+        "two passing routers",
+    )
     for router in routers:
-        answer = wait_for(lambda router=router: completion(router), 30,
-                          f"a completion through the router at {router}")
+        answer = wait_for(
+            lambda router=router: completion(router),
+            30,
+            f"a completion through the router at {router}",
+        )
         assert answer["choices"][0]["text"] is not None
         assert answer["model"] == MODEL
     # The tokens from the Nomad variables: the routers report usage to the leader
     # they found through Consul with LLMGW_PLANNER_TOKEN, which the leader accepts
     # only as its own LLMGW_ADMIN_TOKEN, and it records the model's last use.
-    wait_for(lambda: http_json(f"{cluster.consul_addr}/v1/kv/llmgw/usage/{MODEL}"), 60,
-             "the routers' usage report, recorded by the leader")
+    wait_for(
+        lambda: http_json(f"{cluster.consul_addr}/v1/kv/llmgw/usage/{MODEL}"),
+        60,
+        "the routers' usage report, recorded by the leader",
+    )
 
 
 def test_a_router_job_update_rolls_without_a_failed_request(
-        cluster: Cluster, jobs: dict[str, int], install_vars: dict[str, str]) -> None:
+    cluster: Cluster, jobs: dict[str, int], install_vars: dict[str, str]
+) -> None:
     if not passing_endpoints(cluster, f"llmgw-{MODEL}"):
         pytest.skip("needs the model test_the_router_job_serves_the_model applies")
     before = running_versions(cluster, ROUTER_JOB)
@@ -262,20 +329,32 @@ def test_a_router_job_update_rolls_without_a_failed_request(
     with steady(through_a_passing_router, interval=0.1) as codes:
         wait_for(lambda: len(codes) >= 5, 60, "the client's first requests")
         started = time.monotonic()
-        version = nomad_run(cluster, "router.nomad.hcl", {
-            **install_vars, "consul_addr": cluster.env["CONSUL_HTTP_ADDR"], "instances": 2,
-            "settings_version": "2"})
+        version = nomad_run(
+            cluster,
+            "router.nomad.hcl",
+            {
+                **install_vars,
+                "consul_addr": cluster.env["CONSUL_HTTP_ADDR"],
+                "instances": 2,
+                "settings_version": "2",
+            },
+        )
         assert version == jobs[ROUTER_JOB] + 1
         deployed(cluster, ROUTER_JOB, version)
         # Until every old instance has left (after its shutdown delay and drain).
-        wait_for(lambda: not set(before) & set(running_versions(cluster, ROUTER_JOB)), 120,
-                 "the old router instances gone")
+        wait_for(
+            lambda: not set(before) & set(running_versions(cluster, ROUTER_JOB)),
+            120,
+            "the old router instances gone",
+        )
         took = time.monotonic() - started
         sent = len(codes)
         wait_for(lambda: len(codes) >= sent + 5, 60, "requests to the new instances")
     failed = [code for code in codes if code != 200]
-    print(f"router update: deployed and old instances gone in {took:.0f} s; "
-          f"{len(codes)} requests, {len(failed)} failed")
+    print(
+        f"router update: deployed and old instances gone in {took:.0f} s; "
+        f"{len(codes)} requests, {len(failed)} failed"
+    )
     assert not failed, f"{len(failed)} of {len(codes)} requests failed: {failed}"
     after = running_versions(cluster, ROUTER_JOB)
     assert len(after) == 2 and set(after.values()) == {version}, after

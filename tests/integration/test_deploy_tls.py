@@ -62,14 +62,23 @@ def install_vars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     wheel = build_wheel(folder)
     build_wheelhouse(wheel, folder / "wheelhouse")
     with serve_folder(folder) as url:
-        yield {"wheel_url": f"{url}/{wheel.name}", "wheelhouse_url": f"{url}/wheelhouse/",
-               "python": base_python()}
+        yield {
+            "wheel_url": f"{url}/{wheel.name}",
+            "wheelhouse_url": f"{url}/wheelhouse/",
+            "python": base_python(),
+        }
 
 
 def cli(cluster: Cluster, *argv: str) -> None:
     """The `nomad` or `consul` CLI, with the cluster's TLS variables."""
-    done = subprocess.run([str(BIN / argv[0]), *argv[1:]], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **cluster.env})
+    done = subprocess.run(
+        [str(BIN / argv[0]), *argv[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **cluster.env},
+    )
     assert done.returncode == 0, f"{argv}: {done.stdout}{done.stderr}"
 
 
@@ -83,8 +92,9 @@ def nomad_run(cluster: Cluster, jobspec: str, variables: dict[str, Any]) -> None
 def put_variable(cluster: Cluster, job: str, items: dict[str, str]) -> None:
     """The Nomad variable nomad/jobs/<job>, over the agent's HTTPS API."""
     body = json.dumps({"Namespace": "default", "Path": f"nomad/jobs/{job}", "Items": items})
-    request = urllib.request.Request(f"{cluster.nomad_addr}/v1/var/nomad/jobs/{job}",
-                                     data=body.encode(), method="PUT")
+    request = urllib.request.Request(
+        f"{cluster.nomad_addr}/v1/var/nomad/jobs/{job}", data=body.encode(), method="PUT"
+    )
     with urllib.request.urlopen(request, timeout=10, context=client_context(cluster)):
         pass
 
@@ -98,9 +108,13 @@ def tls_vars(cluster: Cluster) -> dict[str, str]:
     """Both jobs' variables for TLS to this cluster's agents: paths on the node."""
     files = cluster.tls
     assert files is not None
-    return {"consul_addr": cluster.env["CONSUL_HTTP_ADDR"], "consul_ssl": "true",
-            "consul_cacert": str(files.ca), "consul_client_cert": str(files.client_cert),
-            "consul_client_key": str(files.client_key)}
+    return {
+        "consul_addr": cluster.env["CONSUL_HTTP_ADDR"],
+        "consul_ssl": "true",
+        "consul_cacert": str(files.ca),
+        "consul_client_cert": str(files.client_cert),
+        "consul_client_key": str(files.client_key),
+    }
 
 
 def deployed(cluster: Cluster, job: str, timeout: float = 300) -> None:
@@ -108,8 +122,12 @@ def deployed(cluster: Cluster, job: str, timeout: float = 300) -> None:
         deployment = agent_json(cluster, f"{cluster.nomad_addr}/v1/job/{job}/deployment")
         if deployment and deployment["Status"] in ("failed", "cancelled"):
             allocations = agent_json(cluster, f"{cluster.nomad_addr}/v1/job/{job}/allocations")
-            events = [state["Events"][-1]["DisplayMessage"] for a in allocations
-                      for state in (a.get("TaskStates") or {}).values() if state["Events"]]
+            events = [
+                state["Events"][-1]["DisplayMessage"]
+                for a in allocations
+                for state in (a.get("TaskStates") or {}).values()
+                if state["Events"]
+            ]
             pytest.fail(f"{job}: deployment {deployment['Status']}: {events}")
         return bool(deployment) and deployment["Status"] == "successful"
 
@@ -117,34 +135,63 @@ def deployed(cluster: Cluster, job: str, timeout: float = 300) -> None:
 
 
 def test_the_jobs_reach_tls_agents_and_the_planner_advertises_https(
-        tls_cluster: Cluster, ca: TlsCA, binaries: Path,
-        install_vars: dict[str, str]) -> None:
+    tls_cluster: Cluster, ca: TlsCA, binaries: Path, install_vars: dict[str, str]
+) -> None:
     files = tls_cluster.tls
     assert files is not None
     planner_cert, planner_key = issue(ca, ca.ca_cert.parent, "planner")
-    for key, value in {"LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'}",
-                       "LLMGW_TLS_CERT": str(planner_cert), "LLMGW_TLS_KEY": str(planner_key),
-                       "LLMGW_PLANNER_CACERT": str(ca.ca_cert)}.items():
+    for key, value in {
+        "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'}",
+        "LLMGW_TLS_CERT": str(planner_cert),
+        "LLMGW_TLS_KEY": str(planner_key),
+        "LLMGW_PLANNER_CACERT": str(ca.ca_cert),
+    }.items():
         cli(tls_cluster, "consul", "kv", "put", f"{CONFIG_PREFIX}/{PLANNER_JOB}/{key}", value)
-    cli(tls_cluster, "nomad", "var", "put", f"nomad/jobs/{PLANNER_JOB}",
-        f"LLMGW_ADMIN_TOKEN={ADMIN_TOKEN}")
+    cli(
+        tls_cluster,
+        "nomad",
+        "var",
+        "put",
+        f"nomad/jobs/{PLANNER_JOB}",
+        f"LLMGW_ADMIN_TOKEN={ADMIN_TOKEN}",
+    )
     # The router's TLS files travel as PEM text in its Nomad variable instead (items
     # <VARIABLE>_PEM): the job writes them to secrets/ and points the variables at them.
-    put_variable(tls_cluster, ROUTER_JOB, {
-        "LLMGW_PLANNER_TOKEN": ADMIN_TOKEN,
-        "CONSUL_CACERT_PEM": files.ca.read_text(),
-        "CONSUL_CLIENT_CERT_PEM": files.client_cert.read_text(),
-        "CONSUL_CLIENT_KEY_PEM": files.client_key.read_text(),
-        "LLMGW_PLANNER_CACERT_PEM": ca.ca_cert.read_text()})
+    put_variable(
+        tls_cluster,
+        ROUTER_JOB,
+        {
+            "LLMGW_PLANNER_TOKEN": ADMIN_TOKEN,
+            "CONSUL_CACERT_PEM": files.ca.read_text(),
+            "CONSUL_CLIENT_CERT_PEM": files.client_cert.read_text(),
+            "CONSUL_CLIENT_KEY_PEM": files.client_key.read_text(),
+            "LLMGW_PLANNER_CACERT_PEM": ca.ca_cert.read_text(),
+        },
+    )
 
-    nomad_run(tls_cluster, "planner.nomad.hcl", {
-        **install_vars, **tls_vars(tls_cluster), "instances": 1,
-        "nomad_addr": tls_cluster.nomad_addr, "nomad_cacert": str(files.ca),
-        "nomad_client_cert": str(files.client_cert),
-        "nomad_client_key": str(files.client_key)})
-    nomad_run(tls_cluster, "router.nomad.hcl", {
-        **install_vars, "consul_addr": tls_cluster.env["CONSUL_HTTP_ADDR"],
-        "consul_ssl": "true", "instances": 1})
+    nomad_run(
+        tls_cluster,
+        "planner.nomad.hcl",
+        {
+            **install_vars,
+            **tls_vars(tls_cluster),
+            "instances": 1,
+            "nomad_addr": tls_cluster.nomad_addr,
+            "nomad_cacert": str(files.ca),
+            "nomad_client_cert": str(files.client_cert),
+            "nomad_client_key": str(files.client_key),
+        },
+    )
+    nomad_run(
+        tls_cluster,
+        "router.nomad.hcl",
+        {
+            **install_vars,
+            "consul_addr": tls_cluster.env["CONSUL_HTTP_ADDR"],
+            "consul_ssl": "true",
+            "instances": 1,
+        },
+    )
     deployed(tls_cluster, PLANNER_JOB)
     deployed(tls_cluster, ROUTER_JOB)
 
@@ -164,14 +211,24 @@ def test_the_jobs_reach_tls_agents_and_the_planner_advertises_https(
 
     # Ready: the leader reconciled with Nomad's jobs, read over TLS with its client
     # certificate.
-    assert wait_for(lambda: (h := health())["ready"] and h, 60,
-                    "the leader reconciled with Nomad")["role"] == "leader"
+    assert (
+        wait_for(lambda: (h := health())["ready"] and h, 60, "the leader reconciled with Nomad")[
+            "role"
+        ]
+        == "leader"
+    )
 
     # The router read Consul over TLS: its check passes (200 once it has read Consul).
-    passing = wait_for(lambda: agent_json(
-        tls_cluster, f"{tls_cluster.consul_addr}/v1/health/service/{ROUTER_SERVICE}"
-        "?passing=true"), 60, "the router job's instance passing its check")
+    passing = wait_for(
+        lambda: agent_json(
+            tls_cluster,
+            f"{tls_cluster.consul_addr}/v1/health/service/{ROUTER_SERVICE}?passing=true",
+        ),
+        60,
+        "the router job's instance passing its check",
+    )
     service = passing[0]["Service"]
-    with urllib.request.urlopen(f"http://{service['Address']}:{service['Port']}/health",
-                                timeout=10) as answer:
+    with urllib.request.urlopen(
+        f"http://{service['Address']}:{service['Port']}/health", timeout=10
+    ) as answer:
         assert answer.status == 200

@@ -20,8 +20,9 @@ from tests.conftest import http_json, nomad_get, own_cluster, wait_for
 
 pytestmark = pytest.mark.integration
 
-NODE_B = ClientNode("node-b", env={"LLMGW_FAKE_FAULT": "missing-model"},
-                    meta={"llmgw_test_node": "b"})
+NODE_B = ClientNode(
+    "node-b", env={"LLMGW_FAKE_FAULT": "missing-model"}, meta={"llmgw_test_node": "b"}
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,10 @@ def pinned(node: str) -> str:
 
 
 def test_both_nodes_ready_each_with_its_own_identity(two_nodes: Cluster) -> None:
-    nodes = {n["Name"]: nomad_get(two_nodes, f"/v1/node/{n['ID']}")
-             for n in nomad_get(two_nodes, "/v1/nodes")}
+    nodes = {
+        n["Name"]: nomad_get(two_nodes, f"/v1/node/{n['ID']}")
+        for n in nomad_get(two_nodes, "/v1/nodes")
+    }
 
     assert set(nodes) == set(two_nodes.node_names) == {two_nodes.node_name, "node-b"}
     for node in nodes.values():
@@ -62,7 +65,8 @@ def test_both_nodes_ready_each_with_its_own_identity(two_nodes: Cluster) -> None
 
 
 def test_raw_exec_task_inherits_its_node_agents_environment(two_nodes: Cluster) -> None:
-    groups = "\n".join(f"""
+    groups = "\n".join(
+        f"""
 group "{name}" {{
   {pinned(node)}
   task "echo" {{
@@ -76,15 +80,22 @@ group "{name}" {{
       memory = 32
     }}
   }}
-}}""" for name, node in (("on-b", "node-b"), ("on-dev", two_nodes.node_name)))
+}}"""
+        for name, node in (("on-b", "node-b"), ("on-dev", two_nodes.node_name))
+    )
     job_id = run_job(two_nodes, f'job "env-probe" {{\n  type = "batch"\n{groups}\n}}')
 
-    done = wait_for(lambda: len(found := allocations(two_nodes, job_id, "complete")) == 2
-                    and found, 60, "both probes to complete")
+    done = wait_for(
+        lambda: len(found := allocations(two_nodes, job_id, "complete")) == 2 and found,
+        60,
+        "both probes to complete",
+    )
 
     def stdout(alloc: dict) -> str:
-        url = (f"{two_nodes.nomad_addr}/v1/client/fs/logs/{alloc['ID']}"
-               "?task=echo&type=stdout&plain=true")
+        url = (
+            f"{two_nodes.nomad_addr}/v1/client/fs/logs/{alloc['ID']}"
+            "?task=echo&type=stdout&plain=true"
+        )
         with urllib.request.urlopen(url, timeout=10) as response:
             return response.read().decode().strip()
 
@@ -94,7 +105,9 @@ group "{name}" {{
 
 def test_service_spreads_over_both_nodes_and_passes_its_check(two_nodes: Cluster) -> None:
     service = "devcluster-web"
-    job_id = run_job(two_nodes, f"""
+    job_id = run_job(
+        two_nodes,
+        f"""
 job "web" {{
   group "web" {{
     count = 2
@@ -127,15 +140,22 @@ job "web" {{
       }}
     }}
   }}
-}}""")
+}}""",
+    )
     health = f"{two_nodes.consul_addr}/v1/health/service/{service}?passing=true"
 
     # Consul can pass a check before Nomad's server hears the allocation is running
     # (clients batch their allocation updates): wait for both. 60 s covers a Consul
     # client agent that syncs a check 15-30 s late (see devcluster/cluster.py).
-    passing = wait_for(lambda: len(found := http_json(health)) == 2
-                       and len(allocations(two_nodes, job_id, "running")) == 2 and found,
-                       60, "two running allocations, passing in Consul")
+    passing = wait_for(
+        lambda: (
+            len(found := http_json(health)) == 2
+            and len(allocations(two_nodes, job_id, "running")) == 2
+            and found
+        ),
+        60,
+        "two running allocations, passing in Consul",
+    )
 
     assert set(allocations(two_nodes, job_id, "running")) == {two_nodes.node_name, "node-b"}
     # Each instance is registered by its own node's Consul agent: one Consul agent
@@ -149,7 +169,9 @@ job "web" {{
 
 def test_down_leaves_no_process_mount_or_cgroup(two_nodes: Cluster) -> None:
     """Last in this module: it stops the module's cluster."""
-    job_id = run_job(two_nodes, """
+    job_id = run_job(
+        two_nodes,
+        """
 job "sleeper" {
   group "sleep" {
     count = 2
@@ -169,21 +191,35 @@ job "sleeper" {
       }
     }
   }
-}""")
-    wait_for(lambda: len(allocations(two_nodes, job_id, "running")) == 2, 60,
-             "a sleeper on each node")
-    sleepers = [pid for pid in leftovers(two_nodes.root)
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/sleep\0")]
+}""",
+    )
+    wait_for(
+        lambda: len(allocations(two_nodes, job_id, "running")) == 2, 60, "a sleeper on each node"
+    )
+    sleepers = [
+        pid
+        for pid in leftovers(two_nodes.root)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/sleep\0")
+    ]
     assert len(sleepers) == 2
-    parents = [nomad_get(two_nodes, f"/v1/node/{n['ID']}")["CgroupParent"]
-               for n in nomad_get(two_nodes, "/v1/nodes")]
+    parents = [
+        nomad_get(two_nodes, f"/v1/node/{n['ID']}")["CgroupParent"]
+        for n in nomad_get(two_nodes, "/v1/nodes")
+    ]
 
     down(two_nodes)
 
     assert leftovers(two_nodes.root) == []
     assert not any(status(two_nodes).values())
     root = str(two_nodes.root.resolve()) + "/"
-    assert not [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-                if line.split()[4].startswith(root)]
-    assert not [p for p in parents for base in ("/sys/fs/cgroup/cpuset", "/sys/fs/cgroup")
-                if Path(base + p).exists()]
+    assert not [
+        line
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(root)
+    ]
+    assert not [
+        p
+        for p in parents
+        for base in ("/sys/fs/cgroup/cpuset", "/sys/fs/cgroup")
+        if Path(base + p).exists()
+    ]

@@ -130,57 +130,100 @@ def kv_state(cluster: Cluster, name: str) -> StateDocument:
 def burst(cluster: Cluster, count: int) -> None:
     """`count` evaluations of a job that places nothing: each one Raft index or more
     of Evaluation events, none of them the model's."""
-    job: dict = {"Job": {"ID": "gap-burst", "Name": "gap-burst", "Type": "service",
-                   "Datacenters": ["*"], "TaskGroups": [{
-                       "Name": "g", "Count": 0, "Tasks": [{
-                           "Name": "t", "Driver": "raw_exec",
-                           "Config": {"command": "/bin/true"}}]}]}}
+    job: dict = {
+        "Job": {
+            "ID": "gap-burst",
+            "Name": "gap-burst",
+            "Type": "service",
+            "Datacenters": ["*"],
+            "TaskGroups": [
+                {
+                    "Name": "g",
+                    "Count": 0,
+                    "Tasks": [
+                        {"Name": "t", "Driver": "raw_exec", "Config": {"command": "/bin/true"}}
+                    ],
+                }
+            ],
+        }
+    }
     http_json(f"{cluster.nomad_addr}/v1/jobs", job)
     for _ in range(count):
         http_json(f"{cluster.nomad_addr}/v1/job/gap-burst/evaluate", {"JobID": "gap-burst"})
 
 
 def test_a_fifth_failure_lost_from_the_event_buffer_is_still_counted_and_parks(
-        binaries: Path, tiny_model: Path, tmp_path: Path) -> None:
+    binaries: Path, tiny_model: Path, tmp_path: Path
+) -> None:
     with own_cluster(tmp_path / "cluster", event_buffer_size=BUFFER) as cluster:
         gate = tmp_path / "gate"
         gate.mkdir()
-        engines = {"llama.cpp": str(binaries / "llama-server"),
-                   "gate-llama.cpp": str(gate_engine(gate, binaries / "llama-server"))}
-        env = {**os.environ, **cluster.env,
-               "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
-        folder = write_model(tmp_path / "m", NAME, tiny_model,
-                             profile=SMALL + "\n  engine: gate-llama.cpp")
-        applied = subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
-                                 env=env, capture_output=True, text=True, timeout=300)
+        engines = {
+            "llama.cpp": str(binaries / "llama-server"),
+            "gate-llama.cpp": str(gate_engine(gate, binaries / "llama-server")),
+        }
+        env = {
+            **os.environ,
+            **cluster.env,
+            "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items()),
+        }
+        folder = write_model(
+            tmp_path / "m", NAME, tiny_model, profile=SMALL + "\n  engine: gate-llama.cpp"
+        )
+        applied = subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert applied.returncode == 0, applied.stderr
         nomad = NomadClient(cluster.nomad_addr)
-        watcher = HeldWatcher(nomad, ConsulClient(cluster.consul_addr),
-                              Rules(stable_after_ns=20 * 10**9), reconcile_every=3600)
+        watcher = HeldWatcher(
+            nomad,
+            ConsulClient(cluster.consul_addr),
+            Rules(stable_after_ns=20 * 10**9),
+            reconcile_every=3600,
+        )
         started = time.monotonic()
         with running(watcher):
-            wait_for(lambda: kv_state(cluster, NAME).consecutive_failures == 4 and
-                     (gate / "starts").read_text().strip() == "5", 120,
-                     "4 failures counted from the stream, the 5th start waiting")
+            wait_for(
+                lambda: (
+                    kv_state(cluster, NAME).consecutive_failures == 4
+                    and (gate / "starts").read_text().strip() == "5"
+                ),
+                120,
+                "4 failures counted from the stream, the 5th start waiting",
+            )
             watcher.cut.set()
             burst(cluster, 1)  # an event, which breaks the stream
             assert watcher.held.wait(30)
-            wait_for(lambda: watcher.workers.pending() == 0, 30,
-                     "the passes the held reconcile asked for, done")
+            wait_for(
+                lambda: watcher.workers.pending() == 0,
+                30,
+                "the passes the held reconcile asked for, done",
+            )
             (gate / "go").touch()  # the 5th start fails now
-            wait_for(lambda: [a["ClientStatus"] for a in
-                              nomad.allocations(NAME)] == ["failed"], 60,
-                     "Nomad to give up on the model after its 5th start")
+            wait_for(
+                lambda: [a["ClientStatus"] for a in nomad.allocations(NAME)] == ["failed"],
+                60,
+                "Nomad to give up on the model after its 5th start",
+            )
             lost = kv_state(cluster, NAME)
             assert (lost.consecutive_failures, lost.parked) == (4, None)  # not seen yet
             burst(cluster, 5 * BUFFER)
             watcher.release.set()
-            wait_for(lambda: (nomad.job(NAME) or {}).get("Stop") is True, 60,
-                     "the model parked after the gap")
+            wait_for(
+                lambda: (nomad.job(NAME) or {}).get("Stop") is True,
+                60,
+                "the model parked after the gap",
+            )
             took = time.monotonic() - started
         state = kv_state(cluster, NAME)
         assert watcher.gaps >= 1
         assert state.parked is not None and state.consecutive_failures == 5, state
         assert starts(cluster, NAME) == 5
-        print(f"event gap: parked {took:.1f} s after the watcher started; gaps seen "
-              f"{watcher.gaps}, resets {watcher.resets}")
+        print(
+            f"event gap: parked {took:.1f} s after the watcher started; gaps seen "
+            f"{watcher.gaps}, resets {watcher.resets}"
+        )

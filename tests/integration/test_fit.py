@@ -21,8 +21,10 @@ pytestmark = pytest.mark.integration
 
 def registered(cluster: Cluster, name: str) -> bool:
     """Nomad has the job, or Consul the model's record."""
-    for url in (f"{cluster.nomad_addr}/v1/job/{name}",
-                f"{cluster.consul_addr}/v1/kv/llmgw/models/{name}"):
+    for url in (
+        f"{cluster.nomad_addr}/v1/job/{name}",
+        f"{cluster.consul_addr}/v1/kv/llmgw/models/{name}",
+    ):
         try:
             http_json(url)
             return True
@@ -32,29 +34,66 @@ def registered(cluster: Cluster, name: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("name", "args", "field", "expected"), [
-    ("c23-equals", '["--threads=1"]', "profile.args.0",
-     '\'--threads=1\' is one element; write the flag and its value as separate elements: '
-     '["--threads", "1"]'),
-    ("c23-space", '["--parallel", "1", "--threads 1"]', "profile.args.2",
-     '\'--threads 1\' is one element; write the flag and its value as separate elements: '
-     '["--threads", "1"]'),
-    ("c23-port", '["--port", "9"]', "profile.args.0",
-     "--port is set by the planner's job template; remove it and its value"),
-    ("c23-ctx", '["--threads", "1", "-c", "8192"]', "profile.args.2",
-     "-c is set by the planner's job template; remove it and its value (set "
-     "`profile.context` instead)"),
-    ("c23-blank", '["--parallel", "1", " --threads", "1"]', "profile.args.2",
-     "argument ' --threads' has spaces around the flag; write '--threads'"),
-    ("c23-hff", '["-hff", "other.gguf"]', "profile.args.0",
-     "-hff loads weights other than `source`'s, which the planner neither verifies, fits "
-     "nor places: the model file comes from `source`; remove it and its value"),
-    ("c23-ctk", '["-ctk", "q3_k"]', "profile.args.1",
-     "expected a cache type, one of f32, f16, bf16, q8_0"),
-])
+@pytest.mark.parametrize(
+    ("name", "args", "field", "expected"),
+    [
+        (
+            "c23-equals",
+            '["--threads=1"]',
+            "profile.args.0",
+            "'--threads=1' is one element; write the flag and its value as separate elements: "
+            '["--threads", "1"]',
+        ),
+        (
+            "c23-space",
+            '["--parallel", "1", "--threads 1"]',
+            "profile.args.2",
+            "'--threads 1' is one element; write the flag and its value as separate elements: "
+            '["--threads", "1"]',
+        ),
+        (
+            "c23-port",
+            '["--port", "9"]',
+            "profile.args.0",
+            "--port is set by the planner's job template; remove it and its value",
+        ),
+        (
+            "c23-ctx",
+            '["--threads", "1", "-c", "8192"]',
+            "profile.args.2",
+            "-c is set by the planner's job template; remove it and its value (set "
+            "`profile.context` instead)",
+        ),
+        (
+            "c23-blank",
+            '["--parallel", "1", " --threads", "1"]',
+            "profile.args.2",
+            "argument ' --threads' has spaces around the flag; write '--threads'",
+        ),
+        (
+            "c23-hff",
+            '["-hff", "other.gguf"]',
+            "profile.args.0",
+            "-hff loads weights other than `source`'s, which the planner neither verifies, fits "
+            "nor places: the model file comes from `source`; remove it and its value",
+        ),
+        (
+            "c23-ctk",
+            '["-ctk", "q3_k"]',
+            "profile.args.1",
+            "expected a cache type, one of f32, f16, bf16, q8_0",
+        ),
+    ],
+)
 def test_c23_args_llama_server_rejects_are_refused_at_apply(
-        cluster: Cluster, planner: Callable, model_files: Callable[..., Path],
-        name: str, args: str, field: str, expected: str) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    model_files: Callable[..., Path],
+    name: str,
+    args: str,
+    field: str,
+    expected: str,
+) -> None:
     folder = model_files(name, profile=f"context: 512\n  memory: 256MiB\n  args: {args}")
 
     result = planner("apply", str(folder), "--output", "json")
@@ -68,35 +107,47 @@ def test_c23_args_llama_server_rejects_are_refused_at_apply(
 
 
 def test_a_profile_too_small_for_the_header_is_refused_reading_header_bytes_only(
-        cluster: Cluster, planner: Callable, model_files: Callable[..., Path],
-        test_ca: TlsCA, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    model_files: Callable[..., Path],
+    test_ca: TlsCA,
+    tmp_path: Path,
+) -> None:
     site = tmp_path / "site"
     site.mkdir()
     header = write_sparse_gguf(site / "llama-70b-f16.gguf")  # 128 GiB of weights, a hole
     server = serve_https(site, test_ca)
     try:
         source = f"{server.url}/llama-70b-f16.gguf"
-        folder = model_files("fit-cpu", source=source,
-                             profile="context: 8192\n  memory: 8GiB")
-        model_files("fit-gpu", source=source,
-                    profile="context: 8192\n  gpus: 2\n  gpu_memory: 24GiB\n  memory: 8GiB")
+        folder = model_files("fit-cpu", source=source, profile="context: 8192\n  memory: 8GiB")
+        model_files(
+            "fit-gpu",
+            source=source,
+            profile="context: 8192\n  gpus: 2\n  gpu_memory: 24GiB\n  memory: 8GiB",
+        )
         # 8 of its 80 layers on the GPU: 13.3 GiB of weights, KV cache and compute there, the
         # rest (117.9 GiB) in host memory.
-        model_files("fit-partial", source=source,
-                    profile='context: 8192\n  gpus: 1\n  gpu_memory: 24GiB\n  memory: 8GiB\n'
-                            '  args: ["-ngl", "8"]')
+        model_files(
+            "fit-partial",
+            source=source,
+            profile="context: 8192\n  gpus: 1\n  gpu_memory: 24GiB\n  memory: 8GiB\n"
+            '  args: ["-ngl", "8"]',
+        )
 
         result = planner("apply", str(folder))
 
         assert result.returncode == 2, result.stderr
         needs = "the model needs ≈ 131.3 GiB for 8192 tokens of context; profile gives"
-        assert f"{folder}/fit-cpu.yaml: profile.memory: {needs} 8 GiB (weights 128.5 GiB + " \
+        assert (
+            f"{folder}/fit-cpu.yaml: profile.memory: {needs} 8 GiB (weights 128.5 GiB + "
             "KV cache 2.5 GiB for 8192 tokens + " in result.stderr
-        assert f"{folder}/fit-gpu.yaml: profile.gpu_memory: {needs} 2 x 24 GiB (" \
-            in result.stderr
-        assert f"{folder}/fit-partial.yaml: profile.memory: with 8 of 80 layers on the GPU " \
-            "(--n-gpu-layers), the rest needs ≈ 117.9 GiB for 8192 tokens of context; profile " \
+        )
+        assert f"{folder}/fit-gpu.yaml: profile.gpu_memory: {needs} 2 x 24 GiB (" in result.stderr
+        assert (
+            f"{folder}/fit-partial.yaml: profile.memory: with 8 of 80 layers on the GPU "
+            "(--n-gpu-layers), the rest needs ≈ 117.9 GiB for 8192 tokens of context; profile "
             "gives 8 GiB" in result.stderr
+        )
         assert "fit-partial.yaml: profile.gpu_memory" not in result.stderr
         assert not registered(cluster, "fit-cpu") and not registered(cluster, "fit-gpu")
         assert server.requests == []  # no whole-file GET: nothing of the weights
@@ -107,33 +158,44 @@ def test_a_profile_too_small_for_the_header_is_refused_reading_header_bytes_only
 
 
 def test_context_beyond_training_and_an_unreachable_source_are_refused(
-        cluster: Cluster, planner: Callable, model_files: Callable[..., Path]) -> None:
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path]
+) -> None:
     folder = model_files("fit-long", profile="context: 16384\n  memory: 256MiB")
     model_files("fit-gone", source="https://127.0.0.1:1/gone.gguf", profile="memory: 1GiB")
 
     result = planner("apply", str(folder))
 
     assert result.returncode == 2, result.stderr
-    assert f"{folder}/fit-long.yaml: profile.context: 16384 tokens is more than the model " \
+    assert (
+        f"{folder}/fit-long.yaml: profile.context: 16384 tokens is more than the model "
         "was trained for (8192, its context_length)" in result.stderr
-    assert f"{folder}/fit-gone.yaml: source: https://127.0.0.1:1/gone.gguf is unreachable" \
+    )
+    assert (
+        f"{folder}/fit-gone.yaml: source: https://127.0.0.1:1/gone.gguf is unreachable"
         in result.stderr
+    )
     assert not registered(cluster, "fit-long") and not registered(cluster, "fit-gone")
 
 
 def test_dry_run_prints_each_models_estimate(
-        cluster: Cluster, planner: Callable, model_files: Callable[..., Path]) -> None:
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path]
+) -> None:
     folder = model_files("fit-dry", replicas=0)  # the tests' profile: 512 tokens, 256 MiB
-    model_files("fit-slots", replicas=0,  # issue 20, item 2: slots and context per request
-                profile='context: 256\n  memory: 256MiB\n  args: ["--parallel", "2"]')
+    model_files(
+        "fit-slots",
+        replicas=0,  # issue 20, item 2: slots and context per request
+        profile='context: 256\n  memory: 256MiB\n  args: ["--parallel", "2"]',
+    )
 
     table = planner("apply", str(folder), "--dry-run")
     assert table.returncode == 0, table.stderr
     rows = {line.split()[0]: line for line in table.stdout.splitlines() if line.split()}
     assert "slots x context" in rows["model"]
     assert "1 x 512 tokens" in rows["fit-dry"] and "2 x 256 tokens" in rows["fit-slots"]
-    assert "≈ 67 MiB (weights 451 KiB + KV cache 256 KiB for 512 tokens + compute 2 MiB + " \
+    assert (
+        "≈ 67 MiB (weights 451 KiB + KV cache 256 KiB for 512 tokens + compute 2 MiB + "
         "overhead 64 MiB)" in rows["fit-dry"]
+    )
     assert "KV cache 256 KiB for 2 slots x 256 tokens" in rows["fit-slots"]
 
     answer = planner("apply", str(folder), "--dry-run", "--output", "json")

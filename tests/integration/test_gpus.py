@@ -44,8 +44,10 @@ GPU_B = ClientNode("gpu-b", gpus=FakeGpus(count=1, memory_mib=81920, name="Fake 
 
 def gpu_profile(gpus: int, gpu_memory: str | None = None) -> str:
     memory = f"\n  gpu_memory: {gpu_memory}" if gpu_memory else ""
-    return (f'gpus: {gpus}{memory}\n  context: 512\n  cpu: 100\n  memory: 256MiB\n'
-            '  args: ["--threads", "1"]')
+    return (
+        f"gpus: {gpus}{memory}\n  context: 512\n  cpu: 100\n  memory: 256MiB\n"
+        '  args: ["--threads", "1"]'
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,15 @@ def gpu_cluster(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.fixture(scope="module")
-def gpu_planner(gpu_cluster: Cluster, binaries: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlannerDaemon]:
+def gpu_planner(
+    gpu_cluster: Cluster, binaries: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PlannerDaemon]:
     engines = write_engines(tmp_path_factory.mktemp("engines"), binaries / "llama-server")
-    env = {**os.environ, **gpu_cluster.env,
-           "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
+    env = {
+        **os.environ,
+        **gpu_cluster.env,
+        "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items()),
+    }
     daemon = PlannerDaemon(env, gpu_cluster.root / "planner.log")
     daemon.start()
     try:
@@ -69,8 +75,9 @@ def gpu_planner(gpu_cluster: Cluster, binaries: Path,
 
 
 @pytest.fixture
-def apply(gpu_cluster: Cluster, gpu_planner: PlannerDaemon, tiny_model: Path,
-          tmp_path: Path) -> Iterator[Callable[..., None]]:
+def apply(
+    gpu_cluster: Cluster, gpu_planner: PlannerDaemon, tiny_model: Path, tmp_path: Path
+) -> Iterator[Callable[..., None]]:
     """apply(name, profile, replicas=1, on_demand=False): write and apply one model;
     every model applied is released when the test ends."""
     applied: list[str] = []
@@ -78,14 +85,19 @@ def apply(gpu_cluster: Cluster, gpu_planner: PlannerDaemon, tiny_model: Path,
     def run(name: str, profile: str, replicas: int = 1, on_demand: bool = False) -> None:
         folder = tmp_path / name
         if on_demand:
-            on_demand_model(folder, name, f"file://{tiny_model}", profile=profile,
-                            replicas=replicas)
+            on_demand_model(
+                folder, name, f"file://{tiny_model}", profile=profile, replicas=replicas
+            )
         else:
             write_model(folder, name, tiny_model, replicas=replicas, profile=profile)
         applied.append(name)
-        done = subprocess.run([sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
-                              env=gpu_planner.env, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
+            env=gpu_planner.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
     yield run
@@ -96,23 +108,37 @@ def release(cluster: Cluster, *names: str) -> None:
     """Purge the models' jobs and records, and wait until none of their allocations
     runs: the next test may need the GPUs they held."""
     forget_models(cluster, *names)
-    wait_for(lambda: not [a for a in nomad_get(cluster, "/v1/allocations")
-                          if a["JobID"] in names
-                          and a["ClientStatus"] in ("pending", "running")],
-             60, f"allocations of {names} stopped")
+    wait_for(
+        lambda: (
+            not [
+                a
+                for a in nomad_get(cluster, "/v1/allocations")
+                if a["JobID"] in names and a["ClientStatus"] in ("pending", "running")
+            ]
+        ),
+        60,
+        f"allocations of {names} stopped",
+    )
 
 
 def running_allocations(cluster: Cluster, name: str) -> list[dict]:
-    return [a for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
-            if a["ClientStatus"] == "running" and a["DesiredStatus"] == "run"]
+    return [
+        a
+        for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
+        if a["ClientStatus"] == "running" and a["DesiredStatus"] == "run"
+    ]
 
 
 def reserved_gpus(cluster: Cluster, alloc_id: str) -> list[str]:
     """The nvidia/gpu instance IDs Nomad reserved for the allocation's server task."""
     alloc = nomad_get(cluster, f"/v1/allocation/{alloc_id}")
     task = alloc["AllocatedResources"]["Tasks"]["llama-server"]
-    return [i for d in task.get("Devices") or [] if (d["Vendor"], d["Type"]) == ("nvidia", "gpu")
-            for i in d["DeviceIDs"]]
+    return [
+        i
+        for d in task.get("Devices") or []
+        if (d["Vendor"], d["Type"]) == ("nvidia", "gpu")
+        for i in d["DeviceIDs"]
+    ]
 
 
 def server_environment(cluster: Cluster, model: str) -> dict[str, str]:
@@ -132,21 +158,22 @@ def server_environment(cluster: Cluster, model: str) -> dict[str, str]:
         except (OSError, IndexError):
             continue
         if cwd.startswith(root):
-            found.append(dict(item.split("=", 1) for item in environ.decode().split("\0")
-                              if "=" in item))
+            found.append(
+                dict(item.split("=", 1) for item in environ.decode().split("\0") if "=" in item)
+            )
     assert len(found) == 1, f"{len(found)} llama-server processes for {model}"
     return found[0]
 
 
-def test_fake_gpus_are_fingerprinted_as_the_real_plugin_reports_them(
-        gpu_cluster: Cluster) -> None:
-    nodes = {n["Name"]: n["NodeResources"]["Devices"]
-             for n in nomad_get(gpu_cluster, "/v1/nodes?resources=true")}
+def test_fake_gpus_are_fingerprinted_as_the_real_plugin_reports_them(gpu_cluster: Cluster) -> None:
+    nodes = {
+        n["Name"]: n["NodeResources"]["Devices"]
+        for n in nomad_get(gpu_cluster, "/v1/nodes?resources=true")
+    }
     assert not nodes[gpu_cluster.node_name]
     [a], [b] = nodes["gpu-a"], nodes["gpu-b"]
     assert (a["Vendor"], a["Type"], a["Name"]) == ("nvidia", "gpu", "Fake GPU 16GB")
-    assert (a["Attributes"]["memory"]["Int"], a["Attributes"]["memory"]["Unit"]) == \
-        (16384, "MiB")
+    assert (a["Attributes"]["memory"]["Int"], a["Attributes"]["memory"]["Unit"]) == (16384, "MiB")
     assert a["Attributes"]["driver_version"]["String"] == "fake"
     assert b["Attributes"]["memory"]["Int"] == 81920 and len(b["Instances"]) == 1
     ids = [i["ID"] for i in a["Instances"]]
@@ -155,10 +182,14 @@ def test_fake_gpus_are_fingerprinted_as_the_real_plugin_reports_them(
 
 
 def test_gpu_memory_24gib_places_on_the_80gib_node_only(
-        gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable) -> None:
+    gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable
+) -> None:
     apply("gpu-24g", gpu_profile(1, "24GiB"), replicas=2)
-    model = wait_for(lambda: (m := gpu_planner.model("gpu-24g"))["state"] == "degraded"
-                     and m, 60, "one replica serving, one unplaced")
+    model = wait_for(
+        lambda: (m := gpu_planner.model("gpu-24g"))["state"] == "degraded" and m,
+        60,
+        "one replica serving, one unplaced",
+    )
     # Consul may pass the check before the client's status update reaches the server.
     [alloc] = wait_for(lambda: running_allocations(gpu_cluster, "gpu-24g"), 10, "running")
     assert alloc["NodeName"] == "gpu-b"
@@ -166,11 +197,13 @@ def test_gpu_memory_24gib_places_on_the_80gib_node_only(
     # GPU is taken by the first.
     assert model["reason"] == (
         "1 of 2 ready; 1 of 2 replicas placed; needs 1 nvidia/gpu with ≥ 24 GiB: 2 of 3 "
-        "nodes have none; nvidia/gpu devices with ≥ 24 GiB in use on 1 of 3 nodes")
+        "nodes have none; nvidia/gpu devices with ≥ 24 GiB in use on 1 of 3 nodes"
+    )
 
 
 def test_two_one_gpu_models_on_the_two_gpu_node_each_see_only_their_own_gpu(
-        gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable) -> None:
+    gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable
+) -> None:
     # gpu-b's only GPU taken first, so both models must share gpu-a.
     apply("iso-holder", gpu_profile(1, "24GiB"))
     wait_for(lambda: gpu_planner.model("iso-holder")["ready"] == 1, 60, "holder on gpu-b")
@@ -179,8 +212,9 @@ def test_two_one_gpu_models_on_the_two_gpu_node_each_see_only_their_own_gpu(
     seen = {}
     for name in ("iso-one", "iso-two"):
         wait_for(lambda name=name: gpu_planner.model(name)["ready"] == 1, 60, f"{name} serving")
-        [alloc] = wait_for(lambda name=name: running_allocations(gpu_cluster, name), 10,
-                           f"{name} running")
+        [alloc] = wait_for(
+            lambda name=name: running_allocations(gpu_cluster, name), 10, f"{name} running"
+        )
         assert alloc["NodeName"] == "gpu-a"
         [reserved] = reserved_gpus(gpu_cluster, alloc["ID"])
         env = server_environment(gpu_cluster, name)
@@ -197,24 +231,35 @@ def test_two_one_gpu_models_on_the_two_gpu_node_each_see_only_their_own_gpu(
 
 
 def test_three_gpus_are_unplaceable_saying_the_best_node_has_two(
-        gpu_planner: PlannerDaemon, apply: Callable) -> None:
+    gpu_planner: PlannerDaemon, apply: Callable
+) -> None:
     apply("gpu-three", gpu_profile(3))
-    model = wait_for(lambda: (m := gpu_planner.model("gpu-three"))["state"] == "unplaceable"
-                     and m, 20, "gpu-three unplaceable")
+    model = wait_for(
+        lambda: (m := gpu_planner.model("gpu-three"))["state"] == "unplaceable" and m,
+        20,
+        "gpu-three unplaceable",
+    )
     assert model["reason"] == "needs 3 nvidia/gpu: the most on one node is 2"
 
 
 def test_200gib_of_gpu_memory_is_unplaceable_naming_the_largest_gpu(
-        gpu_planner: PlannerDaemon, apply: Callable) -> None:
+    gpu_planner: PlannerDaemon, apply: Callable
+) -> None:
     apply("gpu-200g", gpu_profile(1, "200GiB"))
-    model = wait_for(lambda: (m := gpu_planner.model("gpu-200g"))["state"] == "unplaceable"
-                     and m, 20, "gpu-200g unplaceable")
-    assert model["reason"] == ("needs 1 nvidia/gpu with ≥ 200 GiB: 2 nodes have GPUs, "
-                               "none with enough memory (largest 80 GiB)")
+    model = wait_for(
+        lambda: (m := gpu_planner.model("gpu-200g"))["state"] == "unplaceable" and m,
+        20,
+        "gpu-200g unplaceable",
+    )
+    assert model["reason"] == (
+        "needs 1 nvidia/gpu with ≥ 200 GiB: 2 nodes have GPUs, "
+        "none with enough memory (largest 80 GiB)"
+    )
 
 
 def test_c12_with_gpus_room_made_then_next_request_is_placed(
-        gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable) -> None:
+    gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable
+) -> None:
     """C12 with GPUs: B needs a GPU of ≥ 24 GiB; the only one (gpu-b's) is A's. A is
     scaled to 0; the next request for B is placed there and served, not refused on the
     old answer."""

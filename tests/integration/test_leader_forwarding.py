@@ -49,8 +49,7 @@ class Recorder(http.server.ThreadingHTTPServer):
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _record(self) -> None:
-                recorder.seen.append((self.command, self.path,
-                                      self.headers.get("Authorization")))
+                recorder.seen.append((self.command, self.path, self.headers.get("Authorization")))
                 self.send_response(503)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -83,8 +82,9 @@ def leader_key(cluster: Cluster) -> tuple[str, bytes]:
 
 def put_leader_value(cluster: Cluster, value: bytes) -> None:
     """A plain PUT, as any holder of a `key_prefix "llmgw/" write` token may send."""
-    request = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/{LEADER_KEY}", data=value,
-                                     method="PUT")
+    request = urllib.request.Request(
+        f"{cluster.consul_addr}/v1/kv/{LEADER_KEY}", data=value, method="PUT"
+    )
     with urllib.request.urlopen(request, timeout=10) as answer:
         assert json.load(answer) is True
 
@@ -92,8 +92,11 @@ def put_leader_value(cluster: Cluster, value: bytes) -> None:
 def write(planner_url: str) -> tuple[int, dict]:
     """POST /v1/usage with the admin token: (status, body or error)."""
     request = urllib.request.Request(
-        f"{planner_url}/v1/usage", data=json.dumps({"models": []}).encode(), method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"})
+        f"{planner_url}/v1/usage",
+        data=json.dumps({"models": []}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, {}
@@ -102,11 +105,17 @@ def write(planner_url: str) -> tuple[int, dict]:
 
 
 def test_a_rewritten_leader_key_gets_no_write_and_no_token(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        planner_env: dict[str, str], tiny_model: Path, tmp_path: Path,
-        stub: Recorder) -> None:
-    folder = on_demand_model(tmp_path / "m", GPU_MODEL, f"file://{tiny_model}",
-                             profile="gpus: 1\n  memory: 256MiB")
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    planner_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+    stub: Recorder,
+) -> None:
+    folder = on_demand_model(
+        tmp_path / "m", GPU_MODEL, f"file://{tiny_model}", profile="gpus: 1\n  memory: 256MiB"
+    )
     assert planner("apply", str(folder)).returncode == 0
     session, original = leader_key(cluster)
     real = decode(LeaderRecord, original)
@@ -115,14 +124,21 @@ def test_a_rewritten_leader_key_gets_no_write_and_no_token(
     follower.start()
     try:
         assert http_json(f"{follower.url}/health")["leader"] == {
-            "id": real.id, "address": planner_daemon.url}
+            "id": real.id,
+            "address": planner_daemon.url,
+        }
         assert write(follower.url) == (204, {})  # forwarded to the registered leader
 
         # The key now names the stub, the real leader's id kept; the lock stays held.
         put_leader_value(cluster, encode(LeaderRecord(id=real.id, address=stub.url)).encode())
         assert leader_key(cluster)[0] == session
-        refused = wait_for(lambda: (h := http_json(f"{follower.url}/health", timeout=2))[
-            "leader"].get("refused") and h, 20, "the follower to refuse the rewritten key")
+        refused = wait_for(
+            lambda: (
+                (h := http_json(f"{follower.url}/health", timeout=2))["leader"].get("refused") and h
+            ),
+            20,
+            "the follower to refuse the rewritten key",
+        )
         assert refused["role"] == "follower" and not refused["ready"]
         assert refused["leader"]["refused"]["code"] == "leader_mismatch"
         assert stub.url in refused["leader"]["refused"]["reason"]
@@ -131,25 +147,39 @@ def test_a_rewritten_leader_key_gets_no_write_and_no_token(
         assert status == 503 and error["code"] == "leader_mismatch", error
         assert "rewritten outside the lock" in error["message"]
         with run_router(cluster, "none") as router:  # only the planners Consul lists
-            wait_for(lambda: router_metric(router, "llmgw_router_planner_leader_refusals_total",
-                                           code="leader_mismatch") >= 1, 30,
-                     "the router to refuse the rewritten key")
+            wait_for(
+                lambda: (
+                    router_metric(
+                        router, "llmgw_router_planner_leader_refusals_total", code="leader_mismatch"
+                    )
+                    >= 1
+                ),
+                30,
+                "the router to refuse the rewritten key",
+            )
             # Its activation call reaches a registered planner: the leader acts on it, or
             # the follower refuses to pass it on; either way not the stub.
             status, error, _ = refusal(router, GPU_MODEL)
-            assert status == 503 and error["code"] in ("model_unplaceable",
-                                                       "planner_unavailable"), error
+            assert status == 503 and error["code"] in (
+                "model_unplaceable",
+                "planner_unavailable",
+            ), error
             if error["code"] == "planner_unavailable":
-                assert "leader_mismatch" in error["message"] or \
-                    "rewritten outside the lock" in error["message"], error
+                assert (
+                    "leader_mismatch" in error["message"]
+                    or "rewritten outside the lock" in error["message"]
+                ), error
         assert stub.seen == []
         log = follower.log.read_text()
         assert "writes will not be forwarded to the leader" in log
 
         # Written back by its holder's value: writes go through the follower again.
         put_leader_value(cluster, original)
-        wait_for(lambda: http_json(f"{follower.url}/health", timeout=2)["ready"], 20,
-                 "the follower to trust the restored key")
+        wait_for(
+            lambda: http_json(f"{follower.url}/health", timeout=2)["ready"],
+            20,
+            "the follower to trust the restored key",
+        )
         assert write(follower.url) == (204, {})
         assert stub.seen == []
     finally:

@@ -21,14 +21,17 @@ def help_options(text: str) -> list[str]:
     a "----- section -----" title), up to the padding before its help (common/arg.cpp,
     `common_arg::to_string`: the help starts at column 40, or on the next line), the
     padding after a short first flag ("-h,    --help") closed up to one space."""
-    return [re.split(r" {2,}", re.sub(r"^(-\S*,) +", r"\1 ", line.rstrip()), maxsplit=1)[0]
-            for line in text.splitlines()
-            if line.startswith("-") and not line.startswith("-----")]
+    return [
+        re.split(r" {2,}", re.sub(r"^(-\S*,) +", r"\1 ", line.rstrip()), maxsplit=1)[0]
+        for line in text.splitlines()
+        if line.startswith("-") and not line.startswith("-----")
+    ]
 
 
 def test_every_option_of_the_pinned_help_is_classified_as_it_writes_it(binaries: Path) -> None:
-    done = subprocess.run([str(binaries / "llama-server"), "--help"], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [str(binaries / "llama-server"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     heads = help_options(done.stdout)
     assert len(heads) > 200, done.stdout[:2000]
@@ -44,4 +47,5 @@ def test_every_option_of_the_pinned_help_is_classified_as_it_writes_it(binaries:
         "options --help lists that it lacks (or writes otherwise); add each under its class:\n"
         + "".join(f"  CLASS | {head}\n" for head in missing)
         + "options it has that --help no longer lists:\n"
-        + "".join(f"  {head}\n" for head in gone))
+        + "".join(f"  {head}\n" for head in gone)
+    )

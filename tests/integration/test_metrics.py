@@ -23,8 +23,11 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """{(series, sorted labels): value} of one scrape of `url`/metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def of(samples: dict, name: str, **labels: str) -> float | None:
@@ -32,18 +35,28 @@ def of(samples: dict, name: str, **labels: str) -> float | None:
 
 
 def test_planner_metrics_publish_every_model_and_drop_pruned_ones(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
     folder = write_model(tmp_path / "m", "metrics-ok", tiny_model)
     write_model(folder, "metrics-kev", kev)
     write_model(folder, "metrics-zero", tiny_model, replicas=0)
     try:
         assert planner("apply", str(folder)).returncode == 0
-        samples = wait_for(lambda: (s := scrape(planner_daemon.url)) and of(
-            s, "llmgw_model_parked", model="metrics-kev") == 1 and of(
-            s, "llmgw_model_ready_replicas", model="metrics-ok") == 1 and s, 120,
-            "metrics-kev parked and metrics-ok ready in /metrics")
+        samples = wait_for(
+            lambda: (
+                (s := scrape(planner_daemon.url))
+                and of(s, "llmgw_model_parked", model="metrics-kev") == 1
+                and of(s, "llmgw_model_ready_replicas", model="metrics-ok") == 1
+                and s
+            ),
+            120,
+            "metrics-kev parked and metrics-ok ready in /metrics",
+        )
         assert of(samples, "llmgw_model_desired_replicas", model="metrics-kev") == 1
         assert of(samples, "llmgw_model_ready_replicas", model="metrics-kev") == 0
         assert of(samples, "llmgw_model_consecutive_start_failures", model="metrics-kev") == 5
@@ -63,9 +76,15 @@ def test_planner_metrics_publish_every_model_and_drop_pruned_ones(
 
         (folder / "metrics-zero.yaml").unlink()
         assert planner("apply", str(folder), "--prune").returncode == 0
-        gone = wait_for(lambda: (s := scrape(planner_daemon.url)) and of(
-            s, "llmgw_model_parked", model="metrics-zero") is None and s, 90,
-            "the pruned model's series gone")
+        gone = wait_for(
+            lambda: (
+                (s := scrape(planner_daemon.url))
+                and of(s, "llmgw_model_parked", model="metrics-zero") is None
+                and s
+            ),
+            90,
+            "the pruned model's series gone",
+        )
         assert not [key for key in gone if ("model", "metrics-zero") in key[1]]
     finally:
         forget_models(cluster, "metrics-ok", "metrics-kev", "metrics-zero")

@@ -51,9 +51,21 @@ from tests.support.traffic import steady
 pytestmark = pytest.mark.integration
 
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
-MODELS = ("c15-crash", "c16-serve", "c16-parked", "c17-race", "c18-gemma", "c19-reload",
-          "c20-a", "c20-b", "failover-kev", "fixed-source", "partly", "restart-stopped",
-          "wipe-history")
+MODELS = (
+    "c15-crash",
+    "c16-serve",
+    "c16-parked",
+    "c17-race",
+    "c18-gemma",
+    "c19-reload",
+    "c20-a",
+    "c20-b",
+    "failover-kev",
+    "fixed-source",
+    "partly",
+    "restart-stopped",
+    "wipe-history",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,15 +80,24 @@ def kv_state(cluster: Cluster, name: str) -> StateDocument:
 
 
 def task_events(cluster: Cluster, job_id: str) -> list[dict]:
-    return [e for a in nomad_get(cluster, f"/v1/job/{job_id}/allocations")
-            for s in (a.get("TaskStates") or {}).values() for e in s.get("Events") or []]
+    return [
+        e
+        for a in nomad_get(cluster, f"/v1/job/{job_id}/allocations")
+        for s in (a.get("TaskStates") or {}).values()
+        for e in s.get("Events") or []
+    ]
 
 
 def test_c15_crash_after_ready_counts_and_parks_never_shown_serving_between_crashes(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
-    folder = write_model(tmp_path / "m", "c15-crash", tiny_model,
-                         profile=SMALL + "\n  engine: crash-llama.cpp")
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    folder = write_model(
+        tmp_path / "m", "c15-crash", tiny_model, profile=SMALL + "\n  engine: crash-llama.cpp"
+    )
     assert planner("apply", str(folder)).returncode == 0
     seen: list[tuple[str, int]] = []
     done = threading.Event()
@@ -90,10 +111,20 @@ def test_c15_crash_after_ready_counts_and_parks_never_shown_serving_between_cras
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        failing = wait_for(lambda: (m := planner_daemon.model("c15-crash"))["state"] == "failing"
-                           and m["ready"] == 1 and m, 120, "failing while it passes")
-        parked = wait_for(lambda: (m := planner_daemon.model("c15-crash"))["state"] == "parked"
-                          and m, 5 * (CRASH_AFTER_S + 10) + 30, "c15-crash parked")
+        failing = wait_for(
+            lambda: (
+                (m := planner_daemon.model("c15-crash"))["state"] == "failing"
+                and m["ready"] == 1
+                and m
+            ),
+            120,
+            "failing while it passes",
+        )
+        parked = wait_for(
+            lambda: (m := planner_daemon.model("c15-crash"))["state"] == "parked" and m,
+            5 * (CRASH_AFTER_S + 10) + 30,
+            "c15-crash parked",
+        )
     finally:
         done.set()
         watcher.join()
@@ -115,15 +146,21 @@ def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> No
     if job is None or job.get("Stop"):
         return  # stopped meanwhile: an operator's stop is not a park
     observation = Observation(name=name, record=None, job=job, state_index=index)
-    plan = Plan(actions.set_parked(document, parked, observation.job_index),
-                (Park(Reason.START_FAILURES, parked.reason, parked),))
+    plan = Plan(
+        actions.set_parked(document, parked, observation.job_index),
+        (Park(Reason.START_FAILURES, parked.reason, parked),),
+    )
     with contextlib.suppress(Stale):
         Applier(nomad, store).apply(name, document, plan, observation)
 
 
 def test_c17_retry_racing_a_park_and_usage_reports_leaves_kv_and_nomad_agreeing(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     """200 rounds of a `planner retry` (through the admin API, as the CLI and the router
     reach it), a park (the watcher's action, run here from a thread), and 50 usage
     reports, all at once. A model with `replicas: 0` so no process starts 200 times."""
@@ -131,30 +168,37 @@ def test_c17_retry_racing_a_park_and_usage_reports_leaves_kv_and_nomad_agreeing(
     assert planner("apply", str(folder)).returncode == 0
     nomad, consul = NomadClient(cluster.nomad_addr), ConsulClient(cluster.consul_addr)
     store = StateStore(consul)
-    parked = Parked(reason="5 consecutive start failures", last_error="race",
-                    since="2026-11-30T00:00:00+00:00")
+    parked = Parked(
+        reason="5 consecutive start failures", last_error="race", since="2026-11-30T00:00:00+00:00"
+    )
 
     def post(path: str, body: dict | None = None) -> None:
         request = urllib.request.Request(
-            f"{planner_daemon.url}{path}", data=json.dumps(body or {}).encode(),
-            method="POST", headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
-                                    "Content-Type": "application/json"})
+            f"{planner_daemon.url}{path}",
+            data=json.dumps(body or {}).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        )
         urllib.request.urlopen(request, timeout=30).close()
 
     disagreements = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         for round_ in range(200):
-            work = [pool.submit(park, nomad, store, "c17-race", parked),
-                    pool.submit(post, "/v1/models/c17-race/retry")]
-            work += [pool.submit(post, "/v1/usage", {"models": ["c17-race"]})
-                     for _ in range(50)]
+            work = [
+                pool.submit(park, nomad, store, "c17-race", parked),
+                pool.submit(post, "/v1/models/c17-race/retry"),
+            ]
+            work += [pool.submit(post, "/v1/usage", {"models": ["c17-race"]}) for _ in range(50)]
             for future in work:
                 future.result()
             # The watcher syncs parking from Job events too: wait until it has caught up
             # with the last register (a bounded wait for a condition, never a sleep).
             job = nomad_get(cluster, "/v1/job/c17-race")
-            wait_for(lambda job=job: kv_state(cluster, "c17-race").job_index >=
-                     job["JobModifyIndex"], 10, "the KV copy to reach the job's index")
+            wait_for(
+                lambda job=job: kv_state(cluster, "c17-race").job_index >= job["JobModifyIndex"],
+                10,
+                "the KV copy to reach the job's index",
+            )
             in_nomad = actions.parked_from_job(job) is not None
             in_kv = kv_state(cluster, "c17-race").parked is not None
             if in_nomad != in_kv:
@@ -163,16 +207,27 @@ def test_c17_retry_racing_a_park_and_usage_reports_leaves_kv_and_nomad_agreeing(
 
 
 def test_c19_a_reload_after_sigkill_gets_its_load_grace_again(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
-    folder = write_model(tmp_path / "m", "c19-reload", tiny_model,
-                         profile=SMALL + "\n  engine: wait8-llama.cpp\n  load_timeout: 60s")
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    folder = write_model(
+        tmp_path / "m",
+        "c19-reload",
+        tiny_model,
+        profile=SMALL + "\n  engine: wait8-llama.cpp\n  load_timeout: 60s",
+    )
     assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
     first = llama_pid("c19-reload")
     killed_at = time.monotonic()
     os.kill(first, signal.SIGKILL)
-    wait_for(lambda: (m := planner_daemon.model("c19-reload"))["ready"] == 0 and m, 15,
-             "the killed replica out of Consul")
+    wait_for(
+        lambda: (m := planner_daemon.model("c19-reload"))["ready"] == 0 and m,
+        15,
+        "the killed replica out of Consul",
+    )
     wait_for(lambda: planner_daemon.model("c19-reload")["ready"] == 1, 60, "serving again")
     back_after = time.monotonic() - killed_at
     print(f"C19: serving again {back_after:.1f} s after SIGKILL (load 8 s + restart delay 5 s)")
@@ -184,37 +239,56 @@ def test_c19_a_reload_after_sigkill_gets_its_load_grace_again(
 
 
 def test_c20_room_being_made_waits_for_it_and_serves(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     hog = tmp_path / "hog"
     hog_memory = free_memory_mb(cluster) - 1024  # leaves less than B's 2 GiB
-    profile = f'cpu: 100\n  memory: {hog_memory}MiB\n  args: ["--threads", "1"]\n' \
-              '  engine: slowstop-llama.cpp'
+    profile = (
+        f'cpu: 100\n  memory: {hog_memory}MiB\n  args: ["--threads", "1"]\n'
+        "  engine: slowstop-llama.cpp"
+    )
     write_model(hog, "c20-a", tiny_model, profile=profile)
     assert planner("apply", str(hog), "--wait", "--timeout", "60").returncode == 0
-    folder = on_demand_model(tmp_path / "m", "c20-b", f"file://{tiny_model}",
-                             profile="cpu: 100\n  memory: 2GiB")
+    folder = on_demand_model(
+        tmp_path / "m", "c20-b", f"file://{tiny_model}", profile="cpu: 100\n  memory: 2GiB"
+    )
     assert planner("apply", str(folder)).returncode == 0
 
     write_model(hog, "c20-a", tiny_model, profile=profile, replicas=0)
     applied = planner("apply", str(hog), "--output", "json")
     assert applied.returncode == 0
-    [eval_id] = [c["eval_id"] for c in json.loads(applied.stdout)["changes"]
-                 if c["model"] == "c20-a"]
+    [eval_id] = [
+        c["eval_id"] for c in json.loads(applied.stdout)["changes"] if c["model"] == "c20-a"
+    ]
     # Once the scheduler told it to stop (apply returns before that), A's allocation is
     # still stopping: 3 s of shutdown delay, then its engine takes 4 s to exit.
-    wait_for(lambda: nomad_get(cluster, f"/v1/evaluation/{eval_id}")["Status"] == "complete",
-             10, "the scheduler's answer to the apply")
-    stopping = [a for a in nomad_get(cluster, "/v1/job/c20-a/allocations")
-                if a["DesiredStatus"] == "stop" and a["ClientStatus"] in ("pending", "running")]
+    wait_for(
+        lambda: nomad_get(cluster, f"/v1/evaluation/{eval_id}")["Status"] == "complete",
+        10,
+        "the scheduler's answer to the apply",
+    )
+    stopping = [
+        a
+        for a in nomad_get(cluster, "/v1/job/c20-a/allocations")
+        if a["DesiredStatus"] == "stop" and a["ClientStatus"] in ("pending", "running")
+    ]
     assert stopping, "A stopped before the request: the case did not happen"
     answer = complete(router, "c20-b")
     assert answer["usage"]["completion_tokens"] > 0
 
 
 def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        planner_env: dict[str, str], tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    planner_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
     standby = PlannerDaemon(planner_env, cluster.root / "planner-standby.log")
     standby.start()
     try:
@@ -222,36 +296,56 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
         kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
         folder = write_model(tmp_path / "m", "failover-kev", kev)
         assert planner("apply", str(folder)).returncode == 0
-        wait_for(lambda: planner_daemon.model("failover-kev")["consecutive_failures"] >= 2, 60,
-                 "two counted failures")
+        wait_for(
+            lambda: planner_daemon.model("failover-kev")["consecutive_failures"] >= 2,
+            60,
+            "two counted failures",
+        )
         assert planner_daemon.proc is not None
         killed_at = time.monotonic()
         planner_daemon.proc.send_signal(signal.SIGKILL)
         planner_daemon.proc.wait()
         planner_daemon.proc = None
-        wait_for(lambda: http_json(f"{standby.url}/health", timeout=2)["role"] == "leader", 20,
-                 "the standby to take the lead")
+        wait_for(
+            lambda: http_json(f"{standby.url}/health", timeout=2)["role"] == "leader",
+            20,
+            "the standby to take the lead",
+        )
         leading = time.monotonic() - killed_at
-        wait_for(lambda: http_json(f"{standby.url}/health", timeout=2)["ready"], 20,
-                 "the new leader to reconcile")
+        wait_for(
+            lambda: http_json(f"{standby.url}/health", timeout=2)["ready"],
+            20,
+            "the new leader to reconcile",
+        )
         acting = time.monotonic() - killed_at
         print(f"failover: SIGKILL -> new leader {leading:.1f} s, reconciled {acting:.1f} s")
         assert leading < 15
-        parked = wait_for(lambda: (m := standby.model("failover-kev"))["state"] == "parked"
-                          and m, 90, "failover-kev parked by the new leader")
+        parked = wait_for(
+            lambda: (m := standby.model("failover-kev"))["state"] == "parked" and m,
+            90,
+            "failover-kev parked by the new leader",
+        )
         assert parked["consecutive_failures"] == 5
         time.sleep(6)
         assert starts(cluster, "failover-kev") == 5
     finally:
         planner_daemon.start()  # a follower now
         standby.stop()  # hands the lead back at once
-        wait_for(lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] ==
-                 "leader", 20, "the session's planner to lead again")
+        wait_for(
+            lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] == "leader",
+            20,
+            "the session's planner to lead again",
+        )
 
 
 def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
     folder = write_model(tmp_path / "m", "c16-serve", tiny_model)
     write_model(folder, "c16-parked", kev)
@@ -260,14 +354,16 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
     wait_for(lambda: planner_daemon.model("c16-serve")["state"] == "serving", 60, "serving")
     with steady(lambda: complete(router, "c16-serve", timeout=30)) as codes:
         wait_for(lambda: len(codes) >= 5, 30, "requests flowing")
-        wiped = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true",
-                                       method="DELETE")
+        wiped = urllib.request.Request(
+            f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true", method="DELETE"
+        )
         urllib.request.urlopen(wiped, timeout=10).close()
         seen = len(codes)
         wait_for(lambda: len(codes) >= seen + 20, 60, "20 more requests after the wipe")
         again = json.loads(planner("apply", str(folder), "--output", "json").stdout)
-        actions_by_model = {c["model"]: c["action"] for c in again["changes"]
-                            if c["model"].startswith("c16-")}
+        actions_by_model = {
+            c["model"]: c["action"] for c in again["changes"] if c["model"].startswith("c16-")
+        }
         assert actions_by_model == {"c16-parked": "parked", "c16-serve": "unchanged"}
         seen = len(codes)
         wait_for(lambda: len(codes) >= seen + 20, 60, "20 more requests after the re-apply")
@@ -277,10 +373,14 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
     time.sleep(6)
     assert starts(cluster, "c16-parked") == 5
     # The leader restores the KV copy of parking from the job's meta.
-    wait_for(lambda: kv_state(cluster, "c16-parked").parked is not None, 40,
-             "parking restored in KV")
-    wait_for(lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader", 20,
-             "the planner leading again (the wipe took its lock key too)")
+    wait_for(
+        lambda: kv_state(cluster, "c16-parked").parked is not None, 40, "parking restored in KV"
+    )
+    wait_for(
+        lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader",
+        20,
+        "the planner leading again (the wipe took its lock key too)",
+    )
 
 
 BURST = 1000
@@ -291,12 +391,18 @@ async def burst(router: str, model: str, count: int) -> list[tuple[int, int]]:
     timeout = aiohttp.ClientTimeout(total=300)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
         async def one(i: int) -> tuple[int, int]:
-            body = {"model": model, "prompt": f"Request {i}: the capital of France is",
-                    "max_tokens": 4, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": f"Request {i}: the capital of France is",
+                "max_tokens": 4,
+                "ignore_eos": True,
+            }
             async with session.post(f"{router}/v1/completions", json=body) as response:
                 data = await response.json(content_type=None)
                 return response.status, (data.get("usage") or {}).get("completion_tokens", 0)
+
         return await asyncio.gather(*(one(i) for i in range(count)))
 
 
@@ -309,12 +415,15 @@ def predicted_tokens(replica: str) -> float:
 
 
 def test_c18_a_thousand_concurrent_requests_never_get_the_busy_server_restarted(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tmp_path: Path) -> None:
+    cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str, tmp_path: Path
+) -> None:
     gemma = NODE_MODELS / GEMMA_FILE
-    folder = write_model(tmp_path / "m", "c18-gemma", gemma,
-                         profile='context: 4096\n  cpu: 2000\n  memory: 2GiB\n'
-                                 '  args: ["--threads", "2"]')
+    folder = write_model(
+        tmp_path / "m",
+        "c18-gemma",
+        gemma,
+        profile='context: 4096\n  cpu: 2000\n  memory: 2GiB\n  args: ["--threads", "2"]',
+    )
     assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
     [replica] = passing_endpoints(cluster, "llmgw-c18-gemma")
     before = predicted_tokens(replica)
@@ -342,9 +451,11 @@ def test_c18_a_thousand_concurrent_requests_never_get_the_busy_server_restarted(
     took = time.monotonic() - started
     codes = {code: sum(1 for c, _ in results if c == code) for code, _ in results}
     served = sum(tokens for code, tokens in results if code == 200)
-    print(f"C18: {BURST} requests in {took:.1f} s: {codes}; /health max "
-          f"{max(latencies):.3f} s, p50 {sorted(latencies)[len(latencies) // 2]:.3f} s "
-          f"over {len(latencies)} probes")
+    print(
+        f"C18: {BURST} requests in {took:.1f} s: {codes}; /health max "
+        f"{max(latencies):.3f} s, p50 {sorted(latencies)[len(latencies) // 2]:.3f} s "
+        f"over {len(latencies)} probes"
+    )
     kinds = [e["Type"] for e in task_events(cluster, "c18-gemma")]
     assert "Restart Signaled" not in kinds and "Terminated" not in kinds, kinds
     assert codes.get(200, 0) > 0 and set(codes) <= {200, 503}, codes
@@ -355,37 +466,59 @@ def test_c18_a_thousand_concurrent_requests_never_get_the_busy_server_restarted(
 
 
 def test_a_fixed_definition_starts_a_fresh_count(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
     folder = write_model(tmp_path / "m", "fixed-source", kev)
     assert planner("apply", str(folder)).returncode == 0
-    wait_for(lambda: planner_daemon.model("fixed-source")["consecutive_failures"] >= 3, 60,
-             "three counted failures")
+    wait_for(
+        lambda: planner_daemon.model("fixed-source")["consecutive_failures"] >= 3,
+        60,
+        "three counted failures",
+    )
     write_model(folder, "fixed-source", tiny_model)  # the operator fixes `source`
     assert planner("apply", str(folder)).returncode == 0
-    serving = wait_for(lambda: (m := planner_daemon.model("fixed-source"))["state"] ==
-                       "serving" and m, 60, "the fixed model serving")
+    serving = wait_for(
+        lambda: (m := planner_daemon.model("fixed-source"))["state"] == "serving" and m,
+        60,
+        "the fixed model serving",
+    )
     assert serving["consecutive_failures"] == 0
     # Its first hiccup is one failure, not the fifth.
     os.kill(llama_pid("fixed-source"), signal.SIGKILL)
-    hiccup = wait_for(lambda: (m := planner_daemon.model("fixed-source"))[
-        "consecutive_failures"] == 1 and m, 30, "the hiccup counted")
+    hiccup = wait_for(
+        lambda: (m := planner_daemon.model("fixed-source"))["consecutive_failures"] == 1 and m,
+        30,
+        "the hiccup counted",
+    )
     assert hiccup["state"] != "parked"
     wait_for(lambda: planner_daemon.model("fixed-source")["ready"] == 1, 30, "serving again")
     assert planner_daemon.model("fixed-source")["state"] != "parked"
 
 
 def test_a_partly_placed_model_keeps_its_reason_while_one_replica_serves(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     memory = free_memory_mb(cluster) // 2 + 512  # one fits, a second does not
-    folder = write_model(tmp_path / "m", "partly", tiny_model, replicas=3,
-                         profile=f'context: 512\n  cpu: 100\n  memory: {memory}MiB\n'
-                                 '  args: ["--threads", "1"]')
+    folder = write_model(
+        tmp_path / "m",
+        "partly",
+        tiny_model,
+        replicas=3,
+        profile=f'context: 512\n  cpu: 100\n  memory: {memory}MiB\n  args: ["--threads", "1"]',
+    )
     assert planner("apply", str(folder)).returncode == 0
-    first = wait_for(lambda: (m := planner_daemon.model("partly"))["ready"] == 1 and m, 60,
-                     "one replica serving")
+    first = wait_for(
+        lambda: (m := planner_daemon.model("partly"))["ready"] == 1 and m, 60, "one replica serving"
+    )
     for model in (first, *(planner_daemon.model("partly") for _ in range(3))):
         assert model["state"] == "degraded", model
         assert "1 of 3 replicas placed" in model["reason"]
@@ -394,43 +527,71 @@ def test_a_partly_placed_model_keeps_its_reason_while_one_replica_serves(
 
 
 def live_replicas(cluster: Cluster, name: str) -> set[str]:
-    return {a["Name"] for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
-            if a["DesiredStatus"] == "run" and a["ClientStatus"] in ("pending", "running")}
+    return {
+        a["Name"]
+        for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
+        if a["DesiredStatus"] == "run" and a["ClientStatus"] in ("pending", "running")
+    }
 
 
 def test_a_replica_nomad_stopped_starts_again_after_the_job_is_stopped_and_applied(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     """Found by a new user: a replica Nomad stopped after its restart attempts (failed,
     desired run, no reschedule) kept its place in the count through a job stop, so
     `planner apply` (or `planner retry`) of the stopped job started nothing for it."""
-    folder = write_model(tmp_path / "m", "restart-stopped", tiny_model, replicas=2,
-                         profile=SMALL + "\n  engine: index1-llama.cpp")
+    folder = write_model(
+        tmp_path / "m",
+        "restart-stopped",
+        tiny_model,
+        replicas=2,
+        profile=SMALL + "\n  engine: index1-llama.cpp",
+    )
     assert planner("apply", str(folder)).returncode == 0
-    wait_for(lambda: any(r["state"] == "stopped" for r in
-                         planner_daemon.model("restart-stopped")["replicas"]), 90,
-             "server[1] stopped by Nomad after 5 failed starts")
-    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/restart-stopped",
-                                  method="DELETE")
+    wait_for(
+        lambda: any(
+            r["state"] == "stopped" for r in planner_daemon.model("restart-stopped")["replicas"]
+        ),
+        90,
+        "server[1] stopped by Nomad after 5 failed starts",
+    )
+    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/restart-stopped", method="DELETE")
     urllib.request.urlopen(stop, timeout=10).close()  # `nomad job stop`
     wait_for(lambda: not live_replicas(cluster, "restart-stopped"), 30, "the job stopped")
     applied = json.loads(planner("apply", str(folder), "--output", "json").stdout)
-    assert [c["reason"] for c in applied["changes"] if c["model"] == "restart-stopped"] == \
-        ["job was stopped"]
-    wait_for(lambda: live_replicas(cluster, "restart-stopped") ==
-             {"restart-stopped.server[0]", "restart-stopped.server[1]"}, 30,
-             "both replicas started again")
+    assert [c["reason"] for c in applied["changes"] if c["model"] == "restart-stopped"] == [
+        "job was stopped"
+    ]
+    wait_for(
+        lambda: (
+            live_replicas(cluster, "restart-stopped")
+            == {"restart-stopped.server[0]", "restart-stopped.server[1]"}
+        ),
+        30,
+        "both replicas started again",
+    )
     # And `planner retry` of a stopped job does the same.
     urllib.request.urlopen(stop, timeout=10).close()
     wait_for(lambda: not live_replicas(cluster, "restart-stopped"), 30, "the job stopped")
     assert planner("retry", "restart-stopped").returncode == 0
-    wait_for(lambda: len(live_replicas(cluster, "restart-stopped")) == 2, 30,
-             "both replicas started again after retry")
+    wait_for(
+        lambda: len(live_replicas(cluster, "restart-stopped")) == 2,
+        30,
+        "both replicas started again after retry",
+    )
 
 
 def test_a_kv_wipe_never_counts_history_again_nor_forgets_a_stable_run(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     """Found by a new user: after `consul kv delete -recurse llmgw/` the leader counted
     again the failures Nomad's task events still show, and a kill of a stable server
     then counted as a start failure."""
@@ -444,18 +605,27 @@ def test_a_kv_wipe_never_counts_history_again_nor_forgets_a_stable_run(
     def restarted_and_stable(killed: int, before: str | None) -> None:
         """Wait for a new process, a new healthy run, and that run stable."""
         wait_for(lambda: llama_pid("wipe-history") != killed, 30, "a new llama-server")
-        wait_for(lambda: (r := replica())["healthy_since"] not in (None, before) and
-                 r["stable"], STABLE_AFTER_S + 30, "the new run stable")
+        wait_for(
+            lambda: (r := replica())["healthy_since"] not in (None, before) and r["stable"],
+            STABLE_AFTER_S + 30,
+            "the new run stable",
+        )
 
     wait_for(lambda: replica()["stable"], STABLE_AFTER_S + 15, "a stable run")
     first = llama_pid("wipe-history")
     os.kill(first, signal.SIGKILL)  # a kill Nomad's events remember
     restarted_and_stable(first, replica()["healthy_since"])
-    wiped = urllib.request.Request(f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true",
-                                   method="DELETE")
+    wiped = urllib.request.Request(
+        f"{cluster.consul_addr}/v1/kv/llmgw/?recurse=true", method="DELETE"
+    )
     urllib.request.urlopen(wiped, timeout=10).close()
-    wait_for(lambda: ConsulClient(cluster.consul_addr).get_indexed(
-        "llmgw/state/wipe-history")[1] is not None, 40, "the state document recreated")
+    wait_for(
+        lambda: (
+            ConsulClient(cluster.consul_addr).get_indexed("llmgw/state/wipe-history")[1] is not None
+        ),
+        40,
+        "the state document recreated",
+    )
     model = planner_daemon.model("wipe-history")
     assert (model["state"], model["consecutive_failures"]) == ("serving", 0), model
     assert replica()["stable"], (model, kv_state(cluster, "wipe-history"))  # seeded
@@ -463,15 +633,22 @@ def test_a_kv_wipe_never_counts_history_again_nor_forgets_a_stable_run(
     counted = len(kv_state(cluster, "wipe-history").counted)
     second = llama_pid("wipe-history")
     os.kill(second, signal.SIGKILL)  # the end of a stable run: not a failure
-    wait_for(lambda: len(kv_state(cluster, "wipe-history").counted) > counted, 30,
-             "the planner to judge the run that ended")
+    wait_for(
+        lambda: len(kv_state(cluster, "wipe-history").counted) > counted,
+        30,
+        "the planner to judge the run that ended",
+    )
     assert planner_daemon.model("wipe-history")["consecutive_failures"] == 0
-    wait_for(lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader", 20,
-             "the planner leading again (the wipe took its lock key too)")
+    wait_for(
+        lambda: http_json(f"{planner_daemon.url}/health")["role"] == "leader",
+        20,
+        "the planner leading again (the wipe took its lock key too)",
+    )
 
 
-def test_a_deposed_leaders_writes_are_fenced_off(cluster: Cluster,
-                                                 planner_daemon: PlannerDaemon) -> None:
+def test_a_deposed_leaders_writes_are_fenced_off(
+    cluster: Cluster, planner_daemon: PlannerDaemon
+) -> None:
     """Every leader write is a transaction that also checks its session still holds
     llmgw/leader: a leader paused past its TTL and resumed cannot write (the write of a
     session that does not hold the lock fails whatever the process believes)."""

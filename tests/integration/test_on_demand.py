@@ -31,18 +31,28 @@ pytestmark = pytest.mark.integration
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 
 
-def on_demand_model(folder: Path, name: str, source: str, profile: str = SMALL,
-                    idle_after: str = "15m", replicas: int = 1) -> Path:
+def on_demand_model(
+    folder: Path,
+    name: str,
+    source: str,
+    profile: str = SMALL,
+    idle_after: str = "15m",
+    replicas: int = 1,
+) -> Path:
     folder.mkdir(exist_ok=True)
     (folder / f"{name}.yaml").write_text(
         f"name: {name}\nsource: {source}\nprofile:\n  {profile}\nreplicas: {replicas}\n"
-        f"on_demand:\n  idle_after: {idle_after}\n")
+        f"on_demand:\n  idle_after: {idle_after}\n"
+    )
     return folder
 
 
 def complete(router: str, model: str, timeout: float = 60) -> dict:
-    return http_json(f"{router}/v1/completions",
-                     {"model": model, "prompt": "hi", "max_tokens": 4}, timeout=timeout)
+    return http_json(
+        f"{router}/v1/completions",
+        {"model": model, "prompt": "hi", "max_tokens": 4},
+        timeout=timeout,
+    )
 
 
 def refusal(router: str, model: str) -> tuple[int, dict, Message]:
@@ -59,13 +69,21 @@ def job_count(cluster: Cluster, name: str) -> int:
 def attempts_since(cluster: Cluster, name: str, index: int) -> list[dict]:
     """Evaluations a placement attempt creates (scale or forced evaluation), after `index`;
     the blocked evaluations Nomad makes for unplaced allocations are not attempts."""
-    return [e for e in nomad_get(cluster, f"/v1/job/{name}/evaluations")
-            if e["CreateIndex"] > index and e["TriggeredBy"] in ("job-scaling", "job-eval")]
+    return [
+        e
+        for e in nomad_get(cluster, f"/v1/job/{name}/evaluations")
+        if e["CreateIndex"] > index and e["TriggeredBy"] in ("job-scaling", "job-eval")
+    ]
 
 
 def test_c10_idle_on_demand_model_is_served_scaled_to_zero_and_served_again(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     folder = on_demand_model(tmp_path / "m", "c10-od", f"file://{tiny_model}", idle_after="10s")
     assert planner("apply", str(folder)).returncode == 0
     assert job_count(cluster, "c10-od") == 0
@@ -87,13 +105,20 @@ def test_c10_idle_on_demand_model_is_served_scaled_to_zero_and_served_again(
 
 
 def test_c11_twenty_clients_get_the_reason_fast_from_one_attempt(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tiny_model: Path, tmp_path: Path) -> None:
-    folder = on_demand_model(tmp_path / "m", "c11-gpu", f"file://{tiny_model}",
-                             profile="gpus: 1\n  memory: 256MiB")
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    folder = on_demand_model(
+        tmp_path / "m", "c11-gpu", f"file://{tiny_model}", profile="gpus: 1\n  memory: 256MiB"
+    )
     assert planner("apply", str(folder)).returncode == 0
-    before = max((e["ModifyIndex"] for e in nomad_get(cluster, "/v1/job/c11-gpu/evaluations")),
-                 default=0)
+    before = max(
+        (e["ModifyIndex"] for e in nomad_get(cluster, "/v1/job/c11-gpu/evaluations")), default=0
+    )
     results: list[tuple[float, int, dict]] = []
     barrier = threading.Barrier(20)
 
@@ -129,33 +154,43 @@ def free_memory_mb(cluster: Cluster) -> int:
     """The dev node's memory that no running allocation (of any test) has reserved."""
     [node] = nomad_get(cluster, "/v1/nodes")
     total = nomad_get(cluster, f"/v1/node/{node['ID']}")["NodeResources"]["Memory"]["MemoryMB"]
-    used = sum(task["Memory"]["MemoryMB"]
-               for alloc in nomad_get(cluster, f"/v1/node/{node['ID']}/allocations")
-               if alloc["ClientStatus"] in ("pending", "running")
-               for task in (alloc.get("AllocatedResources") or {}).get("Tasks", {}).values())
+    used = sum(
+        task["Memory"]["MemoryMB"]
+        for alloc in nomad_get(cluster, f"/v1/node/{node['ID']}/allocations")
+        if alloc["ClientStatus"] in ("pending", "running")
+        for task in (alloc.get("AllocatedResources") or {}).get("Tasks", {}).values()
+    )
     return total - used
 
 
 def test_c12_room_made_then_next_request_is_placed_not_refused(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     hog = tmp_path / "hog"
     hog.mkdir()
     hog_memory = free_memory_mb(cluster) - 1024  # leaves less than B's 2 GiB
-    hog_profile = f"cpu: 100\n  memory: {hog_memory}MiB\n  args: [\"--threads\", \"1\"]"
-    (hog / "c12-a.yaml").write_text(f"name: c12-a\nsource: file://{tiny_model}\n"
-                                    f"profile:\n  {hog_profile}\nreplicas: 1\n")
+    hog_profile = f'cpu: 100\n  memory: {hog_memory}MiB\n  args: ["--threads", "1"]'
+    (hog / "c12-a.yaml").write_text(
+        f"name: c12-a\nsource: file://{tiny_model}\nprofile:\n  {hog_profile}\nreplicas: 1\n"
+    )
     assert planner("apply", str(hog), "--wait", "--timeout", "60").returncode == 0
-    folder = on_demand_model(tmp_path / "m", "c12-b", f"file://{tiny_model}",
-                             profile="cpu: 100\n  memory: 2GiB")
+    folder = on_demand_model(
+        tmp_path / "m", "c12-b", f"file://{tiny_model}", profile="cpu: 100\n  memory: 2GiB"
+    )
     assert planner("apply", str(folder)).returncode == 0
 
     status, error, _ = refusal(router, "c12-b")
     assert status == 503 and error["code"] == "model_unplaceable"
     assert "memory exhausted" in error["message"]
 
-    (hog / "c12-a.yaml").write_text(f"name: c12-a\nsource: file://{tiny_model}\n"
-                                    f"profile:\n  {hog_profile}\nreplicas: 0\n")
+    (hog / "c12-a.yaml").write_text(
+        f"name: c12-a\nsource: file://{tiny_model}\nprofile:\n  {hog_profile}\nreplicas: 0\n"
+    )
     assert planner("apply", str(hog)).returncode == 0
     wait_for(lambda: not passing_endpoints(cluster, "llmgw-c12-a"), 20, "A stopped")
     try:
@@ -166,8 +201,13 @@ def test_c12_room_made_then_next_request_is_placed_not_refused(
 
 
 def test_c13_huge_https_source_that_fits_nowhere_downloads_nothing(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        test_ca: TlsCA, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    test_ca: TlsCA,
+    tmp_path: Path,
+) -> None:
     site = tmp_path / "site"
     site.mkdir()
     # A 70B f16 model's header (apply reads it to judge the fit: ~131 GiB, within the
@@ -175,8 +215,12 @@ def test_c13_huge_https_source_that_fits_nowhere_downloads_nothing(
     header = write_sparse_gguf(site / "huge.gguf")
     server = serve_https(site, test_ca)
     try:
-        folder = on_demand_model(tmp_path / "m", "c13-huge", f"{server.url}/huge.gguf",
-                                 profile="gpus: 4\n  gpu_memory: 80GiB\n  memory: 256GiB")
+        folder = on_demand_model(
+            tmp_path / "m",
+            "c13-huge",
+            f"{server.url}/huge.gguf",
+            profile="gpus: 4\n  gpu_memory: 80GiB\n  memory: 256GiB",
+        )
         assert planner("apply", str(folder)).returncode == 0
         status, error, _ = refusal(router, "c13-huge")
         assert status == 503 and error["code"] == "model_unplaceable"
@@ -190,10 +234,18 @@ def test_c13_huge_https_source_that_fits_nowhere_downloads_nothing(
 
 
 def test_window_shorter_than_load_gives_retry_after_then_serves(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
-    folder = on_demand_model(tmp_path / "m", "window-od", f"file://{tiny_model}",
-                             profile=SMALL + "\n  engine: wait8-llama.cpp")
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    folder = on_demand_model(
+        tmp_path / "m",
+        "window-od",
+        f"file://{tiny_model}",
+        profile=SMALL + "\n  engine: wait8-llama.cpp",
+    )
     assert planner("apply", str(folder)).returncode == 0
     with run_router(cluster, planner_daemon.url, LLMGW_ACTIVATION_WINDOW="3") as short:
         started = time.monotonic()

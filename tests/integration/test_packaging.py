@@ -36,13 +36,20 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return install_fresh(wheel, tmp_path_factory.mktemp("venv") / "venv")
 
 
-def run(bin_dir: Path, *argv: str, env: dict[str, str] | None = None,
-        timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run(
+    bin_dir: Path, *argv: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run a command of the installed venv from an empty folder, so nothing of this
     checkout can be imported by accident."""
     clean = {k: v for k, v in (env or os.environ).items() if k != "PYTHONPATH"}
-    return subprocess.run([str(bin_dir / argv[0]), *argv[1:]], env=clean, cwd=bin_dir.parent,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(bin_dir / argv[0]), *argv[1:]],
+        env=clean,
+        cwd=bin_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_wheel_carries_the_job_template(wheel: Path) -> None:
@@ -56,8 +63,12 @@ def test_the_wheel_carries_the_job_template(wheel: Path) -> None:
 
 
 def test_the_installed_commands_come_from_the_venv(installed: Path) -> None:
-    where = run(installed, "python", "-c", "import planner, router; "
-                "print(planner.__file__); print(router.__file__)")
+    where = run(
+        installed,
+        "python",
+        "-c",
+        "import planner, router; print(planner.__file__); print(router.__file__)",
+    )
     assert where.returncode == 0, where.stderr
     for line in where.stdout.split():
         assert Path(line).is_relative_to(installed.parent), where.stdout
@@ -69,11 +80,11 @@ def test_the_installed_commands_come_from_the_venv(installed: Path) -> None:
     assert "apply" in helped.stdout
 
 
-def test_apply_dry_run_of_the_repos_models(installed: Path, cluster: Cluster,
-                                           planner_env: dict[str, str]) -> None:
+def test_apply_dry_run_of_the_repos_models(
+    installed: Path, cluster: Cluster, planner_env: dict[str, str]
+) -> None:
     before = nomad_get(cluster, "/v1/jobs?prefix=gemma-3-270m")
-    planned = run(installed, "planner", "apply", "--dry-run", str(ROOT / "models"),
-                  env=planner_env)
+    planned = run(installed, "planner", "apply", "--dry-run", str(ROOT / "models"), env=planner_env)
     # 0 or 2 (changes planned, with a detailed exit code): never a traceback.
     assert planned.returncode in (0, 2), planned.stdout + planned.stderr
     assert "gemma-3-270m" in planned.stdout + planned.stderr
@@ -82,11 +93,19 @@ def test_apply_dry_run_of_the_repos_models(installed: Path, cluster: Cluster,
 
 
 def test_apply_from_the_installed_wheel_places_a_serving_model(
-        installed: Path, cluster: Cluster, planner_env: dict[str, str],
-        model_files: Callable[..., Path]) -> None:
+    installed: Path, cluster: Cluster, planner_env: dict[str, str], model_files: Callable[..., Path]
+) -> None:
     try:
-        applied = run(installed, "planner", "apply", "--wait", "--timeout", "120",
-                      str(model_files(MODEL)), env=planner_env)
+        applied = run(
+            installed,
+            "planner",
+            "apply",
+            "--wait",
+            "--timeout",
+            "120",
+            str(model_files(MODEL)),
+            env=planner_env,
+        )
         assert applied.returncode == 0, applied.stdout + applied.stderr
         job = nomad_get(cluster, f"/v1/job/{MODEL}")
         assert job["Meta"]["llmgw_model"] == MODEL

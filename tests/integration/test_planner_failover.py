@@ -40,9 +40,12 @@ def router_metric(router: str, name: str, **labels: str) -> float:
     """The sum of the router's samples `name` whose labels include `labels`."""
     with urllib.request.urlopen(f"{router}/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def usage_record(cluster: Cluster, name: str) -> UsageRecord | None:
@@ -62,15 +65,21 @@ def delete_usage(cluster: Cluster, name: str) -> None:
 
 
 def test_the_router_follows_a_sigkilled_leader_to_the_new_one(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        planner_env: dict[str, str], tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    planner_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     standby = PlannerDaemon(planner_env, cluster.root / "planner-failover-standby.log")
     standby.start()
     try:
         assert http_json(f"{standby.url}/health")["role"] == "follower"
         folder = on_demand_model(tmp_path / "m", MODEL, f"file://{tiny_model}")
-        on_demand_model(folder, GPU_MODEL, f"file://{tiny_model}",
-                        profile="gpus: 1\n  memory: 256MiB")
+        on_demand_model(
+            folder, GPU_MODEL, f"file://{tiny_model}", profile="gpus: 1\n  memory: 256MiB"
+        )
         assert planner("apply", str(folder)).returncode == 0
         with run_router(cluster, planner_daemon.url, LLMGW_USAGE_INTERVAL="1") as router:
             # The router talks to the configured planner, the leader.
@@ -83,16 +92,24 @@ def test_the_router_follows_a_sigkilled_leader_to_the_new_one(
             planner_daemon.proc.send_signal(signal.SIGKILL)
             planner_daemon.proc.wait()
             planner_daemon.proc = None
-            wait_for(lambda: (h := http_json(f"{standby.url}/health", timeout=2))["role"] ==
-                     "leader" and h["ready"], 30, "the standby to lead and reconcile")
+            wait_for(
+                lambda: (
+                    (h := http_json(f"{standby.url}/health", timeout=2))["role"] == "leader"
+                    and h["ready"]
+                ),
+                30,
+                "the standby to lead and reconcile",
+            )
             leading = time.monotonic() - killed_at
 
             # An idle on-demand model, asked for through the router configured with
             # the dead planner's address: activated by the new leader and served.
             asked_at = time.monotonic()
             served = complete(router, MODEL, timeout=90)
-            print(f"failover: SIGKILL -> new leader ready {leading:.1f} s; cold start "
-                  f"through the router after it {time.monotonic() - asked_at:.1f} s")
+            print(
+                f"failover: SIGKILL -> new leader ready {leading:.1f} s; cold start "
+                f"through the router after it {time.monotonic() - asked_at:.1f} s"
+            )
             assert served["usage"]["completion_tokens"] > 0
             assert router_metric(router, "llmgw_router_planner_switches_total") == 1
             activations = router_metric(router, "llmgw_router_activations_total", model=MODEL)
@@ -103,10 +120,15 @@ def test_the_router_follows_a_sigkilled_leader_to_the_new_one(
             # every 30 s per model): the new leader hears which models are used.
             assert usage_record(cluster, MODEL) is not None
             delete_usage(cluster, MODEL)
-            wait_for(lambda: complete(router, MODEL) and usage_record(cluster, MODEL), 60,
-                     f"a usage report of {MODEL} to reach the new leader", interval=1)
-            assert router_metric(router, "llmgw_router_activations_total",
-                                 model=MODEL) == activations
+            wait_for(
+                lambda: complete(router, MODEL) and usage_record(cluster, MODEL),
+                60,
+                f"a usage report of {MODEL} to reach the new leader",
+                interval=1,
+            )
+            assert (
+                router_metric(router, "llmgw_router_activations_total", model=MODEL) == activations
+            )
             assert standby.model(MODEL)["state"] == "serving"
         log = (cluster.root / f"router-{router.rsplit(':', 1)[1]}.log").read_text()
         switches = [line for line in log.splitlines() if "planner calls switched" in line]
@@ -114,5 +136,8 @@ def test_the_router_follows_a_sigkilled_leader_to_the_new_one(
     finally:
         planner_daemon.start()  # a follower now
         standby.stop()  # hands the lead back at once
-        wait_for(lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] ==
-                 "leader", 20, "the session's planner to lead again")
+        wait_for(
+            lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] == "leader",
+            20,
+            "the session's planner to lead again",
+        )

@@ -55,8 +55,6 @@ def consul_binary() -> str | None:
     return None
 
 
-
-
 def request(
     method: str, url: str, body: object | None = None, timeout: float = 10
 ) -> tuple[int, Message, bytes]:
@@ -453,8 +451,10 @@ def test_404_for_a_reserved_name_says_why_while_its_service_exists(cluster) -> N
     consul, router, stub_a, _ = cluster
     service_id = consul.register("planner", "p", stub_a.port)  # the service llmgw-planner
     try:
-        for method, path, body in (("POST", "/v1/completions", {"model": "planner"}),
-                                   ("GET", "/v1/models/planner", None)):
+        for method, path, body in (
+            ("POST", "/v1/completions", {"model": "planner"}),
+            ("GET", "/v1/models/planner", None),
+        ):
             status, _, answer = request(method, f"{router.url}{path}", body)
             assert status == 404
             message = assert_openai_error(answer, "model_not_found")["message"]
@@ -595,16 +595,23 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(cluster, tmp_path: P
         define_serving(consul, router, "cached", stub_a, stub_b)
 
         def served(chat: int, turns: int) -> set[str]:
-            messages = [{"role": "system", "content": "shared"},
-                        {"role": "user", "content": f"chat {chat}: tell me a story"}]
+            messages = [
+                {"role": "system", "content": "shared"},
+                {"role": "user", "content": f"chat {chat}: tell me a story"},
+            ]
             replicas = set()
             for turn in range(turns):
-                status, _, body = request("POST", f"{router.url}/v1/chat/completions",
-                                          {"model": "cached", "messages": messages})
+                status, _, body = request(
+                    "POST",
+                    f"{router.url}/v1/chat/completions",
+                    {"model": "cached", "messages": messages},
+                )
                 assert status == 200
                 replicas.add(json.loads(body)["system_fingerprint"])
-                messages += [{"role": "assistant", "content": "ok"},
-                             {"role": "user", "content": f"turn {turn}"}]
+                messages += [
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": f"turn {turn}"},
+                ]
             return replicas
 
         # 16 chats: all on one replica by chance is 2 in 65,536 (ports change per run).

@@ -71,8 +71,7 @@ class Parts:
             self.consul.register(model, instance, port)
         for router in (self.router, self.quick):
             eventually(
-                lambda r=router: r.metric("llmgw_router_endpoints", model=model)
-                == len(replicas),
+                lambda r=router: r.metric("llmgw_router_endpoints", model=model) == len(replicas),
                 timeout=10,
             )
 
@@ -88,9 +87,7 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
     try:
         tiny = LlamaServer(write_tiny_gguf(workdir / "tiny.gguf"), workdir, "--metrics")
         router = Router(consul, workdir, "router")
-        quick = Router(
-            consul, workdir, "quick", "--first-byte-timeout", str(QUICK_FIRST_BYTE_S)
-        )
+        quick = Router(consul, workdir, "quick", "--first-byte-timeout", str(QUICK_FIRST_BYTE_S))
         yield Parts(consul, router, quick, tiny, workdir)
     finally:
         for r in (router, quick):
@@ -249,9 +246,7 @@ def test_a_replica_error_reaches_the_client_in_openai_shape(parts: Parts) -> Non
     client = openai.OpenAI(base_url=f"{parts.router.url}/v1", api_key="unused", max_retries=0)
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
-            client.completions.create(
-                model="errors", prompt=prompt, max_tokens=4, stream=stream
-            )
+            client.completions.create(model="errors", prompt=prompt, max_tokens=4, stream=stream)
         error = caught.value.body
         assert isinstance(error, dict), error
         assert error["type"] == "invalid_request_error"

@@ -29,7 +29,8 @@ PROFILE = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"
 def write_on_demand(folder: Path, name: str, source: Path) -> None:
     (folder / f"{name}.yaml").write_text(
         f"name: {name}\nsource: file://{source}\nprofile:\n  {PROFILE}\nreplicas: 1\n"
-        "on_demand:\n  idle_after: 15m\n")
+        "on_demand:\n  idle_after: 15m\n"
+    )
 
 
 def listed(router: str) -> set[str]:
@@ -54,8 +55,9 @@ def test_150_models_are_known_pruned_and_a_later_one_learned(
     write_on_demand(keep, "scale-keep", tiny_model)
     pruned = planner("apply", str(keep), "--prune", "--output", "json", timeout=600)
     assert pruned.returncode == 0, pruned.stderr[-2000:]
-    deregistered = {c["model"] for c in json.loads(pruned.stdout)["changes"]
-                    if c["action"] == "deregister"}
+    deregistered = {
+        c["model"] for c in json.loads(pruned.stdout)["changes"] if c["action"] == "deregister"
+    }
     assert names <= deregistered
     wait_for(lambda: not (names & listed(router)), 30, "the router to drop the pruned models")
     assert "scale-keep" in listed(router)

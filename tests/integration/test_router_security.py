@@ -210,9 +210,10 @@ def test_bodies_held_at_once_are_capped(parts: Parts) -> None:
             sock.close()
     assert parts.replica.received[-1][2] == big
     eventually(lambda: parts.held() == 0, 10)
-    assert parts.router.metric(
-        "llmgw_router_refusals_total", model="", reason="router_overloaded"
-    ) == 2
+    assert (
+        parts.router.metric("llmgw_router_refusals_total", model="", reason="router_overloaded")
+        == 2
+    )
 
 
 def test_a_body_that_stops_arriving_gets_408(parts: Parts) -> None:
@@ -266,8 +267,7 @@ def test_oversized_headers_get_431(parts: Parts) -> None:
         b"POST /v1/completions HTTP/1.1\r\nX-Big: " + b"a" * (66 * 1024),
         head("/v1/completions", len(body), "X-Big: " + "a" * 66_000) + body,
         head("/v1/completions", len(body), "X-Big: " + "a" * 100_000) + body,
-        head("/v1/completions", len(body), *(f"X-H{i}: {'v' * 90}" for i in range(1000)))
-        + body,
+        head("/v1/completions", len(body), *(f"X-H{i}: {'v' * 90}" for i in range(1000))) + body,
     ):
         with connect(parts) as sock:
             sock.sendall(big)
@@ -286,8 +286,9 @@ def test_a_pipelined_request_behind_a_long_answer_has_the_header_timeout(
     with connect(parts) as sock:
         parts.replica.hold()
         try:
-            sock.sendall(head("/v1/completions", len(body)) + body
-                         + b"POST /v1/completions HTTP/1.1\r\n")
+            sock.sendall(
+                head("/v1/completions", len(body)) + body + b"POST /v1/completions HTTP/1.1\r\n"
+            )
             # The answer takes longer than the header timeout.
             eventually(lambda: parts.replica.waiting() == 1, 10)
             time.sleep(HEADER_TIMEOUT_S + 0.5)
@@ -315,8 +316,9 @@ def test_api_keys_follow_consul_kv(parts: Parts, tmp_path_factory: pytest.TempPa
         ).encode()
 
     def put(value: bytes) -> None:
-        req = urllib.request.Request(f"{consul.url}/v1/kv/{ROUTER_API_KEYS_KEY}", value,
-                                     method="PUT")
+        req = urllib.request.Request(
+            f"{consul.url}/v1/kv/{ROUTER_API_KEYS_KEY}", value, method="PUT"
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 200
 
@@ -324,13 +326,18 @@ def test_api_keys_follow_consul_kv(parts: Parts, tmp_path_factory: pytest.TempPa
         port = router.port
         body = json.dumps({"model": MODEL}).encode()
         with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
-            sock.sendall(head("/v1/completions", len(body), f"Authorization: Bearer {key}")
-                         + body)
+            sock.sendall(head("/v1/completions", len(body), f"Authorization: Bearer {key}") + body)
             return answer(sock)[0]
 
     put(document(("team", team)))
-    router = Router(consul, tmp_path_factory.mktemp("router-kv-keys"), "router-kv",
-                    "--replica-concurrency", "4", "--api-keys-consul")
+    router = Router(
+        consul,
+        tmp_path_factory.mktemp("router-kv-keys"),
+        "router-kv",
+        "--replica-concurrency",
+        "4",
+        "--api-keys-consul",
+    )
     try:
         eventually(lambda: router.metric("llmgw_router_endpoints", model=MODEL) == 1, 10)
         eventually(lambda: status_with(team) == 200, 10)
@@ -343,8 +350,10 @@ def test_api_keys_follow_consul_kv(parts: Parts, tmp_path_factory: pytest.TempPa
         eventually(lambda: "API keys not reloaded" in router.log_path.read_text(), 10)
         assert status_with(ops) == 200
         # Deleted: no key is valid (never open).
-        urllib.request.urlopen(urllib.request.Request(
-            f"{consul.url}/v1/kv/{ROUTER_API_KEYS_KEY}", method="DELETE"), timeout=10).close()
+        urllib.request.urlopen(
+            urllib.request.Request(f"{consul.url}/v1/kv/{ROUTER_API_KEYS_KEY}", method="DELETE"),
+            timeout=10,
+        ).close()
         eventually(lambda: status_with(ops) == 401, 10)
     finally:
         router.stop()

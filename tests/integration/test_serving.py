@@ -156,8 +156,12 @@ def test_streams_back_to_back_never_reuse_a_connection_llama_server_closed(
     async def client(session: aiohttp.ClientSession, i: int) -> list[int]:
         statuses = []
         for n in range(12):
-            body = {"model": "main-tiny", "prompt": f"client {i} turn {n}", "max_tokens": 2,
-                    "stream": n % 3 != 2}
+            body = {
+                "model": "main-tiny",
+                "prompt": f"client {i} turn {n}",
+                "max_tokens": 2,
+                "stream": n % 3 != 2,
+            }
             async with session.post(f"{router}/v1/completions", json=body) as resp:
                 text = await resp.text()
                 statuses.append(resp.status)

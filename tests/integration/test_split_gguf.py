@@ -26,8 +26,9 @@ PROFILE = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"
 
 def completion(router: str, model: str) -> dict | None:
     try:
-        return http_json(f"{router}/v1/completions",
-                         {"model": model, "prompt": "a", "max_tokens": 4})
+        return http_json(
+            f"{router}/v1/completions", {"model": model, "prompt": "a", "max_tokens": 4}
+        )
     except urllib.error.HTTPError as exc:
         if exc.code == 503:
             return None
@@ -35,8 +36,13 @@ def completion(router: str, model: str) -> dict | None:
 
 
 def test_c24_split_gguf_over_https_is_fetched_shard_by_shard_and_serves(
-        cluster: Cluster, planner: Callable, router: str, test_ca: TlsCA,
-        model_files: Callable[..., Path], tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    router: str,
+    test_ca: TlsCA,
+    model_files: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
     site = tmp_path / "site"
     site.mkdir()
     first = write_tiny_gguf(site / "tiny.gguf", split_max_tensors=8)
@@ -44,16 +50,23 @@ def test_c24_split_gguf_over_https_is_fetched_shard_by_shard_and_serves(
     sums = [hashlib.sha256((site / name).read_bytes()).hexdigest() for name in SHARDS]
     server = serve_https(site, test_ca)
     try:
-        folder = model_files("c24-split", source=f"{server.url}/{first.name}",
-                             profile=PROFILE, extra=f"sha256: {json.dumps(sums)}\n")
+        folder = model_files(
+            "c24-split",
+            source=f"{server.url}/{first.name}",
+            profile=PROFILE,
+            extra=f"sha256: {json.dumps(sums)}\n",
+        )
         result = planner("apply", str(folder), "--wait", "--timeout", "120")
         assert result.returncode == 0, result.stdout + result.stderr
 
         task = nomad_get(cluster, "/v1/job/c24-split")["TaskGroups"][0]["Tasks"][0]
-        assert [(a["GetterSource"], a["RelativeDest"], a["GetterOptions"]["checksum"])
-                for a in task["Artifacts"]] == [
+        assert [
+            (a["GetterSource"], a["RelativeDest"], a["GetterOptions"]["checksum"])
+            for a in task["Artifacts"]
+        ] == [
             (f"{server.url}/{name}", f"local/model/{name}", f"sha256:{digest}")
-            for name, digest in zip(SHARDS, sums, strict=True)]
+            for name, digest in zip(SHARDS, sums, strict=True)
+        ]
         assert task["Config"]["args"][:2] == ["--model", f"local/model/{SHARDS[0]}"]
         # apply read each shard's header by range requests; Nomad fetched each whole once.
         assert sorted(server.requests) == [f"/{name}" for name in SHARDS]
@@ -66,20 +79,25 @@ def test_c24_split_gguf_over_https_is_fetched_shard_by_shard_and_serves(
 
 
 def test_c24_a_shard_that_cannot_be_fetched_is_refused_at_apply(
-        cluster: Cluster, planner: Callable, test_ca: TlsCA,
-        model_files: Callable[..., Path], tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    test_ca: TlsCA,
+    model_files: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
     site = tmp_path / "site"
     site.mkdir()
     first = write_tiny_gguf(site / "tiny.gguf", split_max_tensors=8)
     (site / SHARDS[2]).unlink()
     server = serve_https(site, test_ca)
     try:
-        folder = model_files("c24-missing", source=f"{server.url}/{first.name}",
-                             profile=PROFILE)
+        folder = model_files("c24-missing", source=f"{server.url}/{first.name}", profile=PROFILE)
         result = planner("apply", str(folder))
         assert result.returncode == 2, result.stderr
-        assert (f"{folder}/c24-missing.yaml: source: {server.url}/{SHARDS[2]}: HTTP 404"
-                in result.stderr)
+        assert (
+            f"{folder}/c24-missing.yaml: source: {server.url}/{SHARDS[2]}: HTTP 404"
+            in result.stderr
+        )
         assert not registered(cluster, "c24-missing")
         assert server.requests == []
     finally:

@@ -56,7 +56,7 @@ def server_pids(model: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue  # gone meanwhile
-        if b"--alias" in argv and argv[argv.index(b"--alias") + 1:][:1] == [model.encode()]:
+        if b"--alias" in argv and argv[argv.index(b"--alias") + 1 :][:1] == [model.encode()]:
             found.append(int(entry.name))
     return found
 
@@ -79,8 +79,8 @@ def task_events(cluster: Cluster, job: str) -> str:
 
 
 def test_a_model_task_runs_as_the_task_user(
-        open_cluster: Cluster, binaries: Path, tiny_model: Path, readable_folder: Path,
-        tmp_path: Path) -> None:
+    open_cluster: Cluster, binaries: Path, tiny_model: Path, readable_folder: Path, tmp_path: Path
+) -> None:
     cluster = open_cluster
     # What the task user costs: it must read the engine and the model (docs/definitions.md,
     # "Running model tasks as another user"); the cache's copies lie under /root, which
@@ -94,13 +94,32 @@ def test_a_model_task_runs_as_the_task_user(
     folder.mkdir()
     (folder / f"{MODEL}.yaml").write_text(
         f"name: {MODEL}\nsource: file://{model}\nprofile:\n  context: 512\n  cpu: 100\n"
-        '  memory: 256MiB\n  args: ["--threads", "1"]\nreplicas: 1\n')
-    env = {**os.environ, **cluster.env, "LLMGW_TASK_USER": "nobody",
-           "LLMGW_MODELS_ROOT": str(readable_folder), "LLMGW_ENGINES": f"llama.cpp={engine}"}
+        '  memory: 256MiB\n  args: ["--threads", "1"]\nreplicas: 1\n'
+    )
+    env = {
+        **os.environ,
+        **cluster.env,
+        "LLMGW_TASK_USER": "nobody",
+        "LLMGW_MODELS_ROOT": str(readable_folder),
+        "LLMGW_ENGINES": f"llama.cpp={engine}",
+    }
     try:
         applied = subprocess.run(
-            [sys.executable, "-m", "planner.cli.main", "apply", str(folder), "--wait", "--timeout",
-             "180"], env=env, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "planner.cli.main",
+                "apply",
+                str(folder),
+                "--wait",
+                "--timeout",
+                "180",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert applied.returncode == 0, applied.stderr + task_events(cluster, MODEL)
         task = nomad_get(cluster, f"/v1/job/{MODEL}")["TaskGroups"][0]["Tasks"][0]
         assert (task["Driver"], task["User"]) == ("raw_exec", "nobody")

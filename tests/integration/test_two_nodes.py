@@ -36,8 +36,7 @@ pytestmark = pytest.mark.integration
 # for just over half of it, so each node holds exactly one (raw_exec enforces none of it).
 HOST_MB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
 REPLICA_MB = HOST_MB // 2 + 512
-NODE_B = ClientNode("node-b", env={"LLMGW_FAKE_FAULT": "missing-model"},
-                    memory_total_mb=HOST_MB)
+NODE_B = ClientNode("node-b", env={"LLMGW_FAKE_FAULT": "missing-model"}, memory_total_mb=HOST_MB)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +46,15 @@ def two_nodes(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.fixture(scope="module")
-def env(two_nodes: Cluster, binaries: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def env(
+    two_nodes: Cluster, binaries: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
     engines = write_engines(tmp_path_factory.mktemp("engines"), binaries / "llama-server")
-    return {**os.environ, **two_nodes.env,
-            "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items())}
+    return {
+        **os.environ,
+        **two_nodes.env,
+        "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +70,29 @@ def planner2(two_nodes: Cluster, env: dict[str, str]) -> Iterator[PlannerDaemon]
 @pytest.fixture(scope="module")
 def planner_cli(env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], env=env,
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
     return run
 
 
 def test_c14_one_replica_failing_on_its_node_beside_a_serving_one_is_degraded(
-        two_nodes: Cluster, planner_cli: Callable, planner2: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    two_nodes: Cluster,
+    planner_cli: Callable,
+    planner2: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     planner = planner_cli
-    profile = (f'context: 512\n  cpu: 100\n  memory: {REPLICA_MB}MiB\n'
-               '  args: ["--threads", "1"]\n  engine: nodefault-llama.cpp')
+    profile = (
+        f"context: 512\n  cpu: 100\n  memory: {REPLICA_MB}MiB\n"
+        '  args: ["--threads", "1"]\n  engine: nodefault-llama.cpp'
+    )
     folder = write_model(tmp_path / "m", "c14-two", tiny_model, replicas=2, profile=profile)
     with run_router(two_nodes, planner2.url) as router:
         assert planner("apply", str(folder)).returncode == 0
@@ -87,10 +102,17 @@ def test_c14_one_replica_failing_on_its_node_beside_a_serving_one_is_degraded(
             # the event stream: wait for both (the last failed start's event may follow
             # the allocation turning failed by a few milliseconds).
             degraded = wait_for(
-                lambda: (m := planner2.model("c14-two"))["state"] == "degraded" and
-                any(r["state"] == "stopped" and r["consecutive_failures"] == 5
-                    for r in m["replicas"]) and m,
-                90, "degraded, with node-b's replica stopped after 5 counted failures")
+                lambda: (
+                    (m := planner2.model("c14-two"))["state"] == "degraded"
+                    and any(
+                        r["state"] == "stopped" and r["consecutive_failures"] == 5
+                        for r in m["replicas"]
+                    )
+                    and m
+                ),
+                90,
+                "degraded, with node-b's replica stopped after 5 counted failures",
+            )
             seen = len(codes)
             wait_for(lambda: len(codes) >= seen + 20, 60, "A serving after B was given up")
     [bad] = [r for r in degraded["replicas"] if r["state"] == "stopped"]
@@ -109,15 +131,27 @@ def test_c14_one_replica_failing_on_its_node_beside_a_serving_one_is_degraded(
 
 
 def test_a_gpu_profile_on_two_gpu_less_nodes_counts_both_in_one_reason(
-        two_nodes: Cluster, planner_cli: Callable, planner2: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    two_nodes: Cluster,
+    planner_cli: Callable,
+    planner2: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     """Nomad files a node of a class it already rejected under "computed class
     ineligible"; the reason folds it into the real one and counts every node."""
-    folder = write_model(tmp_path / "m", "gpu-two", tiny_model,
-                         profile="gpus: 1\n  gpu_memory: 24GiB\n  memory: 256MiB")
+    folder = write_model(
+        tmp_path / "m",
+        "gpu-two",
+        tiny_model,
+        profile="gpus: 1\n  gpu_memory: 24GiB\n  memory: 256MiB",
+    )
     assert planner_cli("apply", str(folder)).returncode == 0
-    model = wait_for(lambda: (m := planner2.model("gpu-two"))["state"] == "unplaceable" and m,
-                     10, "gpu-two unplaceable")
-    assert model["reason"] == ("needs 1 nvidia/gpu with ≥ 24 GiB: no node has an nvidia/gpu "
-                               "device (2 of 2 nodes filtered)")
+    model = wait_for(
+        lambda: (m := planner2.model("gpu-two"))["state"] == "unplaceable" and m,
+        10,
+        "gpu-two unplaceable",
+    )
+    assert model["reason"] == (
+        "needs 1 nvidia/gpu with ≥ 24 GiB: no node has an nvidia/gpu device (2 of 2 nodes filtered)"
+    )
     assert "computed class" not in model["reason"]

@@ -48,13 +48,17 @@ def urllib_text(url: str) -> str:
 
 def running(cluster: Cluster, name: str) -> dict[str, dict]:
     """The job's allocations Nomad wants running and that run: {alloc ID: stub}."""
-    return {a["ID"]: a for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
-            if a["DesiredStatus"] == "run" and a["ClientStatus"] == "running"}
+    return {
+        a["ID"]: a
+        for a in nomad_get(cluster, f"/v1/job/{name}/allocations")
+        if a["DesiredStatus"] == "run" and a["ClientStatus"] == "running"
+    }
 
 
 def definition(folder: Path, name: str) -> str:
-    return load_definitions([folder], models_root=os.environ["LLMGW_MODELS_ROOT"]
-                            )[name][1].definition_hash
+    return load_definitions([folder], models_root=os.environ["LLMGW_MODELS_ROOT"])[name][
+        1
+    ].definition_hash
 
 
 def more(outcomes: list[int], count: int) -> Callable[[], bool]:
@@ -64,8 +68,8 @@ def more(outcomes: list[int], count: int) -> Callable[[], bool]:
 
 
 def test_a_changed_context_serves_before_the_old_stops_and_no_request_fails(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tmp_path: Path) -> None:
+    cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str, tmp_path: Path
+) -> None:
     gemma = NODE_MODELS / GEMMA_FILE
     profile = 'context: {}\n  cpu: 500\n  memory: 1GiB\n  args: ["--threads", "1"]'
     folder = write_model(tmp_path / "m", "upd-context", gemma, profile=profile.format(2048))
@@ -81,8 +85,10 @@ def test_a_changed_context_serves_before_the_old_stops_and_no_request_fails(
         wait_for(lambda: old not in running(cluster, "upd-context"), 30, "the old one gone")
         wait_for(more(outcomes, 20), 30, "the client served after the update")
     failed = [o for o in outcomes if o != 200]
-    print(f"update of upd-context (context 2048 -> 4096): --wait returned after {took:.1f} s; "
-          f"{len(outcomes)} requests, {len(failed)} failed")
+    print(
+        f"update of upd-context (context 2048 -> 4096): --wait returned after {took:.1f} s; "
+        f"{len(outcomes)} requests, {len(failed)} failed"
+    )
     assert failed == []
     assert "rolling out version" in applied.stderr  # --wait reported the rollout
     [new] = running(cluster, "upd-context")
@@ -93,8 +99,13 @@ def test_a_changed_context_serves_before_the_old_stops_and_no_request_fails(
 
 
 def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, router: str,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     folder = write_model(tmp_path / "m", "upd-bad", tiny_model)
     assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
     good = definition(folder, "upd-bad")
@@ -128,8 +139,14 @@ def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
     # `planner retry` does try it again, beside the old one, and it is rolled back again.
     retried = planner("retry", "upd-bad")
     assert retried.returncode == 0 and "rolling definition" in retried.stderr, retried.stderr
-    wait_for(lambda: (f := planner_daemon.model("upd-bad")["update_failed"]) is not None
-             and f["job_version"] > failed["job_version"], 120, "the retry rolled back")
+    wait_for(
+        lambda: (
+            (f := planner_daemon.model("upd-bad")["update_failed"]) is not None
+            and f["job_version"] > failed["job_version"]
+        ),
+        120,
+        "the retry rolled back",
+    )
     assert old in running(cluster, "upd-bad")
 
     fixed = write_tiny_gguf(tmp_path / "fixed.gguf", seed=1)
@@ -137,13 +154,18 @@ def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
     assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
     model = planner_daemon.model("upd-bad")
     assert (model["state"], model["update_failed"]) == ("serving", None), model
-    assert nomad_get(cluster, "/v1/job/upd-bad")["Meta"]["llmgw_definition_hash"] == \
-        definition(folder, "upd-bad")
+    assert nomad_get(cluster, "/v1/job/upd-bad")["Meta"]["llmgw_definition_hash"] == definition(
+        folder, "upd-bad"
+    )
 
 
 def test_more_replicas_start_beside_the_first_without_touching_it(
-        cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon,
-        tiny_model: Path, tmp_path: Path) -> None:
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     folder = write_model(tmp_path / "m", "upd-scale", tiny_model)
     assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
     [(first, before)] = running(cluster, "upd-scale").items()
@@ -151,8 +173,11 @@ def test_more_replicas_start_beside_the_first_without_touching_it(
     assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
     wait_for(lambda: len(running(cluster, "upd-scale")) == 3, 30, "three replicas")
     deployments = nomad_get(cluster, "/v1/job/upd-scale/deployments")
-    assert all(not g.get("DesiredCanaries") for d in deployments
-               for g in (d.get("TaskGroups") or {}).values()), deployments
+    assert all(
+        not g.get("DesiredCanaries")
+        for d in deployments
+        for g in (d.get("TaskGroups") or {}).values()
+    ), deployments
     after = nomad_get(cluster, f"/v1/allocation/{first}")
     # Still the same allocation, wanted and running (found by a new user: a replaced
     # allocation keeps its restarts and StartedAt, so those alone proved nothing).

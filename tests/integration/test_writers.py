@@ -34,8 +34,9 @@ from tests.support.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.integration
 
 MODELS = ("w-refused", "w-foreign", "w-parked", "w-retry")
-PARKED = Parked(reason="5 consecutive start failures", last_error="test",
-                since="2026-12-02T00:00:00+00:00")
+PARKED = Parked(
+    reason="5 consecutive start failures", last_error="test", since="2026-12-02T00:00:00+00:00"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,8 +49,11 @@ def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def agents(planner_env: dict[str, str]) -> tuple[Settings, NomadClient, ConsulClient]:
     settings = Settings.from_env(planner_env)
-    return (settings, NomadClient(settings.nomad_addr, settings.nomad_token),
-            ConsulClient(settings.consul_url, settings.consul_token))
+    return (
+        settings,
+        NomadClient(settings.nomad_addr, settings.nomad_token),
+        ConsulClient(settings.consul_url, settings.consul_token),
+    )
 
 
 Agents = tuple[Settings, NomadClient, ConsulClient]
@@ -76,7 +80,8 @@ def record(consul: ConsulClient, name: str) -> ModelRecord | None:
 
 
 def test_a_registration_nomad_refuses_puts_the_record_back(
-        agents: Agents, tiny_model: Path, tmp_path: Path) -> None:
+    agents: Agents, tiny_model: Path, tmp_path: Path
+) -> None:
     """Issue 19, item 7: the record and the registration happen together, or the record
     is rolled back (a changed one to the old one; a new model's removed, with its state
     document)."""
@@ -103,7 +108,8 @@ def test_a_registration_nomad_refuses_puts_the_record_back(
 
 
 def test_a_new_model_refused_leaves_no_record_and_no_state(
-        agents: Agents, tiny_model: Path, tmp_path: Path) -> None:
+    agents: Agents, tiny_model: Path, tmp_path: Path
+) -> None:
     """A job of the same name, not llmgw's, appears between apply's reads and its
     registration: EnforceIndex 0 refuses it, the model is read again and refused, and
     the new model's record and state are removed."""
@@ -122,7 +128,8 @@ def test_a_new_model_refused_leaves_no_record_and_no_state(
 
 
 def test_apply_never_unparks_a_job_parked_after_it_read_it(
-        agents: Agents, tiny_model: Path, tmp_path: Path) -> None:
+    agents: Agents, tiny_model: Path, tmp_path: Path
+) -> None:
     """Issue 19, "Writers race": apply read the job, the leader parked it, apply
     registers. EnforceIndex refuses the stale registration; apply reads the model again,
     finds it parked under the same definition, leaves it parked and says so."""
@@ -136,8 +143,9 @@ def test_apply_never_unparks_a_job_parked_after_it_read_it(
     job = nomad.job("w-parked")
     assert change.job_index == job["JobModifyIndex"]
     # The leader parks it meanwhile (its Park effect, through the applier).
-    Applier(nomad).write_job("w-parked", [Park(Reason.START_FAILURES, "parked", PARKED)],
-                             job["JobModifyIndex"], job)
+    Applier(nomad).write_job(
+        "w-parked", [Park(Reason.START_FAILURES, "parked", PARKED)], job["JobModifyIndex"], job
+    )
     parked_index = nomad.job("w-parked")["JobModifyIndex"]
 
     [outcome] = apply.execute(definitions, [change], nomad, consul, dry_run=False)
@@ -154,14 +162,15 @@ def park_now(nomad: NomadClient, name: str) -> int:
     """Park `name` as the leader's pass would (its Park effect through the applier, at
     the job's index); the job's index after."""
     job = nomad.job(name)
-    Applier(nomad).write_job(name, [Park(Reason.START_FAILURES, "parked", PARKED)],
-                             job["JobModifyIndex"], job)
+    Applier(nomad).write_job(
+        name, [Park(Reason.START_FAILURES, "parked", PARKED)], job["JobModifyIndex"], job
+    )
     return nomad.job(name)["JobModifyIndex"]
 
 
 def test_retry_never_registers_a_parked_definition_over_one_apply_just_registered(
-        agents: Agents, tiny_model: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    agents: Agents, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 19, "Writers race": retry read the parked job (definition A); an apply of
     definition B (which lifts the parking) registers before retry writes. Retry's Unpark
     of A is refused by its index, it reads again, and finds nothing to retry: B stays."""
@@ -194,7 +203,8 @@ def test_retry_never_registers_a_parked_definition_over_one_apply_just_registere
 
 
 def test_apply_after_a_retry_it_did_not_see_registers_its_definition(
-        agents: Agents, tiny_model: Path, tmp_path: Path) -> None:
+    agents: Agents, tiny_model: Path, tmp_path: Path
+) -> None:
     """The other order: apply read the parked job, a retry lifted the parking before
     apply wrote. Apply's registration is refused by its index, it reads again (a job no
     longer parked, the definition still changed) and registers its definition."""
@@ -214,8 +224,7 @@ def test_apply_after_a_retry_it_did_not_see_registers_its_definition(
     assert outcome.change.action is apply.Action.UPDATE
     assert apply.CHANGED_MEANWHILE in outcome.change.reason
     job = nomad.job("w-retry")
-    assert job["Meta"][JobMeta.DEFINITION_HASH] == \
-        definitions["w-retry"].record().definition_hash
+    assert job["Meta"][JobMeta.DEFINITION_HASH] == definitions["w-retry"].record().definition_hash
     assert not job["Stop"] and parked_from_job(job) is None
 
 

@@ -41,15 +41,19 @@ CRASH_AFTER_S = 8
 STOP_DELAY_S = 4
 
 # What llama-server prints (stderr) for a missing file, trimmed (a real run's lines).
-_MISSING = ("gguf_init_from_file: failed to open GGUF file '$model' (No such file or "
-            "directory)\nllama_model_load: error loading model: llama_model_loader: failed "
-            "to load model from $model\nsrv  llama_server: exiting due to model loading error")
+_MISSING = (
+    "gguf_init_from_file: failed to open GGUF file '$model' (No such file or "
+    "directory)\nllama_model_load: error loading model: llama_model_loader: failed "
+    "to load model from $model\nsrv  llama_server: exiting due to model loading error"
+)
 
 
 # llama.cpp's warning for a vocabulary token whose type is not "control" (a real
 # Gemma 3 load's line, as the parked model of issue 17 kept it as its headline).
-VOCAB_WARNING = ("load: control-looking token: 212 '</s>' was not control-type; this is "
-                 "probably a bug in the model")
+VOCAB_WARNING = (
+    "load: control-looking token: 212 '</s>' was not control-type; this is "
+    "probably a bug in the model"
+)
 
 
 def crashing_engine(path: Path, signal: str, warning: str = VOCAB_WARNING) -> Path:
@@ -64,9 +68,11 @@ def crashing_engine(path: Path, signal: str, warning: str = VOCAB_WARNING) -> Pa
 def _missing_file_when(condition: str, real: str) -> str:
     """A wrapper that exits 1 with llama-server's missing-file error when the shell
     `condition` holds, and runs the real server otherwise."""
-    return (f"if [ {condition} ]; then\n  model=$2\n"
-            f'  printf "%s\\n" "{_MISSING}" >&2\n  exit 1\nfi\n'
-            f'exec {real} "$@"\n')
+    return (
+        f"if [ {condition} ]; then\n  model=$2\n"
+        f'  printf "%s\\n" "{_MISSING}" >&2\n  exit 1\nfi\n'
+        f'exec {real} "$@"\n'
+    )
 
 
 def write_engines(folder: Path, llama_server: Path) -> dict[str, str]:
@@ -75,16 +81,22 @@ def write_engines(folder: Path, llama_server: Path) -> dict[str, str]:
     scripts = {
         "slow-llama.cpp": f'sleep {SLOW_START_SECONDS}\nexec {real} "$@"\n',
         "wait8-llama.cpp": f'sleep 8\nexec {real} "$@"\n',
-        "crash-llama.cpp": (f'{real} "$@" &\nsleep {CRASH_AFTER_S}\nkill -9 $!\n'
-                            'echo "crash-llama.cpp: aborting after serving" >&2\nexit 1\n'),
-        "slowstop-llama.cpp": (f'{real} "$@" &\npid=$!\n'
-                               f'trap "sleep {STOP_DELAY_S}; kill $pid; exit 0" INT TERM\n'
-                               'wait $pid\n'),
+        "crash-llama.cpp": (
+            f'{real} "$@" &\nsleep {CRASH_AFTER_S}\nkill -9 $!\n'
+            'echo "crash-llama.cpp: aborting after serving" >&2\nexit 1\n'
+        ),
+        "slowstop-llama.cpp": (
+            f'{real} "$@" &\npid=$!\n'
+            f'trap "sleep {STOP_DELAY_S}; kill $pid; exit 0" INT TERM\n'
+            "wait $pid\n"
+        ),
         "index1-llama.cpp": _missing_file_when('"$NOMAD_ALLOC_INDEX" = 1', real),
         "nodefault-llama.cpp": _missing_file_when('"$LLMGW_FAKE_FAULT" = missing-model', real),
     }
-    engines = {"llama.cpp": real,
-               "segv-llama.cpp": str(crashing_engine(folder / "segv-llama.cpp", "SEGV"))}
+    engines = {
+        "llama.cpp": real,
+        "segv-llama.cpp": str(crashing_engine(folder / "segv-llama.cpp", "SEGV")),
+    }
     for name, body in scripts.items():
         path = folder / name
         path.write_text("#!/bin/sh\n" + body)

@@ -37,8 +37,6 @@ class Prometheus:
         return {r["metric"]["job"]: float(r["value"][1]) for r in self.query("up")}
 
 
-
-
 def _target(url: str) -> str:
     return url.removeprefix("http://").removeprefix("https://").rstrip("/")
 
@@ -53,18 +51,28 @@ def prometheus(folder: Path, planners: list[str], routers: list[str]) -> Iterato
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
         "scrape_configs": [
-            {"job_name": "llmgw-planner",
-             "static_configs": [{"targets": [_target(u) for u in planners]}]},
-            {"job_name": "llmgw-router",
-             "static_configs": [{"targets": [_target(u) for u in routers]}]},
+            {
+                "job_name": "llmgw-planner",
+                "static_configs": [{"targets": [_target(u) for u in planners]}],
+            },
+            {
+                "job_name": "llmgw-router",
+                "static_configs": [{"targets": [_target(u) for u in routers]}],
+            },
         ],
     }
     (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     with (folder / "prometheus.log").open("ab") as log:
         proc = subprocess.Popen(
-            [str(BIN / "prometheus"), f"--config.file={folder / 'prometheus.yml'}",
-             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                str(BIN / "prometheus"),
+                f"--config.file={folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         yield Prometheus(f"http://127.0.0.1:{port}")
     finally:

@@ -35,8 +35,6 @@ def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
     asyncio.run(asyncio.wait_for(scenario, timeout))
 
 
-
-
 class LocalServer:
     """A real aiohttp server on 127.0.0.1, at a free port, serving `routes`.
 

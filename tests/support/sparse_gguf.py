@@ -17,8 +17,15 @@ import numpy as np
 VOCAB = 32000
 
 
-def write_sparse_gguf(path: Path, layers: int = 80, width: int = 8192, heads: int = 64,
-                      kv_heads: int = 8, ffn: int = 28672, context: int = 8192) -> int:
+def write_sparse_gguf(
+    path: Path,
+    layers: int = 80,
+    width: int = 8192,
+    heads: int = 64,
+    kv_heads: int = 8,
+    ffn: int = 28672,
+    context: int = 8192,
+) -> int:
     """Write the file; returns its header's size (bytes before the tensor data)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(context)
@@ -34,8 +41,9 @@ def write_sparse_gguf(path: Path, layers: int = 80, width: int = 8192, heads: in
 
     def tensor(name: str, *shape: int) -> None:
         count = int(np.prod(shape))
-        writer.add_tensor_info(name, shape, np.dtype(np.float16), count * 2,
-                               raw_dtype=gguf.GGMLQuantizationType.F16)
+        writer.add_tensor_info(
+            name, shape, np.dtype(np.float16), count * 2, raw_dtype=gguf.GGMLQuantizationType.F16
+        )
 
     tensor("token_embd.weight", VOCAB, width)
     tensor("output.weight", VOCAB, width)
@@ -52,8 +60,11 @@ def write_sparse_gguf(path: Path, layers: int = 80, width: int = 8192, heads: in
     writer.write_ti_data_to_file()
     writer.close()
     header = gguf.GGUFWriter.ggml_pad(path.stat().st_size, writer.data_alignment)
-    data = sum(gguf.GGUFWriter.ggml_pad(info.nbytes, writer.data_alignment)
-               for shard in writer.tensors for info in shard.values())
+    data = sum(
+        gguf.GGUFWriter.ggml_pad(info.nbytes, writer.data_alignment)
+        for shard in writer.tensors
+        for info in shard.values()
+    )
     with path.open("r+b") as f:
         f.truncate(header + data)  # sparse: the weights take no disk
     return header

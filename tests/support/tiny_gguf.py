@@ -25,8 +25,14 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, [0.0] * len(tokens), [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0,
-                    width: int = 64, layers: int = 2, split_max_tensors: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    architecture: str = "llama",
+    seed: int = 0,
+    width: int = 64,
+    layers: int = 2,
+    split_max_tensors: int = 0,
+) -> Path:
     """Write the model to `path` and return it. Larger `width`/`layers` make a
     slower model (512 x 8 is ~40 MB and streams for seconds on two cores).
     `split_max_tensors` > 0 writes a split model instead, as llama.cpp's gguf-split

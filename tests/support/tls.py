@@ -44,41 +44,58 @@ def _name(common: str) -> x509.Name:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
 
 
-def _leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common: str,
-          days: float, client: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def _leaf(
+    ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common: str, days: float, client: bool
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate for 127.0.0.1 and localhost, valid `days` from an hour ago; a
     `client` one is limited to client authentication."""
     now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
-    builder = (x509.CertificateBuilder().subject_name(_name(common))
-               .issuer_name(ca.subject).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(hours=1))
-               .not_valid_after(now + datetime.timedelta(days=days))
-               .add_extension(x509.SubjectAlternativeName(
-                   [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                    x509.DNSName("localhost")]), critical=False))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+    )
     if client:
         builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
 def make_ca(folder: Path) -> TlsCA:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name("llmgw test CA"))
-          .issuer_name(_name("llmgw test CA")).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("llmgw test CA"))
+        .issuer_name(_name("llmgw test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     cert, key = _leaf(ca, ca_key, "127.0.0.1", days=2, client=False)
     pem = serialization.Encoding.PEM
     system = SYSTEM_BUNDLE.read_bytes() if SYSTEM_BUNDLE.exists() else b""
@@ -87,12 +104,18 @@ def make_ca(folder: Path) -> TlsCA:
     _write_key(folder / "ca.key", ca_key)
     (folder / "server.pem").write_bytes(cert.public_bytes(pem))
     _write_key(folder / "server.key", key)
-    return TlsCA(folder / "bundle.pem", folder / "server.pem", folder / "server.key",
-                 folder / "ca.pem", folder / "ca.key")
+    return TlsCA(
+        folder / "bundle.pem",
+        folder / "server.pem",
+        folder / "server.key",
+        folder / "ca.pem",
+        folder / "ca.key",
+    )
 
 
-def issue(ca: TlsCA, folder: Path, name: str, days: float = 2,
-          client: bool = False) -> tuple[Path, Path]:
+def issue(
+    ca: TlsCA, folder: Path, name: str, days: float = 2, client: bool = False
+) -> tuple[Path, Path]:
     """Sign another certificate for 127.0.0.1 with `ca`, valid `days`; a `client` one for
     client authentication only. Writes `<name>.pem` and `<name>.key` into `folder`;
     returns their paths."""

@@ -30,8 +30,13 @@ LOCKED = {**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)}
 def build_wheel(dist: Path) -> Path:
     """Build llmgw's wheel into `dist` (pip's isolated build: setuptools from the
     index) and return its path."""
-    subprocess.run([*PIP, "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(ROOT)],
-                   check=True, timeout=300, capture_output=True, env=LOCKED)
+    subprocess.run(
+        [*PIP, "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(ROOT)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        env=LOCKED,
+    )
     [wheel] = dist.glob("llmgw-*.whl")
     return wheel
 
@@ -39,8 +44,13 @@ def build_wheel(dist: Path) -> Path:
 def build_wheelhouse(wheel: Path, folder: Path) -> Path:
     """Every dependency of `wheel` as wheels in `folder` (what `wheelhouse_url` of the
     jobspecs points at, so a node installs with --no-index)."""
-    subprocess.run([*PIP, "wheel", "--quiet", "--wheel-dir", str(folder), str(wheel)],
-                   check=True, timeout=300, capture_output=True, env=LOCKED)
+    subprocess.run(
+        [*PIP, "wheel", "--quiet", "--wheel-dir", str(folder), str(wheel)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        env=LOCKED,
+    )
     return folder
 
 
@@ -53,9 +63,22 @@ def install_fresh(wheel: Path, venv: Path) -> Path:
     """A new, empty venv at `venv` with `wheel` pip-installed (dependencies from the
     index, through pip's cache); returns its bin folder."""
     subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=120)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install",
-                    "--disable-pip-version-check", "--quiet", "--no-compile", str(wheel)],
-                   check=True, timeout=600, capture_output=True, env=LOCKED)
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--no-compile",
+            str(wheel),
+        ],
+        check=True,
+        timeout=600,
+        capture_output=True,
+        env=LOCKED,
+    )
     return venv / "bin"
 
 

@@ -21,8 +21,10 @@ from devcluster.bootstrap import BIN
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "terraform"
-JOBSPECS = {"planner": ROOT / "jobspecs" / "planner.nomad.hcl",
-            "router": ROOT / "jobspecs" / "router.nomad.hcl"}
+JOBSPECS = {
+    "planner": ROOT / "jobspecs" / "planner.nomad.hcl",
+    "router": ROOT / "jobspecs" / "router.nomad.hcl",
+}
 EXAMPLES = sorted((MODULE / "examples").glob("*/main.tf"))
 
 
@@ -42,8 +44,9 @@ def parse(path: Path) -> dict[str, Any]:
 
 def labelled(path: Path, kind: str) -> dict[str, dict[str, Any]]:
     """{label: body} of the `kind` blocks (variable, output, module...) of one file."""
-    return {_name(label): body for block in parse(path).get(kind, [])
-            for label, body in block.items()}
+    return {
+        _name(label): body for block in parse(path).get(kind, []) for label, body in block.items()
+    }
 
 
 def module_files() -> list[Path]:
@@ -94,8 +97,9 @@ def test_the_readme_lists_every_input_and_output() -> None:
 
 
 def test_the_module_passes_each_job_only_its_variables_and_every_required_one() -> None:
-    [local_values] = [block for block in parse(MODULE / "main.tf")["locals"]
-                      if "planner_vars" in block]
+    [local_values] = [
+        block for block in parse(MODULE / "main.tf")["locals"] if "planner_vars" in block
+    ]
     for job, path in JOBSPECS.items():
         passed = _keys(local_values[f"{job}_vars"])
         declared = labelled(path, "variable")
@@ -128,28 +132,44 @@ def test_an_example_sets_only_module_variables_and_every_required_one(example: P
     assert EXAMPLES, "terraform/examples/ has no example"
 
 
-@pytest.mark.skipif(not (BIN / "tofu").exists(), reason="the bootstrap built no tofu "
-                    "(`python3 -m devcluster.bootstrap --with-tofu`)")
+@pytest.mark.skipif(
+    not (BIN / "tofu").exists(),
+    reason="the bootstrap built no tofu (`python3 -m devcluster.bootstrap --with-tofu`)",
+)
 def test_tofu_fmt() -> None:
-    done = subprocess.run([str(BIN / "tofu"), "fmt", "-check", "-recursive", "-diff",
-                           str(MODULE)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [str(BIN / "tofu"), "fmt", "-check", "-recursive", "-diff", str(MODULE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.skipif(not (BIN / "nomad").exists(), reason="the bootstrap built no nomad")
 def test_nomad_fmt_of_the_jobspecs() -> None:
-    done = subprocess.run([str(BIN / "nomad"), "fmt", "-check", "-list=true",
-                           *map(str, JOBSPECS.values())], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [str(BIN / "nomad"), "fmt", "-check", "-list=true", *map(str, JOBSPECS.values())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, f"not formatted: {done.stdout}{done.stderr}"
 
 
 # --- the jobspecs as Nomad renders them (`nomad job run -output`: parsed locally) ----
 
-NOMAD_TLS = {"nomad_cacert": "/tls/nomad-ca.pem", "nomad_client_cert": "/tls/nomad.pem",
-             "nomad_client_key": "/tls/nomad-key.pem"}
-CONSUL_TLS = {"consul_ssl": "true", "consul_cacert": "/tls/consul-ca.pem",
-              "consul_client_cert": "/tls/consul.pem", "consul_client_key": "/tls/consul-key.pem"}
+NOMAD_TLS = {
+    "nomad_cacert": "/tls/nomad-ca.pem",
+    "nomad_client_cert": "/tls/nomad.pem",
+    "nomad_client_key": "/tls/nomad-key.pem",
+}
+CONSUL_TLS = {
+    "consul_ssl": "true",
+    "consul_cacert": "/tls/consul-ca.pem",
+    "consul_client_cert": "/tls/consul.pem",
+    "consul_client_key": "/tls/consul-key.pem",
+}
 
 
 def rendered(job: str, **variables: str) -> dict[str, dict[str, Any]]:
@@ -157,32 +177,40 @@ def rendered(job: str, **variables: str) -> dict[str, dict[str, Any]]:
     argv = [str(BIN / "nomad"), "job", "run", "-output", "-var", "wheel_url=http://x/l.whl"]
     for name, value in variables.items():
         argv += ["-var", f"{name}={value}"]
-    done = subprocess.run([*argv, str(JOBSPECS[job])], capture_output=True, text=True,
-                          timeout=60, env={"PATH": "/usr/bin:/bin",
-                                           "NOMAD_ADDR": "http://127.0.0.1:9"})
+    done = subprocess.run(
+        [*argv, str(JOBSPECS[job])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "NOMAD_ADDR": "http://127.0.0.1:9"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     [group] = json.loads(done.stdout)["Job"]["TaskGroups"]
     return {task["Name"]: task for task in group["Tasks"]}
 
 
-needs_nomad = pytest.mark.skipif(not (BIN / "nomad").exists(),
-                                 reason="the bootstrap built no nomad")
+needs_nomad = pytest.mark.skipif(
+    not (BIN / "nomad").exists(), reason="the bootstrap built no nomad"
+)
 
 
 @needs_nomad
 def test_the_planner_job_passes_the_agents_tls_files_and_advertises_without_a_scheme() -> None:
     """QA on issue 11: the jobs could not be pointed at TLS agents, and the planner
     advertised http:// even when serving TLS (LLMGW_TLS_CERT from KV)."""
-    tasks = rendered("planner", nomad_addr="https://127.0.0.1:4646", **NOMAD_TLS,
-                     **CONSUL_TLS)
+    tasks = rendered("planner", nomad_addr="https://127.0.0.1:4646", **NOMAD_TLS, **CONSUL_TLS)
     env = tasks["planner"]["Env"]
     assert env["NOMAD_ADDR"] == "https://127.0.0.1:4646"
     assert env["NOMAD_CACERT"] == "/tls/nomad-ca.pem"
-    assert (env["NOMAD_CLIENT_CERT"], env["NOMAD_CLIENT_KEY"]) == ("/tls/nomad.pem",
-                                                                   "/tls/nomad-key.pem")
+    assert (env["NOMAD_CLIENT_CERT"], env["NOMAD_CLIENT_KEY"]) == (
+        "/tls/nomad.pem",
+        "/tls/nomad-key.pem",
+    )
     assert env["CONSUL_HTTP_SSL"] == "true" and env["CONSUL_CACERT"] == "/tls/consul-ca.pem"
-    assert (env["CONSUL_CLIENT_CERT"], env["CONSUL_CLIENT_KEY"]) == ("/tls/consul.pem",
-                                                                     "/tls/consul-key.pem")
+    assert (env["CONSUL_CLIENT_CERT"], env["CONSUL_CLIENT_KEY"]) == (
+        "/tls/consul.pem",
+        "/tls/consul-key.pem",
+    )
     args = tasks["planner"]["Config"]["args"]
     assert args[args.index("--advertise") + 1] == "${NOMAD_ADDR_admin}"
     # Without them, none is set (the planner's defaults: plain http, the system's CAs).
@@ -199,8 +227,10 @@ def test_the_router_job_passes_consul_tls_and_no_fixed_planner_by_default() -> N
     assert env["LLMGW_PLANNER_CACERT"] == "/tls/llmgw-ca.pem"
     # An empty planner_url: the router's "none", not its default http://127.0.0.1:4650.
     assert env["LLMGW_PLANNER_URL"] == "none"
-    assert rendered("router", planner_url="http://p:4650")["router"]["Env"][
-        "LLMGW_PLANNER_URL"] == "http://p:4650"
+    assert (
+        rendered("router", planner_url="http://p:4650")["router"]["Env"]["LLMGW_PLANNER_URL"]
+        == "http://p:4650"
+    )
 
 
 @needs_nomad
@@ -212,8 +242,9 @@ def test_the_install_task_cpu_is_a_variable(job: str) -> None:
 
 
 def test_the_module_passes_every_tls_setting_to_the_jobs_that_read_it() -> None:
-    [local_values] = [block for block in parse(MODULE / "main.tf")["locals"]
-                      if "planner_vars" in block]
+    [local_values] = [
+        block for block in parse(MODULE / "main.tf")["locals"] if "planner_vars" in block
+    ]
     planner, router = (_keys(local_values[f"{job}_vars"]) for job in ("planner", "router"))
     assert {*NOMAD_TLS, *CONSUL_TLS, "install_cpu"} <= planner
     assert {*CONSUL_TLS, "planner_cacert", "serves_https", "install_cpu"} <= router
@@ -222,8 +253,7 @@ def test_the_module_passes_every_tls_setting_to_the_jobs_that_read_it() -> None:
 @needs_nomad
 def test_the_router_check_asks_over_https_when_the_router_serves_it() -> None:
     [check] = rendered("router", serves_https="true")["router"]["Services"][0]["Checks"]
-    assert (check["Protocol"], check["TLSSkipVerify"], check["Path"]) == ("https", True,
-                                                                          "/health")
+    assert (check["Protocol"], check["TLSSkipVerify"], check["Path"]) == ("https", True, "/health")
     [check] = rendered("router")["router"]["Services"][0]["Checks"]
     assert check["Protocol"] == "http"
 

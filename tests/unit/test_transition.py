@@ -43,14 +43,26 @@ def failing(alloc_id: str = "a1", starts: int = 5, at: float = 1, **extra: Any) 
     return alloc(alloc_id, *events, **{"client": client, **extra})
 
 
-def observe(*allocs: dict[str, Any], the_job: dict[str, Any] | None = None,
-            record: ModelRecord | None = RECORD, passing: dict[str, int] | None = None,
-            state_index: int = 7, versions: tuple[dict[str, Any], ...] | None = None,
-            **extra: Any) -> Observation:
+def observe(
+    *allocs: dict[str, Any],
+    the_job: dict[str, Any] | None = None,
+    record: ModelRecord | None = RECORD,
+    passing: dict[str, int] | None = None,
+    state_index: int = 7,
+    versions: tuple[dict[str, Any], ...] | None = None,
+    **extra: Any,
+) -> Observation:
     j = job() if the_job is None else the_job
-    return Observation(name="m", record=record, job=j,
-                       versions=(j,) if versions is None else versions, allocations=allocs,
-                       passing=passing or {}, state_index=state_index, **extra)
+    return Observation(
+        name="m",
+        record=record,
+        job=j,
+        versions=(j,) if versions is None else versions,
+        allocations=allocs,
+        passing=passing or {},
+        state_index=state_index,
+        **extra,
+    )
 
 
 def observed(document: StateDocument, observation: Observation, now: datetime = NOW) -> Plan:
@@ -61,8 +73,13 @@ def observed(document: StateDocument, observation: Observation, now: datetime = 
 
 
 def test_five_failed_starts_park_the_model_with_the_reason_and_last_error() -> None:
-    plan = observed(STORED, observe(failing(), stderr={
-        f"a1/llama-server/{42 * S}": "error: unknown model architecture: 'kev'"}))
+    plan = observed(
+        STORED,
+        observe(
+            failing(),
+            stderr={f"a1/llama-server/{42 * S}": "error: unknown model architecture: 'kev'"},
+        ),
+    )
     [park] = plan.effects
     assert isinstance(park, Park) and park.reason is Reason.START_FAILURES
     assert park.parked.reason == "5 consecutive start failures"
@@ -96,8 +113,10 @@ def test_a_lost_document_takes_what_nomad_shows_as_history_and_counts_what_follo
 def test_failures_of_an_earlier_incarnation_of_the_job_never_count() -> None:
     # A purged and recreated job: allocations created before it are not its own.
     recreated = job(CreateIndex=500)
-    plan = observed(STORED, observe(failing(CreateIndex=40), failing("a2", 2, CreateIndex=501),
-                                    the_job=recreated))
+    plan = observed(
+        STORED,
+        observe(failing(CreateIndex=40), failing("a2", 2, CreateIndex=501), the_job=recreated),
+    )
     assert plan.state.consecutive_failures == 2 and plan.effects == ()
 
 
@@ -117,8 +136,9 @@ def test_allocations_of_another_definition_never_count() -> None:
 
 def test_a_replica_passing_now_always_protects() -> None:
     # Finding 1: it failed five times, passes now, younger than the stability window.
-    flapping = alloc("a1", *[e for i in range(5) for e in run(1 + 10 * i, 2 + 10 * i)],
-                     event("Started", 60))
+    flapping = alloc(
+        "a1", *[e for i in range(5) for e in run(1 + 10 * i, 2 + 10 * i)], event("Started", 60)
+    )
     plan = observed(STORED, observe(flapping, passing={"a1": NOW_NS - 5 * S}))
     assert plan.state.consecutive_failures == 5
     assert plan.effects == () and plan.state.parked is None
@@ -129,8 +149,9 @@ def test_a_replica_passing_now_always_protects() -> None:
 def test_a_healthy_replica_beside_a_failing_one_leaves_the_model_degraded() -> None:
     two = job(count=2)
     healthy = alloc("a0", event("Started", 1), index=0)
-    plan = observed(STORED, observe(healthy, failing("a1", index=1), the_job=two,
-                                    passing={"a0": 2 * S}))
+    plan = observed(
+        STORED, observe(healthy, failing("a1", index=1), the_job=two, passing={"a0": 2 * S})
+    )
     assert plan.state.consecutive_failures == 5 and plan.effects == ()
 
 
@@ -145,12 +166,13 @@ def test_nomad_stopping_every_replica_parks_with_fewer_failures_counted() -> Non
 def test_replica_records_are_bounded_by_the_definition_and_never_drop_a_live_one() -> None:
     # Finding 2: 40 replicas (more than the old bound of 32), all serving.
     forty = job(count=40)
-    allocs = [alloc(f"a{i:02}", event("Started", 1), index=i, CreateIndex=100 + i)
-              for i in range(40)]
-    gone = [alloc(f"x{i}", *run(1, 2), client="failed", index=i, CreateIndex=10)
-            for i in range(5)]
-    plan = observed(STORED, observe(*allocs, *gone, the_job=forty,
-                                    passing={a["ID"]: S for a in allocs}))
+    allocs = [
+        alloc(f"a{i:02}", event("Started", 1), index=i, CreateIndex=100 + i) for i in range(40)
+    ]
+    gone = [alloc(f"x{i}", *run(1, 2), client="failed", index=i, CreateIndex=10) for i in range(5)]
+    plan = observed(
+        STORED, observe(*allocs, *gone, the_job=forty, passing={a["ID"]: S for a in allocs})
+    )
     assert {r.alloc_id for r in plan.state.replicas} == {a["ID"] for a in allocs}
     assert plan.effects == ()
 
@@ -159,29 +181,38 @@ def test_counted_keys_are_pruned_by_what_nomad_shows_never_recounted() -> None:
     # Finding 2: more than 64 keys of allocations Nomad still shows stay counted (the
     # old eviction recounted them), and keys of allocations Nomad forgot go.
     many = job(count=1)
-    failed = [failing(f"f{i:02}", 5, client="failed", NextAllocation=f"f{i + 1:02}",
-                      CreateIndex=10 + i) for i in range(20)]
+    failed = [
+        failing(f"f{i:02}", 5, client="failed", NextAllocation=f"f{i + 1:02}", CreateIndex=10 + i)
+        for i in range(20)
+    ]
     stale = STORED.model_copy(update={"counted": ("gone/llama-server/1",)})
     first = observed(stale, observe(*failed, the_job=many))
     assert len(first.state.counted) == 100 and "gone/llama-server/1" not in first.state.counted
-    again = observed(first.state.model_copy(update={"parked": None}),
-                     observe(*failed, the_job=many))
+    again = observed(
+        first.state.model_copy(update={"parked": None}), observe(*failed, the_job=many)
+    )
     assert again.state.start_failures_total == first.state.start_failures_total
 
 
 # --- OBSERVED: parking follows the job --------------------------------------------------
 
 
-PARKED = Parked(reason="5 consecutive start failures", last_error="boom",
-                since="2026-11-29T11:00:00+00:00", definition_hash="d1")
+PARKED = Parked(
+    reason="5 consecutive start failures",
+    last_error="boom",
+    since="2026-11-29T11:00:00+00:00",
+    definition_hash="d1",
+)
 
 
 def test_the_kv_copy_of_parking_follows_the_jobs_meta() -> None:
     parked = parked_job(job(), PARKED)
     plan = observed(STORED, observe(the_job=parked))
     assert plan.state.parked == PARKED and plan.effects == ()
-    lifted = observed(plan.state.model_copy(update={"consecutive_failures": 5}),
-                      observe(the_job=job(JobModifyIndex=20)))
+    lifted = observed(
+        plan.state.model_copy(update={"consecutive_failures": 5}),
+        observe(the_job=job(JobModifyIndex=20)),
+    )
     assert lifted.state.parked is None and lifted.state.consecutive_failures == 0
 
 
@@ -201,9 +232,13 @@ def test_an_operators_stop_is_not_a_park() -> None:
 
 
 def deployment(version: int, status: str) -> dict[str, Any]:
-    return {"JobVersion": version, "JobCreateIndex": 10, "Status": status,
-            "StatusDescription": "Failed due to unhealthy allocations",
-            "CreateIndex": 100 + version}
+    return {
+        "JobVersion": version,
+        "JobCreateIndex": 10,
+        "Status": status,
+        "StatusDescription": "Failed due to unhealthy allocations",
+        "CreateIndex": 100 + version,
+    }
 
 
 def test_a_rolled_back_update_is_recorded_with_its_failures_and_judged_by_the_running() -> None:
@@ -211,10 +246,15 @@ def test_a_rolled_back_update_is_recorded_with_its_failures_and_judged_by_the_ru
     v1 = job(definition_hash="bad", Version=1, CreateIndex=10)
     v2 = job(definition_hash="good", Version=2, CreateIndex=10)
     record = RECORD.model_copy(update={"definition_hash": "bad"})
-    obs = observe(failing("canary", 4, version=1, client="failed"),
-                  alloc("old", event("Started", 1), version=0),
-                  the_job=v2, versions=(v2, v1, v0), record=record, passing={"old": S},
-                  deployments=(deployment(0, "successful"), deployment(1, "failed")))
+    obs = observe(
+        failing("canary", 4, version=1, client="failed"),
+        alloc("old", event("Started", 1), version=0),
+        the_job=v2,
+        versions=(v2, v1, v0),
+        record=record,
+        passing={"old": S},
+        deployments=(deployment(0, "successful"), deployment(1, "failed")),
+    )
     plan = observed(StateDocument(name="m", definition_hash="bad"), obs)
     failed = plan.state.update_failed
     assert failed is not None and (failed.definition_hash, failed.job_version) == ("bad", 1)
@@ -226,13 +266,19 @@ def test_a_rolled_back_update_is_recorded_with_its_failures_and_judged_by_the_ru
 def test_a_stuck_update_is_reverted_to_the_version_that_serves() -> None:
     v1 = job(definition_hash="d1", Version=1, CreateIndex=10)
     v0 = job(definition_hash="d0", Version=0, CreateIndex=10)
-    obs = observe(alloc("old", event("Started", 1), version=0),
-                  failing("new", 3, version=1, client="failed"), the_job=v1,
-                  versions=(v1, v0), passing={"old": S},
-                  deployments=(deployment(0, "cancelled"), deployment(1, "failed")))
+    obs = observe(
+        alloc("old", event("Started", 1), version=0),
+        failing("new", 3, version=1, client="failed"),
+        the_job=v1,
+        versions=(v1, v0),
+        passing={"old": S},
+        deployments=(deployment(0, "cancelled"), deployment(1, "failed")),
+    )
     assert observed(STORED, obs).effects == (
-        Revert(Reason.UPDATE_STUCK, observed(STORED, obs).effects[0].words, version=0,
-               prior_version=1),)
+        Revert(
+            Reason.UPDATE_STUCK, observed(STORED, obs).effects[0].words, version=0, prior_version=1
+        ),
+    )
 
 
 def test_the_placement_answer_is_kept_then_cleared_when_every_replica_runs() -> None:
@@ -241,10 +287,14 @@ def test_the_placement_answer_is_kept_then_cleared_when_every_replica_runs() -> 
     plan = observed(STORED, observe(placement=short, evaluation=evaluation))
     assert plan.state.unplaceable == short
     again = short.model_copy(update={"since": "later"})
-    assert observed(plan.state, observe(placement=again, evaluation=evaluation)
-                    ).state.unplaceable == short  # its `since` kept
-    placed = observed(plan.state, observe(alloc("a1", event("Started", 1)), placement=short,
-                                          evaluation=evaluation))
+    assert (
+        observed(plan.state, observe(placement=again, evaluation=evaluation)).state.unplaceable
+        == short
+    )  # its `since` kept
+    placed = observed(
+        plan.state,
+        observe(alloc("a1", event("Started", 1)), placement=short, evaluation=evaluation),
+    )
     assert placed.state.unplaceable is None
 
 
@@ -257,14 +307,19 @@ def test_a_pruned_model_is_left_alone() -> None:
 
 
 def test_a_replica_passing_for_the_stability_window_resets_the_counts() -> None:
-    counted = observed(STORED, observe(failing(starts=3), alloc("a2", event("Started", 40)),
-                                       the_job=job(count=2), passing={"a2": 50 * S}))
+    counted = observed(
+        STORED,
+        observe(
+            failing(starts=3),
+            alloc("a2", event("Started", 40)),
+            the_job=job(count=2),
+            passing={"a2": 50 * S},
+        ),
+    )
     assert counted.state.consecutive_failures == 3
-    young = decide(counted.state, observe(passing={"a2": NOW_NS - 60 * S}), Event.TICK,
-                   RULES, NOW)
+    young = decide(counted.state, observe(passing={"a2": NOW_NS - 60 * S}), Event.TICK, RULES, NOW)
     assert young.state.consecutive_failures == 3
-    tick = decide(counted.state, observe(passing={"a2": NOW_NS - 120 * S}), Event.TICK,
-                  RULES, NOW)
+    tick = decide(counted.state, observe(passing={"a2": NOW_NS - 120 * S}), Event.TICK, RULES, NOW)
     assert tick.state.consecutive_failures == 0 and tick.effects == ()
 
 
@@ -275,8 +330,13 @@ def test_a_run_found_stable_by_the_tick_ends_stable_whatever_the_nodes_clock_say
     ahead = 40 * S
     serving = alloc("a1", event("Started", 90))
     seen = observed(STORED, observe(serving, passing={"a1": 100 * S + ahead}))
-    stable = decide(seen.state, observe(serving, passing={"a1": 100 * S + ahead}),
-                    Event.TICK, RULES, datetime.fromtimestamp(260, UTC))
+    stable = decide(
+        seen.state,
+        observe(serving, passing={"a1": 100 * S + ahead}),
+        Event.TICK,
+        RULES,
+        datetime.fromtimestamp(260, UTC),
+    )
     [replica] = stable.state.replicas
     assert replica.stable_entry == 100 * S + ahead
     ended = alloc("a1", *run(90, 230), event("Restarting", 230), event("Started", 236))
@@ -308,29 +368,45 @@ def test_retry_of_a_stopped_job_starts_it() -> None:
 
 def test_retry_of_a_rolled_back_update_reverts_to_it() -> None:
     failed = UpdateFailed(definition_hash="d1", job_version=3, reason="failed")
-    plan = retried(STORED.model_copy(update={"update_failed": failed}),
-                   observe(the_job=job(definition_hash="d0", Version=4)))
+    plan = retried(
+        STORED.model_copy(update={"update_failed": failed}),
+        observe(the_job=job(definition_hash="d0", Version=4)),
+    )
     assert plan.effects == (Revert(Reason.RETRY, plan.summary, version=3, prior_version=4),)
     assert plan.state.update_failed is None
 
 
 def test_retry_places_replicas_nomad_stopped_and_forgives_them() -> None:
     two = job(count=2)
-    counted = observed(STORED, observe(failing(starts=3, client="failed"),
-                                       alloc("a2", event("Started", 1), index=1),
-                                       the_job=two, passing={"a2": S}))
-    plan = retried(counted.state, observe(failing(starts=3, client="failed"),
-                                          alloc("a2", event("Started", 1), index=1),
-                                          the_job=two, passing={"a2": S}))
-    assert plan.effects == (Evaluate(Reason.RETRY, "1 stopped replica(s) placed again",
-                                     force_reschedule=True),)
+    counted = observed(
+        STORED,
+        observe(
+            failing(starts=3, client="failed"),
+            alloc("a2", event("Started", 1), index=1),
+            the_job=two,
+            passing={"a2": S},
+        ),
+    )
+    plan = retried(
+        counted.state,
+        observe(
+            failing(starts=3, client="failed"),
+            alloc("a2", event("Started", 1), index=1),
+            the_job=two,
+            passing={"a2": S},
+        ),
+    )
+    assert plan.effects == (
+        Evaluate(Reason.RETRY, "1 stopped replica(s) placed again", force_reschedule=True),
+    )
     assert plan.state.consecutive_failures == 0
 
 
 def test_retry_of_an_unplaceable_model_asks_again_and_of_a_fine_one_does_nothing() -> None:
     short = STORED.model_copy(update={"unplaceable": Unplaceable(reason="no room")})
     assert retried(short, observe()).effects == (
-        Evaluate(Reason.RETRY, "asked the scheduler to place it again"),)
+        Evaluate(Reason.RETRY, "asked the scheduler to place it again"),
+    )
     fine = retried(STORED, observe(alloc("a1", event("Started", 1))))
     assert fine.effects == () and "nothing to retry" in fine.summary
 
@@ -375,10 +451,18 @@ def test_activation_never_forces_a_reschedule() -> None:
     # stopped replica a 6th time (issue 19).
     two = job(count=2)
     short = STORED.model_copy(update={"unplaceable": Unplaceable(reason="no room")})
-    plan = activated(short, observe(failing("a1", 5), alloc("a2", event("Started", 1), index=1),
-                                    the_job=two, record=RECORD.model_copy(update={"replicas": 2})))
-    assert plan.effects == (Evaluate(Reason.ACTIVATION, plan.effects[0].words,
-                                     force_reschedule=False),)
+    plan = activated(
+        short,
+        observe(
+            failing("a1", 5),
+            alloc("a2", event("Started", 1), index=1),
+            the_job=two,
+            record=RECORD.model_copy(update={"replicas": 2}),
+        ),
+    )
+    assert plan.effects == (
+        Evaluate(Reason.ACTIVATION, plan.effects[0].words, force_reschedule=False),
+    )
     assert plan.answer is None
 
 
@@ -408,18 +492,22 @@ def test_activation_of_a_model_never_applied_is_refused() -> None:
 
 
 def test_idle_scales_an_on_demand_model_to_zero() -> None:
-    plan = decide(STORED, observe(alloc("a1", event("Started", 1)), record=ON_DEMAND),
-                  Event.IDLE, RULES, NOW)
+    plan = decide(
+        STORED, observe(alloc("a1", event("Started", 1)), record=ON_DEMAND), Event.IDLE, RULES, NOW
+    )
     [scale] = plan.effects
     assert isinstance(scale, Scale) and (scale.group, scale.count) == ("server", 0)
     assert decide(STORED, observe(), Event.IDLE, RULES, NOW).effects == ()  # always on
-    assert decide(STORED, observe(the_job=job(count=0), record=ON_DEMAND), Event.IDLE,
-                  RULES, NOW).effects == ()
+    assert (
+        decide(
+            STORED, observe(the_job=job(count=0), record=ON_DEMAND), Event.IDLE, RULES, NOW
+        ).effects
+        == ()
+    )
 
 
 def test_documents_stay_readable_with_records_of_any_kind() -> None:
-    seeded = StateDocument(name="m", replicas=(ReplicaRecord(alloc_id="a1"),),
-                           counting_from_ns=5)
+    seeded = StateDocument(name="m", replicas=(ReplicaRecord(alloc_id="a1"),), counting_from_ns=5)
     assert observed(seeded, observe(alloc("a1", event("Started", 1)))).state.replicas[0].name
 
 
@@ -430,9 +518,13 @@ def test_the_running_definition_still_parks_while_a_rollback_stands() -> None:
     v1 = job(definition_hash="bad", Version=1, CreateIndex=10)
     v2 = job(definition_hash="good", Version=2, CreateIndex=10)
     record = RECORD.model_copy(update={"definition_hash": "bad"})
-    obs = observe(failing("old", 5, version=2), the_job=v2, versions=(v2, v1, v0),
-                  record=record,
-                  deployments=(deployment(0, "successful"), deployment(1, "failed")))
+    obs = observe(
+        failing("old", 5, version=2),
+        the_job=v2,
+        versions=(v2, v1, v0),
+        record=record,
+        deployments=(deployment(0, "successful"), deployment(1, "failed")),
+    )
     plan = observed(StateDocument(name="m", definition_hash="bad"), obs)
     assert plan.state.update_failed is not None
     [park] = plan.effects
@@ -442,10 +534,14 @@ def test_the_running_definition_still_parks_while_a_rollback_stands() -> None:
 def test_activation_during_a_stuck_update_reverts_and_answers() -> None:
     v1 = job(definition_hash="d1", Version=1, CreateIndex=10)
     v0 = job(definition_hash="d0", Version=0, CreateIndex=10)
-    obs = observe(alloc("old", event("Started", 1), version=0),
-                  failing("new", 5, version=1), the_job=v1, versions=(v1, v0),
-                  passing={"old": S},
-                  deployments=(deployment(0, "cancelled"), deployment(1, "failed")))
+    obs = observe(
+        alloc("old", event("Started", 1), version=0),
+        failing("new", 5, version=1),
+        the_job=v1,
+        versions=(v1, v0),
+        passing={"old": S},
+        deployments=(deployment(0, "cancelled"), deployment(1, "failed")),
+    )
     plan = activated(STORED, obs)
     assert [type(e) for e in plan.effects] == [Revert]
     assert plan.answer is not None and plan.answer.status is ActivationStatus.SERVING

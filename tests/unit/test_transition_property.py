@@ -109,8 +109,12 @@ class SimNomad:
         """`planner apply` of a new definition: record, document kept, job registered."""
         definition = f"d{len(self.kinds)}"
         self.kinds[definition] = kind
-        self.record = ModelRecord(name="m", definition_hash=definition, replicas=self.count,
-                                  on_demand={"idle_after": 600} if self.on_demand else None)
+        self.record = ModelRecord(
+            name="m",
+            definition_hash=definition,
+            replicas=self.count,
+            on_demand={"idle_after": 600} if self.on_demand else None,
+        )
         if self.doc_index == 0:
             self.doc_index = self._next()  # apply creates a new model's document
         base = unparked_job(self.job) if self.job else job(count=self.count)
@@ -119,8 +123,9 @@ class SimNomad:
         self.register({**base, "Meta": meta, "Stop": False})
 
     def definition(self, version: int) -> str:
-        return next(v["Meta"][JobMeta.DEFINITION_HASH] for v in self.versions
-                    if v["Version"] == version)
+        return next(
+            v["Meta"][JobMeta.DEFINITION_HASH] for v in self.versions if v["Version"] == version
+        )
 
     # --- the scheduler ------------------------------------------------------------------
 
@@ -135,12 +140,20 @@ class SimNomad:
         alloc_id = f"a{self.serial:03}"
         definition = self.job["Meta"][JobMeta.DEFINITION_HASH]
         kind = self.kinds[definition]
-        sim = SimAlloc({"ID": alloc_id, "JobID": "m", "Name": f"m.server[{slot}]",
-                        "NodeName": "node-a", "JobVersion": self.job["Version"],
-                        "ClientStatus": "pending", "DesiredStatus": "run",
-                        "CreateIndex": self._next(),
-                        "TaskStates": {TASK: {"Events": [event("Received", self.t)]}}},
-                       fails_first=kind if kind >= 0 else self.rng.randint(0, 6))
+        sim = SimAlloc(
+            {
+                "ID": alloc_id,
+                "JobID": "m",
+                "Name": f"m.server[{slot}]",
+                "NodeName": "node-a",
+                "JobVersion": self.job["Version"],
+                "ClientStatus": "pending",
+                "DesiredStatus": "run",
+                "CreateIndex": self._next(),
+                "TaskStates": {TASK: {"Events": [event("Received", self.t)]}},
+            },
+            fails_first=kind if kind >= 0 else self.rng.randint(0, 6),
+        )
         self.allocs[alloc_id] = sim
         return sim
 
@@ -151,21 +164,29 @@ class SimNomad:
                 self._stop(sim)
             return
         for sim in live:
-            if sim.data["JobVersion"] != self.job["Version"] and \
-                    self.definition(sim.data["JobVersion"]) != \
-                    self.job["Meta"][JobMeta.DEFINITION_HASH]:
+            if (
+                sim.data["JobVersion"] != self.job["Version"]
+                and self.definition(sim.data["JobVersion"])
+                != self.job["Meta"][JobMeta.DEFINITION_HASH]
+            ):
                 self._stop(sim)  # a new definition replaces every allocation
             elif sim.data["JobVersion"] != self.job["Version"]:
                 sim.data["JobVersion"] = self.job["Version"]  # in place (a park, a scale)
-        wanted = [s for s in self.allocs.values() if s.data["DesiredStatus"] == "run"
-                  and not s.data.get("NextAllocation")]
+        wanted = [
+            s
+            for s in self.allocs.values()
+            if s.data["DesiredStatus"] == "run" and not s.data.get("NextAllocation")
+        ]
         if force:
             for sim in [s for s in wanted if s.data["ClientStatus"] == "failed"]:
                 new = self._place(int(sim.data["Name"][-2]))
                 sim.data["NextAllocation"] = new.data["ID"]
                 sim.data["DesiredStatus"] = "stop"
-        wanted = [s for s in self.allocs.values() if s.data["DesiredStatus"] == "run"
-                  and not s.data.get("NextAllocation")]
+        wanted = [
+            s
+            for s in self.allocs.values()
+            if s.data["DesiredStatus"] == "run" and not s.data.get("NextAllocation")
+        ]
         count = group_count(self.job)
         for sim in wanted:
             if int(sim.data["Name"][-2]) >= count:
@@ -180,9 +201,12 @@ class SimNomad:
     def progress(self, alloc_id: str) -> None:
         """One step of one allocation: a start, which fails or passes."""
         sim = self.allocs.get(alloc_id)
-        if sim is None or sim.data["DesiredStatus"] != "run" or \
-                sim.data["ClientStatus"] not in ("pending", "running") or \
-                alloc_id in self.passing:
+        if (
+            sim is None
+            or sim.data["DesiredStatus"] != "run"
+            or sim.data["ClientStatus"] not in ("pending", "running")
+            or alloc_id in self.passing
+        ):
             return
         events = sim.data["TaskStates"][TASK]["Events"]
         self.t += 1
@@ -209,12 +233,16 @@ class SimNomad:
     # --- the planner's reads and writes -------------------------------------------------
 
     def observe(self) -> Observation:
-        return Observation(name="m", record=self.record, job=copy.deepcopy(self.job) or None,
-                           versions=tuple(copy.deepcopy(self.versions)),
-                           allocations=tuple(copy.deepcopy(s.data)
-                                             for s in self.allocs.values()),
-                           passing=dict(self.passing), state_index=self.doc_index,
-                           nomad_index=self.index)
+        return Observation(
+            name="m",
+            record=self.record,
+            job=copy.deepcopy(self.job) or None,
+            versions=tuple(copy.deepcopy(self.versions)),
+            allocations=tuple(copy.deepcopy(s.data) for s in self.allocs.values()),
+            passing=dict(self.passing),
+            state_index=self.doc_index,
+            nomad_index=self.index,
+        )
 
     def carry_out(self, before: StateDocument, plan: Plan, observation: Observation) -> bool:
         """What the applier does; False when it stops at a refused check (Stale)."""
@@ -222,8 +250,7 @@ class SimNomad:
         for effect in plan.effects:
             if not self._write(effect, observation, index):
                 return False
-            index = int(self.job["JobModifyIndex"]) if not isinstance(effect, Evaluate) \
-                else index
+            index = int(self.job["JobModifyIndex"]) if not isinstance(effect, Evaluate) else index
         state = plan.state
         if any(isinstance(e, Park | Unpark) for e in plan.effects):
             state = state.model_copy(update={"job_index": index})
@@ -268,9 +295,13 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
     versions = {v["Version"]: v["Meta"][JobMeta.DEFINITION_HASH] for v in observation.versions}
     for effect in plan.effects:
         if isinstance(effect, Park):
-            serving = [a["ID"] for a in observation.allocations
-                       if a["ID"] in observation.passing and a["DesiredStatus"] == "run"
-                       and versions.get(a["JobVersion"]) == current]
+            serving = [
+                a["ID"]
+                for a in observation.allocations
+                if a["ID"] in observation.passing
+                and a["DesiredStatus"] == "run"
+                and versions.get(a["JobVersion"]) == current
+            ]
             assert not serving, f"parked while {serving} pass"
         if isinstance(effect, Evaluate) and effect.force_reschedule:
             assert event_ is Event.RETRY, f"a forced reschedule from {event_}"
@@ -278,8 +309,9 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
 
 def check_starts(sim: SimNomad) -> None:
     for definition, starts in sim.starts_since_reset.items():
-        assert starts <= RULES.park_after * sim.count, \
+        assert starts <= RULES.park_after * sim.count, (
             f"{starts} starts of {definition} without a park or a retry"
+        )
 
 
 def step(sim: SimNomad, event_: Event, observation: Observation) -> None:
@@ -299,19 +331,38 @@ def _document_at(sim: SimNomad, observation: Observation) -> StateDocument:
     return sim.documents[observation.state_index]
 
 
-OPS = st.sampled_from(["progress", "progress", "nomad", "observe", "observe", "stale",
-                       "duplicate", "snapshot", "tick", "retry", "activate", "apply",
-                       "wipe", "idle"])
+OPS = st.sampled_from(
+    [
+        "progress",
+        "progress",
+        "nomad",
+        "observe",
+        "observe",
+        "stale",
+        "duplicate",
+        "snapshot",
+        "tick",
+        "retry",
+        "activate",
+        "apply",
+        "wipe",
+        "idle",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32), count=st.integers(1, 2), on_demand=st.booleans(),
-       skew=st.sampled_from([0.0, 40.0, 86_400.0 * 365]),
-       first=st.sampled_from([STARTS, 0, -1]),
-       ops=st.lists(st.tuples(OPS, st.integers(0, 10**6)), min_size=5, max_size=60))
+@given(
+    seed=st.integers(0, 2**32),
+    count=st.integers(1, 2),
+    on_demand=st.booleans(),
+    skew=st.sampled_from([0.0, 40.0, 86_400.0 * 365]),
+    first=st.sampled_from([STARTS, 0, -1]),
+    ops=st.lists(st.tuples(OPS, st.integers(0, 10**6)), min_size=5, max_size=60),
+)
 def test_decide_keeps_its_promises_in_any_order_of_events(
-        seed: int, count: int, on_demand: bool, skew: float, first: int,
-        ops: list[tuple[str, int]]) -> None:
+    seed: int, count: int, on_demand: bool, skew: float, first: int, ops: list[tuple[str, int]]
+) -> None:
     sim = SimNomad(random.Random(seed), count, skew, on_demand)
     sim.apply(first)
     snapshots: list[Observation] = []
@@ -363,10 +414,16 @@ def test_decide_keeps_its_promises_in_any_order_of_events(
     parked = parked_from_job(sim.job)
     assert (sim.doc.parked is None) == (parked is None)
     assert sim.doc.definition_hash == sim.job["Meta"][JobMeta.DEFINITION_HASH]
-    wanted = [s for s in sim.allocs.values()
-              if s.data["DesiredStatus"] == "run" and not s.data.get("NextAllocation")]
-    if not sim.job.get("Stop") and wanted and \
-            all(s.data["ClientStatus"] == "failed" for s in wanted):
+    wanted = [
+        s
+        for s in sim.allocs.values()
+        if s.data["DesiredStatus"] == "run" and not s.data.get("NextAllocation")
+    ]
+    if (
+        not sim.job.get("Stop")
+        and wanted
+        and all(s.data["ClientStatus"] == "failed" for s in wanted)
+    ):
         # Nomad gave up on every replica (the count may be lost with the document):
         # a request parks the model, it never starts it again.
         observation = remember(sim.observe())

@@ -22,32 +22,50 @@ from planner.errors import PermissionDenied
 
 
 def test_a_valid_token_lacking_a_rule_is_told_which_and_where_the_policy_is() -> None:
-    assert denial(Agent.NOMAD, ['submit-job on namespace "default"'], TokenStatus.VALID,
-                  "acl/nomad/planner.hcl", "register job tiny") == (
+    assert denial(
+        Agent.NOMAD,
+        ['submit-job on namespace "default"'],
+        TokenStatus.VALID,
+        "acl/nomad/planner.hcl",
+        "register job tiny",
+    ) == (
         'Nomad denied submit-job on namespace "default" (register job tiny): the token in '
         "NOMAD_TOKEN lacks it; give the token the policy in acl/nomad/planner.hcl "
-        "(llmgw's repository)")
+        "(llmgw's repository)"
+    )
 
 
 def test_an_empty_and_an_unknown_token_are_told_apart() -> None:
     empty = denial(Agent.CONSUL, ["a", "b"], TokenStatus.EMPTY, "acl/consul/router.hcl")
-    assert empty.startswith("Consul denied a, b: CONSUL_HTTP_TOKEN is empty, so Consul "
-                            "applied its anonymous token's policy")
-    unknown = denial(Agent.CONSUL, ["a"], TokenStatus.UNKNOWN, "acl/consul/router.hcl",
-                     detail="ACL not found")
+    assert empty.startswith(
+        "Consul denied a, b: CONSUL_HTTP_TOKEN is empty, so Consul "
+        "applied its anonymous token's policy"
+    )
+    unknown = denial(
+        Agent.CONSUL, ["a"], TokenStatus.UNKNOWN, "acl/consul/router.hcl", detail="ACL not found"
+    )
     assert "Consul does not know the token in CONSUL_HTTP_TOKEN (ACL not found)" in unknown
 
 
 def test_consul_rules_are_asked_as_the_authorize_endpoint_takes_them() -> None:
-    assert CONSUL_KV_WRITE.authorize_request() == {"Resource": "key", "Segment": "llmgw/",
-                                                   "Access": "write"}
+    assert CONSUL_KV_WRITE.authorize_request() == {
+        "Resource": "key",
+        "Segment": "llmgw/",
+        "Access": "write",
+    }
     assert [p.rule for p in ROUTER_CONSUL_NEEDS] == [
-        'key_prefix "llmgw/" read', 'service_prefix "llmgw-" read', 'node_prefix "" read',
-        'session_prefix "" read']
+        'key_prefix "llmgw/" read',
+        'service_prefix "llmgw-" read',
+        'node_prefix "" read',
+        'session_prefix "" read',
+    ]
     # Only with LLMGW_API_KEYS_CONSUL; a rule of acl/consul/router.hcl all the same.
     (keys,) = ROUTER_CONSUL_KEYS_NEEDS
-    assert keys.authorize_request() == {"Resource": "key", "Segment": "llmgw-router/api-keys",
-                                        "Access": "read"}
+    assert keys.authorize_request() == {
+        "Resource": "key",
+        "Segment": "llmgw-router/api-keys",
+        "Access": "read",
+    }
     policy = (Path(__file__).resolve().parents[3] / "acl/consul/router.hcl").read_text()
     assert 'key "llmgw-router/api-keys" {\n  policy = "read"\n}' in policy
 

@@ -22,8 +22,11 @@ def scrape(paths: list[str | None]) -> dict[tuple[str, str], float]:
     registry = CollectorRegistry()
     registry.register(CertificateCollector(lambda: paths))
     text = generate_latest(registry).decode()
-    return {(sample.name, sample.labels["path"]): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, sample.labels["path"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_expiry_and_success_per_path_read_at_each_scrape(tmp_path: Path) -> None:
@@ -33,8 +36,11 @@ def test_expiry_and_success_per_path_read_at_each_scrape(tmp_path: Path) -> None
     garbage.write_text("not a certificate")
     samples = scrape([str(ca.cert), missing, str(garbage), None, ""])
     assert samples == {
-        (EXPIRY, str(ca.cert)): not_after(ca.cert), (READ_SUCCESS, str(ca.cert)): 1,
-        (READ_SUCCESS, missing): 0, (READ_SUCCESS, str(garbage)): 0}
+        (EXPIRY, str(ca.cert)): not_after(ca.cert),
+        (READ_SUCCESS, str(ca.cert)): 1,
+        (READ_SUCCESS, missing): 0,
+        (READ_SUCCESS, str(garbage)): 0,
+    }
     # A renewed file shows at the next scrape, no restart.
     other = make_ca(folder(tmp_path / "ca2"))
     garbage.write_bytes(other.cert.read_bytes())

@@ -39,8 +39,10 @@ def test_the_planner_gives_every_activation_status_and_only_those() -> None:
 
 
 def kv_entry(state: StateDocument) -> dict:
-    return {"Key": kv_key(KVPrefix.STATE, state.name),
-            "Value": base64.b64encode(encode(state).encode()).decode()}
+    return {
+        "Key": kv_key(KVPrefix.STATE, state.name),
+        "Value": base64.b64encode(encode(state).encode()).decode(),
+    }
 
 
 def planner_states() -> list[StateDocument]:
@@ -48,13 +50,16 @@ def planner_states() -> list[StateDocument]:
     info = AllocInfo("a1", "m.server[0]", "node-a", "d1", "failed", "run")
     state = track(for_definition(StateDocument(name="m"), "d1"), info)
     for failure in failures_of(alloc("a1", *[e for i in range(5) for e in run(i, i + 0.5)])):
-        state = judge(state, failure, "0.00.000.001 E unknown model architecture: 'kev'",
-                      Rules())
+        state = judge(state, failure, "0.00.000.001 E unknown model architecture: 'kev'", Rules())
     parked = decide_parking(state, {"a1": info}, frozenset(), T0, Rules())
     room = Unplaceable(reason="waiting for room", since=T0.isoformat(), provisional=True)
     short = Unplaceable(reason="memory exhausted on 1 of 1 node", since=T0.isoformat())
-    return [parked, set_parked(parked, parked.parked, 42), with_unplaceable(state, room),
-            with_unplaceable(state, short)]
+    return [
+        parked,
+        set_parked(parked, parked.parked, 42),
+        with_unplaceable(state, room),
+        with_unplaceable(state, short),
+    ]
 
 
 def test_the_router_reads_every_state_document_the_planner_writes() -> None:
@@ -67,11 +72,18 @@ def test_the_router_reads_every_state_document_the_planner_writes() -> None:
 
 def test_the_router_reads_the_record_of_a_split_source() -> None:
     """A split source's sha256 is a list, one per shard (planner/spec/sources.py)."""
-    definition = ModelDefinition.model_validate({
-        "name": "m", "source": "https://h/m-00001-of-00002.gguf",
-        "sha256": ["a" * 64, "b" * 64], "profile": {}})
+    definition = ModelDefinition.model_validate(
+        {
+            "name": "m",
+            "source": "https://h/m-00001-of-00002.gguf",
+            "sha256": ["a" * 64, "b" * 64],
+            "profile": {},
+        }
+    )
     record = definition.record()
-    entry = {"Key": kv_key(KVPrefix.MODELS, "m"),
-             "Value": base64.b64encode(encode(record).encode()).decode()}
+    entry = {
+        "Key": kv_key(KVPrefix.MODELS, "m"),
+        "Value": base64.b64encode(encode(record).encode()).decode(),
+    }
     assert parse_models([entry]) == {"m": record}
     assert record.sha256 == ["a" * 64, "b" * 64]

@@ -31,8 +31,12 @@ def _unquoted(value: Any) -> str:
 
 def _job_name_default(jobspec: str) -> str:
     variables = hcl2.loads((ROOT / "jobspecs" / jobspec).read_text())["variable"]
-    [body] = [body for block in variables for label, body in block.items()
-              if _unquoted(label) == "job_name"]
+    [body] = [
+        body
+        for block in variables
+        for label, body in block.items()
+        if _unquoted(label) == "job_name"
+    ]
     return _unquoted(body["default"])
 
 
@@ -58,20 +62,24 @@ def test_the_engine_install_job_id_is_the_reserved_prefix() -> None:
     assert f'id          = "{ENGINE_JOB_PREFIX}${{var.engine}}"' in text
 
 
-@pytest.mark.parametrize(("name", "holder"), [
-    ("llmgw-planner", "llmgw-planner is the planner's job ID"),
-    ("llmgw-router", "llmgw-router is the router's job ID"),
-    ("llmgw-engine-llama", "llmgw-engine-<engine> are the job IDs of llmgw's engine installs"),
-    ("planner", "llmgw-planner is the planner's service"),
-    ("router", "llmgw-router is the router's service"),
-])
+@pytest.mark.parametrize(
+    ("name", "holder"),
+    [
+        ("llmgw-planner", "llmgw-planner is the planner's job ID"),
+        ("llmgw-router", "llmgw-router is the router's job ID"),
+        ("llmgw-engine-llama", "llmgw-engine-<engine> are the job IDs of llmgw's engine installs"),
+        ("planner", "llmgw-planner is the planner's service"),
+        ("router", "llmgw-router is the router's service"),
+    ],
+)
 def test_each_reserved_name_says_the_rule_and_what_holds_it(name: str, holder: str) -> None:
     why = reserved_name(name)
     assert why is not None and why.startswith(RULE) and holder in why
 
 
-@pytest.mark.parametrize("name", ["gemma", "llmgw-gemma", "planners", "my-router",
-                                  "llmgw-engines", "engine-llama"])
+@pytest.mark.parametrize(
+    "name", ["gemma", "llmgw-gemma", "planners", "my-router", "llmgw-engines", "engine-llama"]
+)
 def test_other_names_are_free(name: str) -> None:
     assert reserved_name(name) is None
 

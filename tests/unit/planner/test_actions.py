@@ -26,8 +26,8 @@ def test_unparking_is_never_refused_by_an_index_lower_than_remembered() -> None:
 
 
 def test_parking_is_read_from_the_job_meta() -> None:
-    meta = {"llmgw_parked_reason": "r", "llmgw_parked_last_error": "e",
-            "llmgw_parked_since": "t"}
-    assert parked_from_job(job(meta=meta)) == Parked(reason="r", last_error="e", since="t",
-                                                      definition_hash="d1")
+    meta = {"llmgw_parked_reason": "r", "llmgw_parked_last_error": "e", "llmgw_parked_since": "t"}
+    assert parked_from_job(job(meta=meta)) == Parked(
+        reason="r", last_error="e", since="t", definition_hash="d1"
+    )
     assert parked_from_job(job()) is None and parked_from_job(None) is None

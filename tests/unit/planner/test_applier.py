@@ -35,26 +35,37 @@ class Recorder:
 def test_a_register_is_checked_at_the_index_read_and_an_evaluation_follows() -> None:
     nomad = Recorder()
     answers = Applier(nomad).write_job(  # type: ignore[arg-type]
-        "m", [Register(Reason.APPLY, "new model", job()),
-              Evaluate(Reason.APPLY, "restart", force_reschedule=True)], 0)
+        "m",
+        [
+            Register(Reason.APPLY, "new model", job()),
+            Evaluate(Reason.APPLY, "restart", force_reschedule=True),
+        ],
+        0,
+    )
     assert nomad.calls == [("register", "m", 0), ("evaluate", "m", True)]
     assert answers == [{"EvalID": "e1", "JobModifyIndex": 50}, {"EvalID": "e2"}]
 
 
-@pytest.mark.parametrize("words", [
-    "register job m: Nomad failed (HTTP 500: Enforcing job modify index 10: job exists "
-    "with conflicting job modify index: 12)",
-    "register job m: HTTP 400: job exists with conflicting job modify index: 12"])
+@pytest.mark.parametrize(
+    "words",
+    [
+        "register job m: Nomad failed (HTTP 500: Enforcing job modify index 10: job exists "
+        "with conflicting job modify index: 12)",
+        "register job m: HTTP 400: job exists with conflicting job modify index: 12",
+    ],
+)
 def test_a_lost_index_check_is_stale(words: str) -> None:
     with pytest.raises(Stale):
         Applier(Recorder(words)).write_job(  # type: ignore[arg-type]
-            "m", [Register(Reason.APPLY, "update", job())], 10)
+            "m", [Register(Reason.APPLY, "update", job())], 10
+        )
 
 
 def test_any_other_refusal_is_raised_as_it_came() -> None:
     with pytest.raises(NomadRejected, match="count can't be negative"):
         Applier(Recorder("Task group count can't be negative")).write_job(  # type: ignore[arg-type]
-            "m", [Register(Reason.APPLY, "update", job())], 10)
+            "m", [Register(Reason.APPLY, "update", job())], 10
+        )
 
 
 def test_an_applier_without_a_store_writes_jobs_only() -> None:

@@ -12,17 +12,29 @@ def spec(s: str, **kw: object) -> dict:
 
 
 def test_decide_create_update_unchanged_and_prune() -> None:
-    rendered = {"new": spec("s1"), "same": spec("s1"),
-                "changed": spec("s2", definition_hash="d2"), "stopped": spec("s1")}
-    registered = {"same": spec("s1"), "changed": spec("s1"), "stopped": spec("s1", stop=True),
-                  "gone": spec("s1")}
+    rendered = {
+        "new": spec("s1"),
+        "same": spec("s1"),
+        "changed": spec("s2", definition_hash="d2"),
+        "stopped": spec("s1"),
+    }
+    registered = {
+        "same": spec("s1"),
+        "changed": spec("s1"),
+        "stopped": spec("s1", stop=True),
+        "gone": spec("s1"),
+    }
     changes = {c.model: c for c in decide(rendered, registered, prune=False)}
     assert changes["new"].action is Action.CREATE
     assert changes["same"].action is Action.UNCHANGED
-    assert (changes["changed"].action, changes["changed"].reason) == \
-        (Action.UPDATE, "source or profile changed")
-    assert (changes["stopped"].action, changes["stopped"].reason) == \
-        (Action.UPDATE, "job was stopped")
+    assert (changes["changed"].action, changes["changed"].reason) == (
+        Action.UPDATE,
+        "source or profile changed",
+    )
+    assert (changes["stopped"].action, changes["stopped"].reason) == (
+        Action.UPDATE,
+        "job was stopped",
+    )
     assert changes["gone"].action is Action.ORPHANED
     pruned = {c.model: c for c in decide(rendered, registered, prune=True)}
     assert pruned["gone"].action is Action.DEREGISTER
@@ -36,8 +48,9 @@ def test_a_parked_model_stays_parked_until_its_definition_changes() -> None:
     [replicas] = decide({"m": spec("s2")}, registered, prune=False, parked=parked)
     assert replicas.action is Action.UPDATE and replicas.job["Stop"] is True
     assert not replicas.unpark
-    [changed] = decide({"m": spec("s3", definition_hash="d2")}, registered, prune=False,
-                       parked=parked)
+    [changed] = decide(
+        {"m": spec("s3", definition_hash="d2")}, registered, prune=False, parked=parked
+    )
     assert changed.action is Action.UPDATE and changed.unpark
 
 
@@ -46,18 +59,29 @@ def test_models_gone_from_git_are_listed_until_pruned_then_purged() -> None:
     listed nowhere, and the leader kept restoring its record."""
     parked = {"p": Parked(reason="5 consecutive start failures", definition_hash="d1")}
     registered = {"p": spec("s1", stop=True), "s": spec("s1", stop=True), "r": spec("s1")}
-    listed = {c.model: c for c in decide({}, registered, prune=False, parked=parked,
-                                         records={"p", "s", "r", "nojob"})}
+    listed = {
+        c.model: c
+        for c in decide(
+            {}, registered, prune=False, parked=parked, records={"p", "s", "r", "nojob"}
+        )
+    }
     assert {name: c.action for name, c in listed.items()} == dict.fromkeys(
-        ("nojob", "p", "r", "s"), Action.ORPHANED)
+        ("nojob", "p", "r", "s"), Action.ORPHANED
+    )
     assert listed["p"].reason.startswith("parked; ") and "to remove it" in listed["p"].reason
     assert listed["s"].reason.startswith("stopped; ")
     assert listed["r"].reason.endswith("--prune to stop it")
     assert listed["nojob"].reason.startswith("no Nomad job; ")
-    pruned = {c.model: (c.action, c.purge) for c in decide(
-        {}, registered, prune=True, parked=parked, records={"nojob"})}
-    assert pruned == {"p": (Action.DEREGISTER, True), "s": (Action.DEREGISTER, True),
-                      "r": (Action.DEREGISTER, True), "nojob": (Action.DEREGISTER, False)}
+    pruned = {
+        c.model: (c.action, c.purge)
+        for c in decide({}, registered, prune=True, parked=parked, records={"nojob"})
+    }
+    assert pruned == {
+        "p": (Action.DEREGISTER, True),
+        "s": (Action.DEREGISTER, True),
+        "r": (Action.DEREGISTER, True),
+        "nojob": (Action.DEREGISTER, False),
+    }
 
 
 def test_a_replica_count_change_alone_is_an_update_that_keeps_the_spec_hash() -> None:
@@ -72,10 +96,12 @@ def test_each_change_carries_the_index_its_registration_is_checked_against() -> 
     """Issue 19: apply registers with EnforceIndex at the JobModifyIndex it read (0 for
     a model Nomad has no job of), and keeps the rendered job to decide again from."""
     rendered = {"new": spec("s1"), "changed": spec("s2")}
-    registered = {"changed": spec("s1", JobModifyIndex=42), "gone": spec("s1",
-                                                                          JobModifyIndex=7)}
+    registered = {"changed": spec("s1", JobModifyIndex=42), "gone": spec("s1", JobModifyIndex=7)}
     changes = {c.model: c for c in decide(rendered, registered, prune=True)}
-    assert (changes["new"].job_index, changes["changed"].job_index,
-            changes["gone"].job_index) == (0, 42, 7)
+    assert (changes["new"].job_index, changes["changed"].job_index, changes["gone"].job_index) == (
+        0,
+        42,
+        7,
+    )
     assert changes["changed"].rendered == rendered["changed"]
     assert changes["gone"].rendered is None

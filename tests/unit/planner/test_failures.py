@@ -25,8 +25,14 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 RULES = Rules(park_after=5, stable_after_ns=120 * S)
 
 
-def info(alloc_id: str = "a1", index: int = 0, node: str = "node-a", client: str = "running",
-         desired: str = "run", definition: str = "d1") -> AllocInfo:
+def info(
+    alloc_id: str = "a1",
+    index: int = 0,
+    node: str = "node-a",
+    client: str = "running",
+    desired: str = "run",
+    definition: str = "d1",
+) -> AllocInfo:
     return AllocInfo(alloc_id, f"m.server[{index}]", node, definition, client, desired)
 
 
@@ -55,19 +61,30 @@ def test_each_ended_start_counts_once_per_replica_and_model_even_when_replayed()
 
 
 def test_a_stop_or_an_operators_restart_is_not_a_failure() -> None:
-    stopped = alloc("a2", *run(1), event("Killing", 5),
-                    event("Terminated", 6, ExitCode=0, Signal=15), event("Killed", 7))
+    stopped = alloc(
+        "a2",
+        *run(1),
+        event("Killing", 5),
+        event("Terminated", 6, ExitCode=0, Signal=15),
+        event("Killed", 7),
+    )
     assert new_failures(fresh(), stopped) == []
-    restarted = alloc("a3", *run(1), event("Restart Signaled", 5,
-                                           RestartReason="User requested restart"),
-                      event("Terminated", 6, ExitCode=137, Signal=9))
+    restarted = alloc(
+        "a3",
+        *run(1),
+        event("Restart Signaled", 5, RestartReason="User requested restart"),
+        event("Terminated", 6, ExitCode=137, Signal=9),
+    )
     assert new_failures(fresh(), restarted) == []
 
 
 def test_a_health_check_restart_counts() -> None:
-    killed = alloc("a1", *run(1), event("Restart Signaled", 100,
-                                        RestartReason="healthcheck: check unhealthy"),
-                   event("Terminated", 101, ExitCode=137, Signal=9))
+    killed = alloc(
+        "a1",
+        *run(1),
+        event("Restart Signaled", 100, RestartReason="healthcheck: check unhealthy"),
+        event("Terminated", 101, ExitCode=137, Signal=9),
+    )
     assert count(fresh(info()), killed).consecutive_failures == 1
 
 
@@ -114,8 +131,12 @@ def five_failures(state: StateDocument, alloc_id: str = "b1") -> StateDocument:
 def test_parked_at_five_when_no_replica_protects_the_model() -> None:
     state = five_failures(fresh(info("b1")))
     restarting = {"b1": info("b1")}  # still live: Nomad restarts it
-    assert decide_parking(state.model_copy(update={"consecutive_failures": 4}), restarting,
-                          frozenset(), T0, RULES).parked is None
+    assert (
+        decide_parking(
+            state.model_copy(update={"consecutive_failures": 4}), restarting, frozenset(), T0, RULES
+        ).parked
+        is None
+    )
     parked = decide_parking(state, restarting, frozenset(), T0, RULES).parked
     assert parked is not None
     assert (parked.reason, parked.definition_hash) == ("5 consecutive start failures", "d1")
@@ -188,20 +209,30 @@ def test_retried_clears_parking_and_counts() -> None:
 
 
 def test_headline_drops_llama_cpp_time_prefixes() -> None:
-    assert headline("Terminated: Exit Code: 1\n0.00.000.100 E boom\nmore") == \
-        "Terminated: Exit Code: 1 | boom"
+    assert (
+        headline("Terminated: Exit Code: 1\n0.00.000.100 E boom\nmore")
+        == "Terminated: Exit Code: 1 | boom"
+    )
 
 
 def crashed(at: float, exit_code: int, signal: int = 0, **extra: object) -> dict:
-    return event("Terminated", at, msg=f"Exit Code: {exit_code}, Signal: {signal}",
-                 ExitCode=exit_code, Signal=signal, **extra)
+    return event(
+        "Terminated",
+        at,
+        msg=f"Exit Code: {exit_code}, Signal: {signal}",
+        ExitCode=exit_code,
+        Signal=signal,
+        **extra,
+    )
 
 
 def test_a_death_by_a_signal_is_named_as_a_crash_first_whatever_stderr_said() -> None:
     """Issue 17: the parked model's last error read "Terminated: Exit Code: 139, Signal: 11
     | load: control-looking token ...", a warning as its headline."""
-    tail = ("load: control-looking token: 212 '</s>' was not control-type; this is probably "
-            "a bug in the model\nsrv  load_model: initializing slots\n")
+    tail = (
+        "load: control-looking token: 212 '</s>' was not control-type; this is probably "
+        "a bug in the model\nsrv  load_model: initializing slots\n"
+    )
     state = fresh(info())
     [failure] = new_failures(state, alloc("a1", event("Started", 1), crashed(2, 139, 11)))
     assert failure.crashed and failure.signal == 11
@@ -216,10 +247,13 @@ def test_a_crash_is_told_by_its_exit_status_and_a_kill_names_the_memory_limit() 
     # A shell wrapper reports its child's SIGILL as exit status 132, Signal 0.
     [ill] = new_failures(fresh(), alloc("a1", event("Started", 1), crashed(2, 132)))
     assert ill.message.startswith("crashed: SIGILL (exit 132): illegal instruction")
-    [killed] = new_failures(fresh(), alloc("a1", event("Started", 1), crashed(2, 137, 9),
-                                           **resources))
-    assert killed.message == \
-        "crashed: SIGKILL (exit 137): killed (out of memory?); memory limit 256 MiB"
+    [killed] = new_failures(
+        fresh(), alloc("a1", event("Started", 1), crashed(2, 137, 9), **resources)
+    )
+    assert (
+        killed.message
+        == "crashed: SIGKILL (exit 137): killed (out of memory?); memory limit 256 MiB"
+    )
     oom = crashed(2, 137, 9, Details={"oom_killed": "true"})
     [killed] = new_failures(fresh(), alloc("a1", event("Started", 1), oom, **resources))
     assert "out of memory (the kernel killed it" in killed.message

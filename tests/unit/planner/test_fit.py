@@ -51,8 +51,10 @@ def test_a_cpu_profile_below_the_estimate_is_refused_with_the_figures() -> None:
     model = definition("file:///m.gguf", memory="8GiB", context=4096)
     [problem] = judge(model, Path("m.yaml"), fake())
     assert (problem.file, problem.field) == (Path("m.yaml"), "profile.memory")
-    assert problem.message.startswith("the model needs ≈ 10 GiB for 4096 tokens of "
-                                      "context; profile gives 8 GiB (weights 9.9 GiB + ")
+    assert problem.message.startswith(
+        "the model needs ≈ 10 GiB for 4096 tokens of "
+        "context; profile gives 8 GiB (weights 9.9 GiB + "
+    )
 
 
 def test_a_gpu_profile_is_judged_by_all_its_gpus() -> None:
@@ -69,10 +71,12 @@ def test_context_beyond_training_is_refused_unless_stretched() -> None:
     long = definition("file:///m.gguf", memory="64GiB", context=16384)
     [problem] = judge(long, Path("m.yaml"), fake(context=16384))
     assert problem.field == "profile.context"
-    assert problem.message.startswith("16384 tokens is more than the model was trained for "
-                                      "(8192, its context_length)")
-    stretched = definition("file:///m.gguf", memory="64GiB", context=16384,
-                           args=["--rope-scaling", "yarn"])
+    assert problem.message.startswith(
+        "16384 tokens is more than the model was trained for (8192, its context_length)"
+    )
+    stretched = definition(
+        "file:///m.gguf", memory="64GiB", context=16384, args=["--rope-scaling", "yarn"]
+    )
     assert judge(stretched, Path("m.yaml"), fake(context=16384)) == []
 
 
@@ -93,7 +97,9 @@ def test_check_models_collects_every_problem_and_notes_absent_files(tmp_path: Pa
     with pytest.raises(InvalidDefinitions) as info:
         check_models(models, read)
     assert [(str(e.file), e.field) for e in info.value.errors] == [
-        ("b.yaml", "profile.memory"), ("d.yaml", "source")]
+        ("b.yaml", "profile.memory"),
+        ("d.yaml", "source"),
+    ]
     assert "unreachable" in info.value.errors[1].message
 
     del models["small"], models["broken"]
@@ -116,15 +122,15 @@ def test_the_demo_definition_fits_gemma() -> None:
     assert fit.estimate is not None and fit.estimate.total < model.profile.memory
 
 
-def test_a_quantization_newer_than_the_gguf_package_is_noted_not_judged(
-        tmp_path: Path) -> None:
+def test_a_quantization_newer_than_the_gguf_package_is_noted_not_judged(tmp_path: Path) -> None:
     header = read_local(write_tiny_gguf(tmp_path / "tiny.gguf"))
     newer = dataclasses.replace(header, unknown_types=frozenset({99}))
     model = definition(f"file://{tmp_path}/tiny.gguf", memory="1MiB")
     fit = check_models({"m": (Path("m.yaml"), model)}, lambda shard: newer)["m"]
     assert fit.estimate is None
-    assert fit.note == "not checked: ggml tensor type(s) [99] unknown to this planner's gguf " \
-        "package"
+    assert (
+        fit.note == "not checked: ggml tensor type(s) [99] unknown to this planner's gguf package"
+    )
 
 
 def test_cache_type_slots_and_ubatch_change_the_estimate(tmp_path: Path) -> None:
@@ -159,8 +165,7 @@ def test_a_slot_holds_whole_blocks_of_256_cells_as_llama_cpp_pads_them(tmp_path:
 
 def test_slots_are_named_in_a_refusal(tmp_path: Path) -> None:
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
-    model = definition(f"file://{tiny}", context=4096, memory="64MiB",
-                       args=["--parallel", "2"])
+    model = definition(f"file://{tiny}", context=4096, memory="64MiB", args=["--parallel", "2"])
     with pytest.raises(InvalidDefinitions) as info:
         check_models({"m": (Path("m.yaml"), model)})
     [problem] = info.value.errors
@@ -177,24 +182,29 @@ def test_args_are_checked_when_the_model_file_is_not_here() -> None:
 
 
 def partial(gpu_layers: int) -> Estimate:
-    return Estimate(4096, 8 * 2**30, 2 * 2**30, 2**30, trained_context=8192, layers=40,
-                    gpu_layers=gpu_layers)
+    return Estimate(
+        4096, 8 * 2**30, 2 * 2**30, 2**30, trained_context=8192, layers=40, gpu_layers=gpu_layers
+    )
 
 
 def test_a_partial_offload_is_judged_on_the_gpu_and_in_host_memory() -> None:
     est = partial(20)  # half the layers: 5 GiB of weights and KV + 1 GiB compute on the GPU
     assert (est.gpu_bytes, est.host_bytes) == (6 * 2**30, 5 * 2**30 + OVERHEAD)
-    roomy = definition("file:///m.gguf", gpus=1, gpu_memory="8GiB", memory="6GiB",
-                       args=["-ngl", "20"])
+    roomy = definition(
+        "file:///m.gguf", gpus=1, gpu_memory="8GiB", memory="6GiB", args=["-ngl", "20"]
+    )
     assert judge(roomy, Path("m.yaml"), est) == []  # 11 GiB in all would not fit 8 GiB
-    tight = definition("file:///m.gguf", gpus=1, gpu_memory="4GiB", memory="2GiB",
-                       args=["-ngl", "20"])
+    tight = definition(
+        "file:///m.gguf", gpus=1, gpu_memory="4GiB", memory="2GiB", args=["-ngl", "20"]
+    )
     gpu, host = judge(tight, Path("m.yaml"), est)
     assert gpu.field == "profile.gpu_memory" and gpu.message.startswith(
-        "with 20 of 40 layers on the GPU (--n-gpu-layers), the GPU share needs ≈ 6 GiB")
+        "with 20 of 40 layers on the GPU (--n-gpu-layers), the GPU share needs ≈ 6 GiB"
+    )
     assert host.field == "profile.memory" and host.message.startswith(
         "with 20 of 40 layers on the GPU (--n-gpu-layers), the rest needs ≈ 5.1 GiB for "
-        "4096 tokens of context; profile gives 2 GiB")
+        "4096 tokens of context; profile gives 2 GiB"
+    )
     # No layer on the GPU: everything is host memory, whatever gpu_memory says.
     [cpu] = judge(tight, Path("m.yaml"), partial(0))
     assert cpu.field == "profile.memory" and "needs ≈ 11.1 GiB" in cpu.message
@@ -202,14 +212,21 @@ def test_a_partial_offload_is_judged_on_the_gpu_and_in_host_memory() -> None:
 
 def test_check_models_reads_the_args_and_names_a_bad_value(tmp_path: Path) -> None:
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
-    gpu = definition(f"file://{tiny}", context=512, gpus=1, gpu_memory="1GiB",
-                     memory="256MiB", args=["-ngl", "1"])
+    gpu = definition(
+        f"file://{tiny}",
+        context=512,
+        gpus=1,
+        gpu_memory="1GiB",
+        memory="256MiB",
+        args=["-ngl", "1"],
+    )
     fit = check_models({"m": (Path("m.yaml"), gpu)})["m"]
     assert (fit.estimate.gpu_layers, fit.estimate.layers, fit.estimate.offload) == (1, 2, 0.5)
     cpu = definition(f"file://{tiny}", context=512, memory="256MiB", args=["-ngl", "1"])
     assert check_models({"m": (Path("m.yaml"), cpu)})["m"].estimate.offload == 1.0
-    bad = definition(f"file://{tiny}", context=512, memory="256MiB",
-                     args=["--threads", "1", "-ctv", "q2"])
+    bad = definition(
+        f"file://{tiny}", context=512, memory="256MiB", args=["--threads", "1", "-ctv", "q2"]
+    )
     with pytest.raises(InvalidDefinitions) as info:
         check_models({"m": (Path("m.yaml"), bad)})
     assert [e.field for e in info.value.errors] == ["profile.args.3"]
@@ -223,10 +240,16 @@ def test_a_local_split_missing_a_later_shard_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidDefinitions) as info:
         check_models({"m": (Path("m.yaml"), model)})
     [problem] = info.value.errors
-    assert (problem.field, problem.message) == ("source", (
-        f"{tmp_path}/t-00002-of-00003.gguf is missing: the first shard of this split model "
-        "is on this machine but shard 2 of 3 is not"))
+    assert (problem.field, problem.message) == (
+        "source",
+        (
+            f"{tmp_path}/t-00002-of-00003.gguf is missing: the first shard of this split model "
+            "is on this machine but shard 2 of 3 is not"
+        ),
+    )
     # None of it here: a node's path, noted and not judged.
     elsewhere = definition("file:///nodes/t-00001-of-00003.gguf", context=512)
-    assert check_models({"m": (Path("m.yaml"), elsewhere)})["m"].note == \
-        "not checked: /nodes/t-00001-of-00003.gguf is not on this machine"
+    assert (
+        check_models({"m": (Path("m.yaml"), elsewhere)})["m"].note
+        == "not checked: /nodes/t-00001-of-00003.gguf is not on this machine"
+    )

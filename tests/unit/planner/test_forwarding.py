@@ -55,8 +55,14 @@ class Recorder:
 
 def follower(route: Resolution) -> SimpleNamespace:
     leadership = SimpleNamespace(id="me", route=route, address="http://127.0.0.1:1")
-    return SimpleNamespace(leadership=leadership, is_leader=False, ready=False,
-                           metrics=PlannerMetrics(lambda: []), nomad=None, consul=None)
+    return SimpleNamespace(
+        leadership=leadership,
+        is_leader=False,
+        ready=False,
+        metrics=PlannerMetrics(lambda: []),
+        nomad=None,
+        consul=None,
+    )
 
 
 async def post(app: Any, path: str) -> tuple[int, dict[str, str], bytes]:
@@ -70,16 +76,24 @@ async def post(app: Any, path: str) -> tuple[int, dict[str, str], bytes]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
-             "headers": [(b"content-type", b"application/json"),
-                         (b"authorization", f"Bearer {TOKEN}".encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+        ],
+    }
     await app(scope, receive, send)
     headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
     return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
 
 
-async def forward(route: Resolution, path: str = "/v1/usage"
-                  ) -> tuple[int, dict[str, str], bytes, SimpleNamespace]:
+async def forward(
+    route: Resolution, path: str = "/v1/usage"
+) -> tuple[int, dict[str, str], bytes, SimpleNamespace]:
     node = follower(route)
     app = create_app(node, TOKEN, run_node=False)  # type: ignore[arg-type]
     async with app.router.lifespan_context(app):
@@ -97,8 +111,12 @@ def test_a_refused_leader_gets_nothing_and_the_client_is_told_why() -> None:
         error = json.loads(body)["error"]
         assert error["code"] == "leader_mismatch"
         assert error["message"].startswith("this follower does not forward writes")
-        assert node.metrics.registry.get_sample_value(
-            "llmgw_planner_leader_forward_refusals_total", {"code": "leader_mismatch"}) == 1
+        assert (
+            node.metrics.registry.get_sample_value(
+                "llmgw_planner_leader_forward_refusals_total", {"code": "leader_mismatch"}
+            )
+            == 1
+        )
 
     asyncio.run(scenario())
 
@@ -142,5 +160,9 @@ def test_forwarding_refuses_a_context_that_skips_the_host_name() -> None:
     lax.check_hostname = False
     with pytest.raises(ValueError, match="host name"):
         create_app(follower(None), TOKEN, run_node=False, forward_ssl=lax)  # type: ignore[arg-type]
-    create_app(follower(None), TOKEN, run_node=False,  # type: ignore[arg-type]
-               forward_ssl=ssl.create_default_context())
+    create_app(
+        follower(None),
+        TOKEN,
+        run_node=False,  # type: ignore[arg-type]
+        forward_ssl=ssl.create_default_context(),
+    )

@@ -26,10 +26,13 @@ def test_reads_what_the_gguf_reader_reads(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     header, reference = read_local(path), gguf.GGUFReader(path)
 
-    assert {k: v for k, v in header.metadata.items() if k in scalars(reference)} == \
-        pytest.approx(scalars(reference))
-    assert header.metadata["tokenizer.ggml.tokens"] == \
-        reference.fields["tokenizer.ggml.tokens"].contents()
+    assert {k: v for k, v in header.metadata.items() if k in scalars(reference)} == pytest.approx(
+        scalars(reference)
+    )
+    assert (
+        header.metadata["tokenizer.ggml.tokens"]
+        == reference.fields["tokenizer.ggml.tokens"].contents()
+    )
     assert header.tensor_count == len(reference.tensors)
     assert header.tensor_bytes == sum(t.n_bytes for t in reference.tensors)
     assert header.data_offset == reference.data_offset
@@ -59,7 +62,8 @@ def test_not_gguf_and_cut_short_are_source_errors(tmp_path: Path) -> None:
 
 
 def test_over_https_only_header_bytes_are_asked_for(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ca = make_ca(tmp_path)
     monkeypatch.setenv("SSL_CERT_FILE", str(ca.bundle))  # what Nomad's downloader trusts
     site = tmp_path / "site"

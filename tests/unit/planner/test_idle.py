@@ -17,10 +17,12 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 def test_idle_models_after_idle_after_without_use() -> None:
     od = {"on_demand": {"idle_after": 60}}
-    records = {"od": ModelRecord(name="od", definition_hash="h", replicas=1, **od),
-               "always": ModelRecord(name="always", definition_hash="h", replicas=1),
-               "fresh": ModelRecord(name="fresh", definition_hash="h", replicas=1, **od),
-               "unknown": ModelRecord(name="unknown", definition_hash="h", replicas=1, **od)}
+    records = {
+        "od": ModelRecord(name="od", definition_hash="h", replicas=1, **od),
+        "always": ModelRecord(name="always", definition_hash="h", replicas=1),
+        "fresh": ModelRecord(name="fresh", definition_hash="h", replicas=1, **od),
+        "unknown": ModelRecord(name="unknown", definition_hash="h", replicas=1, **od),
+    }
     counts = {"od": 1, "always": 1, "fresh": 1, "unknown": 1}
     last = {"od": T0 - timedelta(seconds=61), "fresh": T0, "unknown": None}
     assert idle_models(records, counts, last, T0) == ["od"]
@@ -46,8 +48,7 @@ class _Records:
 def test_the_idle_pass_asks_again_before_writing_and_a_use_meanwhile_wins() -> None:
     """The scaler hands the model to its worker with a guard; a request recorded after
     the scaler's choice (an activation's use) makes the guard refuse (planner.daemon.idle)."""
-    record = ModelRecord(name="od", definition_hash="h", replicas=1,
-                         on_demand={"idle_after": 60})
+    record = ModelRecord(name="od", definition_hash="h", replicas=1, on_demand={"idle_after": 60})
     book = _Book(T0 - timedelta(seconds=61))
     guards: list[Callable[[], bool]] = []
 
@@ -58,8 +59,13 @@ def test_the_idle_pass_asks_again_before_writing_and_a_use_meanwhile_wins() -> N
         done.set_exception(Skipped("asked for meanwhile"))
         return done
 
-    scaler = IdleScaler(_Nomad(), _Records({"od": record}), book,  # type: ignore[arg-type]
-                        clock=lambda: T0, submit=submit)
+    scaler = IdleScaler(
+        _Nomad(),
+        _Records({"od": record}),
+        book,  # type: ignore[arg-type]
+        clock=lambda: T0,
+        submit=submit,
+    )
     assert scaler.check() == []
     assert guards[0]() is True  # still idle when the pass starts...
     book.last = T0  # ...then an activation records its use

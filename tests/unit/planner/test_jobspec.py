@@ -10,7 +10,8 @@ from tests.support.nomad_mock import job
 
 def definition(**profile: object) -> ModelDefinition:
     return ModelDefinition.model_validate(
-        {"name": "m", "source": "hf://org/repo/m.gguf", "profile": profile, "replicas": 2})
+        {"name": "m", "source": "hf://org/repo/m.gguf", "profile": profile, "replicas": 2}
+    )
 
 
 def test_variable_file_escapes_templates_and_keeps_types() -> None:
@@ -19,20 +20,27 @@ def test_variable_file_escapes_templates_and_keeps_types() -> None:
 
 
 def test_variables_map_profile_units_for_nomad() -> None:
-    values = variables(definition(gpus=1, gpu_memory="24GiB", memory="512MiB",
-                                  load_timeout="90s"), Settings())
+    values = variables(
+        definition(gpus=1, gpu_memory="24GiB", memory="512MiB", load_timeout="90s"), Settings()
+    )
     assert values["gpu_memory"] == "24576 MiB"
     assert values["memory_mb"] == 512
     assert values["load_grace"] == "90s"
     # A single download keeps the name every https:// model has had (its job unchanged).
-    assert values["artifacts"] == [{"url": "https://huggingface.co/org/repo/resolve/main/m.gguf",
-                                    "sha256": "", "file": "model.gguf"}]
+    assert values["artifacts"] == [
+        {
+            "url": "https://huggingface.co/org/repo/resolve/main/m.gguf",
+            "sha256": "",
+            "file": "model.gguf",
+        }
+    ]
     assert values["source_path"] == ""
 
 
 def test_spec_hash_ignores_its_own_key() -> None:
-    assert spec_hash(job(meta={"llmgw_spec_hash": "a"})) == \
-        spec_hash(job(meta={"llmgw_spec_hash": "b"}))
+    assert spec_hash(job(meta={"llmgw_spec_hash": "a"})) == spec_hash(
+        job(meta={"llmgw_spec_hash": "b"})
+    )
     # The count is compared apart (replicas_of): Nomad compares job meta, and a hash
     # that moved with the count would replace every allocation on a scale.
     assert spec_hash(job(count=1)) == spec_hash(job(count=2))
@@ -41,8 +49,7 @@ def test_spec_hash_ignores_its_own_key() -> None:
 
 def with_replicas(replicas: int, count: int) -> dict:
     served = job(count=count)
-    served["TaskGroups"][0]["Tasks"] = [{"Services": [{"Meta": {
-        "llmgw_replicas": str(replicas)}}]}]
+    served["TaskGroups"][0]["Tasks"] = [{"Services": [{"Meta": {"llmgw_replicas": str(replicas)}}]}]
     served["TaskGroups"][0]["Update"] = {"Canary": count, "AutoPromote": count > 0}
     return served
 

@@ -12,7 +12,8 @@ from planner.spec.settings import Settings
 
 def definition(**profile: object) -> ModelDefinition:
     return ModelDefinition.model_validate(
-        {"name": "m", "source": "file:///m.gguf", "profile": {"context": 512, **profile}})
+        {"name": "m", "source": "file:///m.gguf", "profile": {"context": 512, **profile}}
+    )
 
 
 def test_an_llmgw_engines_engine_has_no_constraint() -> None:
@@ -28,5 +29,7 @@ def test_a_defined_engine_gives_its_command_and_the_version_to_constrain_on() ->
     values = variables(definition(gpus=1), Settings(), ref)
     assert values["engine_command"] == "/opt/e/llama.cpp/11434/llama-server"
     assert (values["engine_meta_key"], values["engine_version"]) == (
-        "llmgw_engine_llama.cpp", "11434")
+        "llmgw_engine_llama.cpp",
+        "11434",
+    )
     assert values["engine_args"][-2:] == ["--n-gpu-layers", "999"]

@@ -33,11 +33,19 @@ class Consul:
         return {"ID": session_id, "Node": "n1", "Checks": ["serfHealth", CHECK]}
 
     def service_instances(self, service: str) -> list[dict[str, Any]]:
-        return [{"Node": {"Node": "n1", "Address": "10.0.0.1"},
-                 "Service": {"ID": "llmgw-planner-lead1", "Service": service,
-                             "Address": "10.0.0.1", "Port": 4650,
-                             "Meta": {"llmgw_scheme": "http"}},
-                 "Checks": [{"CheckID": CHECK, "Status": "passing"}]}]
+        return [
+            {
+                "Node": {"Node": "n1", "Address": "10.0.0.1"},
+                "Service": {
+                    "ID": "llmgw-planner-lead1",
+                    "Service": service,
+                    "Address": "10.0.0.1",
+                    "Port": 4650,
+                    "Meta": {"llmgw_scheme": "http"},
+                },
+                "Checks": [{"CheckID": CHECK, "Status": "passing"}],
+            }
+        ]
 
 
 def key(address: str, index: int) -> dict[str, Any]:
@@ -50,7 +58,8 @@ async def nothing(_: bool) -> None:
 
 
 def test_resolved_once_per_change_and_again_after_a_failure(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     consul = Consul()
     follower = Leadership(consul, "http://10.0.0.2:4650", nothing)  # type: ignore[arg-type]
 

@@ -16,9 +16,18 @@ ON_DEMAND = ModelRecord(name="od", definition_hash="h", replicas=1, on_demand={"
 
 
 def status(name: str, state: ModelState, ready: int = 0, failures: int = 0) -> ModelStatus:
-    return ModelStatus(name=name, state=state, desired=0, running=0, ready=ready,
-                       consecutive_failures=failures, start_failures_total=failures,
-                       reason="", last_error=None, since=None)
+    return ModelStatus(
+        name=name,
+        state=state,
+        desired=0,
+        running=0,
+        ready=ready,
+        consecutive_failures=failures,
+        start_failures_total=failures,
+        reason="",
+        last_error=None,
+        since=None,
+    )
 
 
 def test_what_a_model_wants_now() -> None:
@@ -37,8 +46,10 @@ def test_unplaceable_series_ignores_room_being_made() -> None:
 
 
 def test_every_model_is_published_zeros_included_with_one_hot_states() -> None:
-    rows = [Row(status("a", ModelState.PARKED, failures=5), 2, False),
-            Row(status("od", ModelState.IDLE), 0, False)]
+    rows = [
+        Row(status("a", ModelState.PARKED, failures=5), 2, False),
+        Row(status("od", ModelState.IDLE), 0, False),
+    ]
     text = PlannerMetrics(lambda: rows).exposition()[0].decode()
     assert 'llmgw_model_desired_replicas{model="a"} 2.0' in text
     assert 'llmgw_model_ready_replicas{model="a"} 0.0' in text
@@ -63,12 +74,20 @@ def test_a_pruned_model_leaves_no_series() -> None:
 
 
 def test_engine_installs_per_node_at_zero_and_a_stale_version_at_one() -> None:
-    rows = [NodeInstall("a", "llama.cpp", "11434", "11434", "complete"),
-            NodeInstall("b", "llama.cpp", "11434", "11000", "failed", "sha256 mismatch"),
-            NodeInstall("c", "llama.cpp", "11434", None, "running")]
+    rows = [
+        NodeInstall("a", "llama.cpp", "11434", "11434", "complete"),
+        NodeInstall("b", "llama.cpp", "11434", "11000", "failed", "sha256 mismatch"),
+        NodeInstall("c", "llama.cpp", "11434", None, "running"),
+    ]
     metrics = PlannerMetrics(lambda: [], engines=lambda: rows)
     text = metrics.exposition()[0].decode()
-    for node, version, value in (("a", "11434", "1.0"), ("b", "11434", "0.0"),
-                                 ("b", "11000", "1.0"), ("c", "11434", "0.0")):
-        assert (f'llmgw_engine_installed{{engine="llama.cpp",node="{node}",'
-                f'version="{version}"}} {value}') in text, text
+    for node, version, value in (
+        ("a", "11434", "1.0"),
+        ("b", "11434", "0.0"),
+        ("b", "11000", "1.0"),
+        ("c", "11434", "0.0"),
+    ):
+        assert (
+            f'llmgw_engine_installed{{engine="llama.cpp",node="{node}",'
+            f'version="{version}"}} {value}'
+        ) in text, text

@@ -40,8 +40,15 @@ class FakeNomad:
     def __getattr__(self, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             self.reads.log.append(name)
-            return {"current_index": 40, "job": self.job_, "allocations": self.allocs,
-                    "deployments": [], "evaluations": [], "versions": self.versions_}[name]
+            return {
+                "current_index": 40,
+                "job": self.job_,
+                "allocations": self.allocs,
+                "deployments": [],
+                "evaluations": [],
+                "versions": self.versions_,
+            }[name]
+
         return call
 
     def task_stderr_tail(self, alloc_id: str, task: str) -> str:
@@ -60,8 +67,9 @@ class Store:
 
 def observer(document: StateDocument | None = None) -> tuple[Observer, FakeNomad, Reads]:
     reads = Reads()
-    record = ModelRecord(name="m", definition_hash="d1", source="file:///m.gguf",
-                         profile={}, replicas=1)
+    record = ModelRecord(
+        name="m", definition_hash="d1", source="file:///m.gguf", profile={}, replicas=1
+    )
     consul = FakeConsul(reads, {kv_key(KVPrefix.MODELS, "m"): encode(record)})
     nomad = FakeNomad(reads)
     store = Store(reads, document or StateDocument(name="m", definition_hash="d1"))

@@ -21,27 +21,43 @@ def nomad_writes(source: str) -> list[tuple[int, str]]:
     """(line, call) of each Nomad write in `source`."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in WRITES and "nomad" in ast.unparse(node.func.value).lower():
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in WRITES
+            and "nomad" in ast.unparse(node.func.value).lower()
+        ):
             found.append((node.lineno, ast.unparse(node.func)))
     return found
 
 
 def writers() -> dict[str, list[tuple[int, str]]]:
-    return {str(path.relative_to(PLANNER)): calls for path in sorted(PLANNER.rglob("*.py"))
-            if (calls := nomad_writes(path.read_text()))}
+    return {
+        str(path.relative_to(PLANNER)): calls
+        for path in sorted(PLANNER.rglob("*.py"))
+        if (calls := nomad_writes(path.read_text()))
+    }
 
 
 def test_the_finder_sees_each_form_of_a_nomad_write() -> None:
-    source = ("nomad.register(job)\nself.nomad.scale(n, g, 1, m)\nself._nomad.evaluate(n)\n"
-              "applier.nomad.revert(n, 1, 2)\nconsul.register(s)\nself.registry.register(c)\n")
+    source = (
+        "nomad.register(job)\nself.nomad.scale(n, g, 1, m)\nself._nomad.evaluate(n)\n"
+        "applier.nomad.revert(n, 1, 2)\nconsul.register(s)\nself.registry.register(c)\n"
+    )
     assert [call for _, call in nomad_writes(source)] == [
-        "nomad.register", "self.nomad.scale", "self._nomad.evaluate", "applier.nomad.revert"]
+        "nomad.register",
+        "self.nomad.scale",
+        "self._nomad.evaluate",
+        "applier.nomad.revert",
+    ]
 
 
 def test_only_the_applier_writes_nomad() -> None:
-    outside = {module: calls for module, calls in writers().items()
-               if module not in ALLOWED | UNTIL_CONVERTED}
+    outside = {
+        module: calls
+        for module, calls in writers().items()
+        if module not in ALLOWED | UNTIL_CONVERTED
+    }
     assert outside == {}, "write Nomad through planner.daemon.applier.Applier"
 
 

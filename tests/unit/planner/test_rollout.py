@@ -18,10 +18,16 @@ def version(number: int, definition: str) -> dict:
     return {"Version": number, "CreateIndex": 10, "Meta": {"llmgw_definition_hash": definition}}
 
 
-def deployment(number: int, status: str, created: int = 10, index: int = 0,
-               description: str = FAILED) -> dict:
-    return {"JobVersion": number, "JobCreateIndex": created, "Status": status,
-            "StatusDescription": description, "CreateIndex": index or 100 + number}
+def deployment(
+    number: int, status: str, created: int = 10, index: int = 0, description: str = FAILED
+) -> dict:
+    return {
+        "JobVersion": number,
+        "JobCreateIndex": created,
+        "Status": status,
+        "StatusDescription": description,
+        "CreateIndex": index or 100 + number,
+    }
 
 
 # Nomad after an auto-revert: v0 good (stable), v1 bad (failed), v2 = v0 again.
@@ -29,8 +35,11 @@ REVERTED = [version(2, "good"), version(1, "bad"), version(0, "good")]
 
 
 def test_a_reverted_definition_is_rolled_back_with_nomads_reason() -> None:
-    deployments = [deployment(0, "successful"), deployment(1, "failed"),
-                   deployment(2, "successful")]
+    deployments = [
+        deployment(0, "successful"),
+        deployment(1, "failed"),
+        deployment(2, "successful"),
+    ]
     failed = rolled_back(REVERTED, deployments, "bad")
     assert failed == UpdateFailed(definition_hash="bad", job_version=1, reason=FAILED)
 
@@ -52,14 +61,21 @@ def test_deployments_of_an_earlier_job_of_the_same_name_do_not_count() -> None:
 
 
 def test_recording_a_rollback_moves_the_count_and_judges_by_the_running_definition() -> None:
-    state = StateDocument(name="m", definition_hash="bad", consecutive_failures=5,
-                          last_error="unknown model architecture: 'kev'")
+    state = StateDocument(
+        name="m",
+        definition_hash="bad",
+        consecutive_failures=5,
+        last_error="unknown model architecture: 'kev'",
+    )
     failed = UpdateFailed(definition_hash="bad", job_version=1, reason=FAILED)
     after = record_rollback(state, failed, "good", NOW)
     assert after.definition_hash == "good" and after.consecutive_failures == 0
     assert after.update_failed is not None
-    assert (after.update_failed.consecutive_failures, after.update_failed.last_error,
-            after.update_failed.since) == (5, state.last_error, "2026-11-30T12:00:00+00:00")
+    assert (
+        after.update_failed.consecutive_failures,
+        after.update_failed.last_error,
+        after.update_failed.since,
+    ) == (5, state.last_error, "2026-11-30T12:00:00+00:00")
     assert record_rollback(after, failed, "good", NOW) == after  # once
     # Still applied, the rolled-back definition keeps the state judged by the running one.
     assert for_applied(after, "bad") == after
@@ -70,13 +86,14 @@ def test_recording_a_rollback_moves_the_count_and_judges_by_the_running_definiti
 
 def test_a_failed_update_nomad_could_not_revert_goes_back_to_the_serving_version() -> None:
     current = {"Version": 1, "CreateIndex": 10}
-    allocs = [{"ID": "old", "JobVersion": 0, "DesiredStatus": "run", "ClientStatus": "running"},
-              {"ID": "new", "JobVersion": 1, "DesiredStatus": "run", "ClientStatus": "failed"}]
+    allocs = [
+        {"ID": "old", "JobVersion": 0, "DesiredStatus": "run", "ClientStatus": "running"},
+        {"ID": "new", "JobVersion": 1, "DesiredStatus": "run", "ClientStatus": "failed"},
+    ]
     failed = [deployment(0, "cancelled"), deployment(1, "failed")]
     assert stuck_update(current, failed, allocs, frozenset({"old"})) == 0
     assert stuck_update(current, failed, allocs, frozenset()) is None  # nothing serves
-    assert stuck_update(current, [deployment(1, "running")], allocs,
-                        frozenset({"old"})) is None
+    assert stuck_update(current, [deployment(1, "running")], allocs, frozenset({"old"})) is None
 
 
 def test_apply_does_not_try_a_rolled_back_definition_again() -> None:

@@ -23,14 +23,14 @@ SUMS = [f"{i:x}" * 64 for i in range(1, 4)]
 
 
 def definition(source: str, sha256: object = None) -> ModelDefinition:
-    return ModelDefinition.model_validate({"name": "m", "source": source, "sha256": sha256,
-                                           "profile": {}})
+    return ModelDefinition.model_validate(
+        {"name": "m", "source": source, "sha256": sha256, "profile": {}}
+    )
 
 
 def test_split_names_follow_llama_cpp() -> None:
     split = split_of("qwen-7b-q4-00001-of-00003.gguf")
-    assert split is not None and (split.prefix, split.number, split.count) == \
-        ("qwen-7b-q4", 1, 3)
+    assert split is not None and (split.prefix, split.number, split.count) == ("qwen-7b-q4", 1, 3)
     assert split.name(3) == "qwen-7b-q4-00003-of-00003.gguf"
     assert split_of("model.gguf") is None
     assert split_of("m-00001-of-00001.gguf") is None  # one file is not a split
@@ -39,18 +39,27 @@ def test_split_names_follow_llama_cpp() -> None:
 def test_an_https_split_expands_to_every_shard_under_its_own_name() -> None:
     model = definition("https://h/models/tiny-00001-of-00003.gguf", SUMS)
     assert model.shards == [
-        Shard(None, f"https://h/models/tiny-0000{i}-of-00003.gguf",
-              f"tiny-0000{i}-of-00003.gguf", SUMS[i - 1]) for i in (1, 2, 3)]
+        Shard(
+            None,
+            f"https://h/models/tiny-0000{i}-of-00003.gguf",
+            f"tiny-0000{i}-of-00003.gguf",
+            SUMS[i - 1],
+        )
+        for i in (1, 2, 3)
+    ]
 
 
 def test_hf_and_file_splits_expand_too() -> None:
     hf = definition("hf://org/repo@v1/a dir/b-00001-of-00002.gguf")
     assert [s.url for s in hf.shards] == [
         f"https://huggingface.co/org/repo/resolve/v1/a%20dir/b-0000{i}-of-00002.gguf"
-        for i in (1, 2)]
+        for i in (1, 2)
+    ]
     local = definition("file:///models/x-00001-of-00002.gguf")
     assert [(s.local_path, s.url) for s in local.shards] == [
-        ("/models/x-00001-of-00002.gguf", None), ("/models/x-00002-of-00002.gguf", None)]
+        ("/models/x-00001-of-00002.gguf", None),
+        ("/models/x-00002-of-00002.gguf", None),
+    ]
 
 
 def test_a_single_download_keeps_its_old_name() -> None:
@@ -58,16 +67,28 @@ def test_a_single_download_keeps_its_old_name() -> None:
     assert (shard.file, shard.sha256) == ("model.gguf", SUMS[0])
 
 
-@pytest.mark.parametrize(("source", "sha256", "expected"), [
-    ("https://h/t-00002-of-00003.gguf", None,
-     "source names shard 2 of a 3-file split model; name its first, t-00001-of-00003.gguf"),
-    ("https://h/t-00001-of-00003.gguf", SUMS[:2],
-     "sha256 is a list of 2: a list is one sha256 per shard of a split source (3 here)"),
-    ("https://h/t-00001-of-00003.gguf", SUMS[0],
-     "the source is split in 3 files: give sha256 as a list of 3, one per shard in order"),
-    ("https://h/t.gguf", SUMS, "sha256 is a list, but the source is one file"),
-    ("https://h/t.gguf", ["abc"], "expected a sha256 (64 hex digits) or a list of them"),
-])
+@pytest.mark.parametrize(
+    ("source", "sha256", "expected"),
+    [
+        (
+            "https://h/t-00002-of-00003.gguf",
+            None,
+            "source names shard 2 of a 3-file split model; name its first, t-00001-of-00003.gguf",
+        ),
+        (
+            "https://h/t-00001-of-00003.gguf",
+            SUMS[:2],
+            "sha256 is a list of 2: a list is one sha256 per shard of a split source (3 here)",
+        ),
+        (
+            "https://h/t-00001-of-00003.gguf",
+            SUMS[0],
+            "the source is split in 3 files: give sha256 as a list of 3, one per shard in order",
+        ),
+        ("https://h/t.gguf", SUMS, "sha256 is a list, but the source is one file"),
+        ("https://h/t.gguf", ["abc"], "expected a sha256 (64 hex digits) or a list of them"),
+    ],
+)
 def test_split_mistakes_are_refused(source: str, sha256: object, expected: str) -> None:
     with pytest.raises(ValidationError, match=re.escape(expected)):
         definition(source, sha256)
@@ -80,17 +101,24 @@ def test_a_sha256_list_is_kept_in_the_record_and_the_hash() -> None:
     assert split.definition_hash != other.definition_hash
 
 
-@pytest.mark.parametrize(("source", "sha256", "field", "got"), [
-    ("https://h/t-00002-of-00003.gguf", None, "source", "'https://h/t-00002-of-00003.gguf'"),
-    ("https://h/t-00001-of-00003.gguf", SUMS[:2], "sha256", repr(SUMS[:2])),
-    ("https://h/t.gguf", SUMS, "sha256", repr(SUMS)),
-    ("file:///opt/llmgw/models/t.gguf", SUMS[0], "sha256", repr(SUMS[0])),
-])
+@pytest.mark.parametrize(
+    ("source", "sha256", "field", "got"),
+    [
+        ("https://h/t-00002-of-00003.gguf", None, "source", "'https://h/t-00002-of-00003.gguf'"),
+        ("https://h/t-00001-of-00003.gguf", SUMS[:2], "sha256", repr(SUMS[:2])),
+        ("https://h/t.gguf", SUMS, "sha256", repr(SUMS)),
+        ("file:///opt/llmgw/models/t.gguf", SUMS[0], "sha256", repr(SUMS[0])),
+    ],
+)
 def test_a_split_or_sha256_error_names_its_field_and_only_its_value(
-        tmp_path: Path, source: str, sha256: object, field: str, got: str) -> None:
+    tmp_path: Path, source: str, sha256: object, field: str, got: str
+) -> None:
     file = tmp_path / "m.yaml"
-    file.write_text(yaml.safe_dump({"name": "m", "source": source, "sha256": sha256,
-                                    "profile": {"memory": "1GiB"}}))
+    file.write_text(
+        yaml.safe_dump(
+            {"name": "m", "source": source, "sha256": sha256, "profile": {"memory": "1GiB"}}
+        )
+    )
     _, [problem] = parse_file(file)
     assert problem.field == field
     assert problem.message.endswith(f"(got {got})") and "profile" not in problem.message
@@ -100,37 +128,50 @@ def test_a_split_or_sha256_error_names_its_field_and_only_its_value(
 # and the task's args decoded (Nomad interpolated it to the node's name); and the QA's
 # file:// paths that no node decodes, which parked the model on a file not found.
 MISLEADING = [
-    ("https://127.0.0.1:8443/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
-     "the file name '${node.unique.name}-00001-of-00002.gguf' (percent-decoded) is not a "
-     "plain file name (letters, digits, '.', '_', '+', '-'; first a letter or digit): each "
-     "shard of a split source is saved under its own name on the node"),
+    (
+        "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
+        "the file name '${node.unique.name}-00001-of-00002.gguf' (percent-decoded) is not a "
+        "plain file name (letters, digits, '.', '_', '+', '-'; first a letter or digit): each "
+        "shard of a split source is saved under its own name on the node",
+    ),
     ("https://h/%24%7bmeta.x%7d-00001-of-00002.gguf", "'${meta.x}-00001-of-00002.gguf'"),
-    ("hf://org/repo/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
-     "'%24%7Bnode.unique.name%7D-00001-of-00002.gguf' (percent-decoded) is not a plain"),
+    (
+        "hf://org/repo/%24%7Bnode.unique.name%7D-00001-of-00002.gguf",
+        "'%24%7Bnode.unique.name%7D-00001-of-00002.gguf' (percent-decoded) is not a plain",
+    ),
     ("https://h/x/..%2F..%2Fetc-00001-of-00002.gguf", "'../../etc-00001-of-00002.gguf'"),
     ("https://h/a%2Fb-00001-of-00002.gguf", "'a/b-00001-of-00002.gguf'"),
     ("https://h/.hidden-00001-of-00002.gguf", "'.hidden-00001-of-00002.gguf'"),
     # URL parsing drops tabs and newlines: '$\n{' would become '${' after the check.
-    ("https://h/$\n{node.unique.name}-00001-of-00002.gguf",
-     "the source contains the control character '\\n'"),
+    (
+        "https://h/$\n{node.unique.name}-00001-of-00002.gguf",
+        "the source contains the control character '\\n'",
+    ),
     ("https://h/$\t{node.unique.name}.gguf", "the control character '\\t'"),
     ("file:///opt/llmgw/models/$\r{NOMAD_ALLOC_ID}.gguf", "the control character '\\r'"),
     ("file:///opt/llmgw/models/\x00.gguf", "the control character '\\x00'"),
-    ("file:///opt/llmgw/models/%2e%2e/%2e%2e/etc/shadow",
-     "/opt/llmgw/models/%2e%2e/%2e%2e/etc/shadow has a '%': the node opens the path as "
-     "written and decodes nothing"),
+    (
+        "file:///opt/llmgw/models/%2e%2e/%2e%2e/etc/shadow",
+        "/opt/llmgw/models/%2e%2e/%2e%2e/etc/shadow has a '%': the node opens the path as "
+        "written and decodes nothing",
+    ),
     ("file:///opt/llmgw/models/..%2f..%2fetc/shadow", "has a '%'"),
-    ("file:///opt/llmgw/models/..\\..\\etc\\shadow",
-     "/opt/llmgw/models/..\\..\\etc\\shadow has a '\\': node paths are separated by '/' only"),
-    ("file:///opt/llmgw/models/./m.gguf",
-     "/opt/llmgw/models/./m.gguf has a '.' segment; name the file by its plain path"),
+    (
+        "file:///opt/llmgw/models/..\\..\\etc\\shadow",
+        "/opt/llmgw/models/..\\..\\etc\\shadow has a '\\': node paths are separated by '/' only",
+    ),
+    (
+        "file:///opt/llmgw/models/./m.gguf",
+        "/opt/llmgw/models/./m.gguf has a '.' segment; name the file by its plain path",
+    ),
     ("file:///opt/llmgw/models/../m.gguf", "has a '..' segment"),
 ]
 
 
 @pytest.mark.parametrize(("source", "expected"), MISLEADING)
 def test_sources_whose_decoded_or_written_text_misleads_are_refused(
-        source: str, expected: str) -> None:
+    source: str, expected: str
+) -> None:
     with pytest.raises(ValidationError) as info:
         definition(source)
     [error] = info.value.errors()
@@ -141,18 +182,21 @@ def test_sources_whose_decoded_or_written_text_misleads_are_refused(
 NOMAD_PLACEHOLDERS = ("${NOMAD_IP_http}", "${NOMAD_PORT_http}")
 
 
-@pytest.mark.parametrize("source", [
-    # Accepted: the name of a single download is not in the job (it is saved as
-    # model.gguf) and its URL goes to Nomad as written, never decoded before Nomad
-    # interpolates it.
-    "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D.gguf",
-    "https://h/%24%7Bmeta.dir%7D/m-00001-of-00002.gguf",
-    "https://h/m-00001-of-00002.gguf?x=%24%7Bnode.unique.id%7D",
-    "hf://org/repo/%24%7Bnode.unique.name%7D.gguf",
-    "hf://org/repo@v1/%24%7Bmeta.x%7D/m-00001-of-00002.gguf",
-    "file:///opt/llmgw/models/m-00001-of-00002.gguf",
-    *(source for source, _ in MISLEADING),
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        # Accepted: the name of a single download is not in the job (it is saved as
+        # model.gguf) and its URL goes to Nomad as written, never decoded before Nomad
+        # interpolates it.
+        "https://127.0.0.1:8443/%24%7Bnode.unique.name%7D.gguf",
+        "https://h/%24%7Bmeta.dir%7D/m-00001-of-00002.gguf",
+        "https://h/m-00001-of-00002.gguf?x=%24%7Bnode.unique.id%7D",
+        "hf://org/repo/%24%7Bnode.unique.name%7D.gguf",
+        "hf://org/repo@v1/%24%7Bmeta.x%7D/m-00001-of-00002.gguf",
+        "file:///opt/llmgw/models/m-00001-of-00002.gguf",
+        *(source for source, _ in MISLEADING),
+    ],
+)
 def test_no_text_the_job_carries_from_a_source_holds_an_interpolation(source: str) -> None:
     """The whole kind of D3: every source is refused, or renders no `${` of its own."""
     try:

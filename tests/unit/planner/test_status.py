@@ -23,26 +23,41 @@ ON_DEMAND = ModelRecord(name="m", definition_hash="d1", replicas=1, on_demand={"
 
 
 def health(*passing: str) -> ServiceHealth:
-    return ServiceHealth(total=len(passing), passing=len(passing),
-                         passing_allocs=frozenset(passing))
+    return ServiceHealth(
+        total=len(passing), passing=len(passing), passing_allocs=frozenset(passing)
+    )
 
 
 def doc(*replicas: ReplicaRecord, **fields: object) -> StateDocument:
     return StateDocument(name="m", definition_hash="d1", replicas=replicas, **fields)
 
 
-def replica(alloc_id: str, failures: int = 0, stable: int = 0, node: str = "node-a",
-            index: int = 0) -> ReplicaRecord:
-    return ReplicaRecord(alloc_id=alloc_id, name=f"m.server[{index}]", node=node,
-                         definition_hash="d1", consecutive_failures=failures,
-                         last_error="Terminated: Exit Code: 1" if failures else None,
-                         healthy_entries=(stable,) if stable else (), stable_entry=stable)
+def replica(
+    alloc_id: str, failures: int = 0, stable: int = 0, node: str = "node-a", index: int = 0
+) -> ReplicaRecord:
+    return ReplicaRecord(
+        alloc_id=alloc_id,
+        name=f"m.server[{index}]",
+        node=node,
+        definition_hash="d1",
+        consecutive_failures=failures,
+        last_error="Terminated: Exit Code: 1" if failures else None,
+        healthy_entries=(stable,) if stable else (),
+        stable_entry=stable,
+    )
 
 
-def see(allocs: list[dict], passing: ServiceHealth, state: StateDocument | None = None,
-        record: ModelRecord = RECORD, count: int = 2, **job_fields: object):
-    return observe("m", record, Observed(job(count=count, **job_fields), allocs, passing),
-                   state, now=T0)
+def see(
+    allocs: list[dict],
+    passing: ServiceHealth,
+    state: StateDocument | None = None,
+    record: ModelRecord = RECORD,
+    count: int = 2,
+    **job_fields: object,
+):
+    return observe(
+        "m", record, Observed(job(count=count, **job_fields), allocs, passing), state, now=T0
+    )
 
 
 A = alloc("a1", index=0)
@@ -57,8 +72,13 @@ def test_serving_and_loading() -> None:
 
 def test_one_replica_failing_beside_a_healthy_one_is_degraded_naming_it() -> None:
     stopped = alloc("b1", index=1, node="node-b", client="failed")
-    status = see([A, stopped], health("a1"), doc(replica("a1"), replica(
-        "b1", failures=5, node="node-b", index=1), consecutive_failures=5))
+    status = see(
+        [A, stopped],
+        health("a1"),
+        doc(
+            replica("a1"), replica("b1", failures=5, node="node-b", index=1), consecutive_failures=5
+        ),
+    )
     assert status.state == ModelState.DEGRADED
     assert "server[1] on node-b: 5 consecutive failures, stopped by Nomad" in status.reason
     assert status.last_error == "Terminated: Exit Code: 1"
@@ -69,24 +89,30 @@ def test_one_replica_failing_beside_a_healthy_one_is_degraded_naming_it() -> Non
 
 def test_a_replica_that_passes_between_crashes_is_failing_never_serving() -> None:
     one = ModelRecord(name="m", definition_hash="d1", replicas=1)
-    status = see([A], health("a1"), doc(replica("a1", failures=2), consecutive_failures=2),
-                 record=one, count=1)
+    status = see(
+        [A],
+        health("a1"),
+        doc(replica("a1", failures=2), consecutive_failures=2),
+        record=one,
+        count=1,
+    )
     assert status.state == ModelState.FAILING
-    forgiven = see([A], health("a1"), doc(replica("a1", failures=0, stable=5)), record=one,
-                   count=1)
+    forgiven = see([A], health("a1"), doc(replica("a1", failures=0, stable=5)), record=one, count=1)
     assert forgiven.state == ModelState.SERVING and forgiven.replicas[0].stable
 
 
 def test_failing_with_nothing_ready() -> None:
-    status = see([A, B], health(), doc(replica("a1", failures=3), consecutive_failures=3,
-                                       last_error="boom"))
+    status = see(
+        [A, B], health(), doc(replica("a1", failures=3), consecutive_failures=3, last_error="boom")
+    )
     assert (status.state, status.last_error) == (ModelState.FAILING, "boom")
     assert "3 consecutive start failures" in status.reason
 
 
 def test_partly_placed_keeps_its_reason() -> None:
-    short = Unplaceable(reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node",
-                        placed=1, desired=2)
+    short = Unplaceable(
+        reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node", placed=1, desired=2
+    )
     status = see([A], health("a1"), doc(replica("a1"), unplaceable=short))
     assert status.state == ModelState.DEGRADED and short.reason in status.reason
     none = see([], health(), doc(unplaceable=short.model_copy(update={"placed": 0})))
@@ -100,8 +126,11 @@ def test_room_being_made_is_loading_not_unplaceable() -> None:
 
 
 def test_parked_is_read_from_the_job_meta_first() -> None:
-    meta = {"llmgw_parked_reason": "5 consecutive start failures",
-            "llmgw_parked_last_error": "kev", "llmgw_parked_since": "2026-11-29T12:00:00+00:00"}
+    meta = {
+        "llmgw_parked_reason": "5 consecutive start failures",
+        "llmgw_parked_last_error": "kev",
+        "llmgw_parked_since": "2026-11-29T12:00:00+00:00",
+    }
     status = see([], health(), None, stop=True, meta=meta)
     assert (status.state, status.last_error) == (ModelState.PARKED, "kev")
     # A KV copy that lags behind a running job is not believed.
@@ -115,6 +144,12 @@ def test_wants_none() -> None:
     assert (stopped.state, stopped.reason) == (ModelState.STOPPED, "job not registered")
     idle = see([], health(), record=ON_DEMAND, count=0)
     assert idle.state == ModelState.IDLE and idle.satisfied
-    asked = observe("m", ON_DEMAND, Observed(job(count=0), [], health()), None,
-                    UsageRecord(last_used_at=(T0 - timedelta(seconds=3)).isoformat()), T0)
+    asked = observe(
+        "m",
+        ON_DEMAND,
+        Observed(job(count=0), [], health()),
+        None,
+        UsageRecord(last_used_at=(T0 - timedelta(seconds=3)).isoformat()),
+        T0,
+    )
     assert (asked.state, asked.reason) == (ModelState.LOADING, "asked for 3 s ago; no instance yet")

@@ -51,20 +51,23 @@ def watcher(**nomad: Any) -> tuple[Watcher, Marks]:
 
 def test_events_mark_their_model_and_nothing_else() -> None:
     w, marks = watcher()
-    for event in ({"Topic": "Allocation", "Payload": {"Allocation": {"JobID": "m"}}},
-                  {"Topic": "Evaluation", "Payload": {"Evaluation": {"JobID": "n"}}},
-                  {"Topic": "Deployment", "Payload": {"Deployment": {"JobID": "m"}}},
-                  {"Topic": "Allocation", "Payload": {"Allocation": {"JobID": "other"}}},
-                  {"Topic": "Job", "Payload": {"Job": {"ID": "new", "Meta": {
-                      "llmgw_model": "new"}}}}):
+    for event in (
+        {"Topic": "Allocation", "Payload": {"Allocation": {"JobID": "m"}}},
+        {"Topic": "Evaluation", "Payload": {"Evaluation": {"JobID": "n"}}},
+        {"Topic": "Deployment", "Payload": {"Deployment": {"JobID": "m"}}},
+        {"Topic": "Allocation", "Payload": {"Allocation": {"JobID": "other"}}},
+        {"Topic": "Job", "Payload": {"Job": {"ID": "new", "Meta": {"llmgw_model": "new"}}}},
+    ):
         asyncio.run(w.handle_event(event))
     assert [name for name, _ in marks.marked] == ["m", "n", "m", "new"]
 
 
 def test_health_changes_mark_the_models_whose_passing_set_changed() -> None:
     w, marks = watcher()
-    check = {"ServiceName": "llmgw-m", "ServiceID": "_nomad-task-aaaa1111-bbbb-cccc-dddd-"
-             "eeeeffff0000-group-server-llmgw-m-http"}
+    check = {
+        "ServiceName": "llmgw-m",
+        "ServiceID": "_nomad-task-aaaa1111-bbbb-cccc-dddd-eeeeffff0000-group-server-llmgw-m-http",
+    }
     w.handle_passing([check])
     w.handle_passing([check])  # nothing changed
     w.handle_passing([])

@@ -51,14 +51,14 @@ class Model:
                 self.running[name] -= 1
         return StateDocument(name=name), Observation(name=name, record=None, job=None)
 
-    def decide(self, document: StateDocument, observation: Observation,
-               event: Event) -> Plan:
+    def decide(self, document: StateDocument, observation: Observation, event: Event) -> Plan:
         self.decided.append((document.name, event))
         effects = (Scale(Reason.IDLE, "idle", "server", 0),) if event == Event.IDLE else ()
         return Plan(document, effects)
 
-    def apply(self, name: str, before: StateDocument, plan: Plan,
-              observation: Observation) -> Applied:
+    def apply(
+        self, name: str, before: StateDocument, plan: Plan, observation: Observation
+    ) -> Applied:
         with self.lock:
             if self.stale_left[name]:
                 self.stale_left[name] -= 1
@@ -102,7 +102,8 @@ def test_a_slow_model_never_delays_another_models_tick(model: Model, workers: Wo
 
 
 def test_a_burst_for_one_model_is_one_more_pass_never_two_at_once(
-        model: Model, workers: Workers) -> None:
+    model: Model, workers: Workers
+) -> None:
     gate = model.gate("m")
     workers.mark("m")
     assert model.entered["m"].wait(WAIT)
@@ -117,8 +118,7 @@ def test_a_burst_for_one_model_is_one_more_pass_never_two_at_once(
     assert not model.overlap
 
 
-def test_stale_observes_and_decides_again_then_gives_up(model: Model,
-                                                        workers: Workers) -> None:
+def test_stale_observes_and_decides_again_then_gives_up(model: Model, workers: Workers) -> None:
     model.stale_left["m"] = 2
     outcome = workers.submit("m", Event.ACTIVATE).result(WAIT)
     assert isinstance(outcome, Outcome) and outcome.attempts == 3
@@ -131,16 +131,16 @@ def test_stale_observes_and_decides_again_then_gives_up(model: Model,
 
 def test_a_guard_that_says_no_writes_nothing(model: Model, workers: Workers) -> None:
     applied: list[str] = []
-    workers._apply = lambda name, before, plan, obs: applied.append(name) or Applied(
-        plan.state)
+    workers._apply = lambda name, before, plan, obs: applied.append(name) or Applied(plan.state)
     asks = iter([True, False])  # still idle when deciding, used again before writing
     with pytest.raises(Skipped):
         workers.submit("m", Event.IDLE, guard=lambda: next(asks)).result(WAIT)
     assert applied == []
 
 
-def test_a_command_covers_pending_observations_but_not_a_tick(model: Model,
-                                                              workers: Workers) -> None:
+def test_a_command_covers_pending_observations_but_not_a_tick(
+    model: Model, workers: Workers
+) -> None:
     gate = model.gate("m")
     workers.mark("m")
     assert model.entered["m"].wait(WAIT)
@@ -164,16 +164,14 @@ def test_submissions_of_one_event_share_a_pass(model: Model, workers: Workers) -
     assert model.decided.count(("m", Event.ACTIVATE)) == 1
 
 
-def test_memory_is_one_slot_per_busy_model_and_none_at_rest(model: Model,
-                                                            workers: Workers) -> None:
+def test_memory_is_one_slot_per_busy_model_and_none_at_rest(model: Model, workers: Workers) -> None:
     for i in range(200):
         workers.mark(f"m{i}")
     wait(lambda: workers.pending() == 0)
     assert sum(model.observed.values()) == 200
 
 
-def test_commands_need_submit_and_a_stopped_pool_refuses(model: Model,
-                                                         workers: Workers) -> None:
+def test_commands_need_submit_and_a_stopped_pool_refuses(model: Model, workers: Workers) -> None:
     with pytest.raises(ValueError):
         workers.mark("m", Event.ACTIVATE)
     workers.stop()

@@ -80,8 +80,14 @@ def test_parse_endpoints_falls_back_to_node_address() -> None:
 
 
 def check(node: str, service: str, sid: str, cid: str, status: str = "passing") -> dict:
-    return {"Node": node, "ServiceName": service, "ServiceID": sid, "CheckID": cid,
-            "Status": status, "Output": "ignored"}
+    return {
+        "Node": node,
+        "ServiceName": service,
+        "ServiceID": sid,
+        "CheckID": cid,
+        "Status": status,
+        "Output": "ignored",
+    }
 
 
 def test_parse_check_states_per_model_with_node_checks() -> None:

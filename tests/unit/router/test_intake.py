@@ -30,8 +30,7 @@ def scripted(*chunks: bytes, then_wait: bool = False):
     async def receive() -> dict:
         if queue:
             chunk = queue.pop(0)
-            return {"type": "http.request", "body": chunk,
-                    "more_body": bool(queue) or then_wait}
+            return {"type": "http.request", "body": chunk, "more_body": bool(queue) or then_wait}
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
@@ -51,15 +50,28 @@ def test_a_body_reserves_only_the_bytes_received() -> None:
 
     async def scenario() -> None:
         stalled = Reservation(budget)
-        task = asyncio.ensure_future(read_body(
-            scripted(b"a" * 10, then_wait=True), 90, stalled,
-            max_bytes=1000, timeout_s=5.0, min_rate=1000.0))
+        task = asyncio.ensure_future(
+            read_body(
+                scripted(b"a" * 10, then_wait=True),
+                90,
+                stalled,
+                max_bytes=1000,
+                timeout_s=5.0,
+                min_rate=1000.0,
+            )
+        )
         while stalled.size == 0:
             await asyncio.sleep(0)
         assert budget.held == 10  # 90 announced, 10 received
         # The rest of the budget is free for others.
-        body = await read_body(scripted(b"b" * 50, b"c" * 40), 90, reservation,
-                               max_bytes=1000, timeout_s=5.0, min_rate=1000.0)
+        body = await read_body(
+            scripted(b"b" * 50, b"c" * 40),
+            90,
+            reservation,
+            max_bytes=1000,
+            timeout_s=5.0,
+            min_rate=1000.0,
+        )
         assert body == b"b" * 50 + b"c" * 40 and budget.held == 100
         task.cancel()
         stalled.release()
@@ -108,8 +120,16 @@ def test_a_stalled_body_times_out_and_bytes_extend_the_deadline() -> None:
             chunks.pop()
             return {"type": "http.request", "body": b"x" * 100, "more_body": bool(chunks)}
 
-        return bytes(await read_body(receive, 400, Reservation(BodyBudget(1000)),
-                                     max_bytes=1000, timeout_s=0.05, min_rate=100.0))
+        return bytes(
+            await read_body(
+                receive,
+                400,
+                Reservation(BodyBudget(1000)),
+                max_bytes=1000,
+                timeout_s=0.05,
+                min_rate=100.0,
+            )
+        )
 
     assert asyncio.run(steady()) == b"x" * 400
 
@@ -148,8 +168,9 @@ def test_a_body_in_many_small_chunks_comes_back_whole() -> None:
     """Kept in blocks of BLOCK_BYTES joined from the chunks (router.heap's reason)."""
     chunk = bytes(range(256)) * 4096  # 1 MiB
     pieces = [chunk[i : i + 70_001] for i in range(0, len(chunk), 70_001)] * 3
-    body = read(scripted(*pieces), None, Reservation(BodyBudget(4 << 20)), max_bytes=4 << 20,
-                min_rate=1e9)
+    body = read(
+        scripted(*pieces), None, Reservation(BodyBudget(4 << 20)), max_bytes=4 << 20, min_rate=1e9
+    )
     assert body == chunk * 3
 
 

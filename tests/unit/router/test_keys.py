@@ -55,13 +55,27 @@ def test_load_authenticate_and_allow(tmp_path: Path) -> None:
     ("text", "expected"),
     [
         ("keys:\n  - name: a\n    sha256: sk-plain-key\n", "keys.0.sha256: Value error, expected"),
-        ("keys:\n  - name: a\n    sha256: " + "a" * 64 + "\n    model: [m]\n",
-         "keys.0.model: Extra inputs"),
+        (
+            "keys:\n  - name: a\n    sha256: " + "a" * 64 + "\n    model: [m]\n",
+            "keys.0.model: Extra inputs",
+        ),
         ("keys:\n  - sha256: " + "a" * 64 + "\n", "keys.0.name: Field required"),
-        ("keys:\n  - {name: a, sha256: " + "a" * 64 + "}\n  - {name: b, sha256: " + "A" * 64
-         + "}\n", "keys.1.sha256: the same key is listed twice"),
-        ("keys:\n  - {name: a, sha256: " + "a" * 64 + "}\n  - {name: a, sha256: " + "b" * 64
-         + "}\n", "keys.1.name: 'a' is used twice"),
+        (
+            "keys:\n  - {name: a, sha256: "
+            + "a" * 64
+            + "}\n  - {name: b, sha256: "
+            + "A" * 64
+            + "}\n",
+            "keys.1.sha256: the same key is listed twice",
+        ),
+        (
+            "keys:\n  - {name: a, sha256: "
+            + "a" * 64
+            + "}\n  - {name: a, sha256: "
+            + "b" * 64
+            + "}\n",
+            "keys.1.name: 'a' is used twice",
+        ),
         ("keys: [\n", "not YAML"),
         ("[]\n", "(top): Input should be a valid dictionary"),
     ],
@@ -114,9 +128,12 @@ def test_keys_gate_requests_and_the_replica_never_sees_the_key(
     async def scenario() -> None:
         replica = EchoReplica()
         address = await replica.start()
-        settings = RouterSettings(activation=False, replica_concurrency=4,
-                                  api_keys_file=str(keys_file(tmp_path)),
-                                  forward_authorization=forward)
+        settings = RouterSettings(
+            activation=False,
+            replica_concurrency=4,
+            api_keys_file=str(keys_file(tmp_path)),
+            forward_authorization=forward,
+        )
         try:
             async with in_process_router(settings, models=("m", "other")) as app:
                 app.state.table.set_endpoints("m", [address])
@@ -126,17 +143,24 @@ def test_keys_gate_requests_and_the_replica_never_sees_the_key(
                 assert headers["www-authenticate"].startswith("Bearer")
                 assert status == 401 and answer["error"]["code"] == "invalid_api_key"
                 team = [(b"authorization", f"Bearer {TEAM_KEY}".encode())]
-                status, _, answer = await asgi_post(app, {**body, "model": "other"},
-                                                    headers=team)
+                status, _, answer = await asgi_post(app, {**body, "model": "other"}, headers=team)
                 assert status == 404 and answer["error"]["code"] == "model_not_found"
                 assert "do not have access" in answer["error"]["message"]
                 status, _, _ = await asgi_post(app, body, headers=team)
                 assert status == 200
                 metrics = app.state.metrics.registry
-                assert metrics.get_sample_value(
-                    "llmgw_router_refusals_total", {"model": "", "reason": "unauthorized"}) == 1
-                assert metrics.get_sample_value(
-                    "llmgw_router_refusals_total", {"model": "", "reason": "not_allowed"}) == 1
+                assert (
+                    metrics.get_sample_value(
+                        "llmgw_router_refusals_total", {"model": "", "reason": "unauthorized"}
+                    )
+                    == 1
+                )
+                assert (
+                    metrics.get_sample_value(
+                        "llmgw_router_refusals_total", {"model": "", "reason": "not_allowed"}
+                    )
+                    == 1
+                )
         finally:
             await replica.stop()
         assert replica.authorization == [f"Bearer {TEAM_KEY}" if forward else None]
@@ -152,8 +176,11 @@ def test_without_keys_the_clients_authorization_is_still_not_forwarded() -> None
             settings = RouterSettings(activation=False, replica_concurrency=4)
             async with in_process_router(settings) as app:
                 app.state.table.set_endpoints("m", [address])
-                status, _, _ = await asgi_post(app, {"model": "m", "prompt": "hi"},
-                                               headers=[(b"authorization", b"Bearer sk-x")])
+                status, _, _ = await asgi_post(
+                    app,
+                    {"model": "m", "prompt": "hi"},
+                    headers=[(b"authorization", b"Bearer sk-x")],
+                )
                 assert status == 200
         finally:
             await replica.stop()

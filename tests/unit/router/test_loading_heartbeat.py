@@ -210,5 +210,3 @@ def test_the_heartbeat_is_off_at_zero() -> None:
             await stub.stop()
 
     run(scenario())
-
-

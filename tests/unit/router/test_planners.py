@@ -64,12 +64,19 @@ def test_the_configured_url_alone_until_consul_says_more() -> None:
 
 def test_leader_then_configured_then_instances_without_repeats() -> None:
     planners = PlannerCandidates("https://10.0.0.1:4650", RouterMetrics())
-    planners.set_instances([ServiceAddress("10.0.0.1", 4650), ServiceAddress("10.0.0.3", 4650),
-                            ServiceAddress("fd00::2", 4650)])
+    planners.set_instances(
+        [
+            ServiceAddress("10.0.0.1", 4650),
+            ServiceAddress("10.0.0.3", 4650),
+            ServiceAddress("fd00::2", 4650),
+        ]
+    )
     planners.set_leader(leader("https://10.0.0.2:4650/"))
     # Instances take the configured URL's scheme; an IPv6 address goes in brackets.
     assert planners.ordered() == [
-        "https://10.0.0.2:4650", "https://10.0.0.1:4650", "https://10.0.0.3:4650",
+        "https://10.0.0.2:4650",
+        "https://10.0.0.1:4650",
+        "https://10.0.0.3:4650",
         "https://[fd00::2]:4650",
     ]
     planners.set_leader(None)  # the lock is free: an election
@@ -79,8 +86,9 @@ def test_leader_then_configured_then_instances_without_repeats() -> None:
 def test_no_fixed_url_lists_only_the_leader_and_the_instances() -> None:
     """LLMGW_PLANNER_URL=none (the router job's default): no 127.0.0.1:4650 fallback."""
     settings = RouterSettings(planner_url="none")
-    planners = PlannerCandidates(settings.fixed_planner_url, RouterMetrics(),
-                                 settings.planner_scheme)
+    planners = PlannerCandidates(
+        settings.fixed_planner_url, RouterMetrics(), settings.planner_scheme
+    )
     assert planners.ordered() == []
     planners.set_instances([ServiceAddress("10.0.0.3", 4650)])
     planners.set_leader(leader("https://10.0.0.2:4650"))
@@ -95,8 +103,9 @@ def test_no_fixed_url_lists_only_the_leader_and_the_instances() -> None:
 def test_the_planner_that_answered_comes_right_after_the_leader() -> None:
     metrics = RouterMetrics()
     planners = PlannerCandidates("http://a:4650", metrics)
-    planners.set_instances([ServiceAddress("a", 4650), ServiceAddress("b", 4650),
-                            ServiceAddress("c", 4650)])
+    planners.set_instances(
+        [ServiceAddress("a", 4650), ServiceAddress("b", 4650), ServiceAddress("c", 4650)]
+    )
     planners.answered("http://c:4650")
     assert planners.ordered() == ["http://c:4650", "http://a:4650", "http://b:4650"]
     planners.set_leader(leader("http://b:4650"))
@@ -132,19 +141,31 @@ def registration(address: str = "10.0.0.2", port: int = 4650) -> tuple[list, lis
     """/v1/session/info/sess-1 and /v1/health/service/llmgw-planner, as Consul 1.8 answers."""
     check = "service:llmgw-planner-abc"
     sessions = [{"ID": "sess-1", "Node": "n1", "Checks": ["serfHealth", check]}]
-    instances = [{"Node": {"Node": "n1", "Address": "10.0.0.9"},
-                  "Service": {"ID": "llmgw-planner-abc", "Service": "llmgw-planner",
-                              "Address": address, "Port": port, "Meta": {"llmgw_scheme": "http"}},
-                  "Checks": [{"CheckID": "serfHealth", "Status": "passing"},
-                             {"CheckID": check, "Status": "passing"}]}]
+    instances = [
+        {
+            "Node": {"Node": "n1", "Address": "10.0.0.9"},
+            "Service": {
+                "ID": "llmgw-planner-abc",
+                "Service": "llmgw-planner",
+                "Address": address,
+                "Port": port,
+                "Meta": {"llmgw_scheme": "http"},
+            },
+            "Checks": [
+                {"CheckID": "serfHealth", "Status": "passing"},
+                {"CheckID": check, "Status": "passing"},
+            ],
+        }
+    ]
     return sessions, instances
 
 
 def test_parse_leader_trusts_the_registration_of_a_held_lock() -> None:
     record = LeaderRecord(id="abc", address="http://10.0.0.2:4650")
     sessions, instances = registration()
-    assert parse_leader(kv_entry(record, "sess-1"), sessions, instances) == \
-        LeaderRoute("abc", "http://10.0.0.2:4650", "n1", "sess-1")
+    assert parse_leader(kv_entry(record, "sess-1"), sessions, instances) == LeaderRoute(
+        "abc", "http://10.0.0.2:4650", "n1", "sess-1"
+    )
     # Released (the leader stopped, or its check lapsed): its record stays behind.
     assert parse_leader(kv_entry(record, None), sessions, instances) is None
     assert parse_leader(None) is None  # 404: no planner ever led
@@ -159,17 +180,21 @@ def test_parse_leader_trusts_the_registration_of_a_held_lock() -> None:
 
 
 def test_a_refused_leader_is_not_called_and_is_logged_and_counted(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     metrics = RouterMetrics()
     planners = PlannerCandidates("http://10.0.0.1:4650", metrics)
     planners.set_leader(leader("http://10.0.0.2:4650"))
     with caplog.at_level(logging.WARNING, logger="router.planners"):
         planners.set_leader(LeaderRefused(Refusal.MISMATCH, "llmgw/leader names another"))
     assert planners.ordered() == ["http://10.0.0.1:4650"]
-    assert "not calling the planner llmgw/leader names: llmgw/leader names another" \
-        in caplog.text
-    assert metrics.registry.get_sample_value(
-        "llmgw_router_planner_leader_refusals_total", {"code": "leader_mismatch"}) == 1
+    assert "not calling the planner llmgw/leader names: llmgw/leader names another" in caplog.text
+    assert (
+        metrics.registry.get_sample_value(
+            "llmgw_router_planner_leader_refusals_total", {"code": "leader_mismatch"}
+        )
+        == 1
+    )
 
 
 # --- what moves a call on, against real sockets -----------------------------------
@@ -373,7 +398,8 @@ def test_none_reached_names_each_one_with_retry_after() -> None:
 
 
 def test_the_router_follows_a_failover_for_activation_and_usage(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The configured planner is gone; Consul names another leader: requests are
     activated and usage reported there, and the switch is logged once and counted."""
 
@@ -408,5 +434,7 @@ def test_the_router_follows_a_failover_for_activation_and_usage(
         run(scenario())
     switched = [r for r in caplog.records if "switched" in r.getMessage()]
     assert len(switched) == 1
-    assert "(the leader: the lock holder of Consul llmgw/leader, as registered)" in \
-        switched[0].getMessage()
+    assert (
+        "(the leader: the lock holder of Consul llmgw/leader, as registered)"
+        in switched[0].getMessage()
+    )

@@ -21,15 +21,28 @@ def first_choice(chooser: PrefixChooser, eps: tuple[Endpoint, ...], key: str) ->
 
 
 def test_request_prefix_takes_the_first_user_message_or_the_prompt() -> None:
-    chat = {"messages": [{"role": "system", "content": "You are terse."},
-                         {"role": "user", "content": "x" * 300},
-                         {"role": "assistant", "content": "ok"},
-                         {"role": "user", "content": "next turn"}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "x" * 300},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "next turn"},
+        ]
+    }
     assert request_prefix(chat) == "x" * 100
     assert request_prefix(chat, 5) == "xxxxx"
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
-                                                       {"type": "image_url"},
-                                                       {"type": "text", "text": "cd"}]}]}
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "ab"},
+                    {"type": "image_url"},
+                    {"type": "text", "text": "cd"},
+                ],
+            }
+        ]
+    }
     assert request_prefix(parts) == "abcd"
     assert request_prefix({"prompt": "Once upon"}) == "Once upon"
     assert request_prefix({"prompt": ["first", "second"]}) == "first"
@@ -40,7 +53,7 @@ def test_request_prefix_takes_the_first_user_message_or_the_prompt() -> None:
 
 def test_the_hash_is_the_same_in_every_process() -> None:
     # A fixed value: routers on different hosts must put a key at the same point.
-    assert hash64("a") == 0x40f89e395b66422f
+    assert hash64("a") == 0x40F89E395B66422F
     assert hash64("a") != hash64("b")
 
 
@@ -49,8 +62,9 @@ def test_a_prefix_always_goes_to_the_same_replica_and_keys_spread() -> None:
     eps = endpoints(4)
     chosen = {first_choice(chooser, eps, f"conversation {i}") for i in range(5)}
     for i in range(5):
-        assert first_choice(chooser, eps, f"conversation {i}") is \
-            first_choice(chooser, eps, f"conversation {i}")
+        assert first_choice(chooser, eps, f"conversation {i}") is first_choice(
+            chooser, eps, f"conversation {i}"
+        )
     counts = {e: 0 for e in eps}
     for i in range(4000):
         counts[first_choice(chooser, eps, f"k{i}")] += 1

@@ -215,10 +215,13 @@ def test_headers_the_connection_header_names_are_not_forwarded() -> None:
                 RouterSettings(activation=False, replica_concurrency=4)
             ) as app:
                 app.state.table.set_endpoints("m", [address])
-                sent = [(b"connection", b"keep-alive, X-Hop ,x-other"), (b"x-hop", b"1"),
-                        (b"x-other", b"2"), (b"x-end-to-end", b"3")]
-                status, _, _ = await asgi_post(app, {"model": "m", "prompt": "hi"},
-                                               headers=sent)
+                sent = [
+                    (b"connection", b"keep-alive, X-Hop ,x-other"),
+                    (b"x-hop", b"1"),
+                    (b"x-other", b"2"),
+                    (b"x-end-to-end", b"3"),
+                ]
+                status, _, _ = await asgi_post(app, {"model": "m", "prompt": "hi"}, headers=sent)
                 assert status == 200
         finally:
             await replica.stop()

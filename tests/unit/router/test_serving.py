@@ -35,16 +35,23 @@ class App:
         self.seen.append(scope["path"])
         if scope["path"] == "/slow":
             await self.release.wait()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"2")]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
         await send({"type": "http.response.body", "body": b"ok"})
 
 
 @contextlib.asynccontextmanager
 async def served(app: App | None = None) -> AsyncIterator[tuple[int, uvicorn.Server]]:
     port = free_port()
-    config = uvicorn.Config(app or App(), host="127.0.0.1", port=port, lifespan="off",
-                            http=protocol_class(TIMEOUT_S), log_config=None)
+    config = uvicorn.Config(
+        app or App(),
+        host="127.0.0.1",
+        port=port,
+        lifespan="off",
+        http=protocol_class(TIMEOUT_S),
+        log_config=None,
+    )
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started:
@@ -80,7 +87,8 @@ def test_silent_and_slow_headers_get_408_and_fast_ones_are_served() -> None:
                 assert status_and_error(answer) == (408, "request_timeout"), answer
                 assert seconds >= TIMEOUT_S
             answer, _ = await exchange(
-                port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
             assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
 
     run(scenario())
@@ -107,14 +115,22 @@ def test_the_header_bound_is_exact_whatever_the_reads() -> None:
     """Issue 18, D1: a header section that completed in the read crossing the bound
     was never counted (one 66,000-100,000 byte header, or 1,000 of 100 bytes, was
     served); now it is counted before the parser sees it."""
-    many = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(
-        b"X-H%d: %s\r\n" % (i, b"v" * 90) for i in range(1000)) + b"\r\n"
+    many = (
+        b"GET / HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 90) for i in range(1000))
+        + b"\r\n"
+    )
 
     async def scenario() -> None:
         app = App()
         async with served(app) as (port, _):
-            for request in (padded(MAX_HEADER_BYTES + 1), padded(66_000), padded(100_000),
-                            padded(130_000), many):
+            for request in (
+                padded(MAX_HEADER_BYTES + 1),
+                padded(66_000),
+                padded(100_000),
+                padded(130_000),
+                many,
+            ):
                 answer, _ = await exchange(port, request)
                 assert status_and_error(answer) == (431, "request_header_fields_too_large")
             assert app.seen == []
@@ -137,8 +153,7 @@ def test_a_pipelined_request_s_headers_are_bounded_too() -> None:
         app = App()
         async with served(app) as (port, _):
             first = b"PUT /first HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n"
-            answer, _ = await exchange(
-                port, first + b"b" * 20000 + padded(MAX_HEADER_BYTES + 1000))
+            answer, _ = await exchange(port, first + b"b" * 20000 + padded(MAX_HEADER_BYTES + 1000))
             assert answer.startswith(b"HTTP/1.1 200") and b"431" in answer, answer[:300]
             assert app.seen == ["/first"]
 
@@ -155,8 +170,9 @@ def test_a_request_waiting_behind_a_long_answer_still_has_the_header_timeout() -
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.1\r\n")
             # Held until the second request's clock has run out during the answer.
-            while not any(getattr(c, "_late_while_busy", False)
-                          for c in server.server_state.connections):
+            while not any(
+                getattr(c, "_late_while_busy", False) for c in server.server_state.connections
+            ):
                 await asyncio.sleep(0.01)
             app.release.set()
             first = await reader.readuntil(b"ok")

@@ -112,7 +112,10 @@ def test_tls_settings_from_environment_and_flags(tmp_path: Path) -> None:
     assert settings.planner_ssl_context() is not None
     # Keys are not certificates.
     assert settings.certificate_files() == [
-        str(ca.ca_cert), str(client_cert), str(ca.ca_cert), str(ca.cert)
+        str(ca.ca_cert),
+        str(client_cert),
+        str(ca.ca_cert),
+        str(ca.cert),
     ]
     plain = RouterSettings.from_env({})
     assert plain.consul_ssl_context() is None and plain.planner_ssl_context() is None
@@ -157,8 +160,9 @@ def test_cli_exits_2_naming_the_bad_setting(tmp_path: Path) -> None:
 def test_the_certificate_series_are_on_the_router_metrics(tmp_path: Path) -> None:
     ca = make_ca(tmp_path)
     missing = str(tmp_path / "gone.pem")
-    app = create_app(RouterSettings(activation=False, consul_cacert=str(ca.ca_cert),
-                                    planner_cacert=missing))
+    app = create_app(
+        RouterSettings(activation=False, consul_cacert=str(ca.ca_cert), planner_cacert=missing)
+    )
     text = app.state.metrics.exposition()[0].decode()
     assert f'llmgw_certificate_read_success{{path="{ca.ca_cert}"}} 1.0' in text
     assert f'llmgw_certificate_read_success{{path="{missing}"}} 0.0' in text

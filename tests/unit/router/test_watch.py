@@ -82,8 +82,9 @@ class FakeCatalog:
         states = {}
         for model, addresses in self.healthy.items():
             keys = frozenset(("n", f"s-{a.port}", f"c-{a.port}", "passing") for a in addresses)
-            states[model] = CheckState(keys or frozenset({("n", "s", "c", "critical")}),
-                                       bool(addresses))
+            states[model] = CheckState(
+                keys or frozenset({("n", "s", "c", "critical")}), bool(addresses)
+            )
         return self.index, states
 
     async def passing(self, model: str):
@@ -201,10 +202,17 @@ def test_the_planner_watches_follow_the_leader_and_the_instances() -> None:
         catalog = FakeCatalog()
         table = EndpointTable(RouterMetrics())
         planners = PlannerCandidates("http://10.0.0.1:4650", RouterMetrics())
-        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05,  # type: ignore[arg-type]
-                                planners=planners)
-        catalog.planner_instances = [ServiceAddress("10.0.0.1", 4650),
-                                     ServiceAddress("10.0.0.2", 4650)]
+        watcher = ConsulWatcher(
+            catalog,
+            table,
+            wait_s=5,
+            backoff_max_s=0.05,  # type: ignore[arg-type]
+            planners=planners,
+        )
+        catalog.planner_instances = [
+            ServiceAddress("10.0.0.1", 4650),
+            ServiceAddress("10.0.0.2", 4650),
+        ]
         watcher.start()
         await settle()
         assert planners.ordered() == ["http://10.0.0.1:4650", "http://10.0.0.2:4650"]

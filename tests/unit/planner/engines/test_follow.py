@@ -12,15 +12,26 @@ from planner.spec.engine_definitions import EngineDefinition
 
 def engine_job(name: str = "llama.cpp", version: str = "11434", index: int = 10) -> dict:
     definition = EngineDefinition(name=name, version=version, path="/bin/llama-server")
-    return {"ID": f"llmgw-engine-{name}", "JobModifyIndex": index,
-            "Meta": {"llmgw_engine": name, META_VERSION: version,
-                     META_RECORD: definition.model_dump_json()}}
+    return {
+        "ID": f"llmgw-engine-{name}",
+        "JobModifyIndex": index,
+        "Meta": {
+            "llmgw_engine": name,
+            META_VERSION: version,
+            META_RECORD: definition.model_dump_json(),
+        },
+    }
 
 
 def node(meta: dict[str, str] | None = None, eligible: bool = True) -> dict[str, Any]:
-    return {"ID": "n-b", "Name": "node-b", "Datacenter": "dc1", "Status": "ready",
-            "SchedulingEligibility": "eligible" if eligible else "ineligible",
-            "Meta": meta or {}}
+    return {
+        "ID": "n-b",
+        "Name": "node-b",
+        "Datacenter": "dc1",
+        "Status": "ready",
+        "SchedulingEligibility": "eligible" if eligible else "ineligible",
+        "Meta": meta or {},
+    }
 
 
 class Nomad:

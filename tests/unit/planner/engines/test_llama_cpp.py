@@ -44,9 +44,11 @@ def test_server_args_always_set_the_slots_and_give_each_the_whole_context() -> N
 
 
 def test_stderr_summary_keeps_the_cause_first() -> None:
-    tail = ("0.01 I loading\n0.02 E llama_model_load: error loading model: unknown model "
-            "architecture: 'kev'\n0.03 E failed to load model\n0.04 E exiting due to model "
-            "loading error\n")
+    tail = (
+        "0.01 I loading\n0.02 E llama_model_load: error loading model: unknown model "
+        "architecture: 'kev'\n0.03 E failed to load model\n0.04 E exiting due to model "
+        "loading error\n"
+    )
     assert "unknown model architecture: 'kev'" in stderr_summary(tail).splitlines()[0]
 
 
@@ -57,15 +59,21 @@ MISSING = """\
 0.00.004.420 E llama_model_load: error loading model: llama_model_loader: failed to load model
 0.00.004.500 E srv  llama_server: exiting due to model loading error
 """
-GARBAGE = MISSING.replace("failed to open GGUF file '/m/x' (No such file or directory)",
-                          "invalid magic characters: '??B?', expected 'GGUF'")
+GARBAGE = MISSING.replace(
+    "failed to open GGUF file '/m/x' (No such file or directory)",
+    "invalid magic characters: '??B?', expected 'GGUF'",
+)
 
 
 def test_stderr_summary_names_what_tells_the_failures_apart() -> None:
-    assert stderr_summary(MISSING).splitlines()[0] == \
-        "gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)"
-    assert stderr_summary(GARBAGE).splitlines()[0] == \
-        "gguf_init_from_file: not a GGUF file (bad magic)"
+    assert (
+        stderr_summary(MISSING).splitlines()[0]
+        == "gguf_init_from_file: failed to open GGUF file '/m/x' (No such file or directory)"
+    )
+    assert (
+        stderr_summary(GARBAGE).splitlines()[0]
+        == "gguf_init_from_file: not a GGUF file (bad magic)"
+    )
     repeated = MISSING + MISSING.replace("0.00.004", "0.00.009")
     assert stderr_summary(repeated) == stderr_summary(MISSING)  # repeats collapse
 
@@ -77,13 +85,20 @@ def test_error_lines_are_the_stderr_summary() -> None:
 # The first 4 bytes of files that are not GGUF, as llama.cpp quotes them raw: an SSH key,
 # a quote, a line break, NULs, a multi-byte character (issue 18: never echoed).
 @pytest.mark.parametrize("magic", ["----", "a'bc", "a\nbc", "\0\0\0\0", "\u20ac!", "ab\n'"])
-@pytest.mark.parametrize("template", [
-    "gguf_init_from_file_impl: invalid magic characters: '{}', expected 'GGUF'",
-    "gguf_init_from_file: invalid magic characters '{}'"])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "gguf_init_from_file_impl: invalid magic characters: '{}', expected 'GGUF'",
+        "gguf_init_from_file: invalid magic characters '{}'",
+    ],
+)
 def test_a_file_that_is_not_gguf_is_named_without_its_bytes(magic: str, template: str) -> None:
-    tail = ("0.00.004.312 I srv    load_model: loading model '/home/u/.ssh/id_ed25519'\n"
-            + template.format(magic) + "\nllama_model_load: error loading model: "
-            "llama_model_loader: failed to load model from /home/u/.ssh/id_ed25519\n")
+    tail = (
+        "0.00.004.312 I srv    load_model: loading model '/home/u/.ssh/id_ed25519'\n"
+        + template.format(magic)
+        + "\nllama_model_load: error loading model: "
+        "llama_model_loader: failed to load model from /home/u/.ssh/id_ed25519\n"
+    )
     summary = stderr_summary(tail)
     assert summary.splitlines()[0].endswith(NOT_GGUF)
     lines = summary.splitlines()

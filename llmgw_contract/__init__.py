@@ -32,6 +32,7 @@ docs/architecture.md explains the states.
 
 from llmgw_contract.documents import (
     ActivationAnswer,
+    EngineRecord,
     LeaderRecord,
     ModelRecord,
     Parked,
@@ -76,6 +77,7 @@ __all__ = [
     "SERVICE_PREFIX",
     "ActivationAnswer",
     "ActivationStatus",
+    "EngineRecord",
     "JobMeta",
     "KVPrefix",
     "LeaderRecord",

@@ -11,6 +11,8 @@ Who writes and who reads (keys in `llmgw_contract.keys`):
     ModelRecord     planner apply -> router (models it knows), planner
     StateDocument   planner       -> router (parked / unplaceable), planner CLIs
     UsageRecord     planner leader (coarse copy of router usage) -> planner
+    EngineRecord    planner engines apply -> planner (apply, status, the leader's
+                    installs on new nodes); the router never reads it
     LeaderRecord    planner leader -> planner followers (where to forward writes) and
                     routers (where to send activations and usage reports)
     ActivationAnswer  planner admin API -> router
@@ -158,6 +160,26 @@ class UsageRecord(Document):
     """When a model was last asked for (llmgw/usage/<name>), kept coarsely by the leader."""
 
     last_used_at: str  # ISO 8601, UTC
+
+
+class EngineRecord(Document):
+    """One defined engine, as `planner engines apply` registered it (llmgw/engines/<name>).
+
+    The durable record of which engines exist: an engine's install job is a sysbatch
+    job that goes `dead` once it ran on every node, and Nomad's GC (`nomad system gc`,
+    or by itself after `job_gc_threshold`) removes it. What each node has installed
+    stays in the node's metadata (`llmgw_engine_<name> = <version>`)."""
+
+    name: str
+    version: str
+    # The engine file as validated (planner.spec.engine_definitions.EngineDefinition:
+    # kind, artifact or path, sha256, check_model).
+    definition: dict[str, Any]
+    # The program's path on the nodes as the install put it: what model jobs run.
+    command: str
+    # The install job as rendered and registered (Nomad's JSON): registered again, as
+    # it was, when Nomad no longer has it and a node needs the engine.
+    install_job: dict[str, Any] = {}
 
 
 class LeaderRecord(Document):

@@ -9,13 +9,18 @@ KV layout (all JSON, see `llmgw_contract.documents`):
                                           meta holds durably
     llmgw/usage/<name>    UsageRecord     the leader's coarse copy of when the model
                                           was last asked for (routers report to it)
+    llmgw/engines/<name>  EngineRecord    written by `planner engines apply`: the engines
+                                          defined (Nomad's GC removes a finished install
+                                          job; this record stays); restored by the
+                                          leader from an install job's meta if it vanishes
     llmgw/leader          LeaderRecord    held with a Consul session by the planner
                                           that acts (leader election); followers
                                           forward writes to it, routers send it
                                           activations and usage reports
 
-The router watches `llmgw/models/` and `llmgw/state/`, never `llmgw/usage/`: a
-usage heartbeat must not wake every router.
+The router watches `llmgw/models/` and `llmgw/state/`, never `llmgw/usage/` nor
+`llmgw/engines/`: a usage heartbeat must not wake every router, and engines are the
+planner's alone.
 
 Outside `llmgw/`, written by operators only:
 
@@ -39,6 +44,7 @@ class KVPrefix(StrEnum):
     MODELS = "llmgw/models/"
     STATE = "llmgw/state/"
     USAGE = "llmgw/usage/"
+    ENGINES = "llmgw/engines/"
 
 
 def kv_key(prefix: KVPrefix, model: str) -> str:

@@ -72,9 +72,16 @@ APPLY = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_SUBMIT_JOB, CONSUL_KV_WRITE)
 # --dry-run plans (submit-job: Nomad's plan is a dry run of a submit) and writes nothing.
 APPLY_DRY_RUN = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_SUBMIT_JOB, CONSUL_KV_READ)
 # `planner status --nodes` and `planner engines apply`: the install jobs (sysbatch, one
-# per engine) and the nodes' metadata they record (planner/daemon/engine_install.py).
-ENGINES_STATUS = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_NODE_READ)
-ENGINES_APPLY = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_SUBMIT_JOB, NOMAD_NODE_READ)
+# per engine), the nodes' metadata they record (planner/daemon/engine_install.py) and
+# the engines' records in Consul KV (planner/daemon/engine_records.py).
+ENGINES_STATUS = (NOMAD_LIST_JOBS, NOMAD_READ_JOB, NOMAD_NODE_READ, CONSUL_KV_READ)
+ENGINES_APPLY = (
+    NOMAD_LIST_JOBS,
+    NOMAD_READ_JOB,
+    NOMAD_SUBMIT_JOB,
+    NOMAD_NODE_READ,
+    CONSUL_KV_WRITE,
+)
 STATUS = (NOMAD_READ_JOB, CONSUL_KV_READ, CONSUL_SERVICES_READ, CONSUL_NODES_READ)
 # A retry observes the model as the leader does (`planner.daemon.observe`: Nomad's
 # index is a job list's, the placement answer reads the nodes) before it decides.

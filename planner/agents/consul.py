@@ -33,6 +33,7 @@ import requests
 from consul.callback import CB
 
 from llmgw_contract import (
+    EngineRecord,
     KVPrefix,
     ModelRecord,
     UsageRecord,
@@ -279,6 +280,29 @@ class ConsulClient:
 
     def delete_model_record(self, name: str) -> None:
         self.delete_key(kv_key(KVPrefix.MODELS, name))
+
+    # --- engine records ---------------------------------------------------------------
+
+    def engine_records(self) -> dict[str, EngineRecord]:
+        """Every defined engine's record (llmgw/engines/<name>): {name: record}."""
+        return self.documents(KVPrefix.ENGINES, EngineRecord)
+
+    def engine_record(self, name: str) -> tuple[int, EngineRecord | None]:
+        """(ModifyIndex, record) of one engine; (0, None) when it has none (and None
+        with its index when the key does not hold a record)."""
+        index, text = self.get_indexed(kv_key(KVPrefix.ENGINES, name))
+        if text is None:
+            return index, None
+        try:
+            return index, decode(EngineRecord, text)
+        except ValueError as exc:
+            log.error("engine %s: its KV record does not decode: %s", name, exc)
+            return index, None
+
+    def put_engine_record(self, record: EngineRecord, index: int) -> bool:
+        """Write an engine's record checked against the ModifyIndex read (0: only if
+        absent); False when another writer changed it first."""
+        return self.cas_put(kv_key(KVPrefix.ENGINES, record.name), encode(record), index)
 
     # --- health ---------------------------------------------------------------------
 

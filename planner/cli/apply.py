@@ -18,6 +18,12 @@ When Nomad refuses the index (the job changed since step 1 read it: the
 leader parked it, another apply ran), the model is read and decided again,
 at most MAX_DECISIONS times, and its reason says so; a job parked meanwhile
 is never started again by a definition that does not lift its parking.
+
+A model whose registered job constrains on an engine version
+(`${meta.llmgw_engine_<name>} = <version>`) is refused, never rolled out, when
+the job rendered now would drop that constraint while the model still names the
+engine: the engine is not defined right now (its record and install job are
+gone), and the rollout would run it on nodes that never installed it (issue 20).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from planner.errors import DefinitionError, InvalidDefinitions, NomadRejected
 from planner.model import rollout
 from planner.model.effects import Deregister, Effect, Evaluate, Reason, Register
 from planner.model.parking import parked_from_job, parked_job, set_parked
+from planner.model.placement import EngineNeed
+from planner.model.unplaceable import engine_need
 from planner.spec.definitions import ModelDefinition, load_definitions
 from planner.spec.fit import Fit, check_models
-from planner.spec.jobspec import SPEC_HASH_KEY, render, replicas_of
+from planner.spec.jobspec import SPEC_HASH_KEY, record_of, render, replicas_of
 from planner.spec.settings import Settings
 
 
@@ -54,9 +62,12 @@ class Action(StrEnum):
     ORPHANED = "orphaned"  # in Nomad, not in git, and --prune not given
     PARKED = "parked"  # same definition as when parked: left stopped
     ROLLED_BACK = "rolled-back"  # Nomad rolled this definition back: not tried again
+    ENGINE_UNKNOWN = "engine-unknown"  # would drop its engine constraint: refused
 
 
 MUTATIONS = frozenset({Action.CREATE, Action.UPDATE, Action.DEREGISTER})
+# What apply refuses for one model (exit 1), the others applied.
+REFUSALS = frozenset({Action.ROLLED_BACK, Action.ENGINE_UNKNOWN})
 REGISTRATIONS = frozenset({Action.CREATE, Action.UPDATE})
 STOPPED_REASON = "job was stopped"
 # How often one model is read and decided again when Nomad refuses the index its
@@ -159,6 +170,38 @@ def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Chan
     )
 
 
+def dropped_engine(job: Job, old: Job | None) -> EngineNeed | None:
+    """Pure: the engine version `old` (the registered job) constrains on that `job` (the
+    one rendered now) would drop while its model still names that engine; None when
+    nothing is dropped (no constraint before, the same engine at any version now, or the
+    model moved to another engine). An engine is rendered without its constraint only
+    when it is not defined right now (LLMGW_ENGINES names it, unchecked)."""
+    need = engine_need(old)
+    if need is None:
+        return None
+    now = engine_need(job)
+    if now is not None and now.name == need.name:
+        return None
+    try:
+        named = str(record_of(job).profile.get("engine") or "")
+    except (KeyError, ValueError):
+        return None
+    return need if named == need.name else None
+
+
+def _engine_refused(name: str, need: EngineNeed) -> Change:
+    return Change(
+        name,
+        Action.ENGINE_UNKNOWN,
+        (
+            f"its job runs engine {need.name} {need.version} (constraint {need.constraint}), "
+            f"which is not defined now (no record in Consul KV, no install job in Nomad); "
+            f"applying would drop that constraint: run `planner engines apply` with "
+            f"{need.name}'s file first"
+        ),
+    )
+
+
 def _keep_activation(job: Job, old: Job) -> Job:
     """An on-demand job is rendered with count 0; an update must not stop a model that
     is active now, so it keeps the registered count (the idle scaler lowers it)."""
@@ -240,7 +283,10 @@ def _changes(
     changes = []
     for name, job in sorted(rendered.items()):
         old = registered.get(name)
-        if name in parked:
+        if (need := dropped_engine(job, old)) is not None:
+            # Before parking: a stopped job re-registered without it would start so.
+            changes.append(_engine_refused(name, need))
+        elif name in parked:
             changes.append(_parked_change(name, job, old, parked[name]))
         elif name in rolled_back:
             failed = rolled_back[name]
@@ -256,6 +302,7 @@ def _changes(
             )
         elif old is None:
             changes.append(Change(name, Action.CREATE, "new model", job))
+
         elif (
             old.get("Stop")
             or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != job["Meta"][SPEC_HASH_KEY]
@@ -324,7 +371,7 @@ def prepare(
     # (one message naming every permission lacking), then the files against the engines.
     load_definitions(paths, models_root=settings.models_root)
     access.check(nomad, consul, needs)
-    engines = engine_refs(nomad, settings)
+    engines = engine_refs(nomad, consul, settings)
     models = load_definitions(paths, engines, settings.models_root)
     fits = check_models(models)
     template = settings.jobspec.read_text()

@@ -46,7 +46,7 @@ from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.statusreads import gather, model_status
 from planner.api.admin import create_app
-from planner.cli.apply import MUTATIONS, Action, Outcome, execute, prepare
+from planner.cli.apply import MUTATIONS, REFUSALS, Action, Outcome, execute, prepare
 from planner.cli.plandiff import format_diff
 from planner.cli.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.daemon.engine_install import NodeInstall, execute_engines, installs, prepare_engines
@@ -286,7 +286,7 @@ def _apply(
         _print_outcomes(outcomes, dry_run, shown, serving)
     if not changed:
         err.print("no changes")
-    refused = [o.change for o in outcomes if o.change.action is Action.ROLLED_BACK]
+    refused = [o.change for o in outcomes if o.change.action in REFUSALS]
     for change in refused:
         err.print(f"error: {change.model}: {change.reason}", markup=False)
     if wait and not dry_run:
@@ -499,9 +499,9 @@ def _print_status(rows: list[ModelStatus]) -> None:
 
 
 def _installs(output: Output | ReportOutput) -> list[NodeInstall]:
-    settings, nomad, _ = _clients(access.ENGINES_STATUS, output)
+    settings, nomad, consul = _clients(access.ENGINES_STATUS, output)
     try:
-        return installs(nomad, settings.datacenters)
+        return installs(nomad, consul, settings.datacenters)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
 
@@ -547,9 +547,10 @@ def engines_apply(
 ) -> None:
     """Validate every engine file, then register the install jobs that changed, run
     again the installs that failed, and install on nodes that joined since."""
-    settings, nomad, _ = _clients(access.ENGINES_APPLY, output)
+    settings, nomad, consul = _clients(access.ENGINES_APPLY, output)
     try:
-        outcomes = execute_engines(prepare_engines(paths, settings, nomad), nomad, dry_run)
+        changes = prepare_engines(paths, settings, nomad, consul)
+        outcomes = execute_engines(changes, nomad, consul, dry_run)
     except PlannerError as exc:
         raise _fail(exc, output, files="engine") from exc
     if output is Output.json:

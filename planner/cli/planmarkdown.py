@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from planner.cli.apply import MUTATIONS, Action, Outcome
+from planner.cli.apply import MUTATIONS, REFUSALS, Action, Outcome
 from planner.cli.plandiff import format_diff
 from planner.model.placement import evaluation_reason
 from planner.model.status import ModelStatus, headline
@@ -50,6 +50,9 @@ def heading(outcomes: list[Outcome], dry_run: bool) -> str:
     refused = counts[Action.ROLLED_BACK]
     if refused:
         parts.append(f"{refused} refused (rolled back before)")
+    unknown = counts[Action.ENGINE_UNKNOWN]
+    if unknown:
+        parts.append(f"{unknown} refused (engine not defined)")
     return f"llmgw {'plan' if dry_run else 'apply'}: {', '.join(parts) or 'no changes'}"
 
 
@@ -107,7 +110,7 @@ def outcomes_markdown(
 
 def _action(outcome: Outcome) -> str:
     action = outcome.change.action
-    return f"**{action}**" if action in MUTATIONS or action is Action.ROLLED_BACK else action
+    return f"**{action}**" if action in MUTATIONS or action in REFUSALS else action
 
 
 def error_markdown(message: str, problems: list[dict[str, str]]) -> str:

@@ -1,18 +1,26 @@
 """Install engines on nodes that become schedulable after their install job ran.
 
 Run by the leader's watcher (`planner.daemon.watcher`): every Node event of the event stream
-(a node registered, or turned eligible, or back from down) and every reconcile. Nomad
-runs a sysbatch job on a node once per job version and evaluates sysbatch jobs for
-nothing but job changes (nomad/node_endpoint.go `createNodeEvals` evaluates system
-jobs only; scheduler/system_util.go places a node's allocation when the node has
-none), so a node that joins after `planner engines apply` would never get the engine.
-An evaluation of the engine's job places it there.
+(a node registered, or turned eligible, or back from down), every Job event of an
+engine's install job, and every reconcile. Nomad runs a sysbatch job on a node once per
+job version and evaluates sysbatch jobs for nothing but job changes
+(nomad/node_endpoint.go `createNodeEvals` evaluates system jobs only;
+scheduler/system_util.go places a node's allocation when the node has none), so a node
+that joins after `planner engines apply` would never get the engine. An evaluation of
+the engine's job places it there.
+
+The engines followed are the defined ones (`planner.daemon.engine_records`: their KV
+records, which outlive the install jobs). Nomad's GC deletes an install job once it is
+`dead` (issue 20); a node that then lacks the engine gets the install job registered
+again, as its record keeps it (which runs it on every node: one that has the engine
+checks and records it again). An install job an operator stopped (`nomad job stop`,
+without -purge) is left stopped.
 
 Each (node, engine job version) is evaluated once: a node whose install failed keeps
 its failed allocation (`planner engines apply` runs it again), and the node's own
-re-registration when its metadata changes must not evaluate again and again. The
-evaluation goes through the applier (`planner.daemon.applier`), the planner's one
-writer of Nomad.
+re-registration when its metadata changes must not evaluate again and again. Every
+write goes through the applier (`planner.daemon.applier`), the planner's one writer of
+Nomad.
 """
 
 from __future__ import annotations
@@ -21,94 +29,132 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llmgw_contract import EngineRecord
+from planner.agents.consul import ConsulClient
 from planner.agents.nomad import Job, NomadClient
 from planner.daemon.applier import Applier
-from planner.daemon.engine_install import META_ENGINE, META_VERSION, definitions_of, registered
+from planner.daemon.engine_install import META_VERSION, registered
+from planner.daemon.engine_records import is_engine_job, merged
 from planner.errors import PlannerError
-from planner.model.effects import Evaluate, Reason
+from planner.model.effects import Evaluate, Reason, Register
 from planner.model.placement import schedulable
+from planner.spec.engine_definitions import JOB_PREFIX, meta_key
 
 log = logging.getLogger("planner.engines")
 
 
-def missing(node: Mapping[str, Any], jobs: Mapping[str, Job]) -> list[str]:
+def missing(node: Mapping[str, Any], records: Mapping[str, EngineRecord]) -> list[str]:
     """The engines (by name) whose version `node`'s metadata does not record (pure)."""
     meta = node.get("Meta") or {}
-    return sorted(
-        name for name, d in definitions_of(jobs).items() if meta.get(d.meta_key) != d.version
-    )
+    return sorted(name for name, r in records.items() if meta.get(meta_key(name)) != r.version)
 
 
 class EngineFollower:
-    """Keeps the engines' install jobs in view and evaluates them for new nodes."""
+    """Keeps the defined engines in view and installs them on new nodes."""
 
     def __init__(
         self,
         nomad: NomadClient,
         datacenters: Sequence[str] = ("*",),
         applier: Applier | None = None,
+        consul: ConsulClient | None = None,
     ) -> None:
-        """`applier` writes the evaluations (the leader's, fenced by its store); None: an
-        unfenced one over `nomad`."""
-        self.nomad, self.datacenters = nomad, datacenters
+        """`applier` writes the evaluations and registrations (the leader's, fenced by
+        its store); None: an unfenced one over `nomad`. `consul` holds the engines'
+        records; None: only the install jobs Nomad has are followed."""
+        self.nomad, self.consul, self.datacenters = nomad, consul, datacenters
         self.applier = applier or Applier(nomad)
-        self._jobs: dict[str, Job] = {}
+        self._records: dict[str, EngineRecord] = {}
         self._evaluated: set[tuple[str, str, int]] = set()  # (node, job, JobModifyIndex)
 
     def on_job(self, job: Job) -> None:
-        """An engine's install job changed (or was stopped)."""
-        name = (job.get("Meta") or {}).get(META_ENGINE)
-        if not name or META_VERSION not in job.get("Meta", {}):
-            return
-        if job.get("Stop"):
-            self._jobs.pop(name, None)
-        else:
-            self._jobs[name] = job
+        """An engine's install job changed, was stopped or was deleted (purged, or
+        garbage-collected): read the engines defined afresh."""
+        if is_engine_job(job):
+            self._refresh()
 
     def on_node(self, node: Mapping[str, Any]) -> list[str]:
-        """A node changed: evaluate each engine job it lacks, once per job version.
-        Returns the job IDs evaluated (Nomad errors are logged, not raised: the next
-        event or reconcile tries again)."""
-        if not self._jobs or not schedulable(node, self.datacenters):
+        """A node changed: for each engine it lacks, evaluate the install job (once per
+        job version), or register it again when Nomad no longer has it. Returns the job
+        IDs written (Nomad errors are logged, not raised: the next event or reconcile
+        tries again)."""
+        if not self._records or not schedulable(node, self.datacenters):
             return []
-        evaluated = []
-        for name in missing(node, self._jobs):
-            job = self._jobs[name]
-            key = (str(node.get("ID")), job["ID"], int(job.get("JobModifyIndex") or 0))
-            if key in self._evaluated:
-                continue
+        written = []
+        for name in missing(node, self._records):
             try:
-                self.applier.write_job(
-                    job["ID"],
-                    [Evaluate(Reason.ENGINE, f"node {node.get('Name')} lacks it")],
-                    key[2],
-                    job,
-                )
+                if self._install(name, self._records[name], node):
+                    written.append(f"{JOB_PREFIX}{name}")
             except PlannerError as exc:
                 log.warning(
-                    "engine %s: cannot evaluate %s for node %s: %s",
-                    name,
-                    job["ID"],
-                    node.get("Name"),
-                    exc,
+                    "engine %s: cannot install it on node %s: %s", name, node.get("Name"), exc
                 )
-                continue
-            self._evaluated.add(key)
-            evaluated.append(job["ID"])
-            log.info(
-                "engine %s: node %s lacks it; evaluated %s to install it there",
+        return written
+
+    def _install(self, name: str, record: EngineRecord, node: Mapping[str, Any]) -> bool:
+        """Whether it wrote: evaluated the install job for `node`, or registered it."""
+        job_id = f"{JOB_PREFIX}{name}"
+        job = self.nomad.job(job_id)
+        if job is None:
+            return self._register_again(name, record, node)
+        if job.get("Stop") or (job.get("Meta") or {}).get(META_VERSION) != record.version:
+            # Stopped by an operator; or `engines apply` is between its job and its record.
+            return False
+        key = (str(node.get("ID")), job_id, int(job.get("JobModifyIndex") or 0))
+        if key in self._evaluated:
+            return False
+        self.applier.write_job(
+            job_id, [Evaluate(Reason.ENGINE, f"node {node.get('Name')} lacks it")], key[2], job
+        )
+        self._evaluated.add(key)
+        log.info(
+            "engine %s: node %s lacks it; evaluated %s to install it there",
+            name,
+            node.get("Name"),
+            job_id,
+        )
+        return True
+
+    def _register_again(self, name: str, record: EngineRecord, node: Mapping[str, Any]) -> bool:
+        if not record.install_job:
+            log.warning(
+                "engine %s: node %s lacks it, and neither Nomad nor its record has its "
+                "install job: run `planner engines apply`",
                 name,
                 node.get("Name"),
-                job["ID"],
             )
-        return evaluated
+            return False
+        # EnforceIndex 0: only while Nomad still has no such job (`engines apply` may
+        # be registering it right now).
+        self.applier.write_job(
+            f"{JOB_PREFIX}{name}",
+            [
+                Register(
+                    Reason.ENGINE,
+                    f"node {node.get('Name')} lacks it and its install job is gone",
+                    record.install_job,
+                )
+            ],
+            0,
+        )
+        log.warning(
+            "engine %s: node %s lacks it and Nomad no longer has its install job "
+            "(garbage-collected); registered it again from its record",
+            name,
+            node.get("Name"),
+        )
+        return True
+
+    def _refresh(self) -> None:
+        records = self.consul.engine_records() if self.consul is not None else {}
+        self._records = merged(records, registered(self.nomad))
 
     def reconcile(self) -> None:
-        """Read the install jobs and every schedulable node afresh (after a reconnect:
+        """Read the engines defined and every schedulable node afresh (after a reconnect:
         Node events may have been lost)."""
         try:
-            self._jobs = registered(self.nomad)
-            if not self._jobs:
+            self._refresh()
+            if not self._records:
                 return
             for stub in self.nomad.nodes():
                 if schedulable(stub, self.datacenters):
@@ -116,4 +162,4 @@ class EngineFollower:
                     if node is not None:
                         self.on_node(node)
         except PlannerError as exc:
-            log.warning("engines: cannot read install jobs or nodes: %s", exc)
+            log.warning("engines: cannot read the engines or the nodes: %s", exc)

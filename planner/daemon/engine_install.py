@@ -5,9 +5,10 @@ Called by `planner engines apply` (`prepare_engines`, `execute_engines`), by
 constrains on), and by `planner status --nodes`, the metrics and the placement reason
 (`installs`, `progress`: what each node has).
 
-The durable record of a definition is its job's meta in Nomad (`llmgw_engine_record`,
-as `llmgw_record` is for models), so the planner needs no other store to know the
-engines. What a node has is its dynamic metadata `llmgw_engine_<name> = <version>`,
+The durable record of a definition is Consul KV `llmgw/engines/<name>`
+(`planner.daemon.engine_records`): Nomad's GC removes an install job once it is `dead`.
+Its job's meta carries the definition too (`llmgw_engine_record`), from which a wiped
+record is restored. What a node has is its dynamic metadata `llmgw_engine_<name> = <version>`,
 set by the install task itself once the engine checked out
 (`planner/jobspecs/engine.nomad.hcl`); model jobs constrain on exactly that, so the
 scheduler and every view here read the same fact.
@@ -31,9 +32,19 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from llmgw_contract import lasterror
+from llmgw_contract import EngineRecord, lasterror
+from planner.agents.consul import ConsulClient
 from planner.agents.nomad import Job, NomadClient
 from planner.daemon.applier import Applier, Stale
+from planner.daemon.engine_records import (
+    META_COMMAND,
+    META_ENGINE,
+    META_RECORD,
+    definitions,
+    is_engine_job,
+    merged,
+    record,
+)
 from planner.engines import MODEL_FILE, engine
 from planner.errors import DefinitionError, InvalidDefinitions, NomadRejected
 from planner.model.effects import Effect, Evaluate, Reason, Register
@@ -43,7 +54,6 @@ from planner.spec.engine_definitions import (
     EngineDefinition,
     EngineRef,
     load_engines,
-    managed,
     meta_key,
     unmanaged,
 )
@@ -52,16 +62,11 @@ from planner.spec.settings import Settings
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "jobspecs" / "engine.nomad.hcl"
 
-# Meta keys of an engine's install job.
-META_ENGINE = "llmgw_engine"
+# Meta keys of an engine's install job (and META_ENGINE, META_RECORD, META_COMMAND:
+# its record, `planner.daemon.engine_records`).
 META_VERSION = "llmgw_engine_version"
-META_RECORD = "llmgw_engine_record"  # the EngineDefinition as JSON
 META_ROUND = "llmgw_engine_round"  # raised to run the install again where it failed
 META_SPEC_HASH = "llmgw_spec_hash"
-# The program's path on the nodes as this install wrote it (`path`, or under the
-# LLMGW_ENGINE_ROOT of `planner engines apply`): model jobs run this, so `planner apply`
-# needs no engine root of its own.
-META_COMMAND = "llmgw_engine_command"
 # What makes a build: changed under a registered version, it is refused (`changed_builds`).
 BUILD_FIELDS = ("artifact", "path", "sha256")
 # The install task's memory (MiB): the script and `--version`; serving a check model
@@ -87,6 +92,10 @@ class EngineChange:
     # The install job's JobModifyIndex as it was read (0: Nomad had none): a
     # registration is checked against it (EnforceIndex).
     job_index: int = field(default=0, compare=False)
+    # The engine's KV record to write (None: it holds this already), checked against
+    # the ModifyIndex read (0: none yet).
+    record: EngineRecord | None = field(default=None, compare=False)
+    record_index: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -187,10 +196,6 @@ def render(
     return job
 
 
-def is_engine_job(job: Mapping[str, Any]) -> bool:
-    return META_RECORD in (job.get("Meta") or {}) and str(job.get("ID", "")).startswith(JOB_PREFIX)
-
-
 def registered(nomad: NomadClient) -> dict[str, Job]:
     """The engines' install jobs Nomad runs (not stopped), by engine name."""
     jobs = {}
@@ -202,34 +207,37 @@ def registered(nomad: NomadClient) -> dict[str, Job]:
     return jobs
 
 
-def definitions_of(jobs: Mapping[str, Job]) -> dict[str, EngineDefinition]:
-    """The definitions the install jobs carry (a job whose record cannot be read is
-    left out: it was not written by this planner)."""
-    found = {}
-    for name, job in jobs.items():
-        try:
-            found[name] = EngineDefinition.model_validate_json(job["Meta"][META_RECORD])
-        except (KeyError, ValueError):
-            continue
-    return found
+def defined(
+    nomad: NomadClient,
+    consul: ConsulClient,
+    root: str,
+    jobs: Mapping[str, Job] | None = None,
+) -> dict[str, EngineRecord]:
+    """The engines defined, by name: their KV records, and the record a registered
+    install job carries for one without (`engine_records.merged`). `jobs`: the install
+    jobs already read (`registered`)."""
+    return merged(consul.engine_records(), registered(nomad) if jobs is None else jobs, root)
 
 
-def refs_of(jobs: Mapping[str, Job], root: str) -> dict[str, EngineRef]:
-    """The engines the install jobs carry as references, each with the command its install
-    job recorded (META_COMMAND); `root` places the command only for a job registered
-    before that record existed."""
-    refs = managed(definitions_of(jobs), root)
+def refs_of(records: Mapping[str, EngineRecord]) -> dict[str, EngineRef]:
+    """Pure: the defined engines as references, each running the command its install
+    recorded (whatever LLMGW_ENGINE_ROOT the reader has), at its version."""
     return {
-        name: replace(ref, command=(jobs[name].get("Meta") or {}).get(META_COMMAND) or ref.command)
-        for name, ref in refs.items()
+        name: EngineRef(name, d.kind, records[name].command or d.command(""), d.version)
+        for name, d in definitions(records).items()
     }
 
 
-def engine_refs(nomad: NomadClient, settings: Settings) -> dict[str, EngineRef]:
+def engine_refs(
+    nomad: NomadClient, consul: ConsulClient, settings: Settings
+) -> dict[str, EngineRef]:
     """Every engine a model may name: LLMGW_ENGINES' (unchecked), then the defined
-    engines registered in Nomad, which win over a name in both. A defined engine's
-    command is where its install put it, whatever this process's LLMGW_ENGINE_ROOT."""
-    return {**unmanaged(settings.engines), **refs_of(registered(nomad), settings.engine_root)}
+    engines (`defined`: their records outlive the install jobs), which win over a name in
+    both."""
+    return {
+        **unmanaged(settings.engines),
+        **refs_of(defined(nomad, consul, settings.engine_root)),
+    }
 
 
 def changed_builds(
@@ -277,19 +285,26 @@ def decide(
     jobs: Mapping[str, Job],
     failed: Mapping[str, Sequence[str]],
     stopped: Mapping[str, int] | None = None,
+    recorded: Mapping[str, str] | None = None,
 ) -> list[EngineChange]:
     """What each engine needs (pure): `jobs` the registered install jobs, `failed` the
     nodes where the current version's install failed, by engine, `stopped` the
-    JobModifyIndex of a stopped install job Nomad still keeps, by engine. Each change
-    carries the index its registration is checked against."""
+    JobModifyIndex of a stopped install job Nomad still keeps, by engine, `recorded` the
+    version of each engine with a KV record. Each change carries the index its
+    registration is checked against."""
     changes = []
     for name, job in sorted(rendered.items()):
         old = jobs.get(name)
         if old is None:
+            version = (recorded or {}).get(name)
+            if version is None:
+                reason = "new engine"
+            elif version == job["Meta"][META_VERSION]:
+                reason = "its install job is gone from Nomad (garbage-collected); registered again"
+            else:
+                reason = f"version {version} -> {job['Meta'][META_VERSION]}"
             changes.append(
-                EngineChange(
-                    name, EngineAction.CREATE, "new engine", job, (stopped or {}).get(name, 0)
-                )
+                EngineChange(name, EngineAction.CREATE, reason, job, (stopped or {}).get(name, 0))
             )
             continue
         index = int(old.get("JobModifyIndex") or 0)
@@ -324,14 +339,18 @@ def decide(
 
 
 def prepare_engines(
-    paths: list[Path], settings: Settings, nomad: NomadClient
+    paths: list[Path], settings: Settings, nomad: NomadClient, consul: ConsulClient
 ) -> list[EngineChange]:
-    """Validate every file (and refuse a changed build under a registered version,
-    `changed_builds`) and render every job, then decide; changes nothing. Raises
-    InvalidDefinitions, NomadRejected or NomadUnavailable."""
+    """Validate every file (and refuse a changed build under a defined version,
+    `changed_builds`: against the KV records and the install jobs) and render every job,
+    then decide, each change with the KV record to write; changes nothing. Raises
+    InvalidDefinitions, NomadRejected or Unavailable."""
     engines = load_engines(paths)
     jobs = registered(nomad)
-    problems = changed_builds(engines, definitions_of(jobs))
+    records = {name: consul.engine_record(name) for name in engines}
+    problems = changed_builds(
+        engines, definitions(merged({n: r for n, (_, r) in records.items() if r}, jobs))
+    )
     if problems:
         raise InvalidDefinitions(problems)
     template = TEMPLATE.read_text()
@@ -348,17 +367,54 @@ def prepare_engines(
         for name in rendered
         if name not in jobs and (job := nomad.job(f"{JOB_PREFIX}{name}")) is not None
     }
-    return decide(rendered, jobs, failed, stopped)
+    changes = decide(
+        rendered, jobs, failed, stopped, {n: r.version for n, (_, r) in records.items() if r}
+    )
+    return [
+        _with_record(c, engines[c.engine][1], rendered[c.engine], records[c.engine])
+        for c in changes
+    ]
+
+
+def _with_record(
+    change: EngineChange,
+    definition: EngineDefinition,
+    rendered: Job,
+    stored: tuple[int, EngineRecord | None],
+) -> EngineChange:
+    """`change` with the KV record to write: the one its registration makes (or, for an
+    unchanged engine, the rendered one), unless the stored record says the same."""
+    index, old = stored
+    new = record(definition, change.job or rendered)
+    if old is not None and _same(old, new):
+        return change
+    return replace(change, record=new, record_index=index)
+
+
+def _same(old: EngineRecord, new: EngineRecord) -> bool:
+    """Whether a stored record says what a new one would (the job's install round may
+    differ: a retry raises it)."""
+
+    def spec(r: EngineRecord) -> tuple[object, ...]:
+        meta = r.install_job.get("Meta") or {}
+        return (r.version, r.definition, r.command, meta.get(META_SPEC_HASH))
+
+    return spec(old) == spec(new)
 
 
 def execute_engines(
-    changes: Sequence[EngineChange], nomad: NomadClient, dry_run: bool = False
+    changes: Sequence[EngineChange],
+    nomad: NomadClient,
+    consul: ConsulClient | None = None,
+    dry_run: bool = False,
 ) -> list[dict[str, Any]]:
     """Register what changed, evaluate what did not (a node that joined since gets the
-    engine); with `dry_run`, Nomad's plan instead. One dict per engine: engine, action,
-    reason, job_id, eval_id (and plan with dry_run). Raises NomadRejected (also when an
-    install job changed since `prepare_engines` read it: run again) or
-    NomadUnavailable."""
+    engine), then write each engine's KV record where it differs (check-and-set on the
+    index `prepare_engines` read); with `dry_run`, Nomad's plan instead, writing nothing.
+    The record goes after the job: an engine is recorded once Nomad took its install.
+    One dict per engine: engine, action, reason, job_id, eval_id (and plan with
+    dry_run). Raises NomadRejected (also when an install job or a record changed since
+    `prepare_engines` read it: run again) or Unavailable."""
     applier = Applier(nomad)
     outcomes = []
     for change in changes:
@@ -387,8 +443,19 @@ def execute_engines(
                     "while this ran (another writer); run it again"
                 ) from exc
             outcome["eval_id"] = answer.get("EvalID") or None
+            if change.record is not None and consul is not None:
+                _write_record(consul, change)
         outcomes.append(outcome)
     return outcomes
+
+
+def _write_record(consul: ConsulClient, change: EngineChange) -> None:
+    assert change.record is not None
+    if not consul.put_engine_record(change.record, change.record_index):
+        raise NomadRejected(
+            f"engine {change.engine}: its Consul KV record changed while this ran "
+            "(another writer); run it again"
+        )
 
 
 def _nodes(nomad: NomadClient, datacenters: Sequence[str]) -> list[dict[str, Any]]:
@@ -443,21 +510,26 @@ def progress(nomad: NomadClient, name: str, version: str, datacenters: Sequence[
     )
 
 
-def installs(nomad: NomadClient, datacenters: Sequence[str]) -> list[NodeInstall]:
-    """Each defined engine on each schedulable node, by node then engine."""
+def installs(
+    nomad: NomadClient, consul: ConsulClient, datacenters: Sequence[str]
+) -> list[NodeInstall]:
+    """Each defined engine (`defined`: a KV record outlives its install job) on each
+    schedulable node, by node then engine; an engine whose install job Nomad no longer
+    has shows no install status."""
     jobs = registered(nomad)
-    definitions = definitions_of(jobs)
-    if not definitions:
+    engines = definitions(defined(nomad, consul, "", jobs))
+    if not engines:
         return []  # no engine defined: no node to read
     allocs = {
         name: _latest_by_node(jobs[name], nomad.allocations(jobs[name]["ID"]))
-        for name in definitions
+        for name in engines
+        if name in jobs
     }
     rows = []
     for node in _nodes(nomad, datacenters):
         meta = node.get("Meta") or {}
-        for name, definition in sorted(definitions.items()):
-            alloc = allocs[name].get(node.get("ID", ""))
+        for name, definition in sorted(engines.items()):
+            alloc = allocs.get(name, {}).get(node.get("ID", ""))
             status = (alloc or {}).get("ClientStatus", "")
             error = _alloc_error(nomad, alloc) if status == "failed" else ""
             rows.append(

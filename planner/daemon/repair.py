@@ -10,6 +10,13 @@ carries its KV record (`llmgw_record` meta) and a parked job its parking
 A stopped job is a model too (parked, or stopped by an operator with `nomad
 job stop`): `apply --prune` purges the jobs it removes, so every llmgw job
 Nomad still has gets its record back.
+
+Engines too: the record of a defined engine (`llmgw/engines/<name>`) is written back
+from its install job's meta while Nomad still has the job
+(`planner.daemon.engine_records.restore`). Once Nomad's GC removed that job as well,
+nothing but the nodes' metadata (a version, no source) remains: `planner engines
+apply` defines the engine again, and `planner apply` refuses meanwhile to drop a
+model's engine constraint.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from llmgw_contract import JobMeta, KVPrefix, encode, kv_key
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
+from planner.daemon import engine_records
+from planner.daemon.engine_records import META_ENGINE, is_engine_job
 from planner.model.parking import parked_from_job, set_parked
 from planner.spec.jobspec import record_of
 from planner.vocab import Job
@@ -33,7 +42,9 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
     writes are fenced off). Returns the models whose record it wrote."""
     keys = set(consul.get_texts(KVPrefix.MODELS))
     restored = []
-    for stub in nomad.jobs():
+    stubs = nomad.jobs()
+    _restore_engines(stubs, nomad, consul, store)
+    for stub in stubs:
         meta = stub.get("Meta") or {}
         name = stub.get("ID", "")
         parked = JobMeta.PARKED_REASON in meta
@@ -57,6 +68,23 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
             if job is not None:
                 _sync_parking(store, name, job)
     return restored
+
+
+def _restore_engines(
+    stubs: list[Job], nomad: NomadClient, consul: ConsulClient, store: StateStore
+) -> list[str]:
+    """The engine records gone from KV, written back from the install jobs Nomad has
+    (read in full only for an engine without a record)."""
+    have = set(consul.get_texts(KVPrefix.ENGINES))
+    jobs = {}
+    for stub in stubs:
+        name = (stub.get("Meta") or {}).get(META_ENGINE, "")
+        if not is_engine_job(stub) or stub.get("Stop") or kv_key(KVPrefix.ENGINES, name) in have:
+            continue
+        job = nomad.job(stub["ID"])
+        if job is not None and not job.get("Stop"):
+            jobs[name] = job
+    return engine_records.restore(jobs, consul, store) if jobs else []
 
 
 def _sync_parking(store: StateStore, name: str, job: Job) -> None:

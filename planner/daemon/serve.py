@@ -126,7 +126,7 @@ class PlannerNode:
 
     def _engine_installs(self) -> list[NodeInstall]:
         """Engines per node for the metrics: the leader's to publish, like the models'."""
-        return installs(self.nomad, self.datacenters) if self.is_leader else []
+        return installs(self.nomad, self.consul, self.datacenters) if self.is_leader else []
 
     @property
     def is_leader(self) -> bool:

@@ -162,7 +162,8 @@ class Watcher:
         self.applier = Applier(nomad, self.store)
         self.workers = Workers(self._observe, self._decide, self._apply, done=self._done)
         self.passing = PassingBook()
-        self.engines = EngineFollower(nomad, datacenters, self.applier)  # onto new nodes
+        # Onto new nodes, from the engines' records (they outlive the install jobs).
+        self.engines = EngineFollower(nomad, datacenters, self.applier, consul)
         self.index = 0  # the highest event index handled (or covered by a reconcile)
         self.reconnects = 0
         self.gaps = 0

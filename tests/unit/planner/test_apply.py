@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from llmgw_contract import Parked
-from planner.cli.apply import Action, decide
+from planner.cli.apply import Action, decide, dropped_engine
 from tests.support.nomad_mock import job
 
 
@@ -105,3 +107,50 @@ def test_each_change_carries_the_index_its_registration_is_checked_against() -> 
     )
     assert changes["changed"].rendered == rendered["changed"]
     assert changes["gone"].rendered is None
+
+
+def engine_spec(
+    s: str, engine: str = "llama.cpp", version: str | None = "11434", **kw: object
+) -> dict:
+    """A model job running `engine`, constrained on `version` (None: an LLMGW_ENGINES
+    engine, no constraint), its record in the meta as `planner apply` writes it."""
+    record = json.dumps(
+        {"name": "m", "definition_hash": "d1", "replicas": 1, "profile": {"engine": engine}}
+    )
+    made = job(meta={"llmgw_spec_hash": s, "llmgw_record": record}, **kw)
+    if version is not None:
+        constraint = {
+            "LTarget": f"${{meta.llmgw_engine_{engine}}}",
+            "Operand": "=",
+            "RTarget": version,
+        }
+        made["TaskGroups"] = [{**made["TaskGroups"][0], "Constraints": [constraint]}]
+    return made
+
+
+def test_an_apply_that_would_drop_the_engine_constraint_refuses_that_model() -> None:
+    """Issue 20: Nomad's GC removed the engine's install job, so the model rendered
+    without `${meta.llmgw_engine_llama.cpp} = 11434` (LLMGW_ENGINES names llama.cpp too):
+    refused, never rolled out, naming the engine and what to run. A model moved to
+    another engine, or to another version of its own, is an update as before."""
+    registered = {name: engine_spec("s1") for name in ("m", "parked", "moved", "bumped")}
+    registered["parked"] = engine_spec("s1", stop=True)
+    rendered = {
+        "m": engine_spec("s2", version=None),
+        "parked": engine_spec("s2", version=None),
+        "moved": engine_spec("s2", engine="other", version=None),
+        "bumped": engine_spec("s2", version="11500"),
+    }
+    parked = {"parked": Parked(reason="5 consecutive start failures", definition_hash="d1")}
+    changes = {c.model: c for c in decide(rendered, registered, prune=False, parked=parked)}
+    for name in ("m", "parked"):
+        assert changes[name].action is Action.ENGINE_UNKNOWN and changes[name].job is None
+        assert changes[name].reason == (
+            "its job runs engine llama.cpp 11434 (constraint ${meta.llmgw_engine_llama.cpp} "
+            "= 11434), which is not defined now (no record in Consul KV, no install job in "
+            "Nomad); applying would drop that constraint: run `planner engines apply` with "
+            "llama.cpp's file first"
+        )
+    assert changes["moved"].action is Action.UPDATE
+    assert changes["bumped"].action is Action.UPDATE
+    assert dropped_engine(rendered["m"], None) is None

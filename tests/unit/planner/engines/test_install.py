@@ -22,6 +22,7 @@ from planner.daemon.engine_install import (
     refs_of,
     variables,
 )
+from planner.daemon.engine_records import merged, record
 from planner.spec.engine_definitions import EngineDefinition, EngineRef
 from planner.spec.settings import Settings
 
@@ -181,11 +182,51 @@ def test_a_models_command_is_the_one_its_engines_install_recorded() -> None:
     recorded = {
         "llama.cpp": {"Meta": {**meta, META_COMMAND: "/srv/e/llama.cpp/11434/llama-server"}}
     }
-    assert refs_of(recorded, "/elsewhere")["llama.cpp"] == EngineRef(
+    assert refs_of(merged({}, recorded, "/elsewhere"))["llama.cpp"] == EngineRef(
         "llama.cpp", "llama.cpp", "/srv/e/llama.cpp/11434/llama-server", "11434"
     )
     # A job registered before the command was recorded: the local root places it.
     assert (
-        refs_of({"llama.cpp": {"Meta": meta}}, "/opt/e")["llama.cpp"].command
+        refs_of(merged({}, {"llama.cpp": {"Meta": meta}}, "/opt/e"))["llama.cpp"].command
         == "/opt/e/llama.cpp/11434/llama-server"
     )
+
+
+def test_the_kv_record_defines_an_engine_whose_install_job_is_gone() -> None:
+    """Issue 20: Nomad's GC removed the install job; the engine stays defined, at its
+    version and command, from its KV record (which wins over a job's meta)."""
+    art = EngineDefinition(
+        name="llama.cpp", version="11434", artifact="https://h/x/llama-server", sha256=SHA
+    )
+    job = {
+        "ID": "llmgw-engine-llama.cpp",
+        "Version": 3,
+        "JobModifyIndex": 40,
+        "Meta": {META_RECORD: art.model_dump_json(), META_COMMAND: "/srv/e/11434/llama-server"},
+    }
+    kept = record(art, job)
+    assert "Version" not in kept.install_job and "JobModifyIndex" not in kept.install_job
+    assert refs_of(merged({"llama.cpp": kept}, {}))["llama.cpp"] == EngineRef(
+        "llama.cpp", "llama.cpp", "/srv/e/11434/llama-server", "11434"
+    )
+    older = record(art.model_copy(update={"version": "11000"}), job)
+    assert merged({"llama.cpp": kept}, {"llama.cpp": job | {"Meta": {}}}) == {"llama.cpp": kept}
+    assert merged({"llama.cpp": older}, {"llama.cpp": job})["llama.cpp"].version == "11000"
+
+
+def test_an_engine_recorded_whose_job_is_gone_is_registered_again_saying_so() -> None:
+    changes = {
+        c.engine: c
+        for c in decide(
+            {"gone": job(), "bumped": job("11500", "h2"), "new": job()},
+            {},
+            {},
+            recorded={"gone": "11434", "bumped": "11434"},
+        )
+    }
+    assert {c.action for c in changes.values()} == {EngineAction.CREATE}
+    assert changes["gone"].reason == (
+        "its install job is gone from Nomad (garbage-collected); registered again"
+    )
+    assert changes["bumped"].reason == "version 11434 -> 11500"
+    assert changes["new"].reason == "new engine"

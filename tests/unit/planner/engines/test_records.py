@@ -1,0 +1,78 @@
+"""planner.daemon.engine_records: an engine's KV record keeps its definition, command and
+install job through encode and decode, and a record gone from KV is written back from the
+install job Nomad still has."""
+
+from __future__ import annotations
+
+from llmgw_contract import EngineRecord, KVPrefix, decode, encode, kv_key
+from planner.daemon.engine_records import (
+    META_COMMAND,
+    META_RECORD,
+    definition_of,
+    record,
+    record_of_job,
+    restore,
+)
+from planner.spec.engine_definitions import EngineDefinition
+
+SHA = "ab" * 32
+DEFINITION = EngineDefinition(
+    name="llama.cpp",
+    version="11434",
+    artifact="https://h/x/llama-server",
+    sha256=SHA,
+    check_model="/opt/m/tiny.gguf",
+)
+JOB = {
+    "ID": "llmgw-engine-llama.cpp",
+    "Type": "sysbatch",
+    "Version": 2,
+    "Meta": {
+        META_RECORD: DEFINITION.model_dump_json(),
+        META_COMMAND: "/srv/e/llama.cpp/11434/llama-server",
+    },
+}
+
+
+def test_a_record_keeps_what_the_install_needs_through_kv() -> None:
+    kept = decode(EngineRecord, encode(record(DEFINITION, JOB)))
+    assert definition_of(kept) == DEFINITION
+    assert (kept.name, kept.version, kept.command) == (
+        "llama.cpp",
+        "11434",
+        "/srv/e/llama.cpp/11434/llama-server",
+    )
+    assert kept.install_job == {k: v for k, v in JOB.items() if k != "Version"}
+    assert record_of_job(JOB) == kept
+    assert record_of_job({"ID": "llmgw-engine-x", "Meta": {META_RECORD: "{"}}) is None
+
+
+class Consul:
+    def __init__(self, texts: dict[str, str]) -> None:
+        self.texts = texts
+
+    def get_texts(self, prefix: str) -> dict[str, str]:
+        return {k: v for k, v in self.texts.items() if k.startswith(prefix)}
+
+
+class Store:
+    def __init__(self, consul: Consul) -> None:
+        self.consul = consul
+
+    def put_new(self, key: str, text: str) -> bool:
+        if key in self.consul.texts:
+            return False
+        self.consul.texts[key] = text
+        return True
+
+
+def test_a_wiped_record_is_restored_from_the_install_job_and_a_present_one_kept() -> None:
+    other = record(DEFINITION.model_copy(update={"name": "other", "version": "9"}), JOB)
+    consul = Consul({kv_key(KVPrefix.ENGINES, "other"): encode(other)})
+    jobs = {"llama.cpp": JOB, "other": JOB}
+    assert restore(jobs, consul, Store(consul)) == ["llama.cpp"]  # type: ignore[arg-type]
+    assert decode(EngineRecord, consul.texts[kv_key(KVPrefix.ENGINES, "llama.cpp")]) == (
+        record_of_job(JOB)
+    )
+    assert decode(EngineRecord, consul.texts[kv_key(KVPrefix.ENGINES, "other")]) == other
+    assert restore(jobs, consul, Store(consul)) == []  # type: ignore[arg-type]

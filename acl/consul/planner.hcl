@@ -1,5 +1,6 @@
 # Consul ACL policy of the llmgw planner (`planner apply`, `status`, `models`, `retry`,
-# `serve`): every rule below is one the planner's calls need, and nothing else.
+# `serve`, `engines apply`): every rule below is one the planner's calls need, and
+# nothing else.
 #
 #   consul acl policy create -name llmgw-planner -rules @acl/consul/planner.hcl
 #   consul acl token create -description "llmgw planner" -policy-name llmgw-planner
@@ -7,7 +8,8 @@
 # Give the token's secret to the planner as CONSUL_HTTP_TOKEN. What each rule is for
 # (Consul 1.8 names; `service_prefix`, `key_prefix` ... are unchanged since):
 #
-#   key_prefix "llmgw/" write     model records (apply), state documents (every write a
+#   key_prefix "llmgw/" write     model records (apply), engine records (engines apply,
+#                                 check-and-set), state documents (every write a
 #                                 check-and-set, in a transaction with check-session),
 #                                 usage, and the leader lock llmgw/leader (acquire,
 #                                 release)

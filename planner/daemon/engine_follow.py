@@ -80,8 +80,18 @@ class EngineFollower:
         tries again)."""
         if not self._records or not schedulable(node, self.datacenters):
             return []
+        lacking = missing(node, self._records)
+        if lacking and self.consul is not None:
+            # Before writing, the records as they are now: one deleted since (an engine
+            # withdrawn) must not be installed again.
+            try:
+                self._refresh()
+            except PlannerError as exc:
+                log.warning("engines: cannot read the engines defined: %s", exc)
+                return []
+            lacking = missing(node, self._records)
         written = []
-        for name in missing(node, self._records):
+        for name in lacking:
             try:
                 if self._install(name, self._records[name], node):
                     written.append(f"{JOB_PREFIX}{name}")

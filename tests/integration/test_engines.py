@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -285,6 +286,136 @@ def test_a_node_that_turns_eligible_later_gets_the_engine(
     assert "node node-b lacks it; evaluated llmgw-engine-late.cpp" in daemon.log.read_text()
     listed = planner("status", "--nodes", "--output", "json")
     assert listed.returncode == 0, listed.stdout
+
+
+def test_engine_records_outlive_nomads_gc_and_apply_never_drops_a_constraint(
+    nodes: Cluster,
+    planner: Callable,
+    daemon: PlannerDaemon,
+    binaries: Path,
+    tiny_model: Path,
+    env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Issue 20: `nomad system gc` deletes an engine's install job once it is `dead`. The
+    engine stays defined (its record in Consul KV): `status --nodes` lists it, an apply of
+    the unchanged model registers nothing, and a node that lacks it gets the install job
+    registered again. With the record gone too, apply refuses the model instead of rolling
+    it out without its engine constraint. LLMGW_ENGINES names the engine as well (as the
+    default llama.cpp is): what made the rollout silent."""
+    name, key, server = "gc.cpp", "llmgw_engine_gc.cpp", (binaries / "llama-server").resolve()
+    job_id = f"llmgw-engine-{name}"
+    folder = tmp_path / "engine"
+    folder.mkdir()
+    (folder / "gc.yaml").write_text(f'name: {name}\nversion: "1"\npath: {server}\n')
+    assert planner("engines", "apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+    models = tmp_path / "models"
+    models.mkdir()
+    # On demand: its job (count 0) carries the constraint and runs nothing.
+    (models / "gc-tiny.yaml").write_text(
+        f"name: gc-tiny\nsource: file://{tiny_model}\nreplicas: 1\n"
+        "on_demand:\n  idle_after: 600\n"
+        "profile:\n  context: 512\n  cpu: 100\n  memory: 256MiB\n  engine: gc.cpp\n"
+    )
+    both = {**env, "LLMGW_ENGINES": f"{name}={server}"}
+
+    def apply() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", "apply", str(models), "--output", "json"],
+            env=both,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    assert apply().returncode == 0
+    constraint = {"LTarget": f"${{meta.{key}}}", "Operand": "=", "RTarget": "1"}
+    before = nomad_get(nodes, "/v1/job/gc-tiny")
+    assert constraint in before["TaskGroups"][0]["Constraints"]
+
+    # 1. Nomad's GC deletes the dead install job (as it does by itself after
+    # job_gc_threshold).
+    wait_for(
+        lambda: nomad_get(nodes, f"/v1/job/{job_id}")["Status"] == "dead", 60, f"{job_id} dead"
+    )
+    urllib.request.urlopen(
+        urllib.request.Request(f"{nodes.nomad_addr}/v1/system/gc", method="PUT"), timeout=30
+    )
+    wait_for(lambda: not _exists(nodes, job_id), 30, f"{job_id} garbage-collected")
+    listed = planner("status", "--nodes", "--output", "json")
+    assert listed.returncode == 0, listed.stdout
+    rows = [r for r in json.loads(listed.stdout) if r["engine"] == name]
+    assert {(r["node"], r["installed"], r["ok"]) for r in rows} == {
+        (node, "1", True) for node in nodes.node_names
+    }
+    again = apply()
+    assert again.returncode == 0, again.stderr
+    assert _action(again, "gc-tiny") == "unchanged"
+    after = nomad_get(nodes, "/v1/job/gc-tiny")
+    assert (after["Version"], after["JobModifyIndex"]) == (
+        before["Version"],
+        before["JobModifyIndex"],
+    )
+
+    # 2. A node that lacks it (its metadata unset, then it turns eligible again): the
+    # leader registers the install job again from the record, and the node installs it.
+    [node_b] = [n for n in nomad_get(nodes, "/v1/nodes") if n["Name"] == "node-b"]
+    eligibility = f"{nodes.nomad_addr}/v1/node/{node_b['ID']}/eligibility"
+    http_json(eligibility, {"NodeID": node_b["ID"], "Eligibility": "ineligible"})
+    http_json(
+        f"{nodes.nomad_addr}/v1/client/metadata?node_id={node_b['ID']}", {"Meta": {key: None}}
+    )
+    wait_for(
+        lambda: key not in nomad_get(nodes, f"/v1/node/{node_b['ID']}")["Meta"],
+        30,
+        f"node-b without {key}",
+    )
+    http_json(eligibility, {"NodeID": node_b["ID"], "Eligibility": "eligible"})
+    wait_for(
+        lambda: nomad_get(nodes, f"/v1/node/{node_b['ID']}")["Meta"].get(key) == "1",
+        60,
+        "node-b to install gc.cpp again",
+    )
+    assert f"engine {name}: node node-b lacks it and Nomad no longer has its install job" in (
+        daemon.log.read_text()
+    )
+
+    # 3. Its install job purged and its record deleted: the engine is known to no one, and
+    # apply refuses the model (exit 1) rather than drop its constraint.
+    urllib.request.urlopen(
+        urllib.request.Request(f"{nodes.nomad_addr}/v1/job/{job_id}?purge=true", method="DELETE"),
+        timeout=30,
+    )
+    urllib.request.urlopen(
+        urllib.request.Request(f"{nodes.consul_addr}/v1/kv/llmgw/engines/{name}", method="DELETE"),
+        timeout=30,
+    )
+    refused = apply()
+    assert refused.returncode == 1, refused.stderr
+    assert _action(refused, "gc-tiny") == "engine-unknown"
+    assert (
+        "error: gc-tiny: its job runs engine gc.cpp 1 (constraint ${meta.llmgw_engine_gc.cpp} "
+        "= 1), which is not defined now"
+    ) in refused.stderr, refused.stderr
+    assert "run `planner engines apply` with gc.cpp's file first" in refused.stderr
+    assert nomad_get(nodes, "/v1/job/gc-tiny")["JobModifyIndex"] == before["JobModifyIndex"]
+
+
+def _action(applied: subprocess.CompletedProcess[str], model: str) -> str:
+    """What `apply --output json` did with `model` (the other models of this module's
+    earlier tests are `orphaned` there)."""
+    [action] = [c["action"] for c in json.loads(applied.stdout)["changes"] if c["model"] == model]
+    return action
+
+
+def _exists(cluster: Cluster, job_id: str) -> bool:
+    try:
+        nomad_get(cluster, f"/v1/job/{job_id}")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return False
+        raise
+    return True
 
 
 # Last in this module: its engines stay failed on every node, and `status --nodes`

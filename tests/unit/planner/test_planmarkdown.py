@@ -22,6 +22,9 @@ def test_the_heading_counts_what_would_change_as_terraform_plan_does() -> None:
     assert heading(outcomes, dry_run=False) == "llmgw apply: 1 created, 1 updated, 1 removed"
     assert heading([outcome("d", Action.UNCHANGED)], dry_run=True) == "llmgw plan: no changes"
     assert "1 refused" in heading([outcome("r", Action.ROLLED_BACK)], dry_run=True)
+    assert heading([outcome("g", Action.ENGINE_UNKNOWN)], dry_run=True) == (
+        "llmgw plan: 1 refused (engine not defined)"
+    )
 
 
 def test_a_plan_lists_every_model_and_folds_nomads_diff_and_warns_of_no_placement() -> None:

@@ -6,6 +6,8 @@ task itself through its Task API socket and workload identity); a model's job
 constrains on it. A model whose engine is on no node is unplaceable at once with the
 reason, never started; once the engine installs, Nomad places it by itself. A new build
 needs a new version, and a model's job runs the command its engine's install recorded.
+What is defined is recorded in Consul KV, so Nomad's GC of a finished install job loses
+nothing, and apply never drops a model's engine constraint.
 
 The cluster lives under a short folder in /tmp: the Task API socket is
 `<alloc dir>/<task>/secrets/api.sock`, and a unix socket path is at most 107 bytes

@@ -5,8 +5,10 @@ install job Nomad still has."""
 from __future__ import annotations
 
 from llmgw_contract import EngineRecord, KVPrefix, decode, encode, kv_key
+from planner.daemon import repair
 from planner.daemon.engine_records import (
     META_COMMAND,
+    META_ENGINE,
     META_RECORD,
     definition_of,
     record,
@@ -76,3 +78,34 @@ def test_a_wiped_record_is_restored_from_the_install_job_and_a_present_one_kept(
     )
     assert decode(EngineRecord, consul.texts[kv_key(KVPrefix.ENGINES, "other")]) == other
     assert restore(jobs, consul, Store(consul)) == []  # type: ignore[arg-type]
+
+
+class Nomad:
+    def __init__(self, *jobs: dict) -> None:
+        self.jobs_ = {j["ID"]: j for j in jobs}
+
+    def jobs(self) -> list[dict]:
+        return list(self.jobs_.values())
+
+    def job(self, job_id: str) -> dict | None:
+        return self.jobs_.get(job_id)
+
+
+def test_the_leaders_repair_restores_engine_records_with_the_models() -> None:
+    """planner.daemon.repair: a wiped `llmgw/` gets back the record of every engine whose
+    install job Nomad still runs; a stopped one's is left out (an engine on its way out)."""
+    running = {**JOB, "Meta": {**JOB["Meta"], META_ENGINE: "llama.cpp"}}
+    other = DEFINITION.model_copy(update={"name": "other"})
+    stopped = {
+        **JOB,
+        "ID": "llmgw-engine-other",
+        "Stop": True,
+        "Meta": {**JOB["Meta"], META_ENGINE: "other", META_RECORD: other.model_dump_json()},
+    }
+    consul = Consul({})
+    nomad = Nomad(running, stopped)
+    assert repair.restore(nomad, consul, Store(consul)) == []  # type: ignore[arg-type]
+    assert set(consul.texts) == {kv_key(KVPrefix.ENGINES, "llama.cpp")}
+    assert decode(EngineRecord, consul.texts[kv_key(KVPrefix.ENGINES, "llama.cpp")]) == (
+        record_of_job(running)
+    )

@@ -1122,12 +1122,12 @@ def test_usage_reports_reach_the_planner(on_demand) -> None:
     consul, router, planner, stub_a = on_demand
     define_serving(consul, router, "busy", stub_a)
     request("POST", f"{router.url}/v1/completions", {"model": "busy"})
-    eventually(lambda: any("busy" in models for models in planner.daemon.usage), timeout=3)
+    eventually(lambda: any("busy" in models for models in planner.usage), timeout=3)
     # A long stream keeps its model reported while it lasts.
-    before = len(planner.daemon.usage)
+    before = len(planner.usage)
     body = {"model": "busy", "stream": True, "max_tokens": 8}  # 8 x 0.15 s
     read_stream(router.port, "/v1/completions", body)
-    assert sum("busy" in models for models in planner.daemon.usage[before:]) >= 3
+    assert sum("busy" in models for models in planner.usage[before:]) >= 3
 
 
 def test_planner_down_is_planner_unavailable_fast(cluster, tmp_path: Path) -> None:

@@ -21,6 +21,15 @@ the key returns, and it takes the lock once the `lock_delay` (2 s; Consul's
 default is 15 s) has passed: about 8-9 s in all, inside the 15 s the issue
 asks for. A leader that stops itself releases the lock at once.
 
+A Consul agent that lost its state (a dev agent restarted, a rebuilt cluster, a
+restored snapshot) forgot the service, the check, the session and the key: the
+next pass of the check fails, and that failure, like every new session, compares
+the agent's services and checks with this registration and registers what is
+missing (`_ensure_registered`), then campaigns again; the new leader's first
+reconcile restores the records (`planner.daemon.repair`). Measured in
+tests/integration/test_consul_forgets.py: leading again 1.3 s after Consul had a
+leader.
+
 A leader that loses the lock (its session invalidated because its check
 lapsed, or the key deleted) learns it from the same blocking query and stops
 acting before campaigning again; every state write is a check-and-set, so a

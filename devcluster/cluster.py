@@ -489,6 +489,24 @@ def down(cluster: Cluster, timeout: float = 30.0) -> None:
     _remove_cgroups(cluster, [cluster.node_name, *clients])
 
 
+def restart_consul(cluster: Cluster, timeout: float = 30.0) -> float:
+    """Stop the dev Consul agent and start it again on the same ports: a dev agent keeps
+    nothing, so its catalog, KV and sessions are gone (as after a rebuilt Consul or a
+    restored snapshot). Returns when it has a leader again: the time.monotonic() of that.
+    Raises TimeoutError (with its log's tail) when it does not in `timeout`."""
+    _stop_agents(cluster, ["consul"], timeout)
+    _start(cluster, "consul", consul_argv(cluster), cluster.consul_http_port)
+    _wait(
+        "consul",
+        lambda: _has_leader(
+            cluster.consul_addr, cluster.node_name, client_context(cluster), _headers(cluster)
+        ),
+        timeout,
+        cluster.log("consul"),
+    )
+    return time.monotonic()
+
+
 def status(cluster: Cluster) -> dict[str, bool]:
     """Which agents of this cluster are running: `consul`, `nomad`, and
     `consul-<node>`, `nomad-<node>` for each client node."""

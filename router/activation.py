@@ -21,7 +21,10 @@ never reaches this module. It:
    when this request found no endpoint (the activate call included), and
    forward it as soon as an endpoint passes. The planner unreachable, or an
    answer outside the contract, is 503 ``planner_unavailable`` within the
-   call's timeout (a refused connection: at once).
+   call's timeout (a refused connection: at once). For a model the table
+   remembers after Consul lost its record (``ModelEntry.forgotten``), the planner
+   unreachable or not knowing it (yet) is the retryable 503 that names the cause
+   (:func:`router.refusals.forgotten`), never 404.
 
 While a request waits, a change wakes it (:meth:`ModelEntry.wait_changed`,
 set by the Consul watches), rather than a poll of the table: the table only
@@ -117,7 +120,14 @@ class Activator:
         # planner before its first request is served.
         entry.used = True
         held_unplaceable = entry.unplaceable
-        answer = await self._ask(entry)
+        try:
+            answer = await self._ask(entry)
+        except (errors.PlannerUnavailable, errors.ModelNotFound) as exc:
+            if entry.forgotten is None:
+                raise
+            # Consul lost the model's record: the planner may not lead yet, or lead and
+            # not have rewritten it; neither means the model is gone (issue 20).
+            raise refusals.forgotten(entry, exc.message) from None
         refusal = refusal_for(entry.name, answer)
         if refusal is not None:
             entry.loading_since = None

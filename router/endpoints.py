@@ -15,6 +15,22 @@ record vanished (an operator's ``consul kv delete -recurse llmgw/``, case
 C16). A model known only from its service has ``record is None``: it is served
 normally, its replica count is unknown.
 
+**A Consul that forgot is not a removal.** A Consul agent that lost its state (a
+dev agent restarted, a rebuilt cluster, a restored snapshot) answers with an index
+lower than the one the watch had seen (:class:`router.watch.HighWater`). The
+records and planner states that such a read drops are *remembered*, not removed:
+the model stays defined with its last record and its last state (a parked model
+is still refused as parked), and :attr:`ModelEntry.forgotten` names the cause, so a
+request that finds no endpoint is answered a retryable 503 that says so
+(:mod:`router.refusals`, :mod:`router.activation`), never 404 ``model_not_found``
+(issue 20: 13 requests for a serving model were told "does not exist"). A
+remembered model is the live one again as soon as its record is back (the leading
+planner rewrites every record from the Nomad jobs' meta when it takes the lock,
+``planner.daemon.repair``), and is removed :data:`REMEMBER_S` after the reset if
+it never comes back (a model pruned meanwhile). A KV wipe (``consul kv delete
+-recurse llmgw/``) moves the index forward: nothing is remembered, a serving model
+stays defined by its service (C16) and the leader restores the records at once.
+
 The diffs are pure functions (:func:`diff_models`, :func:`diff_endpoints`)
 so unit tests can check them. An endpoint that stays keeps its
 :class:`~router.endpoint.Endpoint` object, and so its in-flight count and its
@@ -41,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +68,11 @@ from router.endpoint import Endpoint
 from router.metrics import ModelMetrics, RouterMetrics
 
 log = logging.getLogger(__name__)
+
+# How long records and states a Consul reset dropped are remembered at most: a new
+# leader restores them at once, and a leader that stayed restores them at its next
+# repair (planner.daemon.watcher, every 30 s); twice that and the election, with room.
+REMEMBER_S = 120.0
 
 OnJoined = Callable[[Slots, Endpoint], None]
 """Told about every endpoint that starts passing, with its model's slots."""
@@ -110,8 +132,8 @@ class ModelEntry:
     """A defined model as the request path sees it."""
 
     __slots__ = (
-        "_changed", "_ready", "loading_since", "metrics", "name", "parked", "record", "slots",
-        "unplaceable", "used",
+        "_changed", "_ready", "forgotten", "loading_since", "metrics", "name", "parked",
+        "record", "slots", "unplaceable", "used",
     )  # fmt: skip
 
     def __init__(
@@ -138,6 +160,9 @@ class ModelEntry:
         # current loading episode (time.monotonic()); router.activation sets
         # it, a passing endpoint ends the episode.
         self.loading_since: float | None = None
+        # Why Consul no longer has its record (a reset: :class:`EndpointTable`), while
+        # the table remembers it; None when its record is live (or never was).
+        self.forgotten: str | None = None
         self._set_state(state)
 
     @property
@@ -231,6 +256,11 @@ class EndpointTable:
         # Every model's passing addresses as last read, defined or not (empty: absent).
         self._addresses: dict[str, tuple[ServiceAddress, ...]] = {}
         self._models_read = self._services_read = self._states_read = False
+        # What a Consul reset dropped, kept until it is back or REMEMBER_S passed.
+        self._remembered: dict[str, ModelRecord] = {}
+        self._kept_states: dict[str, StateDocument] = {}
+        self._remember_until = 0.0
+        self._forgot_cause = ""
 
     @property
     def synced(self) -> bool:
@@ -243,7 +273,33 @@ class EndpointTable:
 
     def get(self, model: str) -> ModelEntry | None:
         """The entry of a defined ``model``, or ``None`` if it is not defined."""
+        if self._remember_until and time.monotonic() >= self._remember_until:
+            self._forget_remembered()
         return self._models.get(model)
+
+    @property
+    def remembered(self) -> frozenset[str]:
+        """The models defined only because a Consul reset dropped their record."""
+        return frozenset(self._remembered)
+
+    def _remember(self, cause: str) -> None:
+        self._remember_until = time.monotonic() + REMEMBER_S
+        self._forgot_cause = cause
+
+    def _forget_remembered(self) -> None:
+        """REMEMBER_S passed since the reset: what did not come back is gone."""
+        if self._remembered or self._kept_states:
+            log.warning(
+                "Consul did not get back the records of %s within %.0f s of its reset; "
+                "no longer remembered",
+                ", ".join(sorted(self._remembered | self._kept_states)) or "no model",
+                REMEMBER_S,
+            )
+        self._remembered.clear()
+        self._kept_states.clear()
+        self._remember_until = 0.0
+        self._define()
+        self._apply_states()
 
     def entries(self) -> list[ModelEntry]:
         """Every defined model's entry (a copy: safe to iterate across awaits)."""
@@ -257,11 +313,34 @@ class EndpointTable:
         """How many defined models have at least one passing endpoint."""
         return sum(1 for entry in self._models.values() if entry.endpoints)
 
-    def set_models(self, records: Mapping[str, ModelRecord]) -> ModelsDiff:
-        """Replace the KV records; returns what changed so watches can follow."""
+    def set_models(
+        self, records: Mapping[str, ModelRecord], consul_reset: bool = False
+    ) -> ModelsDiff:
+        """Replace the KV records; returns what changed so watches can follow.
+        ``consul_reset``: read from a Consul whose index went back (it lost its state):
+        the records this read drops are remembered (the module's docstring)."""
+        if consul_reset:
+            dropped = {n: r for n, r in self._records.items() if n not in records}
+            if dropped:
+                self._remember("Consul lost its record (its state was reset)")
+                self._remembered.update(dropped)
+                log.warning(
+                    "Consul's index went back (it lost its state): remembering the records "
+                    "of %s until the planner writes them again (at most %.0f s)",
+                    ", ".join(sorted(dropped)),
+                    REMEMBER_S,
+                )
+        back = [n for n in records if n in self._remembered]
+        for name in back:
+            del self._remembered[name]
+            self._kept_states.pop(name, None)
+            log.info("model %s: its Consul KV record is back", name)
         self._records = dict(records)
         self._models_read = True
-        return self._define()
+        diff = self._define()
+        if back:
+            self._apply_states()
+        return diff
 
     def set_services(self, models: Iterable[str]) -> ModelsDiff:
         """Replace the models that have an ``llmgw-<model>`` Consul service."""
@@ -269,12 +348,24 @@ class EndpointTable:
         self._services_read = True
         return self._define()
 
-    def set_states(self, states: Mapping[str, StateDocument]) -> None:
-        """Replace every model's planner state (models absent from ``states`` have none)."""
+    def set_states(self, states: Mapping[str, StateDocument], consul_reset: bool = False) -> None:
+        """Replace every model's planner state (models absent from ``states`` have none).
+        ``consul_reset``: as for :meth:`set_models`; the states this read drops are kept
+        until the model's record or state is back."""
+        if consul_reset:
+            dropped = {n: d for n, d in self._states.items() if n not in states}
+            if dropped:
+                self._remember("Consul lost its state document (its state was reset)")
+                self._kept_states.update(dropped)
+        for name in states:
+            self._kept_states.pop(name, None)
         self._states = dict(states)
-        for name, entry in self._models.items():
-            entry._set_state(self._states.get(name))
+        self._apply_states()
         self._states_read = True
+
+    def _apply_states(self) -> None:
+        for name, entry in self._models.items():
+            entry._set_state(self._states.get(name) or self._kept_states.get(name))
 
     def set_endpoints(self, model: str, addresses: Iterable[ServiceAddress]) -> EndpointDiff | None:
         """Replace ``model``'s passing endpoints; ``None`` if the model is not defined
@@ -306,7 +397,8 @@ class EndpointTable:
 
     def _define(self) -> ModelsDiff:
         """Make the table's models the union of KV records and Consul services."""
-        wanted = {name: self._records.get(name) for name in self._records.keys() | self._services}
+        names = self._records.keys() | self._services | self._remembered.keys()
+        wanted = {name: self._records.get(name) or self._remembered.get(name) for name in names}
         current = {name: entry.record for name, entry in self._models.items()}
         diff = diff_models(current, wanted)
         for name in diff.removed:
@@ -317,7 +409,8 @@ class EndpointTable:
         for name in diff.added:
             record = wanted[name]
             metrics = self._metrics.model_defined(name)
-            self._models[name] = ModelEntry(name, record, metrics, self._states.get(name))
+            state = self._states.get(name) or self._kept_states.get(name)
+            self._models[name] = ModelEntry(name, record, metrics, state)
             log.info("model %s defined (%s)", name, _describe(name, record))
             if name in self._addresses:
                 self.set_endpoints(name, self._addresses[name])
@@ -333,6 +426,8 @@ class EndpointTable:
             else:
                 log.info("model %s redefined (%s)", name, _describe(name, record))
             entry.record = record
+        for name, entry in self._models.items():
+            entry.forgotten = self._forgot_cause if name in self._remembered else None
         return diff
 
 

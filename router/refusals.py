@@ -10,7 +10,8 @@ call per request):
   **unplaceable** (503 ``model_unplaceable``, with Nomad's reason), **loading**
   while room is being made for it (a provisional unplaceable record: 503
   ``model_loading`` with ``Retry-After``), or **not ready** (503
-  ``model_not_ready`` with ``Retry-After``).
+  ``model_not_ready`` with ``Retry-After``; for a model remembered after Consul
+  lost its record, :func:`forgotten`, the message says so).
 
 :func:`refuse_at_once` wraps the second as a :data:`router.proxy.NoEndpoint`
 policy (the router's with ``--no-activation``). On-demand activation
@@ -170,6 +171,21 @@ def room_being_made(
     return errors.ModelLoading(model, message, retry_after_s)
 
 
+def forgotten(entry: ModelEntry, planner: str = "") -> errors.ModelNotReady:
+    """The retryable 503 ``model_not_ready`` for a model the table remembers after
+    Consul lost its record (``entry.forgotten``, :class:`router.endpoints.EndpointTable`),
+    and no endpoint passes: never "does not exist" for a model served a moment ago.
+    ``planner`` adds what the planner answered, if it was asked."""
+    asked = f" (the planner: {_clip(planner, _LINE_LIMIT)})" if planner else ""
+    what = (
+        f"{entry.forgotten}; the leading planner writes it again from its Nomad job's "
+        f"meta, and this router keeps what it knew until then{asked}"
+    )
+    return errors.ModelNotReady(
+        entry.name, entry.replicas, retry_after_s=NOT_READY_RETRY_AFTER_S, what=what
+    )
+
+
 def gate(entry: ModelEntry) -> errors.ModelParked | None:
     """The refusal that applies even while endpoints pass: a parked model."""
     return None if entry.parked is None else parked(entry.name, entry.parked)
@@ -184,6 +200,8 @@ def when_no_endpoint(entry: ModelEntry) -> errors.ModelUnavailable:
         return room_being_made(entry.name, entry.unplaceable, NOT_READY_RETRY_AFTER_S)
     if entry.unplaceable is not None:
         return unplaceable(entry.name, entry.unplaceable)
+    if entry.forgotten is not None:
+        return forgotten(entry)
     replicas = entry.replicas
     retry_after = None if replicas == 0 else NOT_READY_RETRY_AFTER_S
     return errors.ModelNotReady(entry.name, replicas, retry_after_s=retry_after)

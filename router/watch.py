@@ -48,7 +48,11 @@ Each watch has three layers (after kopf's watching.py):
    our own bugs, so a watch never dies silently.
 
 When Consul is unreachable the table keeps its last contents: routing to the
-endpoints we last saw passing beats refusing every request.
+endpoints we last saw passing beats refusing every request. When it comes back
+having lost its state (its KV index went back: :class:`HighWater`), the records
+and states it dropped are remembered until the planner writes them again
+(:class:`router.endpoints.EndpointTable`), so a model served a moment ago is never
+answered "does not exist".
 """
 
 from __future__ import annotations
@@ -91,6 +95,23 @@ def next_index(previous: int, returned: int) -> int:
     if returned < previous:
         return 0
     return max(returned, 1)
+
+
+class HighWater:
+    """The highest index one watch has read, across its reconnects: a read below it
+    comes from a Consul that lost its state (a dev agent restarted, a rebuilt cluster,
+    a restored snapshot), whose KV starts over at a low index. A KV wipe moves the
+    index forward, so it is not one (Consul's tombstones keep the index)."""
+
+    def __init__(self) -> None:
+        self.high = 0
+
+    def went_back(self, returned: int) -> bool:
+        """Whether ``returned`` is below the highest index read so far; either way it
+        is the new mark when it went back (the new timeline's)."""
+        back = returned < self.high
+        self.high = returned if back else max(self.high, returned)
+        return back
 
 
 async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]) -> None:
@@ -172,10 +193,16 @@ class ConsulWatcher:
         return task
 
     async def _watch_models(self) -> None:
-        def read(index: int) -> Awaitable[tuple[int, Any]]:
-            return self._catalog.models(index, self._wait_s)
+        mark = HighWater()
 
-        await self._forever(f"Consul KV {KVPrefix.MODELS}", read, self._table.set_models)
+        async def read(index: int) -> tuple[int, Any]:
+            returned, records = await self._catalog.models(index, self._wait_s)
+            return returned, (records, mark.went_back(returned))
+
+        def apply(value: Any) -> None:
+            self._table.set_models(value[0], consul_reset=value[1])
+
+        await self._forever(f"Consul KV {KVPrefix.MODELS}", read, apply)
 
     async def _watch_services(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
@@ -222,10 +249,16 @@ class ConsulWatcher:
                 raise result
 
     async def _watch_states(self) -> None:
-        def read(index: int) -> Awaitable[tuple[int, Any]]:
-            return self._catalog.states(index, self._wait_s)
+        mark = HighWater()
 
-        await self._forever(f"Consul KV {KVPrefix.STATE}", read, self._table.set_states)
+        async def read(index: int) -> tuple[int, Any]:
+            returned, states = await self._catalog.states(index, self._wait_s)
+            return returned, (states, mark.went_back(returned))
+
+        def apply(value: Any) -> None:
+            self._table.set_states(value[0], consul_reset=value[1])
+
+        await self._forever(f"Consul KV {KVPrefix.STATE}", read, apply)
 
     async def _watch_leader(self, planners: PlannerCandidates) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:

@@ -358,6 +358,21 @@ class ConsulClient:
         )
         return f"service:{service_id}"
 
+    def knows_service(self, service_id: str, check_id: str) -> bool:
+        """Whether this agent lists the service `service_id` and its check `check_id`
+        (`/v1/agent/services`, `/v1/agent/checks`): False after the agent lost its state
+        (a restarted dev agent, a rebuilt Consul), which then refuses a session bound to
+        the check ("Missing check ... registration") and a pass of it."""
+        services = self._call(
+            CONSUL_PLANNER_SERVICE_WRITE, "list this agent's services", self._api.agent.services
+        )
+        if service_id not in (services or {}):
+            return False
+        checks = self._call(
+            CONSUL_PLANNER_SERVICE_WRITE, "list this agent's checks", self._api.agent.checks
+        )
+        return check_id in (checks or {})
+
     def deregister_service(self, service_id: str) -> None:
         self._call(
             CONSUL_PLANNER_SERVICE_WRITE,

@@ -3,7 +3,7 @@ for each model, judged by the pure `planner.model.status.observe`."""
 
 from __future__ import annotations
 
-from llmgw_contract import ModelRecord, StateDocument, service_name
+from llmgw_contract import JobMeta, ModelRecord, StateDocument, service_name
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
@@ -36,3 +36,17 @@ def gather(nomad: NomadClient, consul: ConsulClient) -> list[ModelStatus]:
         observe(name, record, observed(nomad, consul, name), states.get(name), usage.get(name))
         for name, record in sorted(consul.model_records().items())
     ]
+
+
+def unrecorded_models(nomad: NomadClient, consul: ConsulClient) -> list[str]:
+    """The model jobs Nomad has (llmgw meta) whose Consul KV record is missing, sorted:
+    Consul lost them (a rebuilt or restarted Consul, a wiped `llmgw/`) and the leader has
+    not restored them yet (`planner.daemon.repair`), or no planner leads."""
+    records = set(consul.model_records())
+    return sorted(
+        name
+        for job in nomad.jobs()
+        if JobMeta.MODEL in (job.get("Meta") or {})
+        and (name := job.get("ID", ""))
+        and name not in records
+    )

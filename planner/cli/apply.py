@@ -153,8 +153,21 @@ def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Chan
     "Parking": lifted only by a new source or profile, or `planner retry`); a new one
     lifts it."""
     if job["Meta"][JobMeta.DEFINITION_HASH] != parked.definition_hash:
+        if old is None:
+            return Change(name, Action.CREATE, "source or profile changed; lifts parking", job)
         return Change(
             name, Action.UPDATE, "source or profile changed; lifts parking", job, unpark=True
+        )
+    if old is None:
+        # Parked, then its job purged (`nomad job stop -purge`): the KV copy is the only
+        # record left. The same definition is registered stopped, still parked, so that
+        # `planner retry` (which needs a job) can lift it; never five more starts.
+        return Change(
+            name,
+            Action.CREATE,
+            f"its job was purged while parked ({parked.reason}); registered again, still "
+            f"parked: run `planner retry {name}` to start it",
+            parked_job(job, parked),
         )
     if old is not None and (old.get("Meta") or {}).get(SPEC_HASH_KEY) == job["Meta"][SPEC_HASH_KEY]:
         return Change(
@@ -386,6 +399,15 @@ def prepare(
     # a wiped or stale KV cache must never un-park a model on re-apply.
     parked = {
         name: p for name, job in registered.items() if (p := parked_from_job(job)) is not None
+    }
+    # A parked model whose job was purged: its KV copy is all that is left of its
+    # parking, and re-applying the same definition keeps it (docs/cli.md, "retry").
+    parked |= {
+        name: p
+        if p.definition_hash
+        else p.model_copy(update={"definition_hash": state.definition_hash})
+        for name, state in StateStore(consul).load_all().items()
+        if name in rendered and name not in registered and (p := state.parked) is not None
     }
     return (
         definitions,

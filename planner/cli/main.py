@@ -44,7 +44,7 @@ from llmgw_contract.states import ReplicaState
 from planner.agents import access
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
-from planner.agents.statusreads import gather, model_status
+from planner.agents.statusreads import gather, model_status, unrecorded_models
 from planner.api.admin import create_app
 from planner.cli.apply import MUTATIONS, REFUSALS, Action, Outcome, execute, prepare
 from planner.cli.plandiff import format_diff
@@ -64,11 +64,12 @@ from planner.spec.fit import Fit
 from planner.spec.settings import Settings
 
 EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
-have (an engine is not installed on some node); 2 invalid model or engine files, settings or
-usage; 3 Nomad or Consul unreachable, or their TLS certificate not verified (retry later), or
-an ACL token (NOMAD_TOKEN, CONSUL_HTTP_TOKEN) lacks a permission: the message names it and
-the policy under acl/. `apply --dry-run --detailed-exitcode` exits as `terraform plan
--detailed-exitcode` does instead: 0 no changes, 2 changes, 1 any error."""
+have (an engine is not installed on some node; Nomad runs a model job Consul has no record
+of); 2 invalid model or engine files, settings or usage; 3 Nomad or Consul unreachable, or
+their TLS certificate not verified (retry later), or an ACL token (NOMAD_TOKEN,
+CONSUL_HTTP_TOKEN) lacks a permission: the message names it and the policy under acl/.
+`apply --dry-run --detailed-exitcode` exits as `terraform plan -detailed-exitcode` does
+instead: 0 no changes, 2 changes, 1 any error."""
 
 app = typer.Typer(
     help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",
@@ -434,13 +435,25 @@ def _rollout(row: ModelStatus) -> str:
     )
 
 
-def _rows(output: Output | ReportOutput) -> list[ModelStatus]:
-    """Every applied model's status, or exit with the agents' error."""
+def _rows(output: Output | ReportOutput) -> tuple[list[ModelStatus], list[str]]:
+    """Every applied model's status, and the model jobs Nomad has without a record
+    (`unrecorded_models`); or exit with the agents' error."""
     _, nomad, consul = _clients(access.STATUS, output)
     try:
-        return gather(nomad, consul)
+        return gather(nomad, consul), unrecorded_models(nomad, consul)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
+
+
+def unrecorded_message(names: list[str], rows: int) -> str:
+    """What `status` says of model jobs Consul has no record of, and what to do."""
+    listed = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    head = "no model records in Consul" if not rows else "models missing from Consul"
+    return (
+        f"{head}, but Nomad runs {len(names)} llmgw job(s) without one ({listed}): Consul "
+        "lost them (restarted or rebuilt, or llmgw/ wiped); the leading `planner serve` "
+        "restores them from the jobs' meta, or run `planner apply`"
+    )
 
 
 @app.command()
@@ -459,18 +472,21 @@ def status(
     if nodes:
         _status_nodes(output)
         return
-    rows = _rows(output)
+    rows, unrecorded = _rows(output)
     if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     elif output == ReportOutput.markdown:
         print(status_markdown(rows), end="")
     else:
-        _print_status(rows)
-    if not all(r.satisfied for r in rows):
+        _print_status(rows, quiet=bool(unrecorded))
+    if unrecorded:
+        err.print(unrecorded_message(unrecorded, len(rows)))
+    if unrecorded or not all(r.satisfied for r in rows):
         raise typer.Exit(1)
 
 
-def _print_status(rows: list[ModelStatus]) -> None:
+def _print_status(rows: list[ModelStatus], quiet: bool = False) -> None:
+    """The table; `quiet`: say nothing of an empty one (the caller says why)."""
     table = Table(
         "model",
         "state",
@@ -494,7 +510,7 @@ def _print_status(rows: list[ModelStatus]) -> None:
             headline(r.last_error),
         )
     out.print(table)
-    if not rows:
+    if not rows and not quiet:
         err.print("no models applied yet (run `planner apply models/`)")
 
 
@@ -616,7 +632,9 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
 @app.command()
 def models(output: OutputOption = Output.table) -> None:
     """The applied models with their state, failures, reason and last error (always exit 0)."""
-    rows = _rows(output)
+    rows, unrecorded = _rows(output)
+    if unrecorded:
+        err.print(unrecorded_message(unrecorded, len(rows)))
     if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return

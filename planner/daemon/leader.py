@@ -21,6 +21,15 @@ the key returns, and it takes the lock once the `lock_delay` (2 s; Consul's
 default is 15 s) has passed: about 8-9 s in all, inside the 15 s the issue
 asks for. A leader that stops itself releases the lock at once.
 
+A Consul agent that lost its state (a dev agent restarted, a rebuilt cluster, a
+restored snapshot) forgot the service, the check, the session and the key: the
+next pass of the check fails, and that failure, like every new session, compares
+the agent's services and checks with this registration and registers what is
+missing (`_ensure_registered`), then campaigns again; the new leader's first
+reconcile restores the records (`planner.daemon.repair`). Measured in
+tests/integration/test_consul_forgets.py: leading again 1.3 s after Consul had a
+leader.
+
 A leader that loses the lock (its session invalidated because its check
 lapsed, or the key deleted) learns it from the same blocking query and stops
 acting before campaigning again; every state write is a check-and-set, so a
@@ -68,8 +77,12 @@ class Leadership:
         on_change: OnChange,
         ttl_s: int = TTL_S,
         lock_delay_s: int = LOCK_DELAY_S,
+        on_retaken: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`on_retaken` is awaited when this leader took its lock's key again after the
+        key was deleted (a wiped `llmgw/`): the records went with it."""
         self.consul = consul
+        self.on_retaken = on_retaken
         self._url = parse_admin_url(address)  # ValueError for a bad --advertise
         self.address = str(self._url)
         self.on_change = on_change
@@ -86,6 +99,8 @@ class Leadership:
         self._session: str | None = None
         self._check_id: str | None = None
         self._stop = threading.Event()
+        self._registering = threading.Lock()
+        self.registrations = 0  # times the service was registered (again after a loss)
 
     def session(self) -> str | None:
         """The session holding the lock while this instance leads (None otherwise): the
@@ -106,15 +121,46 @@ class Leadership:
             deregister_after="1m",
             meta={SCHEME_META: self._url.scheme},
         )
+        self.registrations += 1
+
+    def _ensure_registered(self) -> None:
+        """Register the service and its check unless the agent lists both, as Nomad's
+        own Consul sync does (command/agent/consul/service_client.go: it compares what
+        the agent has with what it should have, and registers what is missing). A Consul
+        agent that lost its state (a dev agent restarted, a rebuilt cluster, a restored
+        snapshot) forgot them, and without the check no session can be made: the
+        planner would stand without a leader for good (issue 20: 177 s, `Missing check
+        ... registration` every 2 s, until restarted). Raises PlannerError."""
+        with self._registering:
+            if self._check_id is None:
+                self._register()
+                self._start_heartbeat()
+                return
+            if not self.consul.knows_service(self.service_id, self._check_id):
+                log.warning(
+                    "Consul no longer knows this planner's service %s (the agent lost its "
+                    "state); registering it again",
+                    self.service_id,
+                )
+                self._register()
+
+    def _start_heartbeat(self) -> None:
         threading.Thread(target=self._heartbeat, name="leader-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
+        """Pass the check every ttl/3; a pass that fails (Consul down, or it forgot the
+        check) compares the registration with the agent's and passes again."""
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 assert self._check_id is not None
                 self.consul.pass_ttl(self._check_id)
             except PlannerError as exc:
                 log.warning("could not pass the leadership check: %s", exc)
+                try:
+                    self._ensure_registered()
+                    self.consul.pass_ttl(self._check_id)
+                except PlannerError as again:
+                    log.debug("registration check: %s", again)
 
     # --- campaign ----------------------------------------------------------------------
 
@@ -122,8 +168,9 @@ class Leadership:
         """Register, then campaign until cancelled; Consul errors are retried."""
         while True:
             try:
-                if self._check_id is None:
-                    await asyncio.to_thread(self._register)
+                # Every new session first: Consul may have forgotten the check (its
+                # "Missing check" refusal of a session is what it says then).
+                await asyncio.to_thread(self._ensure_registered)
                 self._session = await asyncio.to_thread(
                     self.consul.create_session,
                     f"llmgw planner {self.id}",
@@ -162,6 +209,8 @@ class Leadership:
                     # The key was deleted (`consul kv delete -recurse llmgw/`) but the
                     # session is still ours: take it again without stopping the work.
                     log.warning("the leader lock's key was deleted; this planner took it again")
+                    if self.on_retaken is not None:
+                        await self.on_retaken()
                     continue
                 log.warning(
                     "this planner lost the leader lock (%s)",

@@ -47,7 +47,7 @@ from planner.daemon.statusbook import StatusBook
 from planner.daemon.usage import UsageBook
 from planner.daemon.watcher import RECONCILE_EVERY_S, Watcher, utcnow
 from planner.daemon.workers import Guard, Outcome
-from planner.errors import NotLeader
+from planner.errors import NotLeader, PlannerError
 from planner.model.failures import Rules
 from planner.model.transition import Event
 
@@ -74,7 +74,7 @@ class PlannerNode:
         self.rules = rules or Rules()
         self.datacenters = datacenters
         self.clock = clock
-        self.leadership = Leadership(consul, address, self._on_change)
+        self.leadership = Leadership(consul, address, self._on_change, on_retaken=self._repair)
         # The leader's writes: each checks, in its own transaction, that this instance
         # still holds the lock (a paused, deposed leader that resumes cannot write).
         self.store = StateStore(consul, fence=self.leadership.session)
@@ -160,6 +160,18 @@ class PlannerNode:
             await self._start_work()
         else:
             await self._stop_work()
+
+    async def _repair(self) -> None:
+        """`llmgw/` was wiped under this leader: restore the records and state documents
+        at once (`planner.daemon.repair`), not at the next 30 s repair, so the router
+        refuses a parked model as parked again within a second, not after 404s."""
+        watcher = self.watcher
+        if watcher is None:
+            return
+        try:
+            await asyncio.to_thread(watcher.repair)
+        except PlannerError as exc:
+            log.warning("restoring the records after a wiped llmgw/: %s", exc)
 
     async def _start_work(self) -> None:
         assert self._session is not None

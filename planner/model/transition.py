@@ -95,7 +95,9 @@ def decide(
     if event is Event.RETRY:
         if observation.job is None:
             raise Rejected(
-                f"model {observation.name!r} has no Nomad job; run `planner apply` first"
+                f"model {observation.name!r} has no Nomad job; run `planner apply` first (a "
+                f"parked model's job is registered again still parked), then `planner retry "
+                f"{observation.name}`"
             )
         retried = retry.retry(folded.state, observation)
         return Plan(

@@ -154,3 +154,16 @@ def test_an_apply_that_would_drop_the_engine_constraint_refuses_that_model() -> 
     assert changes["moved"].action is Action.UPDATE
     assert changes["bumped"].action is Action.UPDATE
     assert dropped_engine(rendered["m"], None) is None
+
+
+def test_a_parked_model_whose_job_was_purged_is_registered_again_still_parked() -> None:
+    """Issue 20 item 5: `planner retry` needs a job; the apply it asks for must not
+    un-park the same definition (five more starts of a definition that was parked)."""
+    parked = {"m": Parked(reason="5 consecutive start failures", definition_hash="d1")}
+    [same] = decide({"m": spec("s1", definition_hash="d1")}, {}, prune=False, parked=parked)
+    assert same.action is Action.CREATE and same.job["Stop"] is True and not same.restart
+    assert same.job["Meta"]["llmgw_parked_reason"] == "5 consecutive start failures"
+    assert "still parked: run `planner retry m`" in same.reason
+    [changed] = decide({"m": spec("s1", definition_hash="d2")}, {}, prune=False, parked=parked)
+    assert changed.action is Action.CREATE and not changed.job.get("Stop")
+    assert "lifts parking" in changed.reason

@@ -513,3 +513,22 @@ def test_activation_series_exist_at_zero() -> None:
             assert 'model="m"' not in text
 
     run(scenario())
+
+
+def test_a_model_consul_forgot_is_a_retryable_503_naming_the_cause_never_404() -> None:
+    """Issue 20: Consul restarted with its state gone; the planner does not know the
+    model yet (404) or cannot be reached: 503 model_not_ready with Retry-After."""
+
+    async def scenario() -> None:
+        for planner_url in (None, f"http://127.0.0.1:{free_port()}"):
+            async with harness({}, planner_url=planner_url) as h:
+                h.table.set_models({}, consul_reset=True)
+                assert h.table.remembered == {"m"}
+                status, headers, body = await h.post()
+                assert status == 503 and headers["retry-after"] == "5", body
+                error = body["error"]
+                assert error["code"] == "model_not_ready"
+                assert "Consul lost its record" in error["message"]
+                assert "the leading planner writes it again" in error["message"]
+
+    run(scenario())

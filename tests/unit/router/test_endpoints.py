@@ -6,7 +6,15 @@ import asyncio
 import base64
 import json
 
-from llmgw_contract import PLANNER_SERVICE, ROUTER_SERVICE, ModelRecord, encode
+from llmgw_contract import (
+    PLANNER_SERVICE,
+    ROUTER_SERVICE,
+    ModelRecord,
+    Parked,
+    StateDocument,
+    encode,
+)
+from router import endpoints, errors, refusals
 from router.catalog import (
     ServiceAddress,
     parse_check_states,
@@ -205,3 +213,50 @@ def test_wait_ready_wakes_on_first_endpoint() -> None:
         return timed_out, await entry.wait_ready(2)
 
     assert asyncio.run(scenario()) == (False, True)
+
+
+def test_a_consul_reset_is_remembered_until_the_records_are_back(monkeypatch) -> None:
+    """Issue 20: a Consul that lost its state (its index went back) drops every record,
+    state and service: the models stay defined with what the table knew, a parked one
+    still parked, until the planner writes them again or REMEMBER_S passed."""
+    now = [1000.0]
+    monkeypatch.setattr(endpoints.time, "monotonic", lambda: now[0])
+    table = EndpointTable(RouterMetrics())
+    table.set_models({"served": record("served"), "parked": record("parked")})
+    table.set_services({"served"})
+    parked = Parked(reason="5 consecutive start failures")
+    table.set_states({"parked": StateDocument(name="parked", parked=parked)})
+    served = table.get("served")
+    table.set_endpoints("served", [ServiceAddress("h", 1)])
+
+    table.set_states({}, consul_reset=True)
+    table.set_services(())
+    table.set_endpoints("served", [])
+    diff = table.set_models({}, consul_reset=True)
+    assert not diff.removed and table.remembered == {"served", "parked"}
+    assert table.get("served") is served and served.replicas == 1
+    assert served.forgotten is not None and "Consul lost its record" in served.forgotten
+    assert table.get("parked").parked == parked
+    assert isinstance(refusals.when_no_endpoint(served), errors.ModelNotReady)
+    assert isinstance(refusals.when_no_endpoint(table.get("parked")), errors.ModelParked)
+
+    # The planner writes the records back (then the states): live again.
+    table.set_models({"served": record("served"), "parked": record("parked")})
+    assert table.remembered == frozenset() and served.forgotten is None
+    table.set_states({"parked": StateDocument(name="parked", parked=parked)})
+    assert table.get("parked").parked == parked
+
+    # Dropped by another reset and never written back: gone after REMEMBER_S.
+    table.set_models({"served": record("served")}, consul_reset=True)
+    assert table.remembered == {"parked"}
+    now[0] += endpoints.REMEMBER_S - 1
+    assert table.get("parked") is not None
+    now[0] += 2
+    assert table.get("parked") is None and table.names() == ["served"]
+
+
+def test_a_kv_wipe_is_no_reset_nothing_is_remembered() -> None:
+    table = EndpointTable(RouterMetrics())
+    table.set_models({"a": record("a")})
+    table.set_models({})
+    assert table.get("a") is None and table.remembered == frozenset()

@@ -180,12 +180,12 @@ def test_a_bug_in_apply_does_not_kill_the_watch() -> None:
         calls = 0
         real = table.set_models
 
-        def flaky(models):
+        def flaky(models, consul_reset=False):
             nonlocal calls
             calls += 1
             if calls == 1:
                 raise KeyError("bug")
-            return real(models)
+            return real(models, consul_reset)
 
         table.set_models = flaky  # type: ignore[method-assign]
         watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
@@ -270,6 +270,38 @@ def test_endpoints_read_before_their_model_is_defined_are_kept() -> None:
         await settle()
         assert [e.address.port for e in table.get("late").endpoints] == [7]
         assert catalog.health_reads == {"late": 1}
+        await watcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_consul_that_came_back_empty_at_a_lower_index_is_remembered() -> None:
+    """Issue 20: the watches reconnect to a Consul that lost its state (a restarted dev
+    agent): its KV index is lower than any read before, across the reconnect."""
+
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        parked = Parked(reason="5 consecutive start failures")
+        catalog.defined = {"a": record("a"), "p": record("p")}
+        catalog.model_states = {"p": StateDocument(name="p", parked=parked)}
+        for _ in range(5):
+            catalog.bump()
+        watcher.start()
+        await settle()
+        assert table.names() == ["a", "p"]
+        catalog.fail_next = 4  # Consul down, then back with nothing, at index 1
+        catalog.defined, catalog.model_states = {}, {}
+        catalog.bump(backwards=True)
+        await asyncio.sleep(0.6)
+        assert table.names() == ["a", "p"] and table.remembered == {"a", "p"}
+        assert table.get("p").parked == parked
+        catalog.defined = {"a": record("a"), "p": record("p")}
+        catalog.model_states = {"p": StateDocument(name="p", parked=parked)}
+        catalog.bump()
+        await settle()
+        assert table.remembered == frozenset() and table.get("p").parked == parked
         await watcher.stop()
 
     asyncio.run(scenario())

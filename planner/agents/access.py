@@ -19,6 +19,10 @@ How each is checked without changing anything:
   parse-job and scale-job), `GET /v1/nodes?prefix=` (node read).
   read-logs cannot be asked without an allocation: the leader checks it on the
   first stderr it reads, and a denial is logged naming it (`NomadClient.task_stderr_tail`).
+
+Nomad's capabilities are namespace capabilities: the lists below name them in
+`default`, and the Nomad client, which holds NOMAD_NAMESPACE, asks for them and names
+a denied one in its own namespace (`in_namespace`: `submit-job on namespace "llm"`).
 """
 
 from __future__ import annotations

@@ -112,8 +112,8 @@ def _namespaced_session(namespace: str) -> requests.Session:
     """One requests session for every python-nomad endpoint, whose query parameters
     (`Session.params`, merged into each request's; a request's own `namespace`, as
     `llmgw_jobs_elsewhere`'s, wins) put every call in `namespace`. Its pool is sized for
-    the leader's threads (python-nomad's default is a session, so a pool of 10, per
-    endpoint)."""
+    the leader's threads (without it python-nomad makes a session, with a pool of 10
+    connections, per endpoint)."""
     session = requests.Session()
     session.params = {"namespace": namespace}
     adapter = HTTPAdapter(pool_maxsize=32)

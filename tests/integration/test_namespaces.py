@@ -27,6 +27,7 @@ import pytest
 from devcluster.cluster import Cluster
 from tests.conftest import ADMIN_TOKEN, PlannerDaemon, http_json, own_cluster, wait_for
 from tests.support.engines import write_engines
+from tests.support.ports import free_port
 from tests.support.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.integration
@@ -53,7 +54,7 @@ class Namespaced:
             env={**self.env, **env},
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=120,
         )
 
     def nomad(self, path: str, namespace: str = NAMESPACE) -> Any:
@@ -118,6 +119,9 @@ def test_a_namespace_nomad_does_not_have_is_an_error_at_start(ns: Namespaced) ->
         assert run.returncode == 2, run.stderr
         assert "NOMAD_NAMESPACE=lmm: Nomad at" in run.stderr
         assert "has no namespace 'lmm'; create it (nomad namespace apply lmm)" in run.stderr
+    # `planner serve` too, at once, rather than leading a namespace that lists nothing.
+    serve = ns.planner("serve", "--port", str(free_port()), NOMAD_NAMESPACE="lmm")
+    assert serve.returncode == 2 and "has no namespace 'lmm'" in serve.stderr, serve.stderr
 
 
 def test_on_demand_model_is_activated_in_the_namespace(ns: Namespaced) -> None:

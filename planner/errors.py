@@ -2,6 +2,8 @@
 
     PlannerError
     ├── InvalidDefinitions      the operator's files are wrong: fix them (exit 2)
+    ├── InvalidSettings         a setting names what the agent does not have, e.g. a
+    │                           NOMAD_NAMESPACE Nomad has no namespace of: fix it (exit 2)
     ├── Unavailable             Nomad or Consul did not answer: retry later (exit 3)
     │   ├── NomadUnavailable
     │   └── ConsulUnavailable
@@ -54,6 +56,14 @@ class InvalidDefinitions(PlannerError):
     def __init__(self, errors: list[DefinitionError]) -> None:
         self.errors = errors
         super().__init__("\n".join(str(e) for e in errors))
+
+
+class InvalidSettings(PlannerError):
+    """A setting the agents answer does not hold (a NOMAD_NAMESPACE that Nomad has no
+    namespace of); the message names the setting and what to do. The CLI's exit 2, as
+    for a malformed setting."""
+
+    exit_code = 2
 
 
 class Unavailable(PlannerError):

@@ -26,7 +26,10 @@
 # Consul ACLs, keep `consul { allow_unauthenticated = true }` (Nomad's default) on
 # the servers, or the job submitter would have to pass a Consul token too.
 #
-# Models run in the namespace "default" (the planner submits no other).
+# Models run in the one namespace the planner manages, NOMAD_NAMESPACE (default
+# "default"; docs/definitions.md, "Namespace"): for another, write its name in the
+# block below. Every call, the event stream included, is made in it, and the checks
+# before acting ask for these capabilities there.
 
 namespace "default" {
   capabilities = [
@@ -37,6 +40,16 @@ namespace "default" {
     "scale-job",
     "read-logs",
   ]
+}
+
+# list-jobs in every other namespace: `planner apply` lists llmgw's jobs there
+# (GET /v1/jobs?namespace=*&meta=true) and refuses a model whose name one of them
+# already has (its Consul service llmgw-<name> has no namespace: two copies would be
+# counted as one). Nomad lists only the namespaces a token may list-jobs in, so
+# without this block that check sees the planner's own namespace alone. The block
+# above, more specific, still decides the planner's own namespace.
+namespace "*" {
+  capabilities = ["list-jobs"]
 }
 
 node {

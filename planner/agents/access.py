@@ -19,6 +19,10 @@ How each is checked without changing anything:
   parse-job and scale-job), `GET /v1/nodes?prefix=` (node read).
   read-logs cannot be asked without an allocation: the leader checks it on the
   first stderr it reads, and a denial is logged naming it (`NomadClient.task_stderr_tail`).
+
+Nomad's capabilities are namespace capabilities: the lists below name them in
+`default`, and the Nomad client, which holds NOMAD_NAMESPACE, asks for them and names
+a denied one in its own namespace (`in_namespace`: `submit-job on namespace "llm"`).
 """
 
 from __future__ import annotations
@@ -51,20 +55,36 @@ class AnswersDenied(Protocol):
     ) -> tuple[list[Permission], TokenStatus, str] | None: ...
 
 
-NAMESPACE = "default"
+DEFAULT_NAMESPACE = "default"
 PROBE_JOB = "_llmgw-acl-probe"
+NAMESPACE_RESOURCE = "namespace"
 
 
-def _capability(name: str) -> Permission:
-    return Permission(Agent.NOMAD, f'{name} on namespace "{NAMESPACE}"')
+def capability(name: str, namespace: str = DEFAULT_NAMESPACE) -> Permission:
+    """Nomad namespace capability `name` (list-jobs, read-job...) on `namespace`, named as
+    a policy grants it: `read-job on namespace "llm"` (acl/nomad/planner.hcl's
+    `namespace "<name>" { capabilities = [...] }`)."""
+    return Permission(
+        Agent.NOMAD, f'{name} on namespace "{namespace}"', NAMESPACE_RESOURCE, namespace, name
+    )
 
 
-NOMAD_LIST_JOBS = _capability("list-jobs")
-NOMAD_READ_JOB = _capability("read-job")
-NOMAD_PARSE_JOB = _capability("parse-job")
-NOMAD_SUBMIT_JOB = _capability("submit-job")
-NOMAD_SCALE_JOB = _capability("scale-job")
-NOMAD_READ_LOGS = _capability("read-logs")
+def in_namespace(permission: Permission, namespace: str) -> Permission:
+    """`permission` as asked in `namespace`: a namespace capability is named in it, any
+    other (node read, Consul's) is returned as it is. The per-command lists below name
+    the capabilities in the default namespace; the Nomad client (`NomadClient`, which
+    holds NOMAD_NAMESPACE) says every one it asks for or is denied through this."""
+    if permission.agent is not Agent.NOMAD or permission.resource != NAMESPACE_RESOURCE:
+        return permission
+    return capability(permission.access, namespace)
+
+
+NOMAD_LIST_JOBS = capability("list-jobs")
+NOMAD_READ_JOB = capability("read-job")
+NOMAD_PARSE_JOB = capability("parse-job")
+NOMAD_SUBMIT_JOB = capability("submit-job")
+NOMAD_SCALE_JOB = capability("scale-job")
+NOMAD_READ_LOGS = capability("read-logs")
 NOMAD_NODE_READ = Permission(Agent.NOMAD, 'node { policy = "read" }')
 
 # Per command: what it calls (a read-only command needs no write).

@@ -1,6 +1,7 @@
 """Read Nomad's event stream (/v1/event/stream): newline-delimited JSON frames.
 
-Called by the watcher. A small reader of our own, because python-nomad's
+Called by the watcher, through `NomadClient.events` (which passes its address,
+token, TLS and namespace). A small reader of our own, because python-nomad's
 `event.stream` drops topic filter keys, replays from the first index on
 reconnect, and runs in a thread that dies silently on a mid-stream error.
 This one yields every event it is sent and raises on any failure, so the
@@ -21,6 +22,12 @@ heartbeat every 30 s (nomad/event_endpoint.go, `NewJsonStream(ctx, 30*time.Secon
 A read that waits longer than `read_timeout` (default 65 s: two heartbeats
 missed, not one late) means the stream is dead.
 
+Namespace: the stream carries `?namespace=<NOMAD_NAMESPACE>` (the Events HTTP API's
+`namespace` parameter, "*" for all). Without it Nomad streams the `default`
+namespace's jobs, allocations, evaluations and deployments only (nomad/stream
+`filter`: an event whose Namespace is set and is not the one asked for is dropped;
+Node events have none and always come).
+
 TLS: for an https:// Nomad the caller passes `ssl`, the Nomad client's
 `NomadClient.ssl_context` (NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY), per
 request, so the shared aiohttp session needs no TLS of its own; a failed handshake
@@ -40,7 +47,7 @@ from typing import Any
 import aiohttp
 
 from llmgw_contract.acl import Agent, TokenStatus
-from planner.agents.access import NOMAD_READ_JOB, denied_error
+from planner.agents.access import DEFAULT_NAMESPACE, NOMAD_READ_JOB, denied_error, in_namespace
 from planner.errors import NomadUnavailable
 from planner.spec.settings import NOMAD_TLS_VARS, tls_reason
 
@@ -57,14 +64,18 @@ async def stream_events(
     read_timeout: float = 65.0,
     on_message: Callable[[], None] | None = None,
     ssl: ssl_.SSLContext | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield each event from `index` on (as Nomad starts it: `Cursor` judges the first
     one), forever; raise NomadUnavailable when the
     stream fails or goes silent for `read_timeout` seconds. `on_message` is called for
     every frame, heartbeats included (the stream's own sign of life, for metrics).
     `ssl`: the context for an https:// `nomad_addr` (None: aiohttp's default, the
-    system's CAs)."""
-    params = [("topic", f"{topic}:*") for topic in topics] + [("index", str(index))]
+    system's CAs). `namespace`: the namespace whose events come (Node events always do)."""
+    params = [("topic", f"{topic}:*") for topic in topics] + [
+        ("index", str(index)),
+        ("namespace", namespace),
+    ]
     headers = {"X-Nomad-Token": token} if token else {}
     url = f"{nomad_addr.rstrip('/')}/v1/event/stream"
     try:
@@ -80,7 +91,7 @@ async def stream_events(
                 # aclAllowsSubscription); an unknown token is told apart by the client.
                 raise denied_error(
                     Agent.NOMAD,
-                    [NOMAD_READ_JOB.rule],
+                    [in_namespace(NOMAD_READ_JOB, namespace).rule],
                     TokenStatus.VALID if token else TokenStatus.EMPTY,
                     "event stream",
                     await resp.text(),

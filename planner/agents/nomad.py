@@ -13,6 +13,14 @@ python-nomad's own default is not to verify) and presents NOMAD_CLIENT_CERT and
 NOMAD_CLIENT_KEY (`planner.spec.settings.ClientTLS`); `ssl_context` carries the same
 for the event stream (`planner.agents.events`).
 
+Namespace: the client works in one Nomad namespace (NOMAD_NAMESPACE, default
+"default"; docs/definitions.md, "Namespace"), set here and nowhere else: every HTTP
+request it makes carries `?namespace=` (its requests session's own query parameters, so
+calls python-nomad does not namespace itself, /v1/evaluation(s), and the raw requests
+carry it too), a job it renders says it, the event stream asks for it (`events`), and
+the ACL capabilities it asks for or is denied name it (`access.in_namespace`). Only
+`llmgw_jobs_elsewhere` looks past it (namespace=*), to refuse a second copy of a model.
+
 API shapes: https://developer.hashicorp.com/nomad/api-docs/jobs (Nomad 1.6).
 """
 
@@ -20,17 +28,21 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
 
+import aiohttp
 import nomad
 import nomad.api.exceptions as nomad_exc
 import requests
+from requests.adapters import HTTPAdapter
 
+from llmgw_contract import JobMeta
 from llmgw_contract.acl import Agent, Permission, TokenStatus
 from planner.agents.access import (
+    DEFAULT_NAMESPACE,
     NOMAD_LIST_JOBS,
     NOMAD_NODE_READ,
     NOMAD_PARSE_JOB,
@@ -40,8 +52,16 @@ from planner.agents.access import (
     NOMAD_SUBMIT_JOB,
     PROBE_JOB,
     denied_error,
+    in_namespace,
 )
-from planner.errors import NomadRejected, NomadUnavailable, PermissionDenied, no_answer
+from planner.agents.events import stream_events
+from planner.errors import (
+    InvalidSettings,
+    NomadRejected,
+    NomadUnavailable,
+    PermissionDenied,
+    no_answer,
+)
 from planner.spec.settings import NOMAD_TLS_VARS, ClientTLS
 from planner.vocab import Job, group_count
 
@@ -88,6 +108,20 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 _JWT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
 
 
+def _namespaced_session(namespace: str) -> requests.Session:
+    """One requests session for every python-nomad endpoint, whose query parameters
+    (`Session.params`, merged into each request's; a request's own `namespace`, as
+    `llmgw_jobs_elsewhere`'s, wins) put every call in `namespace`. Its pool is sized for
+    the leader's threads (without it python-nomad makes a session, with a pool of 10
+    connections, per endpoint)."""
+    session = requests.Session()
+    session.params = {"namespace": namespace}
+    adapter = HTTPAdapter(pool_maxsize=32)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 @contextmanager
 def _index_conflict() -> Iterator[None]:
     """Nomad answers a lost EnforceIndex race with a 500 whose text starts "Enforcing
@@ -116,8 +150,10 @@ class NomadClient:
         token: str | None = None,
         timeout: float = 10.0,
         tls: ClientTLS | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        """Raises ValueError (naming the setting) when a configured TLS file is unusable."""
+        """Raises ValueError (naming the setting) when a configured TLS file is unusable.
+        `namespace`: NOMAD_NAMESPACE, the one namespace every call is made in."""
         url = urlparse(address if "://" in address else f"http://{address}")
         self.address = f"{url.scheme}://{url.netloc if url.port else url.netloc + ':4646'}"
         self.token = token
@@ -127,6 +163,7 @@ class NomadClient:
         # `address` given, so python-nomad does not read NOMAD_ADDR itself; `cert`
         # always given (or its own NOMAD_CLIENT_* lookup would apply).
         self._logs_denied = False
+        self.namespace = namespace
         self._api = nomad.Nomad(
             address=self.address,
             secure=url.scheme == "https",
@@ -134,6 +171,9 @@ class NomadClient:
             timeout=timeout,
             verify=self.tls.verify,
             cert=self.tls.cert or ("", ""),
+            # Given, so python-nomad does not read NOMAD_NAMESPACE itself.
+            namespace=namespace,
+            session=_namespaced_session(namespace),
         )
 
     def _call(self, needs: Permission, action: str, fn: Callable[[], Any]) -> Any:
@@ -146,7 +186,7 @@ class NomadClient:
             if isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
                 token, detail = self.token_status()
                 raise denied_error(
-                    Agent.NOMAD, [needs.rule], token, action, detail
+                    Agent.NOMAD, [in_namespace(needs, self.namespace).rule], token, action, detail
                 ) from exc.__cause__
             raise
 
@@ -175,7 +215,9 @@ class NomadClient:
         """Which of `needs` this client's token is denied, asked with calls that change
         nothing (`planner.agents.access`): None when all are allowed (or Nomad enforces no
         ACLs), else (the denied ones, the token's status, Nomad's words for an unknown
-        token). Raises NomadUnavailable when Nomad cannot be asked."""
+        token). Raises NomadUnavailable when Nomad cannot be asked, InvalidSettings when
+        Nomad has no namespace NOMAD_NAMESPACE names (`require_namespace`)."""
+        self.require_namespace()
         probe = PROBE_JOB
         probes: dict[Permission, Callable[[], Any]] = {
             NOMAD_LIST_JOBS: lambda: self._api.jobs.request(method="get", params={"prefix": probe}),
@@ -206,7 +248,29 @@ class NomadClient:
         if not denied:
             return None
         token, detail = self.token_status()
-        return denied, token, detail
+        return [in_namespace(p, self.namespace) for p in denied], token, detail
+
+    def require_namespace(self) -> None:
+        """Raise InvalidSettings when Nomad has no namespace `self.namespace`: Nomad lists
+        nothing and streams nothing for one it does not have, so a misspelt
+        NOMAD_NAMESPACE would otherwise look like a cluster without models. "default"
+        always exists. A 403 (the token may do nothing in it) is left to the ACL checks,
+        which name the capabilities lacking."""
+        if self.namespace == DEFAULT_NAMESPACE:
+            return
+        try:
+            with _translated("", lambda exc: self.tls.failure(self.address, exc), self.address):
+                self._api.namespace.get_namespace(self.namespace)
+        except NomadRejected as exc:
+            if isinstance(exc.__cause__, nomad_exc.URLNotFoundNomadException):
+                raise InvalidSettings(
+                    f"NOMAD_NAMESPACE={self.namespace}: Nomad at {self.address} has no "
+                    f"namespace {self.namespace!r}; create it (nomad namespace apply "
+                    f"{self.namespace}) or set NOMAD_NAMESPACE to the namespace the "
+                    "models run in (unset: default)"
+                ) from exc
+            if not isinstance(exc.__cause__, nomad_exc.URLNotAuthorizedNomadException):
+                raise
 
     def parse(self, hcl: str, variables: str) -> Job:
         """Render an HCL2 jobspec with a variable file through Nomad's parser (canonicalized).
@@ -215,11 +279,15 @@ class NomadClient:
         request body itself through the library's generic request method.
         """
         body = {"JobHCL": hcl, "Variables": variables, "Canonicalize": True}
-        return self._call(
+        job: Job = self._call(
             NOMAD_PARSE_JOB,
             "parse jobspec",
             lambda: self._api.jobs.request("parse", json=body, method="post").json(),
         )
+        # The jobspecs name no namespace (Canonicalize fills in "default"): the job is
+        # the planner's namespace's, and says so (its spec hash covers it).
+        job["Namespace"] = self.namespace
+        return job
 
     def job(self, job_id: str) -> Job | None:
         """The registered job, or None when Nomad has no job with this ID."""
@@ -239,6 +307,26 @@ class NomadClient:
             "list jobs",
             lambda: self._api.jobs.request(method="get", params={"meta": "true"}).json(),
         )
+
+    def llmgw_jobs_elsewhere(self, job_ids: set[str]) -> list[Job]:
+        """Stubs of llmgw's jobs (`llmgw_model` meta) with one of `job_ids` in every other
+        namespace the token may list jobs in (`?namespace=*`: Nomad lists only those,
+        acl.AllowNamespaceOperation; it refuses none), for `planner apply` to refuse a
+        second copy of a model whose Consul service the first one already has."""
+        stubs = self._call(
+            NOMAD_LIST_JOBS,
+            "list jobs in every namespace",
+            lambda: self._api.jobs.request(
+                method="get", params={"meta": "true", "namespace": "*"}
+            ).json(),
+        )
+        return [
+            s
+            for s in stubs
+            if s.get("ID") in job_ids
+            and s.get("Namespace", DEFAULT_NAMESPACE) != self.namespace
+            and JobMeta.MODEL in (s.get("Meta") or {})
+        ]
 
     def register(self, job: Job, enforce_index: int | None = None) -> dict[str, Any]:
         """Register (create or update) a job; returns {EvalID, JobModifyIndex, ...}.
@@ -444,6 +532,24 @@ class NomadClient:
             )
             latest = max(latest, int(response.headers.get("X-Nomad-Index", 0)))
         return latest
+
+    def events(
+        self,
+        session: aiohttp.ClientSession,
+        index: int,
+        on_message: Callable[[], None] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The event stream from `index` on, in this client's namespace, with its token
+        and TLS (`planner.agents.events.stream_events`: what it yields and raises)."""
+        return stream_events(
+            session,
+            self.address,
+            index,
+            self.token,
+            on_message=on_message,
+            ssl=self.ssl_context,
+            namespace=self.namespace,
+        )
 
     def task_stderr_tail(self, alloc_id: str, task: str, size: int = 8192) -> str:
         """The last `size` bytes a task wrote to stderr, through the client filesystem

@@ -34,7 +34,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from llmgw_contract import JobMeta, KVPrefix, ModelRecord, Parked, UpdateFailed, kv_key
+from llmgw_contract import (
+    JobMeta,
+    KVPrefix,
+    ModelRecord,
+    Parked,
+    UpdateFailed,
+    kv_key,
+    service_name,
+)
 from llmgw_contract.acl import Permission
 from planner.agents import access
 from planner.agents.consul import ConsulClient
@@ -346,8 +354,10 @@ def _check_foreign(
     models: dict[str, tuple[Path, ModelDefinition]],
     registered: dict[str, Job],
 ) -> None:
-    """Refuse to overwrite a Nomad job of the same ID that llmgw does not manage."""
-    errors = []
+    """Refuse to overwrite a Nomad job of the same ID that llmgw does not manage, and to
+    start a second copy of a model that an llmgw job already runs in another namespace
+    (`_elsewhere`)."""
+    errors = _elsewhere(rendered, nomad, models)
     for name in rendered:
         if name not in registered and nomad.job(name) is not None:
             errors.append(
@@ -362,6 +372,38 @@ def _check_foreign(
             )
     if errors:
         raise InvalidDefinitions(errors)
+
+
+def _elsewhere(
+    rendered: dict[str, Job],
+    nomad: NomadClient,
+    models: dict[str, tuple[Path, ModelDefinition]],
+) -> list[DefinitionError]:
+    """A model whose name an llmgw job has in another Nomad namespace than
+    NOMAD_NAMESPACE: the planner manages one namespace (docs/definitions.md,
+    "Namespace"), and the two jobs would register one Consul service, `llmgw-<name>`,
+    whose replicas the router and `planner status` count as one model's. Seen as far as
+    the token may list jobs in the other namespaces."""
+    errors = []
+    for stub in nomad.llmgw_jobs_elsewhere(set(rendered)):
+        name, there = stub["ID"], stub.get("Namespace", "default")
+        state = "stopped" if stub.get("Stop") else str(stub.get("Status", ""))
+        errors.append(
+            DefinitionError(
+                models[name][0],
+                "name",
+                (
+                    f"model {name!r} already has an llmgw job in Nomad namespace {there!r} "
+                    f"({state}), and this planner manages namespace {nomad.namespace!r} "
+                    "(NOMAD_NAMESPACE); two copies would share the Consul service "
+                    f"{service_name(name)} and be counted as one. Remove it there "
+                    f"(NOMAD_NAMESPACE={there} planner apply --prune without it, or nomad "
+                    f"job stop -purge -namespace {there} {name}), or set "
+                    f"NOMAD_NAMESPACE={there} to manage it where it runs"
+                ),
+            )
+        )
+    return errors
 
 
 def prepare(

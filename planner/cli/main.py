@@ -128,7 +128,12 @@ def _clients(
             Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None}
         )
         settings.validate()
-        nomad = NomadClient(settings.nomad_addr, settings.nomad_token, tls=settings.nomad_tls)
+        nomad = NomadClient(
+            settings.nomad_addr,
+            settings.nomad_token,
+            tls=settings.nomad_tls,
+            namespace=settings.nomad_namespace,
+        )
         consul = ConsulClient(settings.consul_url, settings.consul_token, tls=settings.consul_tls)
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False)

@@ -51,7 +51,7 @@ from llmgw_contract import (
     model_from_service,
 )
 from planner.agents.consul import ConsulClient
-from planner.agents.events import Cursor, Verdict, stream_events
+from planner.agents.events import Cursor, Verdict
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
 from planner.daemon import repair
@@ -274,14 +274,7 @@ class Watcher:
         delivered = False
         seen = self.metrics.message_seen if self.metrics else None
         try:
-            async for event in stream_events(
-                session,
-                self.nomad.address,
-                cursor.asked,
-                self.nomad.token,
-                on_message=seen,
-                ssl=self.nomad.ssl_context,
-            ):
+            async for event in self.nomad.events(session, cursor.asked, on_message=seen):
                 index = int(event.get("Index") or 0)
                 first = cursor.first is None
                 verdict = cursor.judge(index)

@@ -4,6 +4,11 @@ Variables (the HashiCorp ones keep their usual names, so a shell that works
 with `nomad` and `consul` works with `planner`):
   NOMAD_ADDR          default http://127.0.0.1:4646; https://... for a TLS agent
   NOMAD_TOKEN         optional ACL token (sent as X-Nomad-Token, event stream included)
+  NOMAD_NAMESPACE     the one Nomad namespace the planner manages, default "default":
+                      every call it makes (jobs, allocations, evaluations, deployments,
+                      the event stream, the ACL checks, engine installs) is in it
+                      (`planner.agents.nomad`); a name as Nomad allows it, never "*";
+                      one that Nomad does not have is an error at start
   NOMAD_CACERT        CA file (PEM) that verifies Nomad's certificate; default: the
                       system's CAs
   NOMAD_CLIENT_CERT,  client certificate and key (PEM), for an agent with
@@ -123,6 +128,23 @@ def _models_root(text: str) -> str:
     return text
 
 
+def _namespace(text: str) -> str:
+    """NOMAD_NAMESPACE: one namespace's name as Nomad allows it (nomad/structs
+    `validNamespaceName`: letters, digits and '-', 1 to 128 characters). Not "*": the
+    planner manages one namespace, and a model's Consul service name has none."""
+    if text == "*":
+        raise ValueError(
+            "NOMAD_NAMESPACE='*': the planner manages exactly one namespace; "
+            "set it to that namespace's name (default: default)"
+        )
+    if not re.fullmatch(r"[a-zA-Z0-9-]{1,128}", text):
+        raise ValueError(
+            f"NOMAD_NAMESPACE={text!r} is not a Nomad namespace name "
+            "(letters, digits and '-', at most 128)"
+        )
+    return text
+
+
 def _bool(name: str, text: str | None) -> bool:
     if not text:
         return False
@@ -211,6 +233,7 @@ class ClientTLS:
 class Settings:
     nomad_addr: str = "http://127.0.0.1:4646"
     nomad_token: str | None = None
+    nomad_namespace: str = "default"
     consul_addr: str = "127.0.0.1:8500"
     consul_token: str | None = None
     engines: dict[str, str] = field(
@@ -314,6 +337,7 @@ class Settings:
         return cls(
             nomad_addr=env.get("NOMAD_ADDR") or defaults.nomad_addr,
             nomad_token=env.get("NOMAD_TOKEN") or None,
+            nomad_namespace=_namespace(env.get("NOMAD_NAMESPACE") or defaults.nomad_namespace),
             consul_addr=env.get("CONSUL_HTTP_ADDR") or defaults.consul_addr,
             consul_token=env.get("CONSUL_HTTP_TOKEN") or None,
             engines=_engines(env["LLMGW_ENGINES"]) if "LLMGW_ENGINES" in env else defaults.engines,

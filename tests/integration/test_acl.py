@@ -368,6 +368,60 @@ def test_a_missing_permission_is_named_with_exit_3(
         assert "3 " in shown.stdout and "ACL token" in shown.stdout, shown.stdout
 
 
+def test_a_planner_in_another_namespace_is_checked_and_refused_there(
+    acl_cluster: Cluster,
+    binaries: Path,
+    tokens: Tokens,
+    planner_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """NOMAD_NAMESPACE=acl-llm: the checks before acting ask for the capabilities there
+    and a refusal names that namespace; a token of acl/nomad/planner.hcl with the
+    namespace written in (as docs/security.md says) plans there; and the `namespace
+    "*"` block's list-jobs lets apply see acl-tiny, which the default namespace runs,
+    and refuse a second copy."""
+    _cli(acl_cluster, "nomad", "namespace", "apply", "acl-llm")
+    policy = tmp_path / "planner-llm.hcl"
+    text = (REPO / "acl/nomad/planner.hcl").read_text()
+    policy.write_text(text.replace('namespace "default" {', 'namespace "acl-llm" {'))
+    _cli(acl_cluster, "nomad", "acl", "policy", "apply", "llmgw-planner-llm", str(policy))
+    secret = json.loads(
+        _cli(
+            acl_cluster,
+            "nomad",
+            "acl",
+            "token",
+            "create",
+            "-name",
+            "llmgw-planner-llm",
+            "-policy",
+            "llmgw-planner-llm",
+            "-json",
+        )
+    )["SecretID"]
+    folder = write_model(tmp_path / "models", "acl-ns", tiny_model)
+    in_llm = {**planner_env, "NOMAD_NAMESPACE": "acl-llm"}
+
+    # The default namespace's token: list-jobs there too (the "*" block), nothing else.
+    run = planner_cli(in_llm, "apply", "--dry-run", str(folder))
+    assert run.returncode == 3, run.stderr
+    assert (
+        'Nomad denied read-job on namespace "acl-llm", submit-job on namespace "acl-llm"'
+        in run.stderr
+    )
+
+    with_token = {**in_llm, "NOMAD_TOKEN": secret}
+    planned = planner_cli(with_token, "apply", "--dry-run", str(folder))
+    assert planned.returncode == 0, planned.stderr
+    write_model(folder, "acl-tiny", tiny_model)
+    refused = planner_cli(with_token, "apply", "--dry-run", str(folder))
+    assert refused.returncode == 2, refused.stderr
+    assert "model 'acl-tiny' already has an llmgw job in Nomad namespace 'default'" in (
+        refused.stderr
+    )
+
+
 def test_the_policy_files_are_the_agents_policies_and_the_router_has_no_nomad_one(
     acl_cluster: Cluster, tokens: Tokens
 ) -> None:

@@ -103,7 +103,7 @@ def parked_message(model: str, parked: Parked) -> str:
     last_part = f" Last error: {last}." if last else ""
     remedy = (
         f" Requests are refused until it is unparked: change its source or profile, "
-        f"or run `planner retry {model}`."
+        f"or run `planner retry {model}` (`planner apply` first if its Nomad job is gone)."
     )
     head = f"The model `{model}` is parked{since}: {_clip(parked.reason, _LINE_LIMIT)}."
     return _clip(head + last_part, MESSAGE_LIMIT - len(remedy)) + remedy

@@ -582,18 +582,35 @@ def _noted(change: Change, note: str) -> Change:
     return replace(change, reason=f"{change.reason} ({note})")
 
 
+def registration(change: Change) -> list[Effect]:
+    """The effects that register `change.job`: the registration, and for a job that was
+    stopped, a forced reschedule of the replicas Nomad stopped after their restart
+    attempts (they keep their place in the count across a job stop: no reschedule).
+
+    Not when parking is lifted by a new definition that rolls out with canaries: Nomad
+    places the replacement of a failed allocation of the old version at that old version
+    until the canaries are promoted, so a forced reschedule starts the definition git no
+    longer has, five more times (found by a new user: issue 19's QA, "D1"). The canaries
+    replace the old allocations on promotion, and a canary that never passes parks the
+    model as any failing definition does."""
+    assert change.job is not None
+    effects: list[Effect] = [Register(Reason.APPLY, change.reason, change.job)]
+    if change.restart and not (change.unpark and _canaries(change.job)):
+        effects.append(
+            Evaluate(Reason.APPLY, "the stopped job is starting again", force_reschedule=True)
+        )
+    return effects
+
+
+def _canaries(job: Job) -> int:
+    return sum(int((g.get("Update") or {}).get("Canary") or 0) for g in job.get("TaskGroups") or [])
+
+
 def _registered(change: Change, applier: Applier) -> Outcome:
     """Register the job (EnforceIndex: `change.job_index`), start the replicas of a
     stopped or parked job again, and clear the KV cache of a lifted parking."""
     assert change.job is not None
-    effects: list[Effect] = [Register(Reason.APPLY, change.reason, change.job)]
-    if change.restart:
-        # Replicas Nomad stopped after their restart attempts keep their place in the
-        # count across a job stop (no reschedule): place them again.
-        effects.append(
-            Evaluate(Reason.APPLY, "the stopped job is starting again", force_reschedule=True)
-        )
-    answers = applier.write_job(change.model, effects, change.job_index)
+    answers = applier.write_job(change.model, registration(change), change.job_index)
     index = _job_index(answers[0])
     if change.unpark:
         applier.update(change.model, lambda s: set_parked(s, None, index))

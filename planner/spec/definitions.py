@@ -420,15 +420,25 @@ def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
     return message
 
 
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """The words for a file that is not UTF-8 text (YAML 1.2 files are UTF-8)."""
+    return (
+        f"expected UTF-8 text; byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
+        "is not (save the file as UTF-8)"
+    )
+
+
 def parse_file(
     path: Path, models_root: str | None = DEFAULT_MODELS_ROOT
 ) -> tuple[ModelDefinition | None, list[DefinitionError]]:
     """Read and check one YAML file; returns the definition or every problem in it.
     A file:// source must lie under `models_root` (None: not checked)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         return None, [DefinitionError(path, "", f"cannot read file: {exc.strerror}")]
+    except UnicodeDecodeError as exc:
+        return None, [DefinitionError(path, "", not_utf8(exc))]
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:

@@ -50,7 +50,7 @@ from pydantic import (
 from llmgw_contract import ENGINE_JOB_PREFIX
 from planner.engines import DEFAULT_KIND, KINDS
 from planner.errors import DefinitionError, InvalidDefinitions
-from planner.spec.definitions import _UniqueKeyLoader, collect
+from planner.spec.definitions import _UniqueKeyLoader, collect, not_utf8
 
 ENGINE_NAME_PATTERN = r"^[a-z_][a-z0-9_-]*(\.[a-z_][a-z0-9_-]*)*$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
@@ -247,9 +247,11 @@ def _explain(error: Mapping[str, Any]) -> str:
 def parse_engine_file(path: Path) -> tuple[EngineDefinition | None, list[DefinitionError]]:
     """Read and check one engine file; the definition, or every problem in it."""
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except OSError as exc:
         return None, [DefinitionError(path, "", f"cannot read file: {exc.strerror}")]
+    except UnicodeDecodeError as exc:
+        return None, [DefinitionError(path, "", not_utf8(exc))]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

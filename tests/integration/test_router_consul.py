@@ -881,6 +881,7 @@ def test_parked_model_is_refused_at_once_with_its_error(cluster) -> None:
     assert KEV_LINE in error["message"] and "Terminated: Exit Code: 1" in error["message"]
     assert "5 consecutive start failures" in error["message"]
     assert "change its source or profile, or run `planner retry kev`" in error["message"]
+    assert "(`planner apply` first if its Nomad job is gone)" in error["message"]
     assert "retry shortly" not in error["message"] and len(error["message"]) < 1024
     assert router.metric("llmgw_router_refusals_total", model="kev", reason="parked") >= 2
     assert router.metric("llmgw_router_requests_total", model="kev", code="503") >= 2

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from llmgw_contract import Parked
-from planner.cli.apply import Action, decide, dropped_engine
+from planner.cli.apply import Action, decide, dropped_engine, registration
+from planner.model.effects import Evaluate, Register
 from tests.support.nomad_mock import job
 
 
@@ -167,3 +168,36 @@ def test_a_parked_model_whose_job_was_purged_is_registered_again_still_parked() 
     [changed] = decide({"m": spec("s1", definition_hash="d2")}, {}, prune=False, parked=parked)
     assert changed.action is Action.CREATE and not changed.job.get("Stop")
     assert "lifts parking" in changed.reason
+
+
+def with_canaries(made: dict, canaries: int) -> dict:
+    made["TaskGroups"] = [{**made["TaskGroups"][0], "Update": {"Canary": canaries}}]
+    return made
+
+
+def test_lifting_parking_with_canaries_never_reschedules_the_old_definition() -> None:
+    """Issue 19's QA (D1): a parked model applied with a new definition that rolls out
+    with canaries is only registered; a forced reschedule would place the failed
+    allocation of the old version again, at that version, five more times. A stopped
+    job of the same definition, or one without canaries, is still placed again."""
+    parked = {"m": Parked(reason="5 consecutive start failures", definition_hash="d1")}
+    registered = {"m": spec("s1", stop=True)}
+    [lifted] = decide(
+        {"m": with_canaries(spec("s2", definition_hash="d2"), 1)},
+        registered,
+        prune=False,
+        parked=parked,
+    )
+    assert lifted.unpark and [type(e) for e in registration(lifted)] == [Register]
+    [no_canary] = decide(
+        {"m": with_canaries(spec("s2", definition_hash="d2"), 0)},
+        registered,
+        prune=False,
+        parked=parked,
+    )
+    assert [type(e) for e in registration(no_canary)] == [Register, Evaluate]
+    assert registration(no_canary)[1].force_reschedule
+    [stopped] = decide(
+        {"m": with_canaries(spec("s1"), 1)}, {"m": spec("s1", stop=True)}, prune=False
+    )
+    assert stopped.restart and [type(e) for e in registration(stopped)] == [Register, Evaluate]

@@ -503,3 +503,13 @@ def test_several_models_roots_joined_by_a_colon_each_admit_their_own(tmp_path: P
     )
     with pytest.raises(InvalidDefinitions, match=f"is outside the models roots {roots}"):
         load_definitions([tmp_path / "c.yaml"], models_root=roots)
+
+
+def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """Issue 19's QA (D5): `name: qa-y\\xff\\xfe` crashed apply with UnicodeDecodeError."""
+    path = tmp_path / "m.yaml"
+    path.write_bytes(b"name: qa-y\xff\xfe\nreplicas: 1\n")
+    with pytest.raises(InvalidDefinitions) as caught:
+        load_definitions([tmp_path])
+    assert "m.yaml" in str(caught.value)
+    assert "expected UTF-8 text; byte 0xff at offset 10" in str(caught.value)

@@ -170,7 +170,10 @@ def test_parked_message_says_why_and_what_lifts_it() -> None:
     assert "5 consecutive start failures" in message
     assert KEV_LINE in message
     assert "Terminated: Exit Code: 1" in message
-    assert message.endswith("change its source or profile, or run `planner retry kevin`.")
+    assert message.endswith(
+        "change its source or profile, or run `planner retry kevin` (`planner apply` first "
+        "if its Nomad job is gone)."
+    )
     assert "retry shortly" not in message
     assert len(message) < MESSAGE_LIMIT
 
@@ -179,7 +182,7 @@ def test_messages_stay_under_the_limit_whatever_the_planner_wrote() -> None:
     huge = Parked(reason="r" * 5000, last_error="E" * 5000 + "\n" + "error " * 2000, since="s")
     message = parked_message("m", huge)
     assert len(message) <= MESSAGE_LIMIT
-    assert message.endswith("`planner retry m`.")
+    assert message.endswith("`planner retry m` (`planner apply` first if its Nomad job is gone).")
     message = unplaceable_message("m", Unplaceable(reason="x" * 5000))
     assert len(message) <= MESSAGE_LIMIT and "fits on no node" in message
     assert len(stopped_message("m", "y" * 5000)) <= MESSAGE_LIMIT

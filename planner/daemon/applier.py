@@ -95,15 +95,30 @@ class Applier:
         other refusal (e.g. "job scaling blocked due to active deployment")."""
         store = self._store()
         applied = Applied(plan.state)
+        state_index = observation.state_index
+        parks = any(isinstance(e, Park) for e in plan.effects)
+        if parks:
+            # What was counted is written before the job is parked, as the document
+            # said before this core: otherwise, between the two writes, a reader sees
+            # the job parked "after 5 failures" beside a document that counts 4 (found
+            # by CI: `status` and the router read both). Then the park, then its record.
+            counted = plan.state.model_copy(
+                update={"parked": before.parked, "job_index": before.job_index}
+            )
+            if counted != before:
+                if not store.write(name, counted, state_index):
+                    raise Stale(f"model {name}: its state document changed meanwhile")
+                state_index, stored = store.read(name)
+                if stored != counted:  # another writer came between: decide again
+                    raise Stale(f"model {name}: its state document changed meanwhile")
+                before = counted
         answers = self._effects(name, plan.effects, observation.job, observation.job_index)
         applied.answers.extend(answers)
         index = _index_after(answers, observation.job_index)
-        if any(isinstance(e, Park | Unpark) for e in plan.effects):
+        if parks or any(isinstance(e, Unpark) for e in plan.effects):
             # The parking the document caches is the job's as of this write.
             applied.state = applied.state.model_copy(update={"job_index": index})
-        if applied.state != before and not store.write(
-            name, applied.state, observation.state_index
-        ):
+        if applied.state != before and not store.write(name, applied.state, state_index):
             raise Stale(f"model {name}: its state document changed meanwhile")
         for note in plan.notes:
             log.log(note.level, "model %s: %s", name, note.text)

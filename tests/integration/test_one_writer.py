@@ -65,10 +65,17 @@ def test_steady_activations_while_a_model_fails_make_exactly_five_starts(
     with steady(
         lambda: answers.append(activate(planner_daemon, "steady-kev")["status"]), interval=0.15
     ) as codes:
+        # Parked in Nomad first (the job's meta, the durable record), then in the KV
+        # document: for a few milliseconds `status` shows parked with the count before
+        # the 5th failure (found by CI: 4), so wait for both writes.
         parked = wait_for(
-            lambda: (m := planner_daemon.model("steady-kev"))["state"] == "parked" and m,
+            lambda: (
+                (m := planner_daemon.model("steady-kev"))["state"] == "parked"
+                and m["consecutive_failures"] >= 5
+                and m
+            ),
             120,
-            "steady-kev parked",
+            "steady-kev parked, with its count",
         )
         wait_for(
             lambda: (

@@ -19,7 +19,7 @@ from devcluster.cluster import Cluster
 from llmgw_contract import JobMeta, ModelRecord, Parked
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
-from planner.cli.main import apply
+from planner.cli import apply
 from planner.daemon.applier import Applier
 from planner.daemon.observe import Observer
 from planner.daemon.retry import retry as retry_model

@@ -459,10 +459,27 @@ def prepare(
             prune,
             parked,
             _rolled_back(rendered, registered, nomad),
-            consul.model_records(),
+            _own_records(consul.model_records(), registered, rendered, nomad),
         ),
         fits,
     )
+
+
+def _own_records(
+    records: dict[str, ModelRecord],
+    registered: dict[str, Job],
+    rendered: dict[str, Job],
+    nomad: NomadClient,
+) -> set[str]:
+    """The model records this planner's namespace answers for: a record whose model has
+    no job here but an llmgw job in another namespace is that namespace's planner's (one
+    Consul holds both), never pruned from here (found by a new user: `--prune` in `llm`
+    deleted the records of every model serving in `default`)."""
+    candidates = set(records) - set(registered) - set(rendered)
+    if not candidates:
+        return set(records)
+    elsewhere = {stub["ID"] for stub in nomad.llmgw_jobs_elsewhere(candidates)}
+    return set(records) - elsewhere
 
 
 def _rolled_back(

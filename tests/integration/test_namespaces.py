@@ -180,12 +180,25 @@ def test_a_second_copy_in_another_namespace_is_refused(ns: Namespaced) -> None:
 
 
 def test_prune_removes_in_the_namespace(ns: Namespaced, tmp_path: Path) -> None:
+    """Only this namespace's models: a model another planner runs in `default` (one
+    Consul holds both records) is not pruned from `llm` (found by a new user: its record
+    was deleted)."""
+    other = tmp_path / "default-models"
+    other.mkdir()
+    (other / "ns-default.yaml").write_text(
+        f"name: ns-default\nsource: file://{ns.tiny}\nprofile:\n  {SMALL}\nreplicas: 0\n"
+    )
+    there = ns.planner("apply", str(other), NOMAD_NAMESPACE="default")
+    assert there.returncode == 0, there.stderr
     only_kev = tmp_path / "models"
     write_model(only_kev, FAILING, ns.kev)
     pruned = ns.planner("apply", "--prune", "--output", "json", str(only_kev))
     assert pruned.returncode == 0, pruned.stderr
     actions = {c["model"]: c["action"] for c in json.loads(pruned.stdout)["changes"]}
     assert actions == {FAILING: "parked", ON_DEMAND: "deregister"}
+    record = http_json(f"{ns.cluster.consul_addr}/v1/kv/llmgw/models/ns-default")
+    assert record and record[0]["Key"] == "llmgw/models/ns-default"
+    assert not job_absent(ns, "ns-default", "default")
     assert job_absent(ns, ON_DEMAND, NAMESPACE)
     wait_for(
         lambda: (

@@ -181,24 +181,33 @@ def test_retry_never_registers_a_parked_definition_over_one_apply_just_registere
     write_model(folder, "w-retry", write_tiny_gguf(tmp_path / "b.gguf"), replicas=0)
     observe, observed = Observer.observe, []
 
+    registered_b: list[int] = []
+
     def apply_between(self: Observer, name: str, *args: object) -> object:
         seen = observe(self, name, *args)  # type: ignore[arg-type]
         observed.append(seen[1].job)
         if len(observed) == 1:
             [outcome] = only_outcomes(applied(agents, folder), "w-retry")
             assert outcome.change.unpark  # B lifts the parking
+            registered_b.append(nomad.job("w-retry")["JobModifyIndex"])
         return seen
 
     monkeypatch.setattr(Observer, "observe", apply_between)
     state, done = retry("w-retry", nomad, consul)
 
     assert parked_from_job(observed[0]) is not None  # retry decided first on parked A
-    assert len(observed) == 2  # refused once, then decided on B
+    # Refused once by the job's index, then decided on B. How many times it observed B
+    # is not this test's business: the session's leading daemon (a `planner_daemon`
+    # started by an earlier module) writes the state document after B's registration
+    # too, and a retry that read the document before that write is refused once more
+    # (found by CI: 3 observations).
+    assert len(observed) >= 2
+    assert all(parked_from_job(job) is None for job in observed[1:])  # each one B
     assert done == "not parked, unplaceable or stopped; nothing to retry"
     job = nomad.job("w-retry")
     assert job["Meta"][JobMeta.DEFINITION_HASH] == record(consul, "w-retry").definition_hash
     assert not job["Stop"] and parked_from_job(job) is None
-    assert job["JobModifyIndex"] == observed[1]["JobModifyIndex"]  # nothing over B
+    assert job["JobModifyIndex"] == registered_b[0]  # nothing registered over B
     assert state.parked is None
 
 

@@ -217,9 +217,14 @@ class Workers:
 
     def _failed(self, name: str, event: Event, exc: Exception, command: _Command | None) -> None:
         if isinstance(exc, Skipped):
-            log.info("model %s: %s not carried out: %s", name, event, exc)
+            log.info("model %s: %s not carried out: %s", name, event, _words(name, exc))
         elif isinstance(exc, PlannerError | Stale):
-            log.warning("model %s: %s pass: %s; the next event decides again", name, event, exc)
+            log.warning(
+                "model %s: %s pass: %s; the next event decides again",
+                name,
+                event,
+                _words(name, exc),
+            )
         else:
             log.error("model %s: %s pass failed", name, event, exc_info=exc)
         for future in command.futures if command else ():
@@ -247,7 +252,7 @@ class Workers:
                 log.info(
                     "model %s: %s (attempt %d of %d); observing again",
                     name,
-                    exc,
+                    _words(name, exc),
                     attempt,
                     self.max_attempts,
                 )
@@ -261,3 +266,9 @@ class Workers:
             f"{event}: refused {self.max_attempts} times in a row (other writers of "
             f"model {name}); waiting for the next event"
         )
+
+
+def _words(name: str, exc: Exception) -> str:
+    """`exc`'s message without its own "model <name>: " prefix: the writers' errors name
+    the model already, and the log line names it once (a doubled prefix was logged)."""
+    return str(exc).removeprefix(f"model {name}: ")

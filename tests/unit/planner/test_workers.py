@@ -62,7 +62,7 @@ class Model:
         with self.lock:
             if self.stale_left[name]:
                 self.stale_left[name] -= 1
-                raise Stale("moved")
+                raise Stale(f"model {name}: moved")
         return Applied(plan.state)
 
 
@@ -127,6 +127,18 @@ def test_stale_observes_and_decides_again_then_gives_up(model: Model, workers: W
     with pytest.raises(Stale):
         workers.submit("m", Event.ACTIVATE).result(WAIT)
     assert workers.given_up == 1 and model.observed["m"] == 3 + workers.max_attempts
+
+
+def test_a_refusal_is_logged_naming_the_model_once(
+    model: Model, workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The applier's Stale names the model itself; the worker's line names it once (it
+    read "model m: model m: moved")."""
+    model.stale_left["m"] = 1
+    with caplog.at_level("INFO", logger="planner.workers"):
+        workers.submit("m", Event.ACTIVATE).result(WAIT)
+    [line] = [r.getMessage() for r in caplog.records if "observing again" in r.getMessage()]
+    assert line == "model m: moved (attempt 1 of 5); observing again"
 
 
 def test_a_guard_that_says_no_writes_nothing(model: Model, workers: Workers) -> None:

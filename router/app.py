@@ -245,6 +245,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         else None,
         keys=keys,
         forward_authorization=settings.forward_authorization,
+        accounting=settings.accounting,
         first_byte_timeout_s=settings.first_byte_timeout_s,
         stall_timeout_s=settings.stall_timeout_s,
         loading_heartbeat_s=settings.loading_heartbeat_s,

@@ -15,23 +15,34 @@ Where the counts come from (measured on the bootstrap's llama-server, b11434):
   beside llama-server's own ``timings`` (``cache_n``, ``prompt_n``,
   ``predicted_n``). The portable ``usage`` is read, not ``timings``:
   ``prompt_tokens_details.cached_tokens`` equals ``timings.cache_n``;
-- a chat stream carries usage only when asked (OpenAI's
+- a chat stream carries ``usage`` only when asked (OpenAI's
   ``stream_options: {"include_usage": true}``), as one more event before
-  ``data: [DONE]`` whose ``choices`` is empty. :func:`ask_for_usage` adds the
-  option to the request body when the client did not; the stream then strips
-  that event (:class:`StreamMeter` with ``strip``), so the client gets the bytes
-  it would have got without the router;
+  ``data: [DONE]`` whose ``choices`` is empty; unasked, its last event carries
+  llama-server's ``timings`` instead, and those are read
+  (:func:`parse_timings`: ``prompt_n + cache_n`` prompt tokens, ``cache_n``
+  cached, ``predicted_n`` completion: the same numbers, checked against each
+  other by tests/integration/test_serving.py). So by default the router does
+  not change the request: the client gets the replica's bytes;
 - a ``/v1/completions`` stream carries ``usage`` in its last choice event
-  whether asked or not (llama-server ignores the option there); it passes as is.
+  whether asked or not (llama-server ignores the option there); llama-server's
+  own ``/completion`` carries ``timings``.
 
-Reading costs one substring search per chunk (``"usage":``) and one JSON
-parse of the event or the ``usage`` object that holds it: no event the
-client gets is re-serialised, and only a stripping stream holds back the
-unfinished end of a chunk until its event ends (a partial event is of no use
-to a client anyway). Usage in other shapes (input/output tokens of
-``/v1/responses`` and ``/v1/messages``) is read when it sits at the top level;
-the nested usage of their streams is not (not metered, see
-``llmgw_router_unmetered_requests_total``).
+Asking for usage (:func:`ask_for_usage`, ``LLMGW_ROUTER_ASK_STREAM_USAGE``, off
+by default) is for engines that send neither: the option is added to the
+request body when the client did not ask, and the stream strips that event
+(:class:`StreamMeter` with ``strip``). It is off because on llama-server it
+costs the client the ``timings`` of the last choice event (llama-server moves
+them into the usage event, which is stripped): the llama.cpp web UI shows its
+speed from them.
+
+Reading costs two substring searches per chunk (``"usage":``, ``"timings":``)
+and one JSON parse of the event that holds them (every event, only when a
+client asks llama-server for ``timings_per_token``): no event the client gets
+is re-serialised, and only a stripping stream holds back the unfinished end of
+a chunk until its event ends (a partial event is of no use to a client
+anyway). Usage in other shapes (input/output tokens of ``/v1/responses`` and
+``/v1/messages``) is read when it sits at the top level; the nested usage of
+their streams is not (not metered, see ``llmgw_router_unmetered_requests_total``).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from typing import Any
 STREAM_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 
 _USAGE_KEY = b'"usage":'
+_TIMINGS_KEY = b'"timings":'
 _EVENT_END = b"\n\n"
 _DATA = b"data:"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
@@ -89,21 +101,40 @@ def parse_usage(usage: Any) -> Usage | None:
     return Usage(prompt, min(cached or 0, prompt), completion)
 
 
+def parse_timings(timings: Any) -> Usage | None:
+    """A :class:`Usage` from llama-server's ``timings`` object (``cache_n``,
+    ``prompt_n``, ``predicted_n``), or ``None``."""
+    if not isinstance(timings, dict):
+        return None
+    cached = _count(timings.get("cache_n"))
+    fresh = _count(timings.get("prompt_n"))
+    completion = _count(timings.get("predicted_n"))
+    if cached is None or fresh is None or completion is None:
+        return None
+    return Usage(fresh + cached, cached, completion)
+
+
 def whole_usage(body: bytes) -> Usage | None:
-    """The top-level ``usage`` of a whole JSON answer, or ``None``.
+    """The top-level ``usage`` of a whole JSON answer, else its ``timings``
+    (llama-server's own routes), or ``None``.
 
     Parses only the object after the last ``"usage":`` (llama-server writes it
     near the end): a bare ``"usage":`` cannot occur inside a JSON string (its
     quotes would be escaped), so the last one is a key.
     """
-    at = body.rfind(_USAGE_KEY)
+    usage = parse_usage(_last_object(body, _USAGE_KEY))
+    return usage if usage is not None else parse_timings(_last_object(body, _TIMINGS_KEY))
+
+
+def _last_object(body: bytes, key: bytes) -> Any:
+    at = body.rfind(key)
     if at < 0:
         return None
     try:
-        value, _ = _decoder.raw_decode(body[at + len(_USAGE_KEY) :].decode().lstrip())
+        value, _ = _decoder.raw_decode(body[at + len(key) :].decode().lstrip())
     except (ValueError, UnicodeDecodeError):
         return None
-    return parse_usage(value)
+    return value
 
 
 def ask_for_usage(body: bytes | bytearray, doc: dict[str, Any]) -> bytes | None:
@@ -134,11 +165,13 @@ class StreamMeter:
     usage event is dropped and an unfinished event is held until it ends.
     """
 
-    __slots__ = ("_rest", "first_at", "strip", "usage")
+    __slots__ = ("_rest", "_timed", "first_at", "strip", "usage")
 
     def __init__(self, strip: bool = False) -> None:
         self.strip = strip
         self.usage: Usage | None = None
+        # usage came from timings, so a later usage object replaces it.
+        self._timed = False
         # perf_counter() when the first byte of the stream arrived.
         self.first_at: float | None = None
         # The unfinished event at the end of what was fed (held or only scanned).
@@ -162,7 +195,7 @@ class StreamMeter:
                 return self._strip(whole) + rest if self.strip else chunk
             self._rest = rest
         if not self.strip:
-            if _USAGE_KEY in whole:
+            if _USAGE_KEY in whole or _TIMINGS_KEY in whole:
                 for event in whole.split(_EVENT_END):
                     self._read(event)
             return chunk
@@ -174,16 +207,16 @@ class StreamMeter:
         return rest if self.strip else b""
 
     def _strip(self, whole: bytes) -> bytes:
-        if _USAGE_KEY not in whole:
+        if _USAGE_KEY not in whole and _TIMINGS_KEY not in whole:
             return whole
         events = whole.split(_EVENT_END)
         kept = [e for e in events[:-1] if not self._read(e)]
         return b"".join(e + _EVENT_END for e in kept)
 
     def _read(self, event: bytes) -> bool:
-        """Take the usage of ``event`` if it has one; whether it is the extra usage
-        event (no choices) a stripping stream drops."""
-        if _USAGE_KEY not in event:
+        """Take the usage (else the timings) of ``event`` if it has one; whether it
+        is the extra usage event (no choices) a stripping stream drops."""
+        if _USAGE_KEY not in event and _TIMINGS_KEY not in event:
             return False
         at = event.find(_DATA)
         if at < 0:
@@ -196,6 +229,10 @@ class StreamMeter:
             return False
         usage = parse_usage(doc.get("usage"))
         if usage is None:
+            if self.usage is None or self._timed:
+                timed = parse_timings(doc.get("timings"))
+                if timed is not None:
+                    self.usage, self._timed = timed, True
             return False
-        self.usage = usage
+        self.usage, self._timed = usage, False
         return self.strip and doc.get("choices") == []

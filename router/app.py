@@ -246,6 +246,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         keys=keys,
         forward_authorization=settings.forward_authorization,
         accounting=settings.accounting,
+        ask_stream_usage=settings.ask_stream_usage,
         first_byte_timeout_s=settings.first_byte_timeout_s,
         stall_timeout_s=settings.stall_timeout_s,
         loading_heartbeat_s=settings.loading_heartbeat_s,

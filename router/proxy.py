@@ -189,6 +189,7 @@ class Proxy:
         body_read_timeout_s: float = 30.0,
         body_min_rate: float = 64 * 1024,
         accounting: bool = True,
+        ask_stream_usage: bool = False,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -224,6 +225,9 @@ class Proxy:
         self.body_min_rate = body_min_rate
         # Token accounting (router.accounting): usage read from every answer.
         self.accounting = accounting
+        # Add stream_options.include_usage to streams that did not ask (off: the
+        # llama-server timings of the last event are read instead).
+        self.ask_stream_usage = ask_stream_usage
         # Set by the lifespan: requests go on ``session``; liveness probes
         # (router.firstbyte) on ``control``, so a replica's full pool never
         # delays the question whether it is alive.
@@ -306,7 +310,11 @@ class Proxy:
                 meter.metered = route in METERED_ROUTES
                 if stream:
                     assert doc is not None
-                    asked = ask_for_usage(body, doc) if route in STREAM_OPTION_ROUTES else None
+                    asked = (
+                        ask_for_usage(body, doc)
+                        if self.ask_stream_usage and route in STREAM_OPTION_ROUTES
+                        else None
+                    )
                     if asked is not None:
                         # The router's own question: its answer is not the client's.
                         body = asked

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from router.accounting import StreamMeter, Usage, ask_for_usage, parse_usage, whole_usage
+from router.accounting import (
+    StreamMeter,
+    Usage,
+    ask_for_usage,
+    parse_timings,
+    parse_usage,
+    whole_usage,
+)
 from router.keys import digest
 from router.settings import RouterSettings
 from tests.support.router_harness import LocalServer, RouterUnderTest, in_process_router, run
@@ -31,13 +38,18 @@ def event(doc: dict | str) -> bytes:
     return b"data: " + data.encode() + b"\n\n"
 
 
+TIMINGS = {"cache_n": 21, "prompt_n": 5, "prompt_ms": 300.5, "predicted_n": 3}
 TOKEN = event({"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "Say"}}]})
-FINISH = event(
-    {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], "timings": {"cache_n": 21}}
+# The last choice event: with llama-server's timings when the client did not ask
+# for usage, without them when it did (they move to the usage event).
+FINISH_TIMED = event(
+    {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], "timings": TIMINGS}
 )
-USAGE_EVENT = event({"choices": [], "id": "chatcmpl-1", "usage": USAGE, "timings": {}})
+FINISH = event({"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]})
+USAGE_EVENT = event({"choices": [], "id": "chatcmpl-1", "usage": USAGE, "timings": TIMINGS})
 DONE = event("[DONE]")
 STREAM = TOKEN + FINISH + USAGE_EVENT + DONE
+UNASKED = TOKEN + FINISH_TIMED + DONE
 
 
 def test_parse_usage_shapes() -> None:
@@ -57,6 +69,12 @@ def test_parse_usage_shapes() -> None:
         assert parse_usage(bad) is None
 
 
+def test_parse_timings() -> None:
+    assert parse_timings(TIMINGS) == Usage(26, 21, 3)
+    assert parse_timings({"cache_n": 1, "prompt_n": 2}) is None
+    assert parse_timings(None) is None
+
+
 def test_whole_usage_reads_the_last_usage_key_only() -> None:
     body = json.dumps(
         {
@@ -68,6 +86,10 @@ def test_whole_usage_reads_the_last_usage_key_only() -> None:
     ).encode()
     assert whole_usage(body) == Usage(26, 21, 3)
     assert whole_usage(b'{"choices": []}') is None
+    # llama-server's own /completion: timings only.
+    assert whole_usage(json.dumps({"content": "x", "timings": TIMINGS}).encode()) == Usage(
+        26, 21, 3
+    )
     assert whole_usage(b'{"usage": {"prompt_tokens": ') is None
 
 
@@ -121,6 +143,22 @@ def test_stripping_sends_whole_events_at_once_and_holds_only_an_unfinished_one()
     assert meter.flush() == FINISH[:5]
 
 
+@pytest.mark.parametrize("size", [len(UNASKED), 7, 1])
+def test_a_stream_without_usage_is_counted_from_its_timings(size: int) -> None:
+    meter = StreamMeter()
+    out = b"".join(meter.feed(c) for c in chunked(UNASKED, size)) + meter.flush()
+    assert out == UNASKED and meter.usage == Usage(26, 21, 3)
+
+
+def test_usage_wins_over_timings_whatever_the_order() -> None:
+    other = {"prompt_tokens": 30, "completion_tokens": 4}
+    meter = StreamMeter()
+    meter.feed(FINISH_TIMED + event({"choices": [], "usage": other}))
+    assert meter.usage == Usage(30, 0, 4)
+    meter.feed(FINISH_TIMED)
+    assert meter.usage == Usage(30, 0, 4)
+
+
 def test_usage_inside_a_choice_event_is_read_and_never_stripped() -> None:
     # llama-server's /v1/completions stream: usage in the last choice event.
     last = event({"choices": [{"text": "", "finish_reason": "length"}], "usage": USAGE})
@@ -158,9 +196,9 @@ class UsageReplica(LocalServer):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         asked = (doc.get("stream_options") or {}).get("include_usage") is True
-        for part in (TOKEN, FINISH, USAGE_EVENT if asked else b"", DONE):
-            if part:
-                await response.write(part)
+        for part in (TOKEN, FINISH, USAGE_EVENT) if asked else (TOKEN, FINISH_TIMED):
+            await response.write(part)
+        await response.write(DONE)
         await response.write_eof()
         return response
 
@@ -195,7 +233,7 @@ def tokens(router: RouterUnderTest, key: str, kind: str) -> float | None:
     return router.metric("llmgw_router_tokens_total", model="m", key=key, type=kind)
 
 
-def test_usage_is_counted_per_key_and_the_asked_for_event_never_reaches_the_client(
+def test_usage_is_counted_per_key_and_the_stream_reaches_the_client_unchanged(
     tmp_path: Path,
 ) -> None:
     keys = tmp_path / "keys.yaml"
@@ -211,8 +249,8 @@ def test_usage_is_counted_per_key_and_the_asked_for_event_never_reaches_the_clie
                 router.pass_endpoint()
                 key = "sk-team-a-0123456789"
                 status, body = await chat(app, {"model": "m", "stream": True}, key)
-                assert status == 200 and body == TOKEN + FINISH + DONE
-                assert replica.bodies[-1]["stream_options"] == {"include_usage": True}
+                assert status == 200 and body == UNASKED
+                assert "stream_options" not in replica.bodies[-1]
                 asked = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
                 status, body = await chat(app, asked, key)
                 assert body == STREAM
@@ -250,16 +288,36 @@ def test_usage_is_counted_per_key_and_the_asked_for_event_never_reaches_the_clie
     run(scenario())
 
 
-def test_accounting_off_forwards_the_body_unchanged() -> None:
+def test_asked_for_usage_never_reaches_the_client() -> None:
     async def scenario() -> None:
         replica = UsageReplica()
         await replica.start()
+        settings = RouterSettings(activation=False, ask_stream_usage=True)
         try:
-            async with in_process_router(RouterSettings(activation=False, accounting=False)) as app:
+            async with in_process_router(settings) as app:
                 router = RouterUnderTest(app, replica)
                 router.pass_endpoint()
                 status, body = await chat(app, {"model": "m", "stream": True})
                 assert status == 200 and body == TOKEN + FINISH + DONE
+                assert replica.bodies[-1]["stream_options"] == {"include_usage": True}
+                assert tokens(router, "anonymous", "prompt") == 26
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def test_accounting_off_counts_nothing() -> None:
+    async def scenario() -> None:
+        replica = UsageReplica()
+        await replica.start()
+        settings = RouterSettings(activation=False, accounting=False, ask_stream_usage=True)
+        try:
+            async with in_process_router(settings) as app:
+                router = RouterUnderTest(app, replica)
+                router.pass_endpoint()
+                status, body = await chat(app, {"model": "m", "stream": True})
+                assert status == 200 and body == UNASKED
                 assert "stream_options" not in replica.bodies[-1]
                 assert tokens(router, "anonymous", "prompt") is None
         finally:

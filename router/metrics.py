@@ -6,7 +6,8 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_refusals_total{model,reason}``: requests the router answered
   itself instead of proxying, by :class:`router.errors.Refusal` (parked,
   unplaceable, stopped, not_ready, loading, replicas_busy, planner_unavailable;
-  unknown_model, router_starting and router_overloaded under ``model=""``);
+  unknown_model, unauthorized, not_allowed, rate_limited (:mod:`router.limits`),
+  router_starting and router_overloaded under ``model=""``);
   published at 0
 - ``llmgw_router_activations_total{model,outcome}``: activate calls this router
   made to the planner (one per call, however many requests shared it), by the
@@ -52,7 +53,9 @@ key) pair appear with its first request:
   of ``prompt`` served from the prompt cache, not extra tokens) and ``completion``
 - ``llmgw_router_key_requests_total{model,key,outcome}``: requests by
   :data:`OUTCOMES`: ``ok`` (status < 400), ``refused`` (the router answered
-  itself: llmgw_router_refusals_total says why), ``client_error`` and
+  itself: llmgw_router_refusals_total says why), ``rate_limited`` (429: the
+  key's limits, :mod:`router.limits`; counted under ``model=""``, as the limit
+  is checked before the body is read), ``client_error`` and
   ``upstream_error`` (the replica's or the upstream's 4xx / 5xx),
   ``client_closed`` (499); the outcomes of a pair are published at 0
 - ``llmgw_router_unmetered_requests_total{model}``: successful answers on a
@@ -92,10 +95,10 @@ UNKNOWN_MODEL = ""
 KEY_ANONYMOUS = "anonymous"
 KEY_UNAUTHENTICATED = "unauthenticated"
 TOKEN_TYPES = ("prompt", "cached_prompt", "completion")
-OK, REFUSED, CLIENT_ERROR, UPSTREAM_ERROR, CLIENT_CLOSED = (
-    "ok", "refused", "client_error", "upstream_error", "client_closed",
+OK, REFUSED, RATE_LIMITED, CLIENT_ERROR, UPSTREAM_ERROR, CLIENT_CLOSED = (
+    "ok", "refused", "rate_limited", "client_error", "upstream_error", "client_closed",
 )  # fmt: skip
-OUTCOMES = (OK, REFUSED, CLIENT_ERROR, UPSTREAM_ERROR, CLIENT_CLOSED)
+OUTCOMES = (OK, REFUSED, RATE_LIMITED, CLIENT_ERROR, UPSTREAM_ERROR, CLIENT_CLOSED)
 # Routes whose successful answers carry usage (router.routes' names).
 METERED_ROUTES = frozenset(
     {
@@ -108,7 +111,8 @@ METERED_ROUTES = frozenset(
 _MODEL_REFUSALS = tuple(
     r
     for r in Refusal
-    if r not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED)
+    if r
+    not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED, Refusal.RATE_LIMITED)
     and r not in ROUTER_REFUSALS
 )
 
@@ -150,7 +154,7 @@ def outcome(status: int, refused: bool) -> str:
     if status < 400:
         return OK
     if refused:
-        return REFUSED
+        return RATE_LIMITED if status == 429 else REFUSED
     if status == 499:
         return CLIENT_CLOSED
     return CLIENT_ERROR if status < 500 else UPSTREAM_ERROR

@@ -77,7 +77,8 @@ from router.intake import (
     default_budget,
     read_body,
 )
-from router.keys import KeySource
+from router.keys import ApiKey, KeySource
+from router.limits import KeyLimits
 from router.metrics import (
     KEY_ANONYMOUS,
     KEY_UNAUTHENTICATED,
@@ -190,6 +191,7 @@ class Proxy:
         body_min_rate: float = 64 * 1024,
         accounting: bool = True,
         ask_stream_usage: bool = False,
+        limits: KeyLimits | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -228,6 +230,8 @@ class Proxy:
         # Add stream_options.include_usage to streams that did not ask (off: the
         # llama-server timings of the last event are read instead).
         self.ask_stream_usage = ask_stream_usage
+        # Per-key limits (router.limits), for keys that have some.
+        self.limits = limits
         # Set by the lifespan: requests go on ``session``; liveness probes
         # (router.firstbyte) on ``control``, so a replica's full pool never
         # delays the question whether it is alive.
@@ -247,6 +251,7 @@ class Proxy:
         key_name = KEY_ANONYMOUS if self.keys is None else KEY_UNAUTHENTICATED
         refused = False
         meter = _Meter()
+        limited: ApiKey | None = None
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
@@ -260,6 +265,9 @@ class Proxy:
             key = None if self.keys is None else self.keys.authenticate(authorization(scope))
             if key is not None:
                 key_name = key.name
+                if key.limited and self.limits is not None:
+                    self.limits.admit(key)
+                    limited = key
             body = await read_body(
                 receive,
                 content_length(scope["headers"]),
@@ -347,6 +355,8 @@ class Proxy:
         finally:
             reservation.release()
             self.active -= 1
+            if limited is not None:
+                self.limits.release(limited)  # type: ignore[union-attr]
             ended = time.perf_counter()
             bound.observe(status, ended - started)
             if self.accounting:

@@ -173,6 +173,40 @@ def test_a_router_that_asks_for_stream_usage_strips_it(
     assert after["completion"] - before["completion"] == expected["completion_tokens"]
 
 
+def test_a_key_over_its_requests_per_minute_gets_openais_429(
+    cluster: Cluster, planner_daemon: PlannerDaemon, serving: str, tmp_path: Path
+) -> None:
+    """Two requests a minute for one key, through a real router to a real replica:
+    the third is 429 rate_limit_exceeded with OpenAI's headers, and the openai
+    client reads it as its RateLimitError; the key's usage is counted by name."""
+    secret = "sk-limited-0123456789abcdef"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: limited\n    sha256: {hashlib.sha256(secret.encode()).hexdigest()}\n"
+        "    limits: {requests_per_minute: 2}\n"
+    )
+    with run_router(cluster, planner_daemon.url, LLMGW_API_KEYS_FILE=str(keys)) as limited:
+        client = openai.OpenAI(base_url=f"{limited}/v1", api_key=secret, max_retries=0)
+        wait_for(lambda: client.models.list().data, 10, "router to list main-tiny")
+        for _ in range(2):
+            client.completions.create(model="main-tiny", prompt="a", max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="main-tiny", prompt="a", max_tokens=2)
+        response = refused.value.response
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert response.headers["x-ratelimit-limit-requests"] == "2"
+        assert response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 25 <= int(response.headers["retry-after"]) <= 30
+        with urllib.request.urlopen(f"{limited}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+    assert (
+        'llmgw_router_key_requests_total{key="limited",model="main-tiny",outcome="ok"} 2.0'
+        in metrics
+    )
+    assert 'llmgw_router_tokens_total{key="limited",model="main-tiny",type="completion"}' in metrics
+
+
 def router_tokens(router: str, model: str) -> dict[str, float]:
     """The router's ``llmgw_router_tokens_total`` of `model` (keys off: ``anonymous``),
     by type, and its time-to-first-token count under ``ttft``."""

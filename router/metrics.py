@@ -46,7 +46,8 @@ Accounting (:mod:`router.accounting`; off with ``LLMGW_ROUTER_ACCOUNTING=false``
 ``key`` is the name of the request's router API key in the keys file, never
 the key (:mod:`router.keys`): ``anonymous`` when the router asks for no keys,
 ``unauthenticated`` when the request's key was refused. Series of a (model,
-key) pair appear with its first request:
+key) pair appear with its first request and go with the model (a key removed
+from the keys file keeps its series until then, or until the router restarts):
 
 - ``llmgw_router_tokens_total{model,key,type}``: tokens the replicas reported in
   their answers' ``usage``, by ``type``: ``prompt``, ``cached_prompt`` (the part

@@ -53,6 +53,7 @@ from router.catalog import ConsulCatalog
 from router.endpoints import EndpointTable, ModelEntry
 from router.intake import BodyBudget, default_budget
 from router.keys import ConsulKeys, KeysFile, KeySource
+from router.limits import KeyLimits
 from router.metrics import RouterMetrics
 from router.outliers import OutlierDetector, OutlierPolicy
 from router.plannerapi import PlannerAPI
@@ -245,6 +246,9 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         else None,
         keys=keys,
         forward_authorization=settings.forward_authorization,
+        accounting=settings.accounting,
+        ask_stream_usage=settings.ask_stream_usage,
+        limits=None if keys is None else KeyLimits(),
         first_byte_timeout_s=settings.first_byte_timeout_s,
         stall_timeout_s=settings.stall_timeout_s,
         loading_heartbeat_s=settings.loading_heartbeat_s,

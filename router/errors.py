@@ -11,6 +11,8 @@ The tree, split by what the caller can do::
     │   │                          in time: router.intake, router.serving)
     │   ├── HeadersTooLarge        431 request_header_fields_too_large (router.serving)
     │   ├── InvalidApiKey          401 invalid_api_key (router keys on: none, or unknown)
+    │   ├── RateLimited            429 rate_limit_exceeded (the key's requests per minute
+    │   │                          or concurrent requests, router.limits; Retry-After)
     │   ├── ModelNotFound          404 model_not_found (no KV record, no Consul service;
     │   │                          or a name llmgw reserves, llmgw_contract.reserved)
     │   └── ModelNotAllowed        404 model_not_found (the API key may not use it; as
@@ -84,6 +86,8 @@ class Refusal(StrEnum):
     # the model is not the client's to learn about.
     UNAUTHORIZED = "unauthorized"
     NOT_ALLOWED = "not_allowed"
+    # A key over its limits (router.limits): checked before the body names a model.
+    RATE_LIMITED = "rate_limited"
     # Router-wide, counted under model="": no model was looked at.
     ROUTER_STARTING = "router_starting"
     ROUTER_OVERLOADED = "router_overloaded"
@@ -169,6 +173,24 @@ class InvalidApiKey(RequestRefused):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"www-authenticate", b'Bearer realm="llmgw"')]
+
+
+class RateLimited(RequestRefused):
+    """The request's key is over one of its limits (:mod:`router.limits`). OpenAI's
+    shape: type ``requests``, code ``rate_limit_exceeded``, and its
+    ``x-ratelimit-*`` headers besides ``Retry-After``."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+    refusal = Refusal.RATE_LIMITED
+
+    def __init__(self, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(message)
+        self._headers = headers
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return self._headers
 
 
 class ModelNotAllowed(RequestRefused):

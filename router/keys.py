@@ -8,6 +8,9 @@ Off unless ``LLMGW_API_KEYS_FILE`` (``--api-keys-file``) names a YAML file::
         models: ["gemma-3-270m", "team-a-*"]   # optional: shell patterns; default every model
       - name: ops
         sha256: ...
+        limits:                      # optional, per router (router.limits)
+          requests_per_minute: 600
+          concurrent_requests: 8
 
 Only SHA-256 digests are stored, never a key: a file that leaks gives nobody
 a key. A plain hash (no salt, no stretching) is enough because the keys are
@@ -75,12 +78,20 @@ MAX_KEYS_BYTES = 4 * 1024 * 1024
 BEARER = b"bearer "
 
 
+class _Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    concurrent_requests: int | None = Field(default=None, ge=1)
+
+
 class _KeyEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
     sha256: str
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
+    limits: _Limits = Field(default_factory=_Limits)
 
     @field_validator("sha256")
     @classmethod
@@ -102,10 +113,17 @@ class _KeysFile(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """One key's name and the model patterns it may use."""
+    """One key's name, the model patterns it may use, and its limits (``None``: none)."""
 
     name: str
     models: tuple[str, ...]
+    requests_per_minute: int | None = None
+    concurrent_requests: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether the key has any limit (:mod:`router.limits`)."""
+        return self.requests_per_minute is not None or self.concurrent_requests is not None
 
     def allows(self, model: str) -> bool:
         """Whether this key may use ``model`` (shell-style patterns, ``*`` for every one)."""
@@ -166,7 +184,12 @@ class ApiKeys:
             if entry.name in names:
                 raise ValueError(f"{where}: keys.{i}.name: {entry.name!r} is used twice")
             names.add(entry.name)
-            keys[entry.sha256] = ApiKey(entry.name, tuple(entry.models))
+            keys[entry.sha256] = ApiKey(
+                entry.name,
+                tuple(entry.models),
+                entry.limits.requests_per_minute,
+                entry.limits.concurrent_requests,
+            )
         return cls(keys)
 
     def authenticate(self, authorization: bytes | None) -> ApiKey:

@@ -6,7 +6,8 @@ Series (names and labels are part of the alerting contract):
 - ``llmgw_router_refusals_total{model,reason}``: requests the router answered
   itself instead of proxying, by :class:`router.errors.Refusal` (parked,
   unplaceable, stopped, not_ready, loading, replicas_busy, planner_unavailable;
-  unknown_model, router_starting and router_overloaded under ``model=""``);
+  unknown_model, unauthorized, not_allowed, rate_limited (:mod:`router.limits`),
+  router_starting and router_overloaded under ``model=""``);
   published at 0
 - ``llmgw_router_activations_total{model,outcome}``: activate calls this router
   made to the planner (one per call, however many requests shared it), by the
@@ -41,6 +42,33 @@ Series (names and labels are part of the alerting contract):
   router's calls changed (a failover, or the lead handed over;
   :mod:`router.planners`); published at 0
 
+Accounting (:mod:`router.accounting`; off with ``LLMGW_ROUTER_ACCOUNTING=false``).
+``key`` is the name of the request's router API key in the keys file, never
+the key (:mod:`router.keys`): ``anonymous`` when the router asks for no keys,
+``unauthenticated`` when the request's key was refused. Series of a (model,
+key) pair appear with its first request and go with the model (a key removed
+from the keys file keeps its series until then, or until the router restarts):
+
+- ``llmgw_router_tokens_total{model,key,type}``: tokens the replicas reported in
+  their answers' ``usage``, by ``type``: ``prompt``, ``cached_prompt`` (the part
+  of ``prompt`` served from the prompt cache, not extra tokens) and ``completion``
+- ``llmgw_router_key_requests_total{model,key,outcome}``: requests by
+  :data:`OUTCOMES`: ``ok`` (status < 400), ``refused`` (the router answered
+  itself: llmgw_router_refusals_total says why), ``rate_limited`` (429: the
+  key's limits, :mod:`router.limits`; counted under ``model=""``, as the limit
+  is checked before the body is read), ``client_error`` and
+  ``upstream_error`` (the replica's or the upstream's 4xx / 5xx),
+  ``client_closed`` (499); the outcomes of a pair are published at 0
+- ``llmgw_router_unmetered_requests_total{model}``: successful answers on a
+  metered route (:data:`METERED_ROUTES`) that carried no usage the router could
+  read (a stream the client left, a body too large to parse on the loop):
+  their tokens are missing from ``llmgw_router_tokens_total``
+- ``llmgw_router_time_to_first_token_seconds{model}``: streams only, from the
+  request received to the first byte of the replica's stream (a non-streaming
+  answer's first byte is its last)
+- ``llmgw_router_time_per_output_token_seconds{model}``: streams with at least
+  two completion tokens: (last byte - first byte) / (completion tokens - 1)
+
 The proxy calls :meth:`RouterMetrics.for_model` once per request and then only
 touches pre-bound label children, so the hot path does no label lookups.
 The endpoint table calls :meth:`RouterMetrics.model_defined` /
@@ -57,16 +85,35 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw_contract import ActivationStatus
+from router.accounting import Usage
 from router.endpoint import Failure
 from router.errors import ROUTER_REFUSALS, Refusal
 
 UNKNOWN_MODEL = ""
 
+# Accounting's key names besides the keys file's (router.keys): no keys asked
+# for, and a request whose key was refused.
+KEY_ANONYMOUS = "anonymous"
+KEY_UNAUTHENTICATED = "unauthenticated"
+TOKEN_TYPES = ("prompt", "cached_prompt", "completion")
+OK, REFUSED, RATE_LIMITED, CLIENT_ERROR, UPSTREAM_ERROR, CLIENT_CLOSED = (
+    "ok", "refused", "rate_limited", "client_error", "upstream_error", "client_closed",
+)  # fmt: skip
+OUTCOMES = (OK, REFUSED, RATE_LIMITED, CLIENT_ERROR, UPSTREAM_ERROR, CLIENT_CLOSED)
+# Routes whose successful answers carry usage (router.routes' names).
+METERED_ROUTES = frozenset(
+    {
+        "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completion",
+        "/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
+    }
+)  # fmt: skip
+
 # Refusals a defined model can get; published at 0 so rate() sees the first one.
 _MODEL_REFUSALS = tuple(
     r
     for r in Refusal
-    if r not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED)
+    if r
+    not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED, Refusal.RATE_LIMITED)
     and r not in ROUTER_REFUSALS
 )
 
@@ -82,15 +129,54 @@ _WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 45, 60, 120)
 # A queue wait is one generation ending (milliseconds to seconds), up to the
 # 30 s default queue timeout.
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
+# First token: a short prompt on a GPU (tens of ms) to a long one on a CPU (a minute).
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 45, 90)
+# Per output token: ~5 ms (a small model on a GPU) to ~0.5 s (a large one on a CPU).
+_TPOT_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+
+
+class KeyAccount:
+    """Pre-bound accounting children of one (model, key) pair."""
+
+    __slots__ = ("cached_prompt", "completion", "outcomes", "prompt")
+
+    def __init__(self, owner: RouterMetrics, model: str, key: str) -> None:
+        self.prompt = owner.tokens.labels(model=model, key=key, type="prompt")
+        self.cached_prompt = owner.tokens.labels(model=model, key=key, type="cached_prompt")
+        self.completion = owner.tokens.labels(model=model, key=key, type="completion")
+        self.outcomes = {
+            o: owner.key_requests.labels(model=model, key=key, outcome=o) for o in OUTCOMES
+        }
+
+
+def outcome(status: int, refused: bool) -> str:
+    """The accounting outcome of a request answered with ``status``; ``refused``:
+    the router answered it itself."""
+    if status < 400:
+        return OK
+    if refused:
+        return RATE_LIMITED if status == 429 else REFUSED
+    if status == 499:
+        return CLIENT_CLOSED
+    return CLIENT_ERROR if status < 500 else UPSTREAM_ERROR
 
 
 class RequestMetrics:
     """Pre-bound request counters of one model label (or of undefined models)."""
 
-    __slots__ = ("_codes", "_refusal_family", "_refusals", "_requests", "duration", "model")
+    __slots__ = (
+        "_accounts", "_codes", "_owner", "_refusal_family", "_refusals", "_requests", "duration",
+        "model", "tpot", "ttft", "unmetered",
+    )  # fmt: skip
 
     def __init__(self, owner: RouterMetrics, model: str, refusals: tuple[Refusal, ...]) -> None:
         self.model = model
+        self._owner = owner
+        self._accounts: dict[str, KeyAccount] = {}
+        # Bound by ModelMetrics: an undefined model is never proxied.
+        self.ttft: Histogram | None = None
+        self.tpot: Histogram | None = None
+        self.unmetered: Counter | None = None
         self._requests = owner.requests
         self._codes: dict[int, Counter] = {}
         self.duration = owner.duration.labels(model=model)
@@ -104,6 +190,38 @@ class RequestMetrics:
             child = self._codes[status] = self._requests.labels(model=self.model, code=str(status))
         child.inc()
         self.duration.observe(seconds)
+
+    def account(
+        self,
+        key: str,
+        status: int,
+        refused: bool,
+        usage: Usage | None,
+        first_s: float | None = None,
+        last_s: float | None = None,
+        metered: bool = False,
+    ) -> None:
+        """Record one finished request for ``key`` (a key name): its outcome, the
+        tokens of its ``usage``, and for a stream (``first_s``: seconds from the
+        request to its first byte, ``last_s``: to its last) the time to first token
+        and per output token. ``metered``: its route answers with usage, so a
+        successful answer without any is counted unmetered."""
+        account = self._accounts.get(key)
+        if account is None:
+            account = self._accounts[key] = KeyAccount(self._owner, self.model, key)
+        account.outcomes[outcome(status, refused)].inc()
+        if usage is not None:
+            account.prompt.inc(usage.prompt)
+            if usage.cached:
+                account.cached_prompt.inc(usage.cached)
+            account.completion.inc(usage.completion)
+        elif metered and status < 400 and self.unmetered is not None:
+            self.unmetered.inc()
+        if first_s is not None and self.ttft is not None:
+            self.ttft.observe(first_s)
+            if usage is not None and usage.completion > 1 and last_s is not None:
+                assert self.tpot is not None
+                self.tpot.observe((last_s - first_s) / (usage.completion - 1))
 
     def refused(self, reason: Refusal) -> None:
         """Count one request the router refused itself (its status goes to :meth:`observe`)."""
@@ -135,6 +253,9 @@ class ModelMetrics(RequestMetrics):
         self.activation_wait = owner.activation_wait.labels(model=model)
         self.ejections = {f: owner.ejections.labels(model=model, reason=f) for f in Failure}
         self.ejected = owner.ejected.labels(model=model)
+        self.ttft = owner.ttft.labels(model=model)
+        self.tpot = owner.tpot.labels(model=model)
+        self.unmetered = owner.unmetered.labels(model=model)
 
 
 class RouterMetrics:
@@ -235,6 +356,41 @@ class RouterMetrics:
             "Bytes of request bodies the router holds at most, at once.",
             registry=self.registry,
         )
+        self.tokens = Counter(
+            "llmgw_router_tokens_total",
+            "Tokens the replicas reported in their answers' usage, by model, API key name "
+            "and type (prompt, cached_prompt: the cached part of prompt, completion).",
+            ("model", "key", "type"),
+            registry=self.registry,
+        )
+        self.key_requests = Counter(
+            "llmgw_router_key_requests_total",
+            "Requests by model, API key name and outcome (ok, refused, client_error, "
+            "upstream_error, client_closed).",
+            ("model", "key", "outcome"),
+            registry=self.registry,
+        )
+        self.unmetered = Counter(
+            "llmgw_router_unmetered_requests_total",
+            "Successful answers on a route that reports usage whose usage the router "
+            "could not read (their tokens are not counted).",
+            ("model",),
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "llmgw_router_time_to_first_token_seconds",
+            "Streams: seconds from request received to the first byte of the replica's stream.",
+            ("model",),
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "llmgw_router_time_per_output_token_seconds",
+            "Streams: seconds between first and last byte per completion token after the first.",
+            ("model",),
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
         self._models: dict[str, ModelMetrics] = {}
         # Only request counters: "0 endpoints for model ''" would be noise.
         self.unknown = RequestMetrics(
@@ -273,7 +429,7 @@ class RouterMetrics:
             return
         families = (
             self.duration, self.inflight, self.queued, self.queue_wait, self.endpoints,
-            self.activation_wait, self.ejected,
+            self.activation_wait, self.ejected, self.ttft, self.tpot, self.unmetered,
         )  # fmt: skip
         for family in families:
             family.remove(model)
@@ -285,6 +441,11 @@ class RouterMetrics:
             self.requests.remove(model, str(status))
         for reason in bound._refusals:
             self.refusals.remove(model, reason)
+        for key in bound._accounts:
+            for kind in TOKEN_TYPES:
+                self.tokens.remove(model, key, kind)
+            for name in OUTCOMES:
+                self.key_requests.remove(model, key, name)
 
     def exposition(self) -> tuple[bytes, str]:
         """Current text exposition and its content type, for ``GET /metrics``."""

@@ -55,6 +55,13 @@ from typing import Any
 import aiohttp
 
 from router import errors, refusals
+from router.accounting import (
+    STREAM_OPTION_ROUTES,
+    StreamMeter,
+    Usage,
+    ask_for_usage,
+    whole_usage,
+)
 from router.admission import Held
 from router.balancer import Affinity
 from router.bodies import BodyParser, parse_request
@@ -70,8 +77,15 @@ from router.intake import (
     default_budget,
     read_body,
 )
-from router.keys import KeySource
-from router.metrics import RequestMetrics, RouterMetrics
+from router.keys import ApiKey, KeySource
+from router.limits import KeyLimits
+from router.metrics import (
+    KEY_ANONYMOUS,
+    KEY_UNAUTHENTICATED,
+    METERED_ROUTES,
+    RequestMetrics,
+    RouterMetrics,
+)
 from router.outliers import OutlierDetector
 from router.prefix import PrefixChooser
 from router.replica_errors import error_answer
@@ -175,6 +189,9 @@ class Proxy:
         budget: BodyBudget | None = None,
         body_read_timeout_s: float = 30.0,
         body_min_rate: float = 64 * 1024,
+        accounting: bool = True,
+        ask_stream_usage: bool = False,
+        limits: KeyLimits | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -208,6 +225,13 @@ class Proxy:
         self.budget = budget or BodyBudget(default_budget(), busy_retry_after_s)
         self.body_read_timeout_s = body_read_timeout_s
         self.body_min_rate = body_min_rate
+        # Token accounting (router.accounting): usage read from every answer.
+        self.accounting = accounting
+        # Add stream_options.include_usage to streams that did not ask (off: the
+        # llama-server timings of the last event are read instead).
+        self.ask_stream_usage = ask_stream_usage
+        # Per-key limits (router.limits), for keys that have some.
+        self.limits = limits
         # Set by the lifespan: requests go on ``session``; liveness probes
         # (router.firstbyte) on ``control``, so a replica's full pool never
         # delays the question whether it is alive.
@@ -224,10 +248,14 @@ class Proxy:
         # uvicorn would otherwise read the rest of the body only to drop it.
         body_read = False
         heartbeat: LoadingHeartbeat | None = None
+        key_name = KEY_ANONYMOUS if self.keys is None else KEY_UNAUTHENTICATED
+        refused = False
+        meter = _Meter()
+        limited: ApiKey | None = None
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
-            _target(scope)  # refused before the body is read
+            path = _target(scope)  # refused before the body is read
             if self.max_requests and self.active > self.max_requests:
                 raise errors.RouterOverloaded(
                     f"The router holds its limit of {self.max_requests} requests (in flight "
@@ -235,6 +263,11 @@ class Proxy:
                     self.busy_retry_after_s,
                 )
             key = None if self.keys is None else self.keys.authenticate(authorization(scope))
+            if key is not None:
+                key_name = key.name
+                if key.limited and self.limits is not None:
+                    self.limits.admit(key)
+                    limited = key
             body = await read_body(
                 receive,
                 content_length(scope["headers"]),
@@ -280,13 +313,30 @@ class Proxy:
             # Saying "close" up front keeps it out of the pool.
             stream = doc is not None and doc.get("stream") is True
             close = doc is None or stream
+            if self.accounting:
+                route = path.partition("?")[0]
+                meter.metered = route in METERED_ROUTES
+                if stream:
+                    assert doc is not None
+                    asked = (
+                        ask_for_usage(body, doc)
+                        if self.ask_stream_usage and route in STREAM_OPTION_ROUTES
+                        else None
+                    )
+                    if asked is not None:
+                        # The router's own question: its answer is not the client's.
+                        body = asked
+                    meter.stream = StreamMeter(strip=asked is not None)
+                else:
+                    meter.whole = True
             if stream and self.loading_heartbeat_s > 0:
                 heartbeat = LoadingHeartbeat(send, entry.name, self.loading_heartbeat_s)
             status = await self._forward(
-                entry, scope, body, receive, send, affinity, close, heartbeat
+                entry, scope, path, body, receive, send, affinity, close, heartbeat, meter
             )
         except errors.RouterError as exc:
             if exc.refusal is not None:
+                refused = True
                 bound.refused(exc.refusal)
             if heartbeat is not None and heartbeat.started:
                 # The stream began while the model loaded: the error is its last event.
@@ -305,20 +355,26 @@ class Proxy:
         finally:
             reservation.release()
             self.active -= 1
-            bound.observe(status, time.perf_counter() - started)
+            if limited is not None:
+                self.limits.release(limited)  # type: ignore[union-attr]
+            ended = time.perf_counter()
+            bound.observe(status, ended - started)
+            if self.accounting:
+                _account(bound, key_name, status, refused, meter, started, ended)
 
     async def _forward(
         self,
         entry: ModelEntry,
         scope: Scope,
+        path: str,
         body: bytes | bytearray,
         receive: Receive,
         send: Send,
         affinity: Affinity | None = None,
         close: bool = False,
         heartbeat: LoadingHeartbeat | None = None,
+        meter: _Meter | None = None,
     ) -> int:
-        path = _target(scope)
         headers = []
         has_accept_encoding = False
         drop = self._drop | hop_by_hop(scope["headers"])
@@ -339,7 +395,7 @@ class Proxy:
         watch = DisconnectWatch(receive)
         try:
             return await self._attempts(
-                entry, path, headers, body, receive, send, watch, affinity, heartbeat
+                entry, path, headers, body, receive, send, watch, affinity, heartbeat, meter
             )
         except asyncio.CancelledError:
             if not watch.client_gone:
@@ -362,6 +418,7 @@ class Proxy:
         watch: DisconnectWatch,
         affinity: Affinity | None,
         heartbeat: LoadingHeartbeat | None = None,
+        meter: _Meter | None = None,
     ) -> int:
         tried: list[Endpoint] = []
         failure: BaseException | None = None
@@ -422,8 +479,11 @@ class Proxy:
                 try:
                     if upstream.content_type == "text/event-stream":
                         watch.disarm()
-                        return await relay_stream(entry.name, upstream, receive, send, started)
-                    return await self._relay_whole(entry, upstream, send, started)
+                        stream_meter = None if meter is None else meter.stream
+                        return await relay_stream(
+                            entry.name, upstream, receive, send, started, stream_meter
+                        )
+                    return await self._relay_whole(entry, upstream, send, started, meter)
                 except BaseException:
                     # Drop the connection rather than pool it half-read; for a
                     # cancelled request this is what tells llama-server to stop.
@@ -519,11 +579,13 @@ class Proxy:
         upstream: aiohttp.ClientResponse,
         send: Send,
         started: bool = False,
+        meter: _Meter | None = None,
     ) -> int:
         """Read the whole answer and send it; an error answer (status >= 400) in
         OpenAI's shape (:func:`router.replica_errors.error_answer`). ``started``:
         the response began already (a loading heartbeat), so the answer goes as
-        one event and ends the stream."""
+        one event and ends the stream. A successful answer's usage goes to
+        ``meter`` when it asks for it."""
         try:
             data = await upstream.read()
         except TimeoutError as exc:
@@ -535,6 +597,8 @@ class Proxy:
                 f"The model `{entry.name}` replica failed while answering: {exc!r}."
             ) from None
         status = upstream.status
+        if meter is not None and meter.whole and status < 400:
+            meter.usage = whole_usage(data)
         headers = response_headers(upstream)
         if status >= 400:
             data = error_answer(data, status, entry.name)
@@ -547,6 +611,37 @@ class Proxy:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
         return status
+
+
+class _Meter:
+    """What one request's accounting learns on its way: set by the proxy, read
+    by :func:`_account` when the request ends."""
+
+    __slots__ = ("metered", "stream", "usage", "whole")
+
+    def __init__(self) -> None:
+        self.metered = False
+        # A stream's meter (router.accounting), or whether a whole answer is read.
+        self.stream: StreamMeter | None = None
+        self.whole = False
+        self.usage: Usage | None = None
+
+
+def _account(
+    bound: RequestMetrics,
+    key: str,
+    status: int,
+    refused: bool,
+    meter: _Meter,
+    started: float,
+    ended: float,
+) -> None:
+    stream = meter.stream
+    if stream is None:
+        bound.account(key, status, refused, meter.usage, metered=meter.metered)
+        return
+    first = None if stream.first_at is None else stream.first_at - started
+    bound.account(key, status, refused, stream.usage, first, ended - started, meter.metered)
 
 
 def _payload(body: bytes | bytearray) -> bytes | bytearray | AsyncIterator[memoryview]:

@@ -83,6 +83,12 @@ Environment variables (all optional):
   not with ``LLMGW_API_KEYS_FILE``
 - ``LLMGW_FORWARD_AUTHORIZATION``: ``true`` sends the client's ``Authorization``
   header on to the replica (default: dropped, it is the router's key)
+- ``LLMGW_ROUTER_ACCOUNTING``: ``false`` turns token accounting off: no usage is
+  read or asked for, no per-key series (default on; :mod:`router.accounting`)
+- ``LLMGW_ROUTER_ASK_STREAM_USAGE``: ``true`` adds ``stream_options.include_usage``
+  to streams whose client did not ask, and strips that usage event from what the
+  client gets: for engines that send no llama-server ``timings`` (default off: on
+  llama-server it moves the last event's ``timings`` into the stripped event)
 
 The Consul and TLS variables keep the names the ``consul`` CLI reads. Every
 configured certificate file (CAs, the client and the serving certificate; keys
@@ -212,6 +218,9 @@ class RouterSettings:
     api_keys_file: str | None = None
     api_keys_consul: bool = False
     forward_authorization: bool = False
+    # Token accounting (router.accounting).
+    accounting: bool = True
+    ask_stream_usage: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -233,6 +242,14 @@ class RouterSettings:
         if env.get("LLMGW_FORWARD_AUTHORIZATION"):
             overrides["forward_authorization"] = _flag(
                 "LLMGW_FORWARD_AUTHORIZATION", env["LLMGW_FORWARD_AUTHORIZATION"]
+            )
+        if env.get("LLMGW_ROUTER_ACCOUNTING"):
+            overrides["accounting"] = _flag(
+                "LLMGW_ROUTER_ACCOUNTING", env["LLMGW_ROUTER_ACCOUNTING"]
+            )
+        if env.get("LLMGW_ROUTER_ASK_STREAM_USAGE"):
+            overrides["ask_stream_usage"] = _flag(
+                "LLMGW_ROUTER_ASK_STREAM_USAGE", env["LLMGW_ROUTER_ASK_STREAM_USAGE"]
             )
         if env.get("LLMGW_API_KEYS_CONSUL"):
             overrides["api_keys_consul"] = _flag(

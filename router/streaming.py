@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from router.accounting import StreamMeter
 from router.replica_errors import StreamErrors
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ async def relay_stream(
     receive: Receive,
     send: Send,
     started: bool = False,
+    meter: StreamMeter | None = None,
 ) -> int:
     """Copy an event stream to the client until it ends or the client leaves,
     its error events in OpenAI's shape (:class:`router.replica_errors.StreamErrors`).
@@ -121,7 +123,9 @@ async def relay_stream(
     ``started``: the client's response began already (a loading heartbeat,
     :mod:`router.heartbeat`), so only the events are sent. Returns the status to
     record: the replica's, :data:`STATUS_CLIENT_CLOSED` when the client left
-    first, 502 when the replica broke mid-stream. On either failure the upstream
+    first, 502 when the replica broke mid-stream. ``meter`` reads the stream's
+    usage (and may strip the usage event the router asked for,
+    :mod:`router.accounting`). On either failure the upstream
     connection is closed, not pooled.
     """
     if not started:
@@ -132,7 +136,7 @@ async def relay_stream(
                 "headers": response_headers(upstream),
             }
         )
-    pump = asyncio.ensure_future(_pump(upstream, send))
+    pump = asyncio.ensure_future(_pump(upstream, send, meter))
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -156,10 +160,17 @@ async def relay_stream(
     return upstream.status
 
 
-async def _pump(upstream: aiohttp.ClientResponse, send: Send) -> None:
+async def _pump(
+    upstream: aiohttp.ClientResponse, send: Send, meter: StreamMeter | None = None
+) -> None:
     errors = StreamErrors(upstream.status)
     async for chunk in upstream.content.iter_any():
         out = errors.feed(chunk)
+        if meter is not None:
+            out = meter.feed(out)
         if out:
             await send({"type": "http.response.body", "body": out, "more_body": True})
-    await send({"type": "http.response.body", "body": errors.flush(), "more_body": False})
+    last = errors.flush()
+    if meter is not None:
+        last = meter.feed(last) + meter.flush()
+    await send({"type": "http.response.body", "body": last, "more_body": False})

@@ -15,9 +15,17 @@ from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from devcluster.cluster import Cluster
-from tests.conftest import http_json, nomad_get, passing_endpoints, wait_for
+from tests.conftest import (
+    PlannerDaemon,
+    http_json,
+    nomad_get,
+    passing_endpoints,
+    run_router,
+    wait_for,
+)
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.tls import TlsCA, serve_https
 
@@ -137,6 +145,129 @@ def test_c03_stream_same_bytes_as_direct(router: str, serving: str) -> None:
 
     assert strip(routed) == strip(direct)
     assert len([1 for _, line in routed if line.startswith(b"data: {")]) > 3
+
+
+def test_a_router_that_asks_for_stream_usage_strips_it(
+    cluster: Cluster, planner_daemon: PlannerDaemon, serving: str
+) -> None:
+    """With LLMGW_ROUTER_ASK_STREAM_USAGE the router adds include_usage to a stream
+    that did not ask: the client gets no usage event, and the router counts what
+    llama-server reports for the same request sent to it directly."""
+    chat = {
+        "model": "main-tiny", "max_tokens": 6, "temperature": 0, "seed": 3, "stream": True,
+        "messages": [{"role": "user", "content": "one two"}],
+    }  # fmt: skip
+    direct = raw_stream(
+        f"http://{serving}/v1/chat/completions",
+        {**chat, "stream_options": {"include_usage": True}},
+    )
+    [expected] = [json.loads(line[6:])["usage"] for _, line in direct if b'"usage"' in line]
+    with run_router(cluster, planner_daemon.url, LLMGW_ROUTER_ASK_STREAM_USAGE="true") as asking:
+        wait_for(lambda: router_has(asking, "main-tiny"), 10, "router to list main-tiny")
+        before = router_tokens(asking, "main-tiny")
+        routed = raw_stream(f"{asking}/v1/chat/completions", chat)
+        after = router_tokens(asking, "main-tiny")
+    assert not any(b'"usage"' in line for _, line in routed)
+    assert routed[-2][1] == b"data: [DONE]\n"
+    assert after["prompt"] - before["prompt"] == expected["prompt_tokens"]
+    assert after["completion"] - before["completion"] == expected["completion_tokens"]
+
+
+def test_a_key_over_its_requests_per_minute_gets_openais_429(
+    cluster: Cluster, planner_daemon: PlannerDaemon, serving: str, tmp_path: Path
+) -> None:
+    """Two requests a minute for one key, through a real router to a real replica:
+    the third is 429 rate_limit_exceeded with OpenAI's headers, and the openai
+    client reads it as its RateLimitError; the key's usage is counted by name."""
+    secret = "sk-limited-0123456789abcdef"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: limited\n    sha256: {hashlib.sha256(secret.encode()).hexdigest()}\n"
+        "    limits: {requests_per_minute: 2}\n"
+    )
+    with run_router(cluster, planner_daemon.url, LLMGW_API_KEYS_FILE=str(keys)) as limited:
+        client = openai.OpenAI(base_url=f"{limited}/v1", api_key=secret, max_retries=0)
+        wait_for(lambda: client.models.list().data, 10, "router to list main-tiny")
+        for _ in range(2):
+            client.completions.create(model="main-tiny", prompt="a", max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="main-tiny", prompt="a", max_tokens=2)
+        response = refused.value.response
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert response.headers["x-ratelimit-limit-requests"] == "2"
+        assert response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 25 <= int(response.headers["retry-after"]) <= 30
+        with urllib.request.urlopen(f"{limited}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+    assert (
+        'llmgw_router_key_requests_total{key="limited",model="main-tiny",outcome="ok"} 2.0'
+        in metrics
+    )
+    assert 'llmgw_router_tokens_total{key="limited",model="main-tiny",type="completion"}' in metrics
+
+
+def router_tokens(router: str, model: str) -> dict[str, float]:
+    """The router's ``llmgw_router_tokens_total`` of `model` (keys off: ``anonymous``),
+    by type, and its time-to-first-token count under ``ttft``."""
+    with urllib.request.urlopen(f"{router}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {"prompt": 0, "cached_prompt": 0, "completion": 0, "ttft": 0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") != model:
+                continue
+            if sample.name == "llmgw_router_tokens_total":
+                assert sample.labels["key"] == "anonymous"
+                out[sample.labels["type"]] = sample.value
+            elif sample.name == "llmgw_router_time_to_first_token_seconds_count":
+                out["ttft"] = sample.value
+    return out
+
+
+def test_usage_counted_by_the_router_equals_llama_servers_own(router: str, serving: str) -> None:
+    """A whole chat answer, a stream that did not ask for usage (the router asks,
+    and the client never sees the usage event) and one that did: the router's
+    counts are llama-server's usage (and, for the stream that did not ask, the
+    timings llama-server sends in its last event)."""
+    chat = {"model": "main-tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
+    url = f"{router}/v1/chat/completions"
+    before = router_tokens(router, "main-tiny")
+    whole = http_json(url, chat)["usage"]
+
+    plain = raw_stream(url, {**chat, "stream": True})
+    events = [json.loads(line[6:]) for _, line in plain if line.startswith(b"data: {")]
+    assert not any("usage" in e for e in events), (
+        "the usage the router asked for reached the client"
+    )
+    assert plain[-2][1] == b"data: [DONE]\n"
+    timings = events[-1]["timings"]
+
+    asked = raw_stream(url, {**chat, "stream": True, "stream_options": {"include_usage": True}})
+    [usage_event] = [
+        json.loads(line[6:])
+        for _, line in asked
+        if line.startswith(b"data: {") and b'"usage"' in line
+    ]
+    assert usage_event["choices"] == []
+    streamed = usage_event["usage"]
+
+    after = router_tokens(router, "main-tiny")
+    assert after["prompt"] - before["prompt"] == (
+        whole["prompt_tokens"]
+        + timings["prompt_n"]
+        + timings["cache_n"]
+        + streamed["prompt_tokens"]
+    )
+    assert after["cached_prompt"] - before["cached_prompt"] == (
+        whole["prompt_tokens_details"]["cached_tokens"]
+        + timings["cache_n"]
+        + streamed["prompt_tokens_details"]["cached_tokens"]
+    )
+    assert after["completion"] - before["completion"] == (
+        whole["completion_tokens"] + timings["predicted_n"] + streamed["completion_tokens"]
+    )
+    assert after["ttft"] - before["ttft"] == 2
 
 
 def test_streams_back_to_back_never_reuse_a_connection_llama_server_closed(

@@ -1,0 +1,165 @@
+"""Per-key limits (router.limits): the token bucket and concurrency on a fixed clock,
+and the 429 a key over its limits gets through the proxy (router.proxy), with
+OpenAI's headers and error body."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from router import errors
+from router.keys import ApiKey, ApiKeys, digest
+from router.limits import KeyLimits, duration
+from router.settings import RouterSettings
+from tests.support.router_harness import (
+    LocalServer,
+    RouterUnderTest,
+    asgi_post,
+    in_process_router,
+    run,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def refusal(limits: KeyLimits, key: ApiKey) -> errors.RateLimited:
+    with pytest.raises(errors.RateLimited) as raised:
+        limits.admit(key)
+    return raised.value
+
+
+def test_duration_spelling() -> None:
+    assert [duration(s) for s in (0.0001, 0.25, 1.5, 20, 90, 360)] == [
+        "1ms", "250ms", "1.5s", "20s", "1m30s", "6m0s",
+    ]  # fmt: skip
+
+
+def test_requests_per_minute_is_a_bucket_refilled_over_the_minute() -> None:
+    clock = Clock()
+    limits = KeyLimits(clock)
+    key = ApiKey("team", ("*",), requests_per_minute=3)
+    for _ in range(3):
+        limits.admit(key)
+        limits.release(key)
+    refused = refusal(limits, key)
+    assert refused.status == 429 and refused.code == "rate_limit_exceeded"
+    assert refused.type == "requests"
+    headers = dict(refused.headers())
+    assert headers[b"retry-after"] == b"20"  # one request every 60/3 s
+    assert headers[b"x-ratelimit-limit-requests"] == b"3"
+    assert headers[b"x-ratelimit-remaining-requests"] == b"0"
+    assert headers[b"x-ratelimit-reset-requests"] == b"1m0s"
+    clock.now += 19.9
+    refusal(limits, key)
+    clock.now += 0.1
+    limits.admit(key)
+    # Another key has a bucket of its own; a reload that changes the rate starts afresh.
+    limits.admit(ApiKey("other", ("*",), requests_per_minute=1))
+    limits.admit(ApiKey("team", ("*",), requests_per_minute=10))
+
+
+def test_concurrent_requests_are_counted_until_released() -> None:
+    limits = KeyLimits(Clock())
+    key = ApiKey("team", ("*",), concurrent_requests=2)
+    limits.admit(key)
+    limits.admit(key)
+    refused = refusal(limits, key)
+    assert dict(refused.headers()) == {b"retry-after": b"1"}
+    assert "concurrent requests: limit 2" in refused.message
+    limits.release(key)
+    limits.admit(key)
+
+
+def test_a_refused_request_counts_against_nothing() -> None:
+    clock = Clock()
+    limits = KeyLimits(clock)
+    key = ApiKey("team", ("*",), requests_per_minute=60, concurrent_requests=1)
+    limits.admit(key)
+    refusal(limits, key)  # concurrency: the bucket was not charged
+    limits.release(key)
+    clock.now += 1
+    limits.admit(key)
+
+
+def test_limits_in_the_keys_file() -> None:
+    document = (
+        f"keys:\n  - name: a\n    sha256: {digest('sk-a-0123456789')}\n"
+        "    limits: {requests_per_minute: 5, concurrent_requests: 2}\n"
+        f"  - name: b\n    sha256: {digest('sk-b-0123456789')}\n"
+    ).encode()
+    keys = ApiKeys.parse(document, "test")
+    a = keys.authenticate(b"Bearer sk-a-0123456789")
+    assert (a.requests_per_minute, a.concurrent_requests, a.limited) == (5, 2, True)
+    assert not keys.authenticate(b"Bearer sk-b-0123456789").limited
+    for bad in ("{requests_per_minute: 0}", "{tokens_per_minute: 5}"):
+        with pytest.raises(ValueError, match="limits"):
+            ApiKeys.parse(
+                f"keys:\n  - name: a\n    sha256: {digest('x')}\n    limits: {bad}\n".encode(),
+                "test",
+            )
+
+
+class HeldReplica(LocalServer):
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        super().__init__(web.post("/v1/completions", self._handle))
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        await self.release.wait()
+        return web.json_response({"object": "text_completion", "usage": {"prompt_tokens": 1}})
+
+
+def test_a_key_over_its_limits_gets_429_through_the_router(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {requests_per_minute: 3, concurrent_requests: 1}\n"
+    )
+    auth = [(b"authorization", b"Bearer sk-team-0123456789")]
+
+    async def scenario() -> None:
+        replica = HeldReplica()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys))
+        try:
+            async with in_process_router(settings) as app:
+                router = RouterUnderTest(app, replica)
+                router.pass_endpoint()
+                held = asyncio.ensure_future(asgi_post(app, {"model": "m"}, headers=auth))
+                while app.state.proxy.active < 1:
+                    await asyncio.sleep(0.01)
+                status, headers, body = await asgi_post(app, {"model": "m"}, headers=auth)
+                assert status == 429 and headers["retry-after"] == "1"
+                assert body["error"]["code"] == "rate_limit_exceeded"
+                replica.release.set()
+                assert (await held)[0] == 200
+                for _ in range(2):  # the refused request was not charged: 2 more of 3
+                    assert (await asgi_post(app, {"model": "m"}, headers=auth))[0] == 200
+                status, headers, body = await asgi_post(app, {"model": "m"}, headers=auth)
+                assert status == 429 and headers["x-ratelimit-limit-requests"] == "3"
+                assert body["error"]["type"] == "requests"
+                labels = {"model": "", "key": "team"}
+                assert (
+                    router.metric(
+                        "llmgw_router_key_requests_total", **labels, outcome="rate_limited"
+                    )
+                    == 2
+                )
+                assert (
+                    router.metric("llmgw_router_refusals_total", model="", reason="rate_limited")
+                    == 2
+                )
+        finally:
+            await replica.stop()
+
+    run(scenario())

@@ -622,9 +622,12 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(cluster, tmp_path: P
         router.stop()
 
 
-def read_stream(port: int, path: str, body: dict) -> tuple[list[tuple[float, bytes]], float]:
-    """POST and read the chunked body piece by piece: ([(seconds, bytes)], total seconds)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+def read_stream(
+    port: int, path: str, body: dict, timeout: float = 30
+) -> tuple[list[tuple[float, bytes]], float]:
+    """POST and read the chunked body piece by piece: ([(seconds, bytes)], total seconds).
+    `timeout`: the socket's, a bound for a hang (not a measure) on each read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     started = time.monotonic()
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()

@@ -13,6 +13,14 @@ the app's lifespan (:mod:`router.app`), every ``interval_s``:
 - clears the marks and sends one ``POST /v1/usage`` (:mod:`router.plannerapi`)
   if the list is not empty.
 
+Each report also carries this router's load (:class:`llmgw_contract.UsageReport`):
+per model, the requests in flight on its endpoints and those waiting for a slot,
+with the router's id (unique per process) and its interval. The planner sums the
+latest report of every router to scale a model on load (issue 22), and forgets a
+router that stops reporting; so a report goes out every interval while any model
+has load, and once more after the load ended (its zeros), not only when a model
+was used.
+
 A failed report is logged (a warning when reports start failing, an info line
 when they work again, not one warning per interval) and never raised; its
 models are marked again so the next report carries them.
@@ -23,7 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 
+from llmgw_contract import ModelLoad, UsageReport
 from router import errors
 from router.endpoints import EndpointTable
 from router.plannerapi import PlannerAPI
@@ -40,6 +52,9 @@ class UsageReporter:
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        # Unique per process: two routers on one host, or a restarted one, are not one.
+        self.router_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self._loaded = False  # the last report carried load: the next one says it ended
 
     def collect(self) -> list[str]:
         """Names used since the last call (sorted), and clear their marks."""
@@ -50,13 +65,28 @@ class UsageReporter:
             entry.used = False
         return sorted(used)
 
+    def load(self) -> dict[str, ModelLoad]:
+        """Requests per model now (models with none left out): in flight on its
+        endpoints, and waiting for a slot."""
+        loads = {}
+        for entry in self.table.entries():
+            inflight = sum(e.inflight for e in entry.endpoints)
+            waiting = entry.slots.waiting
+            if inflight or waiting:
+                loads[entry.name] = ModelLoad(inflight=inflight, waiting=waiting)
+        return loads
+
     async def report(self) -> list[str]:
         """Send one report now; returns the models reported (empty: nothing sent or it failed)."""
         models = self.collect()
-        if not models:
+        load = self.load()
+        if not models and not load and not self._loaded:
             return []
+        report = UsageReport(
+            models=models, router=self.router_id, interval_s=self.interval_s, load=load
+        )
         try:
-            await self.api.report_usage(models)
+            await self.api.report_usage(models, report)
         except errors.PlannerUnavailable as exc:
             for name in models:
                 entry = self.table.get(name)
@@ -69,6 +99,7 @@ class UsageReporter:
         if self._failing:
             log.info("usage reports reach the planner again")
         self._failing = False
+        self._loaded = bool(load)
         return models
 
     def start(self) -> None:

@@ -17,9 +17,10 @@ Each report also carries this router's load (:class:`llmgw_contract.UsageReport`
 per model, the requests in flight on its endpoints and those waiting for a slot,
 with the router's id (unique per process) and its interval. The planner sums the
 latest report of every router to scale a model on load (issue 22), and forgets a
-router that stops reporting; so a report goes out every interval while any model
-has load, and once more after the load ended (its zeros), not only when a model
-was used.
+router that stops reporting (no fresh router at all: no signal, the planner holds the
+count). So while the table has a model with ``scaling`` a report goes out every
+interval, used or not (a heartbeat: "no load" is a signal too); otherwise only
+when a model was used or had load at the last report.
 
 A failed report is logged (a warning when reports start failing, an info line
 when they work again, not one warning per interval) and never raised; its
@@ -80,7 +81,11 @@ class UsageReporter:
         """Send one report now; returns the models reported (empty: nothing sent or it failed)."""
         models = self.collect()
         load = self.load()
-        if not models and not load and not self._loaded:
+        scaling = any(
+            entry.record is not None and entry.record.scaling is not None
+            for entry in self.table.entries()
+        )
+        if not models and not load and not self._loaded and not scaling:
             return []
         report = UsageReport(
             models=models, router=self.router_id, interval_s=self.interval_s, load=load

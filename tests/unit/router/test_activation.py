@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_contract import ActivationStatus, Parked, StateDocument, Unplaceable
+from llmgw_contract import ActivationStatus, Parked, ScalingBounds, StateDocument, Unplaceable
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -505,6 +505,20 @@ def test_usage_reports_carry_the_load_and_say_once_when_it_ended() -> None:
             assert h.stub.reports[-1]["load"] == {} and len(h.stub.reports) == 2
             assert await reporter.report() == []
             assert len(h.stub.reports) == 2  # then silence
+            # A model with scaling: every interval, used or not ("no load" is a signal).
+            record = h.table.get("m").record
+            assert record is not None
+            h.table.set_models(
+                {
+                    "m": record.model_copy(
+                        update={"scaling": ScalingBounds(min=1, max=2, target=1)}
+                    ),
+                    "other": h.table.get("other").record,
+                }
+            )
+            await reporter.report()
+            await reporter.report()
+            assert len(h.stub.reports) == 4 and h.stub.reports[-1]["load"] == {}
 
     run(scenario())
 

@@ -249,6 +249,13 @@ def observe(
             )
         waiting = state.unplaceable.reason if state.unplaceable else counts
         return status(ModelState.LOADING, waiting)
+    scaled = record.scaling
+    if scaled is not None and short is not None and not bad and ready >= max(scaled.min, 1):
+        # Load-based scaling asked for more than fits: the model serves what it has
+        # (issue 22, "capacity is honest"); `llmgw_model_unplaceable` says the rest.
+        return status(
+            ModelState.SERVING, f"{counts}; wants {desired}: {short.reason}", None, short.since
+        )
     if bad or short is not None:
         trouble = "; ".join(filter(None, [_describe(bad), short.reason if short else ""]))
         if clean:

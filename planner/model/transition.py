@@ -169,6 +169,14 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     scaled = autoscale.decide(
         state.scaling, record.scaling, count, observation.demand, blocked, now
     )
+    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
+    if scaled.count is not None and scaled.count > count and short is not None:
+        # Capacity is honest: what runs keeps serving; a scale-up waits until Nomad's
+        # blocked evaluation places what the job already asks for.
+        no_room = f"{short.reason} (Nomad places them when room appears)"
+        scaled = autoscale.decide(
+            state.scaling, record.scaling, count, observation.demand, no_room, now
+        )
     plan = dataclasses.replace(plan, state=state.model_copy(update={"scaling": scaled.state}))
     if scaled.count is None:
         return plan

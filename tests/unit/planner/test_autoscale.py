@@ -15,6 +15,7 @@ from llmgw_contract import (
     ScalingBounds,
     ScalingState,
     StateDocument,
+    Unplaceable,
     UsageReport,
 )
 from planner.daemon.demand import DemandBook
@@ -181,6 +182,26 @@ def test_a_tick_never_scales_during_a_deployment_a_parked_or_a_fixed_model() -> 
     assert transition(parked, observed(1, load(1.0, now=7.0)), Event.TICK, RULES, T0).effects == ()
     fixed = Observation(name="m", record=RECORD.model_copy(update={"scaling": None}), job=job())
     assert transition(document, fixed, Event.TICK, RULES, T0).effects == ()
+
+
+def test_a_scale_up_waits_while_nomad_cannot_place_what_the_job_asks_for() -> None:
+    short = Unplaceable(
+        reason="2 of 3 replicas placed; memory exhausted on 2 of 2 nodes", placed=2, desired=3
+    )
+    document = StateDocument(name="m", definition_hash="d1", unplaceable=short)
+    plan = transition(document, observed(3, load(1.0, now=20.0)), Event.TICK, RULES, T0)
+    assert plan.effects == ()
+    assert plan.state.scaling is not None
+    assert plan.state.scaling.waiting == (
+        "wants 4: 2 of 3 replicas placed; memory exhausted on 2 of 2 nodes "
+        "(Nomad places them when room appears)"
+    )
+    # Down is not held by a shortfall: fewer wanted is fewer asked for.
+    quiet = document.model_copy(
+        update={"scaling": ScalingState(below_since=(T0 - timedelta(hours=1)).timestamp())}
+    )
+    [down] = transition(quiet, observed(3, load(0.0)), Event.TICK, RULES, T0).effects
+    assert isinstance(down, Scale) and down.count == 1
 
 
 # --- the routers' summed load --------------------------------------------------------

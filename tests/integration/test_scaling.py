@@ -9,9 +9,11 @@ judges them on a fixed clock)."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -187,4 +189,92 @@ def test_load_scales_up_and_back_to_min_with_no_failed_request(
         ]
         assert len(allocs) == 1 and allocs[0]["JobVersion"] == version + 1  # updated in place
     finally:
+        forget_models(cluster, name)
+
+
+def demand_seen(planner_url: str, name: str) -> float:
+    """The leader's `llmgw_model_demand_requests` of model `name` (0 when absent)."""
+    with urllib.request.urlopen(f"{planner_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'llmgw_model_demand_requests{{model="{name}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def load_scales(cluster: Cluster, name: str) -> list[tuple[int, int]]:
+    """(previous count, count) of every scale load-based scaling made, oldest first
+    (Nomad's scaling events of the job: /v1/job/<id>/scale)."""
+    status = nomad_get(cluster, f"/v1/job/{name}/scale")
+    events = status["TaskGroups"]["server"]["Events"] or []
+    made = [e for e in events if "in flight per replica" in (e.get("Message") or "")]
+    made.sort(key=lambda e: e["Time"])
+    return [(e["PreviousCount"], e["Count"]) for e in made]
+
+
+def test_a_leader_sigkilled_during_scaling_neither_loses_nor_doubles_a_decision(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    planner_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """The leader scales 1 -> 2 under load and is SIGKILLed; the standby leads on from
+    the state document: the count stays 2 while the load lasts (no second scale-up, no
+    reset to 1), and goes back to 1 once it ends: exactly two scales in Nomad's events."""
+    name = "scale-failover"
+    standby = PlannerDaemon(planner_env, cluster.root / "planner-scaling-standby.log")
+    standby.start()
+    folder = scaling_model(tmp_path / "m", name, f"file://{tiny_model}", down_after="15s")
+    try:
+        assert http_json(f"{standby.url}/health")["role"] == "follower"
+        assert planner("apply", str(folder)).returncode == 0
+        wait_until(lambda: len(passing_endpoints(cluster, f"llmgw-{name}")) == 1, 120, "1 ready")
+        with run_router(cluster, planner_daemon.url, LLMGW_USAGE_INTERVAL="1") as router:
+            with Load(router, name, clients=6) as load:
+                wait_for(
+                    lambda: job_count(cluster, name) == 2,
+                    90,
+                    "a scale up to 2",
+                    on_timeout=lambda: scaling_row(planner, name)["scaling"],
+                )
+                decided = scaling_row(planner, name)["scaling"]["last"]
+                assert planner_daemon.proc is not None
+                planner_daemon.proc.send_signal(signal.SIGKILL)
+                planner_daemon.proc.wait()
+                planner_daemon.proc = None
+                wait_until(
+                    lambda: (
+                        (h := http_json(f"{standby.url}/health", timeout=2))["role"] == "leader"
+                        and h["ready"]
+                    ),
+                    30,
+                    "the standby to lead and reconcile",
+                )
+                # The new leader hears the routers, then decides on the load for a while
+                # (a few windows of it): nothing to change.
+                wait_until(
+                    lambda: demand_seen(standby.url, name) > 0, 60, "reports at the new leader"
+                )
+                served = load.ok
+                wait_until(lambda: load.ok >= served + 300, 120, "load under the new leader")
+                assert job_count(cluster, name) == 2
+                assert scaling_row(planner, name)["scaling"]["last"] == decided
+            wait_for(
+                lambda: job_count(cluster, name) == 1,
+                90,
+                "the new leader to scale back to min",
+                on_timeout=lambda: scaling_row(planner, name)["scaling"],
+            )
+        assert load.failures == [], load.failures[:5]
+        assert load_scales(cluster, name) == [(1, 2), (2, 1)]
+    finally:
+        planner_daemon.start()  # a follower now
+        standby.stop()  # hands the lead back at once
+        wait_until(
+            lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] == "leader",
+            30,
+            "the session's planner to lead again",
+        )
         forget_models(cluster, name)

@@ -144,6 +144,11 @@ def test_load_scales_up_and_back_to_min_with_no_failed_request(
                     120,
                     "the second replica to pass",
                 )
+                # An apply during the scale-up does not undo it: the same file is
+                # unchanged, and the registration keeps the scaler's count.
+                applied = planner("apply", str(folder))
+                assert applied.returncode == 0, applied.stdout + applied.stderr
+                assert job_count(cluster, name) == 2
                 served = load.ok
                 wait_for(lambda: load.ok >= served + 20, 60, "requests served on 2 replicas")
             ended = time.monotonic()

@@ -211,6 +211,14 @@ class Scaling(BaseModel):
     up_after: Seconds = 15
     down_after: Seconds = 300
 
+    @field_validator("window")
+    @classmethod
+    def _window_is_kept(cls, window: int) -> int:
+        # The leader keeps 10 minutes of router load (planner.daemon.demand.KEEP_S).
+        if window > 600:
+            raise ValueError(f"expected at most 10m, got {window} s")
+        return window
+
     @model_validator(mode="after")
     def _min_within_max(self) -> Scaling:
         if self.min > self.max:

@@ -65,6 +65,10 @@ def test_scaling_sets_replicas_to_its_floor_and_leaves_the_definition_hash(
             ["scaling.up_after: expected a duration such as 90s or 10m, got 'soon'"],
         ),
         (
+            "scaling: {min: 1, max: 2, target: 1, window: 11m}\n",
+            ["scaling.window: expected at most 10m, got 660 s"],
+        ),
+        (
             "scaling: {min: 1, max: 2, targte: 1}\n",
             [
                 "scaling.target: Field required",

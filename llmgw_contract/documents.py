@@ -11,6 +11,8 @@ Who writes and who reads (keys in `llmgw_contract.keys`):
     ModelRecord     planner apply -> router (models it knows), planner
     StateDocument   planner       -> router (parked / unplaceable), planner CLIs
     UsageRecord     planner leader (coarse copy of router usage) -> planner
+    UsageReport     router -> planner admin API (POST /v1/usage): models used, and
+                    each model's requests in flight and waiting (load-based scaling)
     EngineRecord    planner engines apply -> planner (apply, status, the leader's
                     installs on new nodes); the router never reads it
     LeaderRecord    planner leader -> planner followers (where to forward writes) and
@@ -38,6 +40,22 @@ class Document(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
 
+class ScalingBounds(Document):
+    """A model's load-based scaling, as defined (`scaling:` in its file; issue 22).
+
+    Replicas follow demand between `min` and `max`: `target` requests (in flight plus
+    waiting, summed over every router) per replica, averaged over `window` seconds; up
+    once the average asks for more for `up_after` seconds (at once for a surge of
+    twice the target per replica), down once it asks for fewer for `down_after`."""
+
+    min: int
+    max: int
+    target: float
+    window: int = 30  # seconds
+    up_after: int = 15  # seconds
+    down_after: int = 300  # seconds
+
+
 class ModelRecord(Document):
     """One applied model definition, as `planner apply` wrote it (llmgw/models/<name>)."""
 
@@ -48,6 +66,7 @@ class ModelRecord(Document):
     sha256: str | list[str] | None = None  # a list: one per shard of a split source
     profile: dict[str, Any] = {}
     on_demand: dict[str, Any] | None = None  # {"idle_after": seconds}
+    scaling: ScalingBounds | None = None  # None: a fixed count (`replicas`)
 
     @property
     def idle_after(self) -> int | None:
@@ -124,6 +143,32 @@ class ReplicaRecord(Document):
         return self.name.partition(".")[2] or self.name or self.alloc_id[:8]
 
 
+class ScalingDecision(Document):
+    """One choice of the load-based scaler: `before` -> `after` replicas (equal: held),
+    why in words, and the figures it was made on."""
+
+    before: int
+    after: int
+    reason: str  # "3 -> 4: 2.7 in flight per replica over 30 s, target 2"
+    at: str = ""  # ISO 8601, UTC
+    average: float = 0.0  # requests in flight and waiting, all routers, over the window
+    per_replica: float = 0.0
+    direction: str = ""  # "up", "down", "" (held)
+
+
+class ScalingState(Document):
+    """What the load-based scaler keeps between passes, so a leader change keeps it: the
+    last average it saw (and when), since when the average has asked for more or for
+    fewer replicas than run (Unix s; 0: it does not), and its last decision."""
+
+    average: float = 0.0
+    average_at: float = 0.0  # Unix s of `average`
+    above_since: float = 0.0
+    below_since: float = 0.0
+    waiting: str = ""  # why a wanted scale is not made now (a deployment runs, ...)
+    last: ScalingDecision | None = None
+
+
 class StateDocument(Document):
     """What the planner knows about one model beyond what Nomad and Consul show
     (llmgw/state/<name>). Written only with a check-and-set on the index read.
@@ -151,6 +196,7 @@ class StateDocument(Document):
     job_index: int = 0  # the Nomad JobModifyIndex that `parked` reflects (newer wins)
     unplaceable: Unplaceable | None = None
     update_failed: UpdateFailed | None = None
+    scaling: ScalingState | None = None  # load-based scaling (`ModelRecord.scaling`)
 
     def replica(self, alloc_id: str) -> ReplicaRecord | None:
         return next((r for r in self.replicas if r.alloc_id == alloc_id), None)
@@ -160,6 +206,28 @@ class UsageRecord(Document):
     """When a model was last asked for (llmgw/usage/<name>), kept coarsely by the leader."""
 
     last_used_at: str  # ISO 8601, UTC
+
+
+class ModelLoad(Document):
+    """One router's requests for one model right now: `inflight` sent to a replica and
+    not answered, `waiting` held for a free slot or a replica that is starting."""
+
+    inflight: int = 0
+    waiting: int = 0
+
+
+class UsageReport(Document):
+    """A router's report to the planner (POST /v1/usage), every `interval_s`.
+
+    `models` were used since the last report (idle scale-down). `load` holds the
+    router's requests per model now (models absent: none); `router` names the sender,
+    so the planner sums the latest report of each router and forgets one that stops
+    reporting. A router older than load reporting sends `models` alone."""
+
+    models: list[str]
+    router: str = ""
+    interval_s: float = 10.0
+    load: dict[str, ModelLoad] = {}
 
 
 class EngineRecord(Document):

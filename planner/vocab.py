@@ -15,6 +15,11 @@ Allocation = dict[str, Any]
 
 # The task group of a model job (planner/jobspecs/model.nomad.hcl).
 GROUP = "server"
+# Deployment statuses during which Nomad refuses a scale (nomad/structs: running,
+# pending, paused, and 1.6's initializing/blocked/unblocking are all "active").
+ACTIVE_DEPLOYMENT = frozenset(
+    {"running", "pending", "paused", "initializing", "blocked", "unblocking"}
+)
 
 
 def group_count(job: Job | None) -> int:

@@ -10,7 +10,9 @@ Two calls, both ``POST`` with ``Authorization: Bearer <token>`` (the planner's
   contract does not have) is :class:`router.errors.PlannerUnavailable`. The
   planner makes a fresh placement attempt if the model is not placed or
   starting, waits up to ~2 s for Nomad's answer, and says what it saw;
-- ``/v1/usage`` with ``{"models": [...]}`` -> 204: those models were used now.
+- ``/v1/usage`` with an :class:`llmgw_contract.UsageReport` (``{"models": [...],
+  "router", "interval_s", "load": {model: {"inflight", "waiting"}}}``) -> 204: those
+  models were used now, and this router's requests per model now (load-based scaling).
 
 Called by :mod:`router.activation` (one activate call per model at a time) and
 :mod:`router.usage` (one usage call per interval). Every aiohttp, timeout,
@@ -61,7 +63,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from llmgw_contract import ActivationAnswer, decode
+from llmgw_contract import ActivationAnswer, UsageReport, decode
 from router import errors
 from router.planners import PlannerCandidates
 
@@ -157,10 +159,12 @@ class PlannerAPI:
                 f"understand when asked to {what}: {_clip(' '.join(str(exc).split()))}."
             ) from None
 
-    async def report_usage(self, models: Sequence[str]) -> None:
-        """Tell the planner ``models`` were used now. Raises :class:`PlannerUnavailable`."""
+    async def report_usage(self, models: Sequence[str], report: UsageReport | None = None) -> None:
+        """Tell the planner ``models`` were used now, with ``report``'s load when given.
+        Raises :class:`PlannerUnavailable`."""
         what = f"record the use of {len(models)} model(s)"
-        base, status, body = await self._post("/v1/usage", {"models": list(models)}, what)
+        payload = report.model_dump(mode="json") if report is not None else {"models": list(models)}
+        base, status, body = await self._post("/v1/usage", payload, what)
         if status not in (200, 204):
             raise _refused(base, status, body, what)
 

@@ -13,6 +13,15 @@ the app's lifespan (:mod:`router.app`), every ``interval_s``:
 - clears the marks and sends one ``POST /v1/usage`` (:mod:`router.plannerapi`)
   if the list is not empty.
 
+Each report also carries this router's load (:class:`llmgw_contract.UsageReport`):
+per model, the requests in flight on its endpoints and those waiting for a slot,
+with the router's id (unique per process) and its interval. The planner sums the
+latest report of every router to scale a model on load (issue 22), and forgets a
+router that stops reporting (no fresh router at all: no signal, the planner holds the
+count). So while the table has a model with ``scaling`` a report goes out every
+interval, used or not (a heartbeat: "no load" is a signal too); otherwise only
+when a model was used or had load at the last report.
+
 A failed report is logged (a warning when reports start failing, an info line
 when they work again, not one warning per interval) and never raised; its
 models are marked again so the next report carries them.
@@ -23,7 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 
+from llmgw_contract import ModelLoad, UsageReport
 from router import errors
 from router.endpoints import EndpointTable
 from router.plannerapi import PlannerAPI
@@ -40,6 +53,9 @@ class UsageReporter:
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        # Unique per process: two routers on one host, or a restarted one, are not one.
+        self.router_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self._loaded = False  # the last report carried load: the next one says it ended
 
     def collect(self) -> list[str]:
         """Names used since the last call (sorted), and clear their marks."""
@@ -50,13 +66,32 @@ class UsageReporter:
             entry.used = False
         return sorted(used)
 
+    def load(self) -> dict[str, ModelLoad]:
+        """Requests per model now (models with none left out): in flight on its
+        endpoints, and waiting for a slot."""
+        loads = {}
+        for entry in self.table.entries():
+            inflight = sum(e.inflight for e in entry.endpoints)
+            waiting = entry.slots.waiting
+            if inflight or waiting:
+                loads[entry.name] = ModelLoad(inflight=inflight, waiting=waiting)
+        return loads
+
     async def report(self) -> list[str]:
         """Send one report now; returns the models reported (empty: nothing sent or it failed)."""
         models = self.collect()
-        if not models:
+        load = self.load()
+        scaling = any(
+            entry.record is not None and entry.record.scaling is not None
+            for entry in self.table.entries()
+        )
+        if not models and not load and not self._loaded and not scaling:
             return []
+        report = UsageReport(
+            models=models, router=self.router_id, interval_s=self.interval_s, load=load
+        )
         try:
-            await self.api.report_usage(models)
+            await self.api.report_usage(models, report)
         except errors.PlannerUnavailable as exc:
             for name in models:
                 entry = self.table.get(name)
@@ -69,6 +104,7 @@ class UsageReporter:
         if self._failing:
             log.info("usage reports reach the planner again")
         self._failing = False
+        self._loaded = bool(load)
         return models
 
     def start(self) -> None:

@@ -11,7 +11,10 @@ Routes:
   GET  /v1/models/{name}            ModelStatus; 404 for a model that was never applied
   POST /v1/models/{name}/retry      lift parking, or place stopped replicas again
   POST /v1/models/{name}/activate   a fresh placement answer: llmgw_contract.ActivationAnswer
-  POST /v1/usage                    {"models": [names]} -> 204: used now (idle scale-down)
+  POST /v1/usage                    llmgw_contract.UsageReport -> 204: {"models": [names]}
+                                    used now (idle scale-down); with "router", "interval_s"
+                                    and "load" ({model: {inflight, waiting}}): that router's
+                                    requests now (load-based scaling, `planner.daemon.demand`)
 
 The POST routes change things and need `Authorization: Bearer <token>`
 (LLMGW_ADMIN_TOKEN; the router sends it as LLMGW_PLANNER_TOKEN). Only the
@@ -45,8 +48,8 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 
+from llmgw_contract import UsageReport
 from llmgw_contract.leadership import LeaderRefused
 from planner.agents.statusreads import gather, model_status
 from planner.daemon.activation import ModelNotFound
@@ -78,10 +81,6 @@ def _authorized(authorization: str | None, token: str | None) -> JSONResponse | 
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
         return _error(401, "unauthorized", "a valid `Authorization: Bearer <token>` is required")
     return None
-
-
-class Usage(BaseModel):
-    models: list[str]
 
 
 async def _forward(node: PlannerNode, request: Request, session: aiohttp.ClientSession) -> Response:
@@ -251,7 +250,7 @@ def create_app(
 
     @app.post("/v1/usage", status_code=204, response_model=None)
     async def usage(
-        body: Usage, request: Request, authorization: str | None = Header(None)
+        body: UsageReport, request: Request, authorization: str | None = Header(None)
     ) -> Response | None:
         refusal = _authorized(authorization, token)
         if refusal is not None:
@@ -260,6 +259,9 @@ def create_app(
             return await _forward(node, request, forwarder["session"])
         known = await asyncio.to_thread(consul.model_records)
         await asyncio.to_thread(node.usage.used, [m for m in body.models if m in known])
+        node.demand.report(
+            body.model_copy(update={"load": {m: v for m, v in body.load.items() if m in known}})
+        )
         return None
 
     app.state.node = node

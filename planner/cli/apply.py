@@ -39,6 +39,7 @@ from llmgw_contract import (
     KVPrefix,
     ModelRecord,
     Parked,
+    ScalingBounds,
     UpdateFailed,
     kv_key,
     service_name,
@@ -58,7 +59,7 @@ from planner.model.placement import EngineNeed
 from planner.model.unplaceable import engine_need
 from planner.spec.definitions import ModelDefinition, load_definitions
 from planner.spec.fit import Fit, check_models
-from planner.spec.jobspec import SPEC_HASH_KEY, record_of, render, replicas_of
+from planner.spec.jobspec import SPEC_HASH_KEY, record_of, render, replicas_of, scaling_of
 from planner.spec.settings import Settings
 
 
@@ -149,6 +150,14 @@ def _counts(new: Job, old: Job) -> str | None:
     job's count is activation's, not the definition's: only its replicas compare."""
     if replicas_of(new) != replicas_of(old):
         return f"replicas {replicas_of(old)} -> {replicas_of(new)}"
+    bounds = scaling_of(new)
+    if bounds != scaling_of(old):
+        return f"scaling {_bounds(scaling_of(old))} -> {_bounds(bounds)}"
+    if bounds is not None:
+        # The scaler's count: changed only when it leaves the bounds (`_keep_count`).
+        old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
+        kept = _within(old_count, bounds, new)
+        return f"replicas {old_count} -> {kept}" if kept != old_count else None
     if (new.get("Meta") or {}).get(JobMeta.ON_DEMAND) == "true":
         return None
     old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
@@ -223,15 +232,33 @@ def _engine_refused(name: str, need: EngineNeed) -> Change:
     )
 
 
+def _bounds(bounds: ScalingBounds | None) -> str:
+    return f"{bounds.min}..{bounds.max} (target {bounds.target:g})" if bounds else "none"
+
+
+def _within(count: int, bounds: ScalingBounds, job: Job) -> int:
+    """A scaling model's registered count kept within its (new) bounds; an idle on-demand
+    model (count 0) stays idle."""
+    if count == 0 and (job.get("Meta") or {}).get(JobMeta.ON_DEMAND) == "true":
+        return 0
+    return min(max(count, bounds.min, 1), bounds.max)
+
+
 def _keep_activation(job: Job, old: Job) -> Job:
     """An on-demand job is rendered with count 0; an update must not stop a model that
-    is active now, so it keeps the registered count (the idle scaler lowers it)."""
-    if (job.get("Meta") or {}).get(JobMeta.ON_DEMAND) != "true" or old.get("Stop"):
+    is active now, so it keeps the registered count (the idle scaler lowers it). A
+    scaling model's job keeps the count the scaler set, within its bounds: a change of
+    bounds (or of anything but the definition) is not a reset of the count."""
+    bounds = scaling_of(job)
+    on_demand = (job.get("Meta") or {}).get(JobMeta.ON_DEMAND) == "true"
+    if (not on_demand and bounds is None) or old.get("Stop"):
         return job
     counts = {tg["Name"]: tg.get("Count", 0) for tg in old.get("TaskGroups") or []}
     groups = []
     for tg in job.get("TaskGroups") or []:
         count = counts.get(tg["Name"], tg.get("Count", 0))
+        if bounds is not None:
+            count = _within(count, bounds, job)
         # An active model rolls out beside itself like any other (one canary per
         # replica); an idle one takes the new definition at once (nothing serves).
         update = {**(tg.get("Update") or {}), "Canary": count, "AutoPromote": count > 0}

@@ -507,7 +507,7 @@ def _print_status(rows: list[ModelStatus], quiet: bool = False) -> None:
         table.add_row(
             r.name,
             r.state,
-            str(r.desired),
+            _desired(r),
             str(r.running),
             str(r.ready),
             str(r.consecutive_failures),
@@ -515,8 +515,35 @@ def _print_status(rows: list[ModelStatus], quiet: bool = False) -> None:
             headline(r.last_error),
         )
     out.print(table)
+    for line in filter(None, map(scaling_line, rows)):
+        out.print(line, highlight=False)
     if not rows and not quiet:
         err.print("no models applied yet (run `planner apply models/`)")
+
+
+def _desired(row: ModelStatus) -> str:
+    """`desired`, or `min/desired/max` for a model with load-based scaling."""
+    if row.scaling is None:
+        return str(row.desired)
+    return f"{row.scaling['min']}/{row.desired}/{row.scaling['max']}"
+
+
+def scaling_line(row: ModelStatus) -> str | None:
+    """One line under the table for a scaling model: its demand and last decision."""
+    view = row.scaling
+    if view is None:
+        return None
+    line = (
+        f"{row.name}: scaling {view['min']}/{row.desired}/{view['max']} (min/desired/max), "
+        f"target {view['target']:g} per replica, average {view['average']:g}"
+    )
+    if view["at_max"]:
+        line += "; at max, demand asks for more"
+    if view["waiting"]:
+        line += f"; {view['waiting']}"
+    last = view["last"]
+    line += f"; last {last['reason']} at {last['at']}" if last else "; no decision yet"
+    return line
 
 
 def _installs(output: Output | ReportOutput) -> list[NodeInstall]:

@@ -15,6 +15,13 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_model_parked{model}                      0/1
     llmgw_model_unplaceable{model}                 0/1 (not while room is being made)
     llmgw_model_update_failed{model}               0/1: its update was rolled back
+    llmgw_model_min_replicas{model}, llmgw_model_max_replicas{model}
+                                                   a scaling model's bounds (issue 22)
+    llmgw_model_at_max_replicas{model}             0/1: a scaling model at max whose demand
+                                                   asks for more (alert LlmgwModelAtMaxReplicas)
+    llmgw_model_demand_requests{model}             requests in flight and waiting, summed over
+                                                   the routers' latest reports (leader only)
+    llmgw_model_scaling_decisions_total{model,direction}  scales load-based scaling made (up|down)
     llmgw_planner_leader                           1 on the leader, 0 elsewhere
     llmgw_planner_leader_changes_total
     llmgw_planner_leader_forward_refusals_total{code}  writes a follower refused: llmgw/leader
@@ -118,12 +125,49 @@ class ModelCollector(Collector):
             "of the model unplaced (not while room is being made for it).",
             lambda r: float(r.unplaceable),
         )
+        scaling = [r for r in rows if r.status.scaling is not None]
+
+        def bound(name: str, help_: str, key: str) -> Metric:
+            family = GaugeMetricFamily(name, help_, labels=["model"])
+            for row in scaling:
+                family.add_metric([row.status.name], float((row.status.scaling or {})[key]))
+            return family
+
+        yield bound("llmgw_model_min_replicas", "A scaling model's min replicas.", "min")
+        yield bound("llmgw_model_max_replicas", "A scaling model's max replicas.", "max")
+        yield bound(
+            "llmgw_model_at_max_replicas",
+            "1 while a scaling model runs its max replicas and its demand asks for more "
+            "(the average per replica above its target).",
+            "at_max",
+        )
         yield gauge(
             "llmgw_model_update_failed",
             "1 while the applied definition is one "
             "Nomad rolled back: the model serves the definition before it.",
             lambda r: float(r.status.update_failed is not None),
         )
+
+    def describe(self) -> Sequence[Metric]:
+        return []
+
+
+class DemandCollector(Collector):
+    """`llmgw_model_demand_requests`: the leader's summed router load per model now."""
+
+    def __init__(self, demand: Callable[[], dict[str, float]]) -> None:
+        self._demand = demand
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "llmgw_model_demand_requests",
+            "Requests for the model in flight and waiting, summed over every router's "
+            "latest report (what load-based scaling averages; on the leader only).",
+            labels=["model"],
+        )
+        for name, value in self._demand().items():
+            family.add_metric([name], value)
+        yield family
 
     def describe(self) -> Sequence[Metric]:
         return []
@@ -176,6 +220,7 @@ class PlannerMetrics:
         rows: Callable[[], Sequence[Row]],
         certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
         engines: Callable[[], Sequence[NodeInstall]] = lambda: (),
+        demand: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.registry = CollectorRegistry()
         self.leader = Gauge(
@@ -224,7 +269,15 @@ class PlannerMetrics:
             buckets=_RECONCILE_BUCKETS,
             registry=self.registry,
         )
+        self.scaling_decisions = Counter(
+            "llmgw_model_scaling_decisions",
+            "Scales load-based scaling made, by direction (up: demand asked for more "
+            "replicas; down: for fewer).",
+            ["model", "direction"],
+            registry=self.registry,
+        )
         self.registry.register(ModelCollector(rows))
+        self.registry.register(DemandCollector(demand))
         self.registry.register(CertificateCollector(certificate_paths))
         self.registry.register(EngineCollector(engines))
 

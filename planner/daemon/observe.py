@@ -41,6 +41,7 @@ from planner.agents.nomad import Job, NomadClient
 from planner.agents.state import StateStore
 from planner.daemon import placement_answer as unplaced
 from planner.errors import NomadRejected
+from planner.model.autoscale import Demand
 from planner.model.failures import start_failures
 from planner.model.observation import Observation
 from planner.model.rollout import definition_of
@@ -169,10 +170,14 @@ class Observer:
         store: StateStore,
         datacenters: tuple[str, ...] = ("*",),
         versions: VersionCache | None = None,
+        demand: Callable[[str, float], Demand] | None = None,
     ) -> None:
+        """`demand(name, window_s)`: the routers' load of a scaling model (the leader's
+        `DemandBook.demand`); None: no load is read (`Observation.demand` None)."""
         self.nomad, self.consul, self.store = nomad, consul, store
         self.datacenters = datacenters
         self.versions = versions or VersionCache()
+        self.demand = demand
 
     def observe(
         self, name: str, passing: Mapping[str, int], now: datetime
@@ -224,6 +229,12 @@ class Observer:
             else {}
         )
         mine = {a["ID"] for a in allocations}
+        scaling = record.scaling if record else None
+        demand = (
+            self.demand(name, scaling.window)
+            if scaling is not None and self.demand is not None
+            else None
+        )
         return document, Observation(
             name=name,
             record=record,
@@ -235,6 +246,7 @@ class Observer:
             placement=placement,
             passing={a: s for a, s in passing.items() if a in mine},
             stderr=stderr,
+            demand=demand,
             state_index=state_index,
             nomad_index=nomad_index,
         )

@@ -12,6 +12,7 @@ runs the work that acts on Nomad and writes state:
   activator    fresh placement attempts for the router, through their workers
                (`planner.daemon.activation`)
   usage book   when each model was last asked for (`planner.daemon.usage`)
+  demand book  the routers' load per model, for load-based scaling (`planner.daemon.demand`)
   status book  every model's status, for /metrics (`planner.daemon.statusbook`)
 
 Followers answer reads themselves and forward writes to the leader, at the
@@ -38,6 +39,7 @@ from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
 from planner.daemon.activation import Activator
+from planner.daemon.demand import DemandBook
 from planner.daemon.engine_install import NodeInstall, installs
 from planner.daemon.idle import IdleScaler
 from planner.daemon.leader import Leadership
@@ -45,7 +47,7 @@ from planner.daemon.metrics import PlannerMetrics
 from planner.daemon.retry import answered
 from planner.daemon.statusbook import StatusBook
 from planner.daemon.usage import UsageBook
-from planner.daemon.watcher import RECONCILE_EVERY_S, Watcher, utcnow
+from planner.daemon.watcher import RECONCILE_EVERY_S, SCALE_EVERY_S, Watcher, utcnow
 from planner.daemon.workers import Guard, Outcome
 from planner.errors import NotLeader, PlannerError
 from planner.model.failures import Rules
@@ -68,9 +70,11 @@ class PlannerNode:
         idle_interval: float = 5.0,
         certificate_paths: Callable[[], Iterable[str | None]] = lambda: (),
         reconcile_every: float = RECONCILE_EVERY_S,
+        scale_every: float = SCALE_EVERY_S,
     ) -> None:
         self.nomad, self.consul = nomad, consul
         self.reconcile_every = reconcile_every
+        self.scale_every = scale_every
         self.rules = rules or Rules()
         self.datacenters = datacenters
         self.clock = clock
@@ -79,8 +83,11 @@ class PlannerNode:
         # still holds the lock (a paused, deposed leader that resumes cannot write).
         self.store = StateStore(consul, fence=self.leadership.session)
         self.usage = UsageBook(consul, clock)
+        self.demand = DemandBook(clock)
         self.book = StatusBook(nomad, consul, self.usage, clock)
-        self.metrics = PlannerMetrics(self.book.rows, certificate_paths, self._engine_installs)
+        self.metrics = PlannerMetrics(
+            self.book.rows, certificate_paths, self._engine_installs, self.demand.snapshot
+        )
         self.activator = Activator(
             nomad,
             consul,
@@ -177,6 +184,7 @@ class PlannerNode:
         assert self._session is not None
         active = await asyncio.to_thread(self.idle.active)
         await asyncio.to_thread(self.usage.start_over, [n for n, c in active.items() if c])
+        self.demand.clear()  # reports from before this term are another leader's
         self.watcher = Watcher(
             self.nomad,
             self.consul,
@@ -187,6 +195,8 @@ class PlannerNode:
             self.book.mark,
             fence=self.leadership.session,
             reconcile_every=self.reconcile_every,
+            demand=self.demand,
+            scale_every=self.scale_every,
         )
         self._tasks = [
             asyncio.create_task(self.watcher.run(self._session), name="watcher"),

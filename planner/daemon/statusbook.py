@@ -50,8 +50,15 @@ class Row:
     unplaceable: bool  # Nomad's last answer left replicas unplaced (not provisional)
 
 
-def wanted_replicas(record: ModelRecord, last_used: datetime | None, now: datetime) -> int:
-    """Replicas the model should have now (see the module docstring)."""
+def wanted_replicas(
+    record: ModelRecord, last_used: datetime | None, now: datetime, scaled: int | None = None
+) -> int:
+    """Replicas the model should have now (see the module docstring); a scaling model
+    the count its job asks for (`scaled`: load-based scaling's), at least its floor."""
+    if record.scaling is not None and scaled is not None:
+        floor = record.replicas if record.scaling.min > 0 else 0
+        if record.idle_after is None or scaled > 0:
+            return min(max(scaled, floor), record.scaling.max)
     if record.idle_after is None:
         return record.replicas
     asked = last_used is not None and now - last_used < timedelta(seconds=record.idle_after)
@@ -67,7 +74,9 @@ def row(
 ) -> Row:
     short = state.unplaceable is not None and not state.unplaceable.provisional
     return Row(
-        status, wanted_replicas(record, last_used, now), short and status.state != ModelState.PARKED
+        status,
+        wanted_replicas(record, last_used, now, status.desired),
+        short and status.state != ModelState.PARKED,
     )
 
 

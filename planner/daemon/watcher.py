@@ -19,6 +19,8 @@ writes its state document itself.
              any error: reconcile and reconnect with a back-off (tenacity).
   health     a Consul blocking query on every passing check: which allocations pass
              now and since when (`PassingBook`); a model whose set changed is marked.
+  scaling    every SCALE_EVERY_S: models with `scaling` (Event.TICK: load-based
+             scaling, `planner.model.autoscale`)
   tick       every second: models with a replica passing for the stability window
              that no TICK pass judged yet are marked (Event.TICK); every 30 s, records
              and parking lost from Consul (a wiped `llmgw/`) are restored from the
@@ -56,19 +58,23 @@ from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
 from planner.daemon import repair
 from planner.daemon.applier import Applied, Applier
+from planner.daemon.demand import DemandBook
 from planner.daemon.engine_follow import EngineFollower
 from planner.daemon.metrics import PlannerMetrics
 from planner.daemon.observe import Observer, VersionCache, read_record
 from planner.daemon.workers import Outcome, Workers
 from planner.errors import PlannerError
 from planner.model import transition
+from planner.model.effects import Reason, Scale
 from planner.model.failures import Rules, for_definition
 from planner.model.observation import Observation
 from planner.model.transition import Event, Plan
+from planner.vocab import group_count
 
 log = logging.getLogger("planner.daemon.watcher")
 
 REPAIR_EVERY_S = 30.0
+SCALE_EVERY_S = 2.0  # how often models with `scaling` are decided (a TICK pass each)
 RECONCILE_EVERY_S = 300.0  # the backstop's period; `planner serve --reconcile-every`
 
 Decide = Callable[[StateDocument, Observation, Event, Rules, datetime], Plan]
@@ -144,10 +150,14 @@ class Watcher:
         fence: Callable[[], str | None] | None = None,
         reconcile_every: float = RECONCILE_EVERY_S,
         decide: Decide = transition.decide,
+        demand: DemandBook | None = None,
+        scale_every: float = SCALE_EVERY_S,
     ) -> None:
         """`fence` names the leader's session: every state write checks it still holds
         the lock (`planner.agents.state`), and every Nomad write checks first (the applier).
-        `changed` is told each model a pass decided on (its status may have changed)."""
+        `changed` is told each model a pass decided on (its status may have changed).
+        `demand`: the routers' load (load-based scaling); every `scale_every` seconds
+        the models with `scaling` get a TICK pass, which decides their count."""
         self.nomad, self.consul = nomad, consul
         self.store = StateStore(consul, absent=self._seed, fence=fence)
         self.rules = rules or Rules()
@@ -158,7 +168,15 @@ class Watcher:
         self.reconcile_every = reconcile_every
         self._decide_fn = decide
         self.versions = VersionCache()
-        self.observer = Observer(nomad, consul, self.store, datacenters, self.versions)
+        self.scale_every = scale_every
+        self.observer = Observer(
+            nomad,
+            consul,
+            self.store,
+            datacenters,
+            self.versions,
+            demand=demand.demand if demand is not None else None,
+        )
         self.applier = Applier(nomad, self.store)
         self.workers = Workers(self._observe, self._decide, self._apply, done=self._done)
         self.passing = PassingBook()
@@ -196,6 +214,10 @@ class Watcher:
         observation = outcome.observation
         if outcome.event == Event.TICK:
             self.passing.settle(observation.passing, self.now_ns(), self.rules.stable_after_ns)
+        for effect in outcome.plan.effects:
+            if isinstance(effect, Scale) and effect.reason is Reason.LOAD and self.metrics:
+                direction = "up" if effect.count > group_count(observation.job) else "down"
+                self.metrics.scaling_decisions.labels(name, direction).inc()
         if observation.record is None and observation.job is None:
             # Pruned: its record and job are gone; later events of the purged job are
             # not a model's (a worker's slot and its versions go with it).
@@ -388,11 +410,14 @@ class Watcher:
             log.error("consul health watch failed (%r); again in 2 s", exc, exc_info=exc)
 
     async def _tick(self) -> None:
-        last_repair = last_reconcile = time.monotonic()
+        last_repair = last_reconcile = last_scale = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
             try:
                 self.check_stable()
+                if time.monotonic() - last_scale >= self.scale_every:
+                    last_scale = time.monotonic()
+                    await asyncio.to_thread(self.check_scaling)
                 if time.monotonic() - last_reconcile >= self.reconcile_every:
                     last_reconcile = last_repair = time.monotonic()
                     await asyncio.to_thread(self.reconcile)
@@ -477,6 +502,13 @@ class Watcher:
                 now.add((model, alloc_id))
         for name in self.passing.update(now, self.now_ns()):
             self.mark(name)
+
+    def check_scaling(self) -> None:
+        """Give every model with load-based scaling a TICK pass (its worker observes,
+        `planner.model.autoscale` decides; a pass already pending covers it)."""
+        for name, record in sorted(self.consul.model_records().items()):
+            if record.scaling is not None:
+                self.mark(name, Event.TICK)
 
     def check_stable(self) -> None:
         """Mark the models with a replica passing for the whole stability window."""

@@ -126,6 +126,12 @@ variable "defined_replicas" {
   description = "The model's replicas as defined (an on-demand model's while active)."
 }
 
+variable "scaling" {
+  type        = string
+  default     = ""
+  description = "The model's scaling bounds as JSON (llmgw_contract.ScalingBounds), empty for a fixed count."
+}
+
 variable "on_demand" {
   type        = bool
   default     = false
@@ -286,11 +292,13 @@ job "model" {
         # The model's replicas live here, not in the job's meta: Nomad compares job
         # meta (it is part of every task's meta) and replaces every allocation when
         # it changes, while service meta is updated in place. So a replica count
-        # change starts or stops only the replicas added or removed.
+        # change starts or stops only the replicas added or removed. The scaling
+        # bounds live here for the same reason: a change of bounds is not a rollout.
         meta {
           llmgw_model           = var.model
           llmgw_definition_hash = var.definition_hash
           llmgw_replicas        = format("%d", var.defined_replicas)
+          llmgw_scaling         = var.scaling
         }
 
         # Every second: an on-demand request waits for this check to pass, so

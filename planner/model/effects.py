@@ -31,6 +31,7 @@ class Reason(StrEnum):
     RETRY = "retry"  # `planner retry` / the admin API's retry
     ACTIVATION = "activation"  # a request for a model with no passing replica
     IDLE = "idle"  # an on-demand model unused for its idle_after
+    LOAD = "load"  # load-based scaling: demand asked for more or fewer replicas
     APPLY = "apply"  # `planner apply`: the definition in git
     PRUNE = "prune"  # `planner apply --prune`: a model no longer in git
     ENGINE = "engine"  # an engine install job (or a node that joined after it ran)

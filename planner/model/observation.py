@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw_contract import ModelRecord, Unplaceable
+from planner.model.autoscale import Demand
 from planner.vocab import Allocation, Job
 
 
@@ -34,6 +35,9 @@ class Observation:
     placement: Unplaceable | None = None
     passing: Mapping[str, int] = field(default_factory=dict)  # alloc id -> since (ns)
     stderr: Mapping[str, str] = field(default_factory=dict)  # failure key -> stderr tail
+    # The routers' load for a model with `record.scaling` (`planner.daemon.demand`);
+    # None: not a scaling model, or no book (a command, not the leader).
+    demand: Demand | None = None
     state_index: int = 0  # Consul ModifyIndex of the document read (0: it has none)
     nomad_index: int = 0  # Nomad's index when the reads began
 

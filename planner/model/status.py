@@ -66,6 +66,9 @@ class ModelStatus:
     # The applied definition, rolled back by Nomad (UpdateFailed's fields): the model
     # serves on the definition before it and does not run what git says.
     update_failed: dict[str, Any] | None = None
+    # A model with load-based scaling (`scaling_view`): min, desired, max, target, the
+    # saved average, at_max, why a scale waits, and the last decision.
+    scaling: dict[str, Any] | None = None
 
     @property
     def satisfied(self) -> bool:
@@ -159,6 +162,29 @@ def _describe(bad: Iterable[ReplicaStatus]) -> str:
     return "; ".join(parts)
 
 
+def scaling_view(record: ModelRecord, state: StateDocument, desired: int) -> dict[str, Any] | None:
+    """What `status` shows of a scaling model (None for a fixed count): its bounds, the
+    replicas the job asks for now, the average the scaler saved (requests in flight and
+    waiting over its window), `at_max` (at max with more than the target per replica),
+    why a wanted scale waits, and the last decision (`llmgw_contract.ScalingDecision`)."""
+    bounds = record.scaling
+    if bounds is None:
+        return None
+    saved = state.scaling
+    average = saved.average if saved else 0.0
+    at_max = desired >= bounds.max and average > bounds.target * bounds.max
+    return {
+        "min": bounds.min,
+        "desired": desired,
+        "max": bounds.max,
+        "target": bounds.target,
+        "average": average,
+        "at_max": at_max,
+        "waiting": saved.waiting if saved else "",
+        "last": saved.last.model_dump() if saved and saved.last else None,
+    }
+
+
 def observe(
     name: str,
     record: ModelRecord,
@@ -188,6 +214,7 @@ def observe(
         "replicas": rows,
         "job_version": (observed.job or {}).get("Version"),
         "update_failed": failed.model_dump() if failed else None,
+        "scaling": scaling_view(record, state, desired),
     }
 
     def status(
@@ -222,6 +249,13 @@ def observe(
             )
         waiting = state.unplaceable.reason if state.unplaceable else counts
         return status(ModelState.LOADING, waiting)
+    scaled = record.scaling
+    if scaled is not None and short is not None and not bad and ready >= max(scaled.min, 1):
+        # Load-based scaling asked for more than fits: the model serves what it has
+        # (issue 22, "capacity is honest"); `llmgw_model_unplaceable` says the rest.
+        return status(
+            ModelState.SERVING, f"{counts}; wants {desired}: {short.reason}", None, short.since
+        )
     if bad or short is not None:
         trouble = "; ".join(filter(None, [_describe(bad), short.reason if short else ""]))
         if clean:

@@ -11,9 +11,11 @@ rollbacks, placement), then does what the event asks:
 
   OBSERVED  the fold's own decisions: park (`Park`), or revert a stuck update
             (`Revert`).
-  TICK      replicas passing for the whole stability window reset the counts; it
-            reads only `observation.passing` (and the document), so the daemon may
-            pass the observation it last made.
+  TICK      replicas passing for the whole stability window reset the counts (it
+            reads `observation.passing` and the document); and a model with
+            `scaling` follows its demand (`planner.model.autoscale`): a `Scale` when
+            due, never while a deployment of the job runs, for a parked or stopped
+            job, or one whose update was rolled back.
   RETRY     `planner retry` (`planner.model.retry`); `Plan.summary` says what was
             done, in words. Raises `planner.errors.Rejected` when Nomad has no job.
   ACTIVATE  a request for the model (`planner.model.activate`): `Plan.answer` when
@@ -38,11 +40,11 @@ from enum import StrEnum
 
 from llmgw_contract import ActivationAnswer, StateDocument
 from planner.errors import Rejected
-from planner.model import activate, fold, retry
+from planner.model import activate, autoscale, fold, retry
 from planner.model.effects import Effect, Park, Reason, Scale
 from planner.model.failures import Rules, due_stable, headline, stabilize
 from planner.model.observation import Observation
-from planner.vocab import GROUP, group_count
+from planner.vocab import ACTIVE_DEPLOYMENT, GROUP, group_count
 
 
 class Event(StrEnum):
@@ -148,7 +150,57 @@ def _tick(document: StateDocument, observation: Observation, rules: Rules, now: 
         plan = plan.note(
             f"healthy for {rules.stable_after_ns // 10**9} s; consecutive failures reset"
         )
-    return plan
+    return _autoscale(plan, observation, now)
+
+
+def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
+    """A scaling model's TICK: follow its demand (`planner.model.autoscale`)."""
+    record, job, state = observation.record, observation.job, plan.state
+    if record is None or record.scaling is None or job is None or job.get("Stop"):
+        return plan
+    if state.parked is not None:
+        return plan
+    count = group_count(job)
+    blocked = _blocked(observation)
+    if blocked is None and count > 0 and not observation.passing:
+        # More replicas of a model nothing serves would only fail beside the others
+        # (each its own 5 starts); fewer would not help it start.
+        blocked = "no replica passes its check yet; scaling waits for one that serves"
+    scaled = autoscale.decide(
+        state.scaling, record.scaling, count, observation.demand, blocked, now
+    )
+    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
+    if scaled.count is not None and scaled.count > count and short is not None:
+        # Capacity is honest: what runs keeps serving; a scale-up waits until Nomad's
+        # blocked evaluation places what the job already asks for.
+        no_room = f"{short.reason} (Nomad places them when room appears)"
+        scaled = autoscale.decide(
+            state.scaling, record.scaling, count, observation.demand, no_room, now
+        )
+    plan = dataclasses.replace(plan, state=state.model_copy(update={"scaling": scaled.state}))
+    if scaled.count is None:
+        return plan
+    effect = Scale(Reason.LOAD, scaled.words, group=GROUP, count=scaled.count)
+    return dataclasses.replace(plan, effects=(*plan.effects, effect)).note(
+        f"scaling {scaled.words}"
+    )
+
+
+def _blocked(observation: Observation) -> str | None:
+    """Why Nomad would refuse a scale now: a deployment of this job incarnation runs
+    (nomad/job_endpoint.go: "job scaling blocked due to active deployment")."""
+    created = (observation.job or {}).get("CreateIndex")
+    for deployment in observation.deployments:
+        if (
+            deployment.get("JobCreateIndex") == created
+            and deployment.get("Status") in ACTIVE_DEPLOYMENT
+        ):
+            return (
+                f"deployment {str(deployment.get('ID', ''))[:8]} of version "
+                f"{deployment.get('JobVersion')} is {deployment.get('Status')}; "
+                "scaling waits for it"
+            )
+    return None
 
 
 def _idle(observation: Observation) -> tuple[Effect, ...]:

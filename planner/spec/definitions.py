@@ -22,9 +22,19 @@ One file holds one model:
       args: ["--threads", "2"]          # extra llama-server arguments, one argv element each
     replicas: 1
     on_demand: {idle_after: 15m}        # optional: run only while used (0 replicas when idle)
+    scaling: {min: 1, max: 4, target: 2}  # optional, instead of replicas: follow demand
 
 The definition hash covers what the server runs (source, sha256, profile) and
-not `replicas` or `on_demand`: a changed hash lifts parking, scaling must not.
+not `replicas`, `on_demand` or `scaling`: a changed hash lifts parking and rolls
+out, a changed count or bound must not.
+
+`scaling` (issue 22) replaces `replicas` for a model whose replicas follow demand:
+`min` <= `max` <= 100 (the replicas limit), `target` requests in flight and waiting
+per replica (summed over every router), averaged over `window`; up after `up_after`,
+down after `down_after`. With `on_demand`, `min` is 0 (idle goes to 0, activation
+starts 1); `min: 0` without `on_demand` is refused (nothing would say when to stop
+the last replica). The model's `replicas` is then max(min, 1): what a new job and an
+activation start with.
 
 A model file reaches nothing on a node beyond its model: a file:// source lies under
 the models root (LLMGW_MODELS_ROOT; `planner.spec.sources.outside_root`), `args` carry
@@ -62,7 +72,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from llmgw_contract import ModelRecord, reserved_name, service_name
+from llmgw_contract import ModelRecord, ScalingBounds, reserved_name, service_name
 from planner.engines.llama_server_flags import judge
 from planner.errors import DefinitionError, InvalidDefinitions
 from planner.spec.sources import (
@@ -185,6 +195,37 @@ class OnDemand(BaseModel):
     idle_after: Seconds = 900
 
 
+MAX_REPLICAS = 100
+
+
+class Scaling(BaseModel):
+    """Load-based scaling (`llmgw_contract.ScalingBounds`; the decision is
+    `planner.model.autoscale`). Durations as `Seconds`; `target` > 0 requests per replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min: int = Field(ge=0, le=MAX_REPLICAS)
+    max: int = Field(ge=1, le=MAX_REPLICAS)
+    target: float = Field(gt=0, le=10_000)
+    window: Seconds = 30
+    up_after: Seconds = 15
+    down_after: Seconds = 300
+
+    @field_validator("window")
+    @classmethod
+    def _window_is_kept(cls, window: int) -> int:
+        # The leader keeps 10 minutes of router load (planner.daemon.demand.KEEP_S).
+        if window > 600:
+            raise ValueError(f"expected at most 10m, got {window} s")
+        return window
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Scaling:
+        if self.min > self.max:
+            raise ValueError(f"min must not exceed max (got min {self.min}, max {self.max})")
+        return self
+
+
 class ModelDefinition(BaseModel):
     """One model, as written in one YAML file."""
 
@@ -195,8 +236,55 @@ class ModelDefinition(BaseModel):
     # One file's sha256, or a list: one per shard of a split source, in shard order.
     sha256: Annotated[str | tuple[str, ...] | None, BeforeValidator(_sha256s)] = None
     profile: Profile
-    replicas: int = Field(1, ge=0, le=100)  # for on-demand models: how many when active
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS)  # on demand: how many when active
     on_demand: OnDemand | None = None
+    scaling: Scaling | None = None  # replicas follow demand (then replicas = max(min, 1))
+
+    @model_validator(mode="after")
+    def _replicas_from_scaling(self) -> ModelDefinition:
+        """With `scaling`, `replicas` is max(min, 1) (refused when written: one count or
+        the other); min 0 goes with `on_demand` only, and `on_demand` with min 0."""
+        if self.scaling is None:
+            return self
+        low, problems = self.scaling.min, []
+        if "replicas" in self.model_fields_set:
+            problems.append(
+                (
+                    ("replicas",),
+                    "replicas is a fixed count; a model with scaling has min and max "
+                    "instead (remove replicas)",
+                )
+            )
+        if self.on_demand is not None and low != 0:
+            problems.append(
+                (
+                    ("scaling", "min"),
+                    f"on_demand scales an unused model to 0, so its min is 0 (got {low}); "
+                    "remove on_demand to keep at least min replicas",
+                )
+            )
+        if self.on_demand is None and low == 0:
+            problems.append(
+                (
+                    ("scaling", "min"),
+                    "min 0 needs on_demand: {idle_after: ...} (it says when the last "
+                    "replica stops; demand alone never scales below 1)",
+                )
+            )
+        if problems:
+            raise ValidationError.from_exception_data(
+                "ModelDefinition",
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(ARG_ERROR, message), loc=loc, input=None
+                    )
+                    for loc, message in problems
+                ],
+            )
+        # Frozen: set once, while the model is being built (what a new job and an
+        # activation start with).
+        object.__setattr__(self, "replicas", max(low, 1))
+        return self
 
     @field_validator("name")
     @classmethod
@@ -283,6 +371,7 @@ class ModelDefinition(BaseModel):
             sha256=list(self.sha256) if isinstance(self.sha256, tuple) else self.sha256,
             profile=self.profile.model_dump(mode="json"),
             on_demand=self.on_demand.model_dump(mode="json") if self.on_demand else None,
+            scaling=ScalingBounds(**self.scaling.model_dump()) if self.scaling else None,
         )
 
 
@@ -400,7 +489,8 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 
 def _explain(error: dict[str, Any], model: type[BaseModel]) -> str:
     if error["type"] == "extra_forbidden":
-        owner: type[BaseModel] = Profile if error["loc"][0] == "profile" else model
+        owners: dict[Any, type[BaseModel]] = {"profile": Profile, "scaling": Scaling}
+        owner = owners.get(error["loc"][0], model) if len(error["loc"]) > 1 else model
         allowed = list(owner.model_fields)
         close = difflib.get_close_matches(str(error["loc"][-1]), allowed, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -26,7 +26,7 @@ import hashlib
 import json
 from typing import Any, Protocol
 
-from llmgw_contract import JobMeta, ModelRecord
+from llmgw_contract import JobMeta, ModelRecord, ScalingBounds, decode
 from planner.engines import DEFAULT_KIND, engine
 from planner.spec.definitions import ModelDefinition, resolve_source
 from planner.spec.engine_definitions import EngineRef
@@ -40,8 +40,11 @@ DOWNLOAD_ALLOWANCE_S = 1800
 # Job meta key naming the engine kind (planner.engines) of a model not run by llama.cpp;
 # the watcher reads its error lines with that engine.
 ENGINE_KIND_META = "llmgw_engine_kind"
-# Service meta key for the defined replicas (see the job template).
+# Service meta keys for the defined replicas and scaling bounds (see the job template):
+# out of the job's meta, so changing them is not a rollout.
 REPLICAS_META = "llmgw_replicas"
+SCALING_META = "llmgw_scaling"
+COUNT_META = (REPLICAS_META, SCALING_META)
 
 
 class ParsesJobs(Protocol):
@@ -102,6 +105,7 @@ def variables(
         "replicas": 0 if definition.on_demand else definition.replicas,
         "on_demand": definition.on_demand is not None,
         "defined_replicas": definition.replicas,
+        "scaling": definition.record().scaling.model_dump_json() if definition.scaling else "",
         "load_grace": f"{profile.load_timeout}s",
         # One canary per replica: the whole new version proves itself beside the old.
         "canaries": 0 if definition.on_demand else definition.replicas,
@@ -118,9 +122,10 @@ def variable_file(values: dict[str, Any]) -> str:
 
 def spec_hash(job: Job) -> str:
     """16 hex chars of sha256 over the rendered job, without what the replica count sets
-    (the groups' Count, their canaries, the services' llmgw_replicas: `replicas_of`
-    compares those) or the hash's own meta key. It lives in the job's meta, which Nomad
-    compares: a hash that changed with the count would replace every allocation."""
+    (the groups' Count, their canaries, the services' llmgw_replicas and llmgw_scaling:
+    `replicas_of` and `scaling_of` compare those) or the hash's own meta key. It lives
+    in the job's meta, which Nomad compares: a hash that changed with the count would
+    replace every allocation."""
     meta = {k: v for k, v in (job.get("Meta") or {}).items() if k != SPEC_HASH_KEY}
     groups = [_without_count(tg) for tg in job.get("TaskGroups") or []]
     canonical = json.dumps(
@@ -140,7 +145,7 @@ def _without_count(group: dict[str, Any]) -> dict[str, Any]:
                 {
                     **service,
                     "Meta": {
-                        k: v for k, v in (service.get("Meta") or {}).items() if k != REPLICAS_META
+                        k: v for k, v in (service.get("Meta") or {}).items() if k not in COUNT_META
                     },
                 }
                 for service in task.get("Services") or []
@@ -164,11 +169,25 @@ def replicas_of(job: Job) -> int:
     return int(old.get("replicas", 0))
 
 
+def scaling_of(job: Job) -> ScalingBounds | None:
+    """The model's scaling bounds as defined when `job` was rendered (its service meta);
+    None for a fixed count. Raises ValueError when the meta cannot be read."""
+    for group in job.get("TaskGroups") or []:
+        for task in group.get("Tasks") or []:
+            for service in task.get("Services") or []:
+                value = (service.get("Meta") or {}).get(SCALING_META)
+                if value:
+                    return decode(ScalingBounds, value)
+    return None
+
+
 def record_of(job: Job) -> ModelRecord:
-    """The model record a job carries (its meta, replicas from `replicas_of`). Raises
-    ValueError when the meta cannot be read."""
+    """The model record a job carries (its meta, replicas from `replicas_of`, scaling from
+    `scaling_of`). Raises ValueError when the meta cannot be read."""
     data = json.loads((job.get("Meta") or {})[JobMeta.RECORD])
-    return ModelRecord.model_validate({**data, "replicas": replicas_of(job)})
+    return ModelRecord.model_validate(
+        {**data, "replicas": replicas_of(job), "scaling": scaling_of(job)}
+    )
 
 
 def render(
@@ -186,7 +205,7 @@ def render(
     """
     hcl = template if template is not None else settings.jobspec.read_text()
     job = nomad.parse(hcl, variable_file(variables(definition, settings, ref)))
-    record = definition.record().model_dump_json(exclude={"replicas"})
+    record = definition.record().model_dump_json(exclude={"replicas", "scaling"})
     job["Meta"] = {**(job.get("Meta") or {}), JobMeta.RECORD: record}
     if ref is not None and ref.kind != DEFAULT_KIND:
         # Only another kind is named: the jobs of llama.cpp models stay as they were.

@@ -21,6 +21,8 @@ Invariants:
   `planner retry` ever places again a replica Nomad stopped after its restart attempts;
 - a `Park` is decided only when no replica of the current definition passes in what
   was observed, and a forced reschedule only by RETRY;
+- a model with load-based scaling (`scaling`, random router load in each observation)
+  is scaled by a TICK only, always to a count within [min, max];
 - at rest (Nomad done, a fresh observation decided and applied until nothing changes),
   the job's parking meta and the document agree, and so do their definitions.
 """
@@ -37,8 +39,9 @@ import hypothesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw_contract import JobMeta, ModelRecord, StateDocument
-from planner.model.effects import Effect, Evaluate, Park, Revert, Scale, Unpark
+from llmgw_contract import JobMeta, ModelRecord, ScalingBounds, StateDocument
+from planner.model.autoscale import Demand
+from planner.model.effects import Effect, Evaluate, Park, Reason, Revert, Scale, Unpark
 from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job, parked_job, unparked_job
@@ -49,6 +52,8 @@ from tests.support.nomad_mock import TASK, S, event, job
 RULES = Rules(park_after=5, stable_after_ns=120 * S)
 EPOCH = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 STARTS = 5  # restart attempts = 4
+BOUNDS = ScalingBounds(min=1, max=3, target=1, window=30, up_after=15, down_after=60)
+BOUNDS_ON_DEMAND = BOUNDS.model_copy(update={"min": 0})
 
 
 @dataclass
@@ -64,6 +69,7 @@ class SimNomad:
     count: int
     skew_s: float
     on_demand: bool = False  # how far the planner's clock runs ahead of the nodes'
+    scaling: bool = False  # load-based scaling, random load in each observation
     index: int = 100
     t: float = 1_000.0  # the nodes' clock, seconds
     kinds: dict[str, int] = field(default_factory=dict)  # definition -> failing starts
@@ -114,6 +120,7 @@ class SimNomad:
             definition_hash=definition,
             replicas=self.count,
             on_demand={"idle_after": 600} if self.on_demand else None,
+            scaling=(BOUNDS_ON_DEMAND if self.on_demand else BOUNDS) if self.scaling else None,
         )
         if self.doc_index == 0:
             self.doc_index = self._next()  # apply creates a new model's document
@@ -240,9 +247,15 @@ class SimNomad:
             versions=tuple(copy.deepcopy(self.versions)),
             allocations=tuple(copy.deepcopy(s.data) for s in self.allocs.values()),
             passing=dict(self.passing),
+            demand=self._demand() if self.scaling else None,
             state_index=self.doc_index,
             nomad_index=self.index,
         )
+
+    def _demand(self) -> Demand:
+        average = self.rng.choice([0.0, 0.5, 1.0, 2.5, 7.0, 40.0])
+        now = self.rng.choice([average, 0.0, 9.0])
+        return Demand(average=average, now=now, covered_s=30.0, routers=self.rng.randint(0, 2))
 
     def carry_out(self, before: StateDocument, plan: Plan, observation: Observation) -> bool:
         """What the applier does; False when it stops at a refused check (Stale)."""
@@ -305,11 +318,17 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
             assert not serving, f"parked while {serving} pass"
         if isinstance(effect, Evaluate) and effect.force_reschedule:
             assert event_ is Event.RETRY, f"a forced reschedule from {event_}"
+        if isinstance(effect, Scale) and effect.reason is Reason.LOAD:
+            bounds = sim.record.scaling if sim.record else None
+            assert event_ is Event.TICK and bounds is not None, f"a load scale from {event_}"
+            assert max(bounds.min, 1) <= effect.count <= bounds.max, f"scaled to {effect.count}"
 
 
 def check_starts(sim: SimNomad) -> None:
     for definition, starts in sim.starts_since_reset.items():
-        assert starts <= RULES.park_after * sim.count, (
+        # A scaling model may run up to its max replicas, each with its own starts.
+        most = sim.record.scaling.max if sim.record and sim.record.scaling else sim.count
+        assert starts <= RULES.park_after * max(most, sim.count), (
             f"{starts} starts of {definition} without a park or a retry"
         )
 
@@ -356,14 +375,21 @@ OPS = st.sampled_from(
     seed=st.integers(0, 2**32),
     count=st.integers(1, 2),
     on_demand=st.booleans(),
+    scaling=st.booleans(),
     skew=st.sampled_from([0.0, 40.0, 86_400.0 * 365]),
     first=st.sampled_from([STARTS, 0, -1]),
     ops=st.lists(st.tuples(OPS, st.integers(0, 10**6)), min_size=5, max_size=60),
 )
 def test_decide_keeps_its_promises_in_any_order_of_events(
-    seed: int, count: int, on_demand: bool, skew: float, first: int, ops: list[tuple[str, int]]
+    seed: int,
+    count: int,
+    on_demand: bool,
+    scaling: bool,
+    skew: float,
+    first: int,
+    ops: list[tuple[str, int]],
 ) -> None:
-    sim = SimNomad(random.Random(seed), count, skew, on_demand)
+    sim = SimNomad(random.Random(seed), count, skew, on_demand, scaling)
     sim.apply(first)
     snapshots: list[Observation] = []
     last: tuple[Event, Observation] | None = None

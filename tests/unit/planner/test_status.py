@@ -9,6 +9,7 @@ from llmgw_contract import (
     ModelState,
     Parked,
     ReplicaRecord,
+    ScalingBounds,
     StateDocument,
     Unplaceable,
     UsageRecord,
@@ -117,6 +118,26 @@ def test_partly_placed_keeps_its_reason() -> None:
     assert status.state == ModelState.DEGRADED and short.reason in status.reason
     none = see([], health(), doc(unplaceable=short.model_copy(update={"placed": 0})))
     assert none.state == ModelState.UNPLACEABLE
+
+
+def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so() -> None:
+    """Issue 22, "capacity is honest": load-based scaling asked for 3, 2 were placed; the
+    model serves what it has (never unplaceable, never degraded for want of room)."""
+    short = Unplaceable(
+        reason="2 of 3 replicas placed; memory exhausted on 2 of 2 nodes", placed=2, desired=3
+    )
+    scaling = RECORD.model_copy(update={"scaling": ScalingBounds(min=1, max=4, target=2)})
+    status = see([A, B], health("a1", "b1"), doc(unplaceable=short), record=scaling, count=3)
+    assert status.state == ModelState.SERVING
+    assert status.reason == (
+        "2 of 3 ready; wants 3: 2 of 3 replicas placed; memory exhausted on 2 of 2 nodes"
+    )
+    assert status.scaling is not None
+    assert (status.scaling["min"], status.scaling["desired"], status.scaling["max"]) == (1, 3, 4)
+    # Below its floor it is short of what it must have: degraded, as a fixed model.
+    floor = scaling.model_copy(update={"scaling": ScalingBounds(min=3, max=4, target=2)})
+    below = see([A, B], health("a1", "b1"), doc(unplaceable=short), record=floor, count=3)
+    assert below.state == ModelState.DEGRADED
 
 
 def test_room_being_made_is_loading_not_unplaceable() -> None:

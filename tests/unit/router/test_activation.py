@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw_contract import ActivationStatus, Parked, StateDocument, Unplaceable
+from llmgw_contract import ActivationStatus, Parked, ScalingBounds, StateDocument, Unplaceable
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -58,6 +58,7 @@ class StubPlanner(LocalServer):
         self.activations: list[str] = []
         self.authorization: list[str | None] = []
         self.usage: list[list[str]] = []
+        self.reports: list[dict] = []
         self.upstream_hits = 0
         self.usage_status = 204
         super().__init__(
@@ -84,7 +85,9 @@ class StubPlanner(LocalServer):
 
     async def _usage(self, request: web.Request) -> web.Response:
         self.authorization.append(request.headers.get("Authorization"))
-        self.usage.append((await request.json())["models"])
+        body = await request.json()
+        self.usage.append(body["models"])
+        self.reports.append(body)
         return web.Response(status=self.usage_status)
 
     async def _upstream(self, request: web.Request) -> web.Response:
@@ -479,6 +482,43 @@ def test_usage_heartbeat_posts_the_used_models() -> None:
             await asyncio.sleep(0.25)
             assert h.stub.usage[-1] == ["m"] and len(h.stub.usage) >= 3
             h.table.get("m").endpoints[0].inflight -= 1
+
+    run(scenario())
+
+
+def test_usage_reports_carry_the_load_and_say_once_when_it_ended() -> None:
+    """Issue 22: each report names this router and its requests per model (in flight on
+    its endpoints and waiting for a slot); after the load ends one report carries the
+    zeros, then nothing is sent while nothing is used."""
+
+    async def scenario() -> None:
+        async with harness(models=("m", "other")) as h:
+            h.pass_endpoint("m")
+            reporter = h.app.state.usage
+            h.table.get("m").endpoints[0].inflight += 2
+            assert await reporter.report() == ["m"]
+            report = h.stub.reports[-1]
+            assert report["load"] == {"m": {"inflight": 2, "waiting": 0}}
+            assert report["router"] == reporter.router_id and report["interval_s"] == 0.1
+            h.table.get("m").endpoints[0].inflight -= 2
+            assert await reporter.report() == []  # nothing used, but the load ended:
+            assert h.stub.reports[-1]["load"] == {} and len(h.stub.reports) == 2
+            assert await reporter.report() == []
+            assert len(h.stub.reports) == 2  # then silence
+            # A model with scaling: every interval, used or not ("no load" is a signal).
+            record = h.table.get("m").record
+            assert record is not None
+            h.table.set_models(
+                {
+                    "m": record.model_copy(
+                        update={"scaling": ScalingBounds(min=1, max=2, target=1)}
+                    ),
+                    "other": h.table.get("other").record,
+                }
+            )
+            await reporter.report()
+            await reporter.report()
+            assert len(h.stub.reports) == 4 and h.stub.reports[-1]["load"] == {}
 
     run(scenario())
 

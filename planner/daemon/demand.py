@@ -1,0 +1,125 @@
+"""What the routers see of each model's load, summed: the leader's memory (issue 22).
+
+Every router reports, with its usage (`POST /v1/usage`, `llmgw_contract.UsageReport`),
+its requests in flight and waiting per model. `DemandBook.report` keeps the latest
+report of each router, and after each one the sum per model as a sample (time, value);
+`demand` gives a model's time-weighted average over a window and the sum now, as
+`planner.model.autoscale.Demand`, for its worker's observation
+(`planner.daemon.observe`).
+
+A router that stops reporting (stopped, partitioned) counts for nothing once
+`EXPIRE_INTERVALS` of its intervals passed without a report: its requests ended or went
+elsewhere. A model no router reports for has a sum of 0 while any router reports; with
+no router fresh at all there is no signal (`Demand.routers == 0`: the scaler holds).
+
+Memory is bounded: one entry per router (dropped when expired), and per model the
+samples of the last `KEEP_S` seconds (the longest window a definition may ask for).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from llmgw_contract import UsageReport
+from planner.model.autoscale import Demand
+
+EXPIRE_INTERVALS = 3
+KEEP_S = 600.0
+
+
+@dataclass(frozen=True)
+class _Report:
+    at: float  # Unix s
+    interval_s: float
+    load: dict[str, float]  # model -> in flight + waiting
+
+
+class DemandBook:
+    """Latest report per router and the summed samples per model; thread-safe."""
+
+    def __init__(self, clock: Callable[[], datetime]) -> None:
+        self._clock = clock
+        self._routers: dict[str, _Report] = {}
+        self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._since = 0.0  # the first report this book holds (0: none yet)
+        self._lock = threading.Lock()
+
+    def report(self, report: UsageReport) -> None:
+        """A router's report arrived now (one without a router id carries no load)."""
+        if not report.router:
+            return
+        t = self._clock().timestamp()
+        load = {name: float(m.inflight + m.waiting) for name, m in report.load.items()}
+        with self._lock:
+            self._since = self._since or t
+            self._routers[report.router] = _Report(t, max(report.interval_s, 0.1), load)
+            self._sample(t)
+
+    def _sample(self, t: float) -> None:
+        """Append each model's sum over the fresh routers at `t` (lock held)."""
+        fresh = self._fresh(t)
+        totals: dict[str, float] = {}
+        for r in fresh:
+            for name, value in r.load.items():
+                totals[name] = totals.get(name, 0.0) + value
+        for name in set(totals) | set(self._samples):
+            series = self._samples.setdefault(name, deque())
+            value = totals.get(name, 0.0)
+            if not series or series[-1][1] != value:
+                series.append((t, value))
+            while len(series) > 1 and series[1][0] <= t - KEEP_S:
+                series.popleft()
+            if value == 0.0 and len(series) == 1 and series[0][0] <= t - KEEP_S:
+                del self._samples[name]
+
+    def _fresh(self, t: float) -> list[_Report]:
+        for router, r in list(self._routers.items()):
+            if t - r.at > EXPIRE_INTERVALS * r.interval_s:
+                del self._routers[router]
+        return list(self._routers.values())
+
+    def demand(self, name: str, window_s: float) -> Demand:
+        """Model `name`'s load over the last `window_s` seconds (since this book's first
+        report at the earliest; 0 before the model's first sample) and now."""
+        t = self._clock().timestamp()
+        with self._lock:
+            routers = len(self._fresh(t))
+            now = sum(r.load.get(name, 0.0) for r in self._routers.values())
+            series = list(self._samples.get(name, ()))
+            since = self._since
+        if not since:
+            return Demand(average=0.0, now=0.0, covered_s=0.0, routers=0)
+        start = max(t - window_s, since)
+        # A step function: each sample holds until the next, the last until now.
+        points = [*series, (t, now)]
+        area = 0.0
+        for (t0, value), (t1, _) in itertools.pairwise(points):
+            lo, hi = max(t0, start), min(t1, t)
+            if hi > lo:
+                area += value * (hi - lo)
+        covered = t - start
+        average = area / covered if covered > 0 else now
+        return Demand(average=average, now=now, covered_s=covered, routers=routers)
+
+    def snapshot(self) -> dict[str, float]:
+        """Each model's summed load now (models with a sample), for /metrics."""
+        t = self._clock().timestamp()
+        with self._lock:
+            self._fresh(t)
+            names = set(self._samples)
+            return {
+                name: sum(r.load.get(name, 0.0) for r in self._routers.values())
+                for name in sorted(names)
+            }
+
+    def clear(self) -> None:
+        """A new leader: start over (reports reach it within one interval)."""
+        with self._lock:
+            self._routers.clear()
+            self._samples.clear()
+            self._since = 0.0

@@ -13,6 +13,7 @@ import pytest
 
 from llmgw_contract import (
     ActivationStatus,
+    JobMeta,
     ModelRecord,
     Parked,
     ReplicaRecord,
@@ -21,10 +22,11 @@ from llmgw_contract import (
     UpdateFailed,
 )
 from planner.errors import Rejected
-from planner.model.effects import Evaluate, Park, Reason, Revert, Scale, Unpark
+from planner.model.effects import Evaluate, Park, Reason, Register, Revert, Scale, Unpark
 from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.parking import parked_job
+from planner.model.resurrect import stale_failed
 from planner.model.transition import Event, Plan, decide
 from tests.support.nomad_mock import S, alloc, event, job, run
 
@@ -409,6 +411,79 @@ def test_retry_of_an_unplaceable_model_asks_again_and_of_a_fine_one_does_nothing
     )
     fine = retried(STORED, observe(alloc("a1", event("Started", 1))))
     assert fine.effects == () and "nothing to retry" in fine.summary
+
+
+# Issue 19's QA, D2 and D3: definition d0 at job version 0, its replica stopped by Nomad
+# after its restarts and still holding its place; d1 rolls out with a canary at version 3.
+OLD_AND_NEW = (job(definition_hash="d0"), job(definition_hash="d1", Version=3))
+
+
+def test_retry_never_forces_a_reschedule_of_a_replica_of_an_older_definition() -> None:
+    """A forced reschedule would start version 0 (d0) again, at that version: the job is
+    registered renewed instead, a new version that replaces every allocation."""
+    current = job(definition_hash="d1", Version=3, JobModifyIndex=40)
+    canary = alloc("a2", event("Started", 60), version=3, index=0)
+    plan = retried(
+        STORED.model_copy(update={"consecutive_failures": 2}),
+        observe(failing(version=0), canary, the_job=current, versions=(current, OLD_AND_NEW[0])),
+    )
+    [register] = plan.effects
+    assert isinstance(register, Register) and register.reason is Reason.RETRY
+    assert register.job["Meta"][JobMeta.RENEWED] == "40"
+    assert register.job["Meta"][JobMeta.DEFINITION_HASH] == "d1"
+    assert not any(isinstance(e, Evaluate) for e in plan.effects)
+    assert plan.state.consecutive_failures == 0
+    assert "as a new job version" in plan.summary
+
+
+def test_retry_of_a_parked_job_with_a_replica_of_an_older_definition_renews_it() -> None:
+    parked_at = parked_job(job(definition_hash="d1", Version=4), PARKED)
+    plan = retried(
+        STORED.model_copy(update={"parked": PARKED, "consecutive_failures": 5}),
+        observe(
+            failing(version=0),
+            failing("a2", version=3, index=0),
+            the_job=parked_at,
+            versions=(parked_at, OLD_AND_NEW[1], OLD_AND_NEW[0]),
+        ),
+    )
+    [unpark] = plan.effects
+    assert isinstance(unpark, Unpark) and unpark.renew
+    assert plan.state.parked is None and plan.state.consecutive_failures == 0
+
+
+def test_retry_takes_a_replica_of_a_version_nomad_no_longer_keeps_as_older() -> None:
+    """Nomad keeps a job's last 6 versions: a replica of a version it dropped has no
+    known definition, and a forced reschedule would place that version again."""
+    current = job(definition_hash="d1", Version=9)
+    plan = retried(STORED, observe(failing(version=2), the_job=current, versions=(current,)))
+    assert [type(e) for e in plan.effects] == [Register]
+    same = retried(
+        STORED,
+        observe(
+            failing(version=8),
+            the_job=current,
+            versions=(current, job(definition_hash="d1", Version=8)),
+        ),
+    )
+    assert [(type(e), getattr(e, "force_reschedule", None)) for e in same.effects] == [
+        (Evaluate, True)
+    ]
+
+
+def test_stale_failed_names_only_what_a_forced_reschedule_would_place_again() -> None:
+    current = job(definition_hash="d1", Version=3)
+    observation = observe(
+        failing("old", version=0),  # failed, wanted: placed again at version 0
+        failing("gone", version=0, desired="stop"),  # Nomad stopped it: not placed
+        failing("next", version=0, NextAllocation="x"),  # replaced already
+        alloc("live", event("Started", 1), version=0),  # running: not rescheduled
+        failing("mine", version=3),  # the current definition's
+        the_job=current,
+        versions=OLD_AND_NEW,
+    )
+    assert stale_failed(observation) == ("old",)
+    assert stale_failed(Observation(name="m", record=RECORD, job=None)) == ()
 
 
 def test_retry_without_a_job_is_refused() -> None:

@@ -26,7 +26,7 @@ from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
-MODELS = ("upd-context", "upd-bad", "upd-scale", "upd-parked")
+MODELS = ("upd-context", "upd-bad", "upd-scale", "upd-parked", "upd-early")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -298,3 +298,51 @@ def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definit
     assert int(renewed) > 0
     assert 5 <= d2[d] <= 10, d2
     assert "ok" not in answers and answers[-1] == "model_parked"
+
+
+def test_a_retry_while_the_old_replica_still_restarts_still_parks_the_canary(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tmp_path: Path,
+) -> None:
+    """D2's retry earlier: A's replica still restarting (nothing for a forced reschedule
+    to place again), B's canary failing beside it: the retry forgives the count, the
+    canary's remaining starts fail, Nomad fails the deployment and stops the canary,
+    and A's replica ends failed, holding its place. Nothing will start again: the model
+    is parked, and the router says so."""
+    name, folder = "upd-early", tmp_path / "m"
+
+    def define(seed: int) -> str:
+        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
+        write_model(folder, name, source)
+        return definition(folder, name)
+
+    a = define(0)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
+    b = define(1)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "B failing")
+    answers: list[str] = []
+
+    def ask() -> None:
+        try:
+            complete(router, name, timeout=60)
+            answers.append("ok")
+        except urllib.error.HTTPError as exc:
+            answers.append(json.load(exc)["error"]["code"])
+            raise
+
+    with steady(ask, interval=0.2):
+        retried = planner("retry", name)
+        assert retried.returncode == 0, retried.stderr
+        last = parked(cluster, planner_daemon, name, "B parked after the retry")
+        wait_for(lambda: answers[-3:] == ["model_parked"] * 3, 90, "the router says parked")
+    counted = starts_by_definition(cluster, name)
+    print(
+        f"early retry ({retried.stderr.strip()}): starts {counted}, {last['reason']}; the "
+        f"router answered { {k: answers.count(k) for k in set(answers)} }"
+    )
+    assert last["definition"] == b and counted[a] <= 5 and counted[b] <= 10, counted

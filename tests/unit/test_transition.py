@@ -283,6 +283,46 @@ def test_a_stuck_update_is_reverted_to_the_version_that_serves() -> None:
     )
 
 
+def a_failed_rollout(
+    canary: dict[str, Any], *deployments: dict[str, Any], state_index: int = 7
+) -> Observation:
+    """Issue 19's QA, found on real agents: d0's replica (version 0) failed and holds its
+    place beside d1's `canary` (version 1)."""
+    v1 = job(definition_hash="d1", Version=1, CreateIndex=10)
+    v0 = job(definition_hash="d0", Version=0, CreateIndex=10)
+    return observe(
+        failing("old", version=0),
+        canary,
+        the_job=v1,
+        versions=(v1, v0),
+        deployments=deployments,
+        state_index=state_index,
+    )
+
+
+def test_a_failed_rollout_whose_canaries_nomad_stopped_parks_the_model() -> None:
+    """A retry forgave the canary's first 3 failures; its last 2 failed the deployment
+    (no stable version), Nomad stopped it, and nothing will start again."""
+    canary = {"version": 1, "DeploymentStatus": {"Canary": True}}
+    forgiven = observed(
+        StateDocument(name="m"),
+        a_failed_rollout(failing("c", 3, **canary), deployment(1, "running"), state_index=0),
+    ).state
+    stopped = failing("c", 5, desired="stop", **canary)
+    failed = a_failed_rollout(stopped, deployment(0, "cancelled"), deployment(1, "failed"))
+    [park] = observed(forgiven, failed).effects
+    assert isinstance(park, Park) and park.reason is Reason.ALL_STOPPED
+    answered = activated(forgiven, failed)
+    assert answered.answer is not None and answered.answer.status is ActivationStatus.PARKED
+    # While the deployment runs, the canary is Nomad's to place again: not parked.
+    running = a_failed_rollout(stopped, deployment(0, "cancelled"), deployment(1, "running"))
+    assert observed(forgiven, running).effects == ()
+    assert not any(isinstance(e, Park) for e in activated(forgiven, running).effects)
+    # A canary of the failed rollout that still starts: not parked either.
+    starting = alloc("c2", event("Started", 1), version=1)
+    assert observed(forgiven, a_failed_rollout(starting, deployment(1, "failed"))).effects == ()
+
+
 def test_the_placement_answer_is_kept_then_cleared_when_every_replica_runs() -> None:
     short = Unplaceable(reason="memory exhausted on 1 of 1 node", since="2026-11-29T11:00:00")
     evaluation = {"ID": "e1", "Status": "complete"}

@@ -111,6 +111,10 @@ class JobMeta(StrEnum):
     PARKED_REASON = "llmgw_parked_reason"
     PARKED_LAST_ERROR = "llmgw_parked_last_error"
     PARKED_SINCE = "llmgw_parked_since"
+    # The JobModifyIndex a registration renewed (planner.model.resurrect.renewed): a new
+    # job version that replaces every allocation, so Nomad never re-places a failed one
+    # at an older definition's version.
+    RENEWED = "llmgw_renewed"
 
 
 PARKED_META = (JobMeta.PARKED_REASON, JobMeta.PARKED_LAST_ERROR, JobMeta.PARKED_SINCE)

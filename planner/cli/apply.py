@@ -56,6 +56,7 @@ from planner.model import rollout
 from planner.model.effects import Deregister, Effect, Evaluate, Reason, Register
 from planner.model.parking import parked_from_job, parked_job, set_parked
 from planner.model.placement import EngineNeed
+from planner.model.resurrect import failed_elsewhere, renewed
 from planner.model.unplaceable import engine_need
 from planner.spec.definitions import ModelDefinition, load_definitions
 from planner.spec.fit import Fit, check_models
@@ -95,6 +96,8 @@ class Change:
     reason: str
     job: Job | None = None
     unpark: bool = False  # the definition changed since the model was parked
+    # A stopped job registered again with another definition than the one it stopped with.
+    restarted_changed: bool = False
     # Deregister with purge: a pruned job left stopped in Nomad would read as one an
     # operator stopped, whose record the leader restores after a wiped KV
     # (`planner.daemon.repair`); False when Nomad has no job left to deregister.
@@ -357,7 +360,14 @@ def _changes(
             or _counts(job, old) is not None
         ):
             changes.append(
-                Change(name, Action.UPDATE, _update_reason(job, old), _keep_activation(job, old))
+                Change(
+                    name,
+                    Action.UPDATE,
+                    _update_reason(job, old),
+                    _keep_activation(job, old),
+                    restarted_changed=bool(old.get("Stop"))
+                    and rollout.definition_of(old) != rollout.definition_of(job),
+                )
             )
         else:
             changes.append(Change(name, Action.UNCHANGED, "no changes"))
@@ -626,20 +636,32 @@ def _noted(change: Change, note: str) -> Change:
     return replace(change, reason=f"{change.reason} ({note})")
 
 
-def registration(change: Change) -> list[Effect]:
+def registration(change: Change, stale: tuple[str, ...] = ()) -> list[Effect]:
     """The effects that register `change.job`: the registration, and for a job that was
     stopped, a forced reschedule of the replicas Nomad stopped after their restart
     attempts (they keep their place in the count across a job stop: no reschedule).
+    `stale`: those of them whose job version is not of `change.job`'s definition
+    (`planner.model.resurrect.failed_elsewhere`, read by `_registered`).
 
-    Not when parking is lifted by a new definition that rolls out with canaries: Nomad
-    places the replacement of a failed allocation of the old version at that old version
-    until the canaries are promoted, so a forced reschedule starts the definition git no
-    longer has, five more times (found by a new user: issue 19's QA, "D1"). The canaries
+    Not when the job starts again with a new definition (parking lifted by it, or a
+    stopped job) that rolls out with canaries: Nomad places the replacement of a failed
+    allocation of the old version at that old version until the canaries are promoted,
+    so a forced reschedule starts the definition git no longer has, five more times
+    (found by a new user: issue 19's QA, "D1"; `planner.model.resurrect`). The canaries
     replace the old allocations on promotion, and a canary that never passes parks the
-    model as any failing definition does."""
+    model as any failing definition does.
+
+    Never while one of those replicas is `stale` (the job stopped during a rollout
+    kept one of the definition before): the forced reschedule would place it again at
+    its own version. The job is registered as a new definition replaces them all
+    (renewed, `planner.model.resurrect.renewed`, when its definition is the same)."""
     assert change.job is not None
-    effects: list[Effect] = [Register(Reason.APPLY, change.reason, change.job)]
-    if change.restart and not (change.unpark and _canaries(change.job)):
+    new_definition = change.unpark or change.restarted_changed
+    job = change.job
+    if change.restart and stale and not new_definition:
+        job = renewed(job, change.job_index)
+    effects: list[Effect] = [Register(Reason.APPLY, change.reason, job)]
+    if change.restart and not stale and not (new_definition and _canaries(change.job)):
         effects.append(
             Evaluate(Reason.APPLY, "the stopped job is starting again", force_reschedule=True)
         )
@@ -654,7 +676,15 @@ def _registered(change: Change, applier: Applier) -> Outcome:
     """Register the job (EnforceIndex: `change.job_index`), start the replicas of a
     stopped or parked job again, and clear the KV cache of a lifted parking."""
     assert change.job is not None
-    answers = applier.write_job(change.model, registration(change), change.job_index)
+    stale: tuple[str, ...] = ()
+    if change.restart and change.job_index:
+        nomad = applier.nomad
+        stale = failed_elsewhere(
+            rollout.definition_of(change.job),
+            nomad.versions(change.model),
+            nomad.allocations(change.model),
+        )
+    answers = applier.write_job(change.model, registration(change, stale), change.job_index)
     index = _job_index(answers[0])
     if change.unpark:
         applier.update(change.model, lambda s: set_parked(s, None, index))

@@ -50,6 +50,7 @@ from planner.model.effects import (
 )
 from planner.model.observation import Observation
 from planner.model.parking import parked_job, unparked_job
+from planner.model.resurrect import renewed
 
 if TYPE_CHECKING:
     # Only a type here: `transition` imports the decisions, and they the placement
@@ -170,8 +171,11 @@ class Applier:
         match effect:
             case Park(parked=parked):
                 return self.nomad.register(parked_job(job, parked), enforce_index=index)
-            case Unpark():
-                return self.nomad.register(unparked_job(job), enforce_index=index)
+            case Unpark(renew=renew):
+                new = unparked_job(job)
+                return self.nomad.register(
+                    renewed(new, index) if renew else new, enforce_index=index
+                )
             case Register(job=new):
                 return self.nomad.register(new, enforce_index=index)
             case Scale(group=group, count=count, words=words):

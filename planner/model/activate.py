@@ -118,7 +118,7 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
                 reason="0 replicas wanted (replicas: 0 in its definition)",
             ),
         )
-    if fold.stopped_by_nomad(state, fold.infos(observation).values()):
+    if fold.stopped_by_nomad(state, observation):
         return _park_stopped(state, now)
     short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
     if _starting(observation.allocations) and short is None:

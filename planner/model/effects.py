@@ -52,7 +52,10 @@ class Park(Effect):
 
 @dataclass(frozen=True)
 class Unpark(Effect):
-    """Start the stopped (or parked) job again, without the parking meta."""
+    """Start the stopped (or parked) job again, without the parking meta; `renew`: as a
+    new version that replaces every allocation (`planner.model.resurrect.renewed`)."""
+
+    renew: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class Scale(Effect):
 class Evaluate(Effect):
     """A new evaluation. `force_reschedule` places again allocations Nomad stopped after
     their restart attempts: only `planner retry` (and apply's restart of a stopped job)
-    may ask for it, never activation (issue 19: a 6th start)."""
+    may ask for it, never activation (issue 19: a 6th start), and only when each of those
+    is of the job's current definition (`planner.model.resurrect`: Nomad re-places it at
+    its own version)."""
 
     force_reschedule: bool = False
 

@@ -33,7 +33,7 @@ replayed events and planner restarts change nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -349,17 +349,27 @@ def serving_before(
     )
 
 
-def all_stopped(state: StateDocument, allocs: Mapping[str, AllocInfo]) -> bool:
-    """Every replica of the current definition the job still wants was stopped by Nomad
-    after its restart attempts: nothing will start again by itself."""
-    wanted = [
-        a
-        for a in allocs.values()
-        if a.definition_hash == state.definition_hash
-        and a.desired_status == "run"
-        and not a.replaced
-    ]
-    return bool(wanted) and all(a.stopped for a in wanted)
+def all_stopped(
+    state: StateDocument, allocs: Iterable[AllocInfo], rollout_failed: bool = False
+) -> bool:
+    """Nothing of the current definition will start again by itself: every replica of it
+    the job still wants was stopped by Nomad after its restart attempts; or the job's
+    current version rolled out with canaries, its deployment failed with no stable
+    version to revert to (`rollout_failed`: `planner.model.rollout.rollout_failed`), and
+    Nomad stopped its canaries, at least one after failing, none live. Nomad places
+    nothing more for a failed deployment, and a replica of an older definition that
+    failed keeps its place (found on real agents: a retry forgave a canary's first
+    failures, its last ones failed the deployment, and the model was never parked while
+    the router answered `model_loading`; issue 19's QA)."""
+    current = [a for a in allocs if a.definition_hash == state.definition_hash and not a.replaced]
+    wanted = [a for a in current if a.desired_status == "run"]
+    if wanted and all(a.stopped for a in wanted):
+        return True
+    return (
+        rollout_failed
+        and not any(a.live for a in current)
+        and any(a.client_status == "failed" for a in current)
+    )
 
 
 def decide_parking(
@@ -368,9 +378,11 @@ def decide_parking(
     passing_now: frozenset[str],
     now: datetime,
     rules: Rules,
+    rollout_failed: bool = False,
 ) -> StateDocument:
     """Park once the count reaches `park_after` and no replica protects the model, or
-    once Nomad stopped every replica after its restart attempts with failures counted
+    once Nomad stopped every replica after its restart attempts (`all_stopped`, with
+    `rollout_failed`) with failures counted
     (fewer than `park_after` only when some were not counted: a document lost from KV,
     or runs that crashed after their stability window); an already parked model stays
     as it is."""
@@ -380,7 +392,7 @@ def decide_parking(
         return state
     if state.consecutive_failures >= rules.park_after:
         reason = f"{state.consecutive_failures} consecutive start failures"
-    elif all_stopped(state, allocs):
+    elif all_stopped(state, allocs.values(), rollout_failed):
         reason = (
             f"every replica stopped by Nomad after its restart attempts "
             f"({state.consecutive_failures} consecutive start failures counted)"

@@ -34,7 +34,7 @@ What every decision but TICK starts from (`planner.model.transition.decide`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -46,6 +46,7 @@ from planner.model.failures import (
     AllocInfo,
     Rules,
     StartFailure,
+    all_stopped,
     decide_parking,
     headline,
     judge,
@@ -56,7 +57,13 @@ from planner.model.failures import (
 )
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
-from planner.model.rollout import definition_of, record_rollback, rolled_back, stuck_update
+from planner.model.rollout import (
+    definition_of,
+    record_rollback,
+    rolled_back,
+    rollout_failed,
+    stuck_update,
+)
 from planner.model.unplaceable import with_unplaceable
 from planner.spec.jobspec import ENGINE_KIND_META
 from planner.vocab import Allocation, Job, group_count
@@ -348,7 +355,7 @@ def _park(
     notes: list[NoteLine],
 ) -> Park | None:
     passing_now = frozenset(observation.passing)
-    decided = decide_parking(state, allocs, passing_now, now, rules)
+    decided = decide_parking(state, allocs, passing_now, now, rules, _rollout_failed(observation))
     if decided.parked is None:
         if state.parked is None and state.consecutive_failures >= rules.park_after:
             notes.append(
@@ -395,14 +402,13 @@ def _revert(job: Job, observation: Observation) -> tuple[Effect, ...]:
     )
 
 
-def stopped_by_nomad(state: StateDocument, allocs: Iterable[AllocInfo]) -> bool:
-    """Every replica of the current definition the job still wants was stopped by Nomad
-    after its restart attempts (`failures.all_stopped`)."""
-    wanted_ = [
-        a
-        for a in allocs
-        if a.definition_hash == state.definition_hash
-        and a.desired_status == "run"
-        and not a.replaced
-    ]
-    return bool(wanted_) and all(a.stopped for a in wanted_)
+def stopped_by_nomad(state: StateDocument, observation: Observation) -> bool:
+    """Nothing of the current definition will start again by itself: Nomad stopped
+    every replica of it after its restart attempts, or failed its rollout
+    (`failures.all_stopped`)."""
+    return all_stopped(state, infos(observation).values(), _rollout_failed(observation))
+
+
+def _rollout_failed(observation: Observation) -> bool:
+    job = observation.job
+    return job is not None and rollout_failed(job, list(observation.deployments))

@@ -12,6 +12,13 @@ Ported from `planner.model.parking.retry`, whose order it keeps:
   unplaceable                 -> counts forgiven, `Evaluate()`
   otherwise                   -> counts forgiven, nothing written to Nomad
 
+A forced reschedule would place a failed replica of an older definition again, at
+its own job version, while the current one rolls out with canaries
+(`planner.model.resurrect`, issue 19's QA: D2, D3). When one such replica holds its
+place, the job is registered renewed instead (`Unpark(renew=True)`, or `Register` of
+the renewed job), and no evaluation is forced: Nomad replaces every allocation with
+the current definition.
+
 The caller checks there is a job (`transition.decide` raises Rejected otherwise).
 """
 
@@ -20,10 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmgw_contract import StateDocument
-from planner.model.effects import Effect, Evaluate, Reason, Revert, Unpark
+from planner.model.effects import Effect, Evaluate, Reason, Register, Revert, Unpark
 from planner.model.failures import forgiven, retried
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
+from planner.model.resurrect import renewed, stale_failed
 
 
 @dataclass(frozen=True)
@@ -48,12 +56,19 @@ def stopped_replicas(observation: Observation) -> int:
 def retry(state: StateDocument, observation: Observation) -> Retried:
     """The retry of the model in `state` (folded from `observation`, whose job exists)."""
     job = observation.job or {}
+    stale = stale_failed(observation)
     if parked_from_job(job) is not None or job.get("Stop"):
         summary = (
             "parking lifted; the job is starting again"
             if parked_from_job(job)
             else "the stopped job is starting again"
         )
+        if stale:
+            return Retried(
+                retried(state),
+                (Unpark(Reason.RETRY, f"{summary}{_renewing(stale)}", renew=True),),
+                f"{summary}{_renewing(stale)}",
+            )
         return Retried(
             retried(state),
             (
@@ -82,6 +97,13 @@ def retry(state: StateDocument, observation: Observation) -> Retried:
         )
     state = forgiven(state)
     stopped = stopped_replicas(observation)
+    if stale:
+        summary = f"{stopped} stopped replica(s) replaced{_renewing(stale)}"
+        return Retried(
+            state,
+            (Register(Reason.RETRY, summary, renewed(job, observation.job_index)),),
+            summary,
+        )
     if stopped:
         summary = f"{stopped} stopped replica(s) placed again"
         return Retried(state, (Evaluate(Reason.RETRY, summary, force_reschedule=True),), summary)
@@ -89,3 +111,10 @@ def retry(state: StateDocument, observation: Observation) -> Retried:
         summary = "asked the scheduler to place it again"
         return Retried(state, (Evaluate(Reason.RETRY, summary),), summary)
     return Retried(state, (), "not parked, unplaceable or stopped; nothing to retry")
+
+
+def _renewing(stale: tuple[str, ...]) -> str:
+    return (
+        f" as a new job version ({len(stale)} of them failed under an older definition, "
+        "which a forced reschedule would start again)"
+    )

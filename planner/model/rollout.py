@@ -99,6 +99,21 @@ def for_applied(state: StateDocument, applied: str) -> StateDocument:
     return for_definition(state, applied)
 
 
+def rollout_failed(job: Job, deployments: list[dict[str, Any]]) -> bool:
+    """Pure: the latest deployment of the job's current version (in this incarnation:
+    same JobCreateIndex) failed. Nomad places nothing more for it (scheduler/reconcile.go:
+    a failed deployment is not place-ready) and stops its canaries that were never
+    promoted."""
+    version, created = job.get("Version"), job.get("CreateIndex")
+    mine = [
+        d
+        for d in deployments
+        if d.get("JobVersion") == version and d.get("JobCreateIndex") == created
+    ]
+    latest = max(mine, key=lambda d: d.get("CreateIndex", 0), default=None)
+    return latest is not None and latest.get("Status") == FAILED
+
+
 def stuck_update(
     job: Job,
     deployments: list[dict[str, Any]],
@@ -109,15 +124,9 @@ def stuck_update(
     deployment and Nomad did not roll it back, because no version was stable yet (an
     update applied before the previous one's deployment had completed), while
     replicas of an earlier version serve. None when there is nothing to do."""
-    version, created = job.get("Version"), job.get("CreateIndex")
-    mine = [
-        d
-        for d in deployments
-        if d.get("JobVersion") == version and d.get("JobCreateIndex") == created
-    ]
-    latest = max(mine, key=lambda d: d.get("CreateIndex", 0), default=None)
-    if latest is None or latest.get("Status") != FAILED:
+    if not rollout_failed(job, deployments):
         return None
+    version = job.get("Version")
     serving = [
         int(a.get("JobVersion") or 0)
         for a in allocations

@@ -26,7 +26,7 @@ from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
-MODELS = ("upd-context", "upd-bad", "upd-scale")
+MODELS = ("upd-context", "upd-bad", "upd-scale", "upd-parked", "upd-early")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -187,3 +187,162 @@ def test_more_replicas_start_beside_the_first_without_touching_it(
     task, was = after["TaskStates"]["llama-server"], before["TaskStates"]["llama-server"]
     assert (task["Restarts"], task["StartedAt"]) == (0, was["StartedAt"])
     assert http_json(f"{planner_daemon.url}/v1/models/upd-scale")["ready"] == 3
+
+
+def starts_by_definition(cluster: Cluster, name: str) -> dict[str, int]:
+    """How many times Nomad started the task under each definition, over every allocation
+    of the job: the definition from the job each allocation was placed with (its own
+    copy, so versions Nomad no longer keeps still count), the starts from its task
+    state's restart count (Nomad keeps only a task's last 10 events)."""
+    counted: dict[str, int] = {}
+    for stub in nomad_get(cluster, f"/v1/job/{name}/allocations"):
+        alloc = nomad_get(cluster, f"/v1/allocation/{stub['ID']}")
+        definition = alloc["Job"]["Meta"]["llmgw_definition_hash"]
+        for state in (alloc.get("TaskStates") or {}).values():
+            started = not (state.get("StartedAt") or "0001").startswith("0001")
+            counted[definition] = counted.get(definition, 0) + state.get("Restarts", 0) + started
+    return counted
+
+
+def parked(cluster: Cluster, planner_daemon: PlannerDaemon, name: str, what: str) -> dict:
+    """The model once parked, with the definition its parked job runs ("definition")."""
+    model = wait_for(
+        lambda: (m := planner_daemon.model(name))["state"] == "parked" and m, 180, what
+    )
+    job = nomad_get(cluster, f"/v1/job/{name}")
+    assert job["Stop"] is True
+    return {**model, "definition": job["Meta"]["llmgw_definition_hash"]}
+
+
+def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definition(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tmp_path: Path,
+) -> None:
+    """Issue 19's QA, replayed: definition A fails; B rolls out with a canary beside A's
+    failing replica and is parked; A's replica, stopped by Nomad after its restarts,
+    keeps its place in the count. D1: C lifts parking and rolls out with a canary:
+    five starts of C, parked, none of A or B. D2, D3: D lifts parking and `planner
+    retry` follows at once, under traffic through the router (which activates): a
+    forced reschedule would start A again at its own job version, its failures
+    counting against nothing, never parked, `model_loading` for ever; instead the job
+    is renewed: five starts of D, parked, and the router says so."""
+    name, folder = "upd-parked", tmp_path / "m"
+
+    def define(seed: int) -> str:
+        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
+        write_model(folder, name, source)
+        return definition(folder, name)
+
+    a = define(0)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
+    b = define(1)
+    assert planner("apply", str(folder)).returncode == 0
+    first = parked(cluster, planner_daemon, name, "B parked")
+    assert first["consecutive_failures"] == 5 and first["definition"] == b
+    wait_for(
+        lambda: any(
+            x["ClientStatus"] == "failed" and x["DesiredStatus"] == "run" and x["JobVersion"] == 0
+            for x in nomad_get(cluster, f"/v1/job/{name}/allocations")
+        ),
+        60,
+        "A's replica stopped by Nomad, still holding its place",
+    )
+    before = starts_by_definition(cluster, name)
+    print(f"A, then B rolling out with a canary, parked: starts {before}")
+    assert before[b] == 5
+
+    # D1: C lifts parking; its canary alone starts, five times, and it is parked again.
+    c = define(2)
+    applied = json.loads(planner("apply", str(folder), "--output", "json").stdout)
+    [change] = [x for x in applied["changes"] if x["model"] == name]
+    assert "lifts parking" in change["reason"], change
+    again = parked(cluster, planner_daemon, name, "C parked")
+    assert again["consecutive_failures"] == 5 and again["definition"] == c
+    d1 = starts_by_definition(cluster, name)
+    print(f"D1: C lifted parking: starts {d1}, {again['reason']}")
+    assert (d1[a], d1[b], d1[c]) == (before[a], before[b], 5), d1
+
+    # D2, D3: D lifts parking, retried at once, under traffic through the router.
+    answers: list[str] = []
+
+    def ask() -> None:
+        try:
+            complete(router, name, timeout=60)
+            answers.append("ok")
+        except urllib.error.HTTPError as exc:
+            answers.append(json.load(exc)["error"]["code"])
+            raise
+
+    with steady(ask, interval=0.2):
+        d = define(3)
+        assert planner("apply", str(folder)).returncode == 0
+        retried = planner("retry", name)
+        assert retried.returncode == 0, retried.stderr
+        last = parked(cluster, planner_daemon, name, "D parked after the retry")
+        wait_for(lambda: answers[-3:] == ["model_parked"] * 3, 30, "the router says parked")
+    d2 = starts_by_definition(cluster, name)
+    print(
+        f"D2/D3: D applied, then retry ({retried.stderr.strip()}): starts {d2}, "
+        f"{last['reason']}; the router answered "
+        f"{ {k: answers.count(k) for k in set(answers)} } over {len(answers)} requests"
+    )
+    assert last["definition"] == d and last["consecutive_failures"] == 5
+    assert (d2[a], d2[b], d2[c]) == (before[a], before[b], 5), d2
+    # The retry cut D's first canary short (Nomad stopped it when the renewed version
+    # rolled out): its starts before the retry, then five of the renewed one.
+    renewed = nomad_get(cluster, f"/v1/job/{name}")["Meta"]["llmgw_renewed"]
+    assert int(renewed) > 0
+    assert 5 <= d2[d] <= 10, d2
+    assert "ok" not in answers and answers[-1] == "model_parked"
+
+
+def test_a_retry_while_the_old_replica_still_restarts_still_parks_the_canary(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    router: str,
+    tmp_path: Path,
+) -> None:
+    """D2's retry earlier: A's replica still restarting (nothing for a forced reschedule
+    to place again), B's canary failing beside it: the retry forgives the count, the
+    canary's remaining starts fail, Nomad fails the deployment and stops the canary,
+    and A's replica ends failed, holding its place. Nothing will start again: the model
+    is parked, and the router says so."""
+    name, folder = "upd-early", tmp_path / "m"
+
+    def define(seed: int) -> str:
+        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
+        write_model(folder, name, source)
+        return definition(folder, name)
+
+    a = define(0)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
+    b = define(1)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "B failing")
+    answers: list[str] = []
+
+    def ask() -> None:
+        try:
+            complete(router, name, timeout=60)
+            answers.append("ok")
+        except urllib.error.HTTPError as exc:
+            answers.append(json.load(exc)["error"]["code"])
+            raise
+
+    with steady(ask, interval=0.2):
+        retried = planner("retry", name)
+        assert retried.returncode == 0, retried.stderr
+        last = parked(cluster, planner_daemon, name, "B parked after the retry")
+        wait_for(lambda: answers[-3:] == ["model_parked"] * 3, 90, "the router says parked")
+    counted = starts_by_definition(cluster, name)
+    print(
+        f"early retry ({retried.stderr.strip()}): starts {counted}, {last['reason']}; the "
+        f"router answered { {k: answers.count(k) for k in set(answers)} }"
+    )
+    assert last["definition"] == b and counted[a] <= 5 and counted[b] <= 10, counted

@@ -13,6 +13,7 @@ import pytest
 
 from llmgw_contract import (
     ActivationStatus,
+    JobMeta,
     ModelRecord,
     Parked,
     ReplicaRecord,
@@ -21,10 +22,11 @@ from llmgw_contract import (
     UpdateFailed,
 )
 from planner.errors import Rejected
-from planner.model.effects import Evaluate, Park, Reason, Revert, Scale, Unpark
+from planner.model.effects import Evaluate, Park, Reason, Register, Revert, Scale, Unpark
 from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.parking import parked_job
+from planner.model.resurrect import stale_failed
 from planner.model.transition import Event, Plan, decide
 from tests.support.nomad_mock import S, alloc, event, job, run
 
@@ -281,6 +283,46 @@ def test_a_stuck_update_is_reverted_to_the_version_that_serves() -> None:
     )
 
 
+def a_failed_rollout(
+    canary: dict[str, Any], *deployments: dict[str, Any], state_index: int = 7
+) -> Observation:
+    """Issue 19's QA, found on real agents: d0's replica (version 0) failed and holds its
+    place beside d1's `canary` (version 1)."""
+    v1 = job(definition_hash="d1", Version=1, CreateIndex=10)
+    v0 = job(definition_hash="d0", Version=0, CreateIndex=10)
+    return observe(
+        failing("old", version=0),
+        canary,
+        the_job=v1,
+        versions=(v1, v0),
+        deployments=deployments,
+        state_index=state_index,
+    )
+
+
+def test_a_failed_rollout_whose_canaries_nomad_stopped_parks_the_model() -> None:
+    """A retry forgave the canary's first 3 failures; its last 2 failed the deployment
+    (no stable version), Nomad stopped it, and nothing will start again."""
+    canary = {"version": 1, "DeploymentStatus": {"Canary": True}}
+    forgiven = observed(
+        StateDocument(name="m"),
+        a_failed_rollout(failing("c", 3, **canary), deployment(1, "running"), state_index=0),
+    ).state
+    stopped = failing("c", 5, desired="stop", **canary)
+    failed = a_failed_rollout(stopped, deployment(0, "cancelled"), deployment(1, "failed"))
+    [park] = observed(forgiven, failed).effects
+    assert isinstance(park, Park) and park.reason is Reason.ALL_STOPPED
+    answered = activated(forgiven, failed)
+    assert answered.answer is not None and answered.answer.status is ActivationStatus.PARKED
+    # While the deployment runs, the canary is Nomad's to place again: not parked.
+    running = a_failed_rollout(stopped, deployment(0, "cancelled"), deployment(1, "running"))
+    assert observed(forgiven, running).effects == ()
+    assert not any(isinstance(e, Park) for e in activated(forgiven, running).effects)
+    # A canary of the failed rollout that still starts: not parked either.
+    starting = alloc("c2", event("Started", 1), version=1)
+    assert observed(forgiven, a_failed_rollout(starting, deployment(1, "failed"))).effects == ()
+
+
 def test_the_placement_answer_is_kept_then_cleared_when_every_replica_runs() -> None:
     short = Unplaceable(reason="memory exhausted on 1 of 1 node", since="2026-11-29T11:00:00")
     evaluation = {"ID": "e1", "Status": "complete"}
@@ -409,6 +451,79 @@ def test_retry_of_an_unplaceable_model_asks_again_and_of_a_fine_one_does_nothing
     )
     fine = retried(STORED, observe(alloc("a1", event("Started", 1))))
     assert fine.effects == () and "nothing to retry" in fine.summary
+
+
+# Issue 19's QA, D2 and D3: definition d0 at job version 0, its replica stopped by Nomad
+# after its restarts and still holding its place; d1 rolls out with a canary at version 3.
+OLD_AND_NEW = (job(definition_hash="d0"), job(definition_hash="d1", Version=3))
+
+
+def test_retry_never_forces_a_reschedule_of_a_replica_of_an_older_definition() -> None:
+    """A forced reschedule would start version 0 (d0) again, at that version: the job is
+    registered renewed instead, a new version that replaces every allocation."""
+    current = job(definition_hash="d1", Version=3, JobModifyIndex=40)
+    canary = alloc("a2", event("Started", 60), version=3, index=0)
+    plan = retried(
+        STORED.model_copy(update={"consecutive_failures": 2}),
+        observe(failing(version=0), canary, the_job=current, versions=(current, OLD_AND_NEW[0])),
+    )
+    [register] = plan.effects
+    assert isinstance(register, Register) and register.reason is Reason.RETRY
+    assert register.job["Meta"][JobMeta.RENEWED] == "40"
+    assert register.job["Meta"][JobMeta.DEFINITION_HASH] == "d1"
+    assert not any(isinstance(e, Evaluate) for e in plan.effects)
+    assert plan.state.consecutive_failures == 0
+    assert "as a new job version" in plan.summary
+
+
+def test_retry_of_a_parked_job_with_a_replica_of_an_older_definition_renews_it() -> None:
+    parked_at = parked_job(job(definition_hash="d1", Version=4), PARKED)
+    plan = retried(
+        STORED.model_copy(update={"parked": PARKED, "consecutive_failures": 5}),
+        observe(
+            failing(version=0),
+            failing("a2", version=3, index=0),
+            the_job=parked_at,
+            versions=(parked_at, OLD_AND_NEW[1], OLD_AND_NEW[0]),
+        ),
+    )
+    [unpark] = plan.effects
+    assert isinstance(unpark, Unpark) and unpark.renew
+    assert plan.state.parked is None and plan.state.consecutive_failures == 0
+
+
+def test_retry_takes_a_replica_of_a_version_nomad_no_longer_keeps_as_older() -> None:
+    """Nomad keeps a job's last 6 versions: a replica of a version it dropped has no
+    known definition, and a forced reschedule would place that version again."""
+    current = job(definition_hash="d1", Version=9)
+    plan = retried(STORED, observe(failing(version=2), the_job=current, versions=(current,)))
+    assert [type(e) for e in plan.effects] == [Register]
+    same = retried(
+        STORED,
+        observe(
+            failing(version=8),
+            the_job=current,
+            versions=(current, job(definition_hash="d1", Version=8)),
+        ),
+    )
+    assert [(type(e), getattr(e, "force_reschedule", None)) for e in same.effects] == [
+        (Evaluate, True)
+    ]
+
+
+def test_stale_failed_names_only_what_a_forced_reschedule_would_place_again() -> None:
+    current = job(definition_hash="d1", Version=3)
+    observation = observe(
+        failing("old", version=0),  # failed, wanted: placed again at version 0
+        failing("gone", version=0, desired="stop"),  # Nomad stopped it: not placed
+        failing("next", version=0, NextAllocation="x"),  # replaced already
+        alloc("live", event("Started", 1), version=0),  # running: not rescheduled
+        failing("mine", version=3),  # the current definition's
+        the_job=current,
+        versions=OLD_AND_NEW,
+    )
+    assert stale_failed(observation) == ("old",)
+    assert stale_failed(Observation(name="m", record=RECORD, job=None)) == ()
 
 
 def test_retry_without_a_job_is_refused() -> None:

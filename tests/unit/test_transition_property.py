@@ -5,8 +5,13 @@ The simulation (`SimNomad`) is a job of one model (always on, or on demand: scal
 each start of an allocation fails or passes (bad definitions always fail, good ones
 always pass, flaky ones fail their first k starts), Nomad restarts a failed task in
 place until its 5th start (planner/jobspecs/model.nomad.hcl: restart attempts = 4)
-and then leaves the allocation failed, never rescheduling it by itself; only a forced
-evaluation places a replacement; a new job version replaces every allocation.
+and then leaves the allocation failed, never rescheduling it by itself (and keeping
+its place in the count across a job stop); only a forced evaluation places a
+replacement; a new job version replaces every allocation whose job differs (its
+definition, or the meta a renewal sets). With canaries (an always-on model), a new
+definition is placed beside the old allocations, which stay until every canary passes;
+a forced reschedule meanwhile places a failed old one again at its own version, as
+Nomad does (planner.model.resurrect).
 
 Hypothesis draws a run: Nomad's progress, fresh observations, stale ones decided late
 (reorders), the same one twice (duplicates), observations never made (drops, then a
@@ -20,7 +25,10 @@ Invariants:
   a retry, the apply that brought it, a scale-up a request asked for), i.e. nothing but
   `planner retry` ever places again a replica Nomad stopped after its restart attempts;
 - a `Park` is decided only when no replica of the current definition passes in what
-  was observed, and a forced reschedule only by RETRY;
+  was observed, and a forced reschedule only by RETRY, and only when no failed
+  allocation it would place again is of a job version whose definition is not the
+  current one (issue 19's QA, D2, D3); Nomad never places a definition the job no
+  longer has;
 - a model with load-based scaling (`scaling`, random router load in each observation)
   is scaled by a TICK only, always to a count within [min, max];
 - at rest (Nomad done, a fresh observation decided and applied until nothing changes),
@@ -36,15 +44,25 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import hypothesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmgw_contract import JobMeta, ModelRecord, ScalingBounds, StateDocument
 from planner.model.autoscale import Demand
-from planner.model.effects import Effect, Evaluate, Park, Reason, Revert, Scale, Unpark
+from planner.model.effects import (
+    Effect,
+    Evaluate,
+    Park,
+    Reason,
+    Register,
+    Revert,
+    Scale,
+    Unpark,
+)
 from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job, parked_job, unparked_job
+from planner.model.resurrect import renewed, stale_failed
 from planner.model.transition import Event, Plan, decide
 from planner.vocab import group_count
 from tests.support.nomad_mock import TASK, S, event, job
@@ -83,6 +101,9 @@ class SimNomad:
     record: ModelRecord | None = None
     serial: int = 0
     documents: dict[int, StateDocument] = field(default_factory=dict)  # index -> as read
+    canaries: bool = False  # a new definition rolls out beside the old allocations
+    canary_version: int | None = None  # the version whose canaries are not promoted yet
+    resurrected: list[str] = field(default_factory=list)  # placements of an old definition
 
     # --- clocks ---------------------------------------------------------------------
 
@@ -126,13 +147,17 @@ class SimNomad:
             self.doc_index = self._next()  # apply creates a new model's document
         base = unparked_job(self.job) if self.job else job(count=self.count)
         meta = {**base["Meta"], JobMeta.DEFINITION_HASH: definition}
+        meta.pop(JobMeta.RENEWED, None)  # apply renders the job afresh
         self.starts_since_reset[definition] = 0
         self.register({**base, "Meta": meta, "Stop": False})
 
     def definition(self, version: int) -> str:
-        return next(
-            v["Meta"][JobMeta.DEFINITION_HASH] for v in self.versions if v["Version"] == version
-        )
+        return self.spec(version)[0]
+
+    def spec(self, version: int) -> tuple[str, str]:
+        """What Nomad compares of a version for a destructive update (here: job meta)."""
+        meta = next(v["Meta"] for v in self.versions if v["Version"] == version)
+        return meta[JobMeta.DEFINITION_HASH], meta.get(JobMeta.RENEWED, "")
 
     # --- the scheduler ------------------------------------------------------------------
 
@@ -142,10 +167,13 @@ class SimNomad:
             sim.data["ClientStatus"] = "complete"
         self.passing.pop(sim.data["ID"], None)
 
-    def _place(self, slot: int) -> SimAlloc:
+    def _place(self, slot: int, version: int | None = None, canary: bool = False) -> SimAlloc:
         self.serial += 1
         alloc_id = f"a{self.serial:03}"
-        definition = self.job["Meta"][JobMeta.DEFINITION_HASH]
+        version = self.job["Version"] if version is None else version
+        definition = self.definition(version)
+        if definition != self.job["Meta"][JobMeta.DEFINITION_HASH]:
+            self.resurrected.append(f"{alloc_id} of {definition} at version {version}")
         kind = self.kinds[definition]
         sim = SimAlloc(
             {
@@ -153,7 +181,7 @@ class SimNomad:
                 "JobID": "m",
                 "Name": f"m.server[{slot}]",
                 "NodeName": "node-a",
-                "JobVersion": self.job["Version"],
+                "JobVersion": version,
                 "ClientStatus": "pending",
                 "DesiredStatus": "run",
                 "CreateIndex": self._next(),
@@ -161,24 +189,40 @@ class SimNomad:
             },
             fails_first=kind if kind >= 0 else self.rng.randint(0, 6),
         )
+        if canary:
+            sim.data["DeploymentStatus"] = {"Canary": True}
         self.allocs[alloc_id] = sim
         return sim
+
+    def _canary(self, sim: SimAlloc) -> bool:
+        return bool((sim.data.get("DeploymentStatus") or {}).get("Canary"))
 
     def evaluate(self, force: bool) -> None:
         live = [s for s in self.allocs.values() if s.data["DesiredStatus"] == "run"]
         if self.job.get("Stop"):
             for sim in live:
-                self._stop(sim)
+                if sim.data["ClientStatus"] != "failed":  # a failed one keeps its place
+                    self._stop(sim)
             return
+        version, current = self.job["Version"], self.spec(self.job["Version"])
+        old = [s for s in live if self.spec(s.data["JobVersion"]) != current]
+        if self.canaries and old and self.canary_version != version:
+            # A new deployment: the canaries of an older one that were never promoted
+            # stop, one canary per replica is placed beside what runs.
+            for sim in old:
+                if self._canary(sim):
+                    self._stop(sim)
+            self.canary_version = version
+            for slot in range(group_count(self.job)):
+                self._place(slot, canary=True)
         for sim in live:
-            if (
-                sim.data["JobVersion"] != self.job["Version"]
-                and self.definition(sim.data["JobVersion"])
-                != self.job["Meta"][JobMeta.DEFINITION_HASH]
-            ):
-                self._stop(sim)  # a new definition replaces every allocation
-            elif sim.data["JobVersion"] != self.job["Version"]:
-                sim.data["JobVersion"] = self.job["Version"]  # in place (a park, a scale)
+            if sim.data["DesiredStatus"] != "run" or sim.data["JobVersion"] == version:
+                continue
+            if self.spec(sim.data["JobVersion"]) != current:
+                if self.canary_version != version:
+                    self._stop(sim)  # a new definition replaces every allocation
+            else:
+                sim.data["JobVersion"] = version  # in place (a park, a scale)
         wanted = [
             s
             for s in self.allocs.values()
@@ -186,7 +230,14 @@ class SimNomad:
         ]
         if force:
             for sim in [s for s in wanted if s.data["ClientStatus"] == "failed"]:
-                new = self._place(int(sim.data["Name"][-2]))
+                # While canaries are not promoted, Nomad places an old allocation again at
+                # its own version (scheduler/reconcile.go, downgradeNonCanary).
+                downgrade = self.canary_version == version and not self._canary(sim)
+                new = self._place(
+                    int(sim.data["Name"][-2]),
+                    sim.data["JobVersion"] if downgrade else None,
+                    canary=self._canary(sim),
+                )
                 sim.data["NextAllocation"] = new.data["ID"]
                 sim.data["DesiredStatus"] = "stop"
         wanted = [
@@ -202,6 +253,26 @@ class SimNomad:
         for slot in range(count):
             if slot not in taken:
                 self._place(slot)
+
+    def _promote(self) -> None:
+        """Every canary of the rolling version passes: the old allocations stop."""
+        version = self.job["Version"]
+        canaries = [
+            s
+            for s in self.allocs.values()
+            if self._canary(s)
+            and s.data["JobVersion"] == version
+            and s.data["DesiredStatus"] == "run"
+        ]
+        if self.canary_version != version or not all(
+            s.data["ID"] in self.passing for s in canaries
+        ):
+            return
+        self.canary_version = None
+        current = self.spec(version)
+        for sim in list(self.allocs.values()):
+            if sim.data["DesiredStatus"] == "run" and self.spec(sim.data["JobVersion"]) != current:
+                self._stop(sim)
 
     # --- the nodes ----------------------------------------------------------------------
 
@@ -224,6 +295,7 @@ class SimNomad:
         sim.data["ClientStatus"] = "running"
         if sim.starts > sim.fails_first:
             self.passing[alloc_id] = self.now_ns()
+            self._promote()
             return
         self.t += 1
         events.append(event("Terminated", self.t, msg="Exit Code: 1", ExitCode=1))
@@ -291,7 +363,10 @@ class SimNomad:
             for definition in self.starts_since_reset:
                 self.starts_since_reset[definition] = 0
         elif isinstance(effect, Unpark):
-            self.register(unparked_job(read))
+            new = unparked_job(read)
+            self.register(renewed(new, index) if effect.renew else new)
+        elif isinstance(effect, Register):
+            self.register(effect.job)
         elif isinstance(effect, Scale):
             groups = [{**g, "Count": effect.count} for g in read["TaskGroups"]]
             self.register({**read, "TaskGroups": groups})
@@ -318,6 +393,8 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
             assert not serving, f"parked while {serving} pass"
         if isinstance(effect, Evaluate) and effect.force_reschedule:
             assert event_ is Event.RETRY, f"a forced reschedule from {event_}"
+            stale = stale_failed(observation)
+            assert not stale, f"a forced reschedule would place {stale} at an old version"
         if isinstance(effect, Scale) and effect.reason is Reason.LOAD:
             bounds = sim.record.scaling if sim.record else None
             assert event_ is Event.TICK and bounds is not None, f"a load scale from {event_}"
@@ -325,6 +402,7 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
 
 
 def check_starts(sim: SimNomad) -> None:
+    assert not sim.resurrected, f"Nomad placed an old definition again: {sim.resurrected}"
     for definition, starts in sim.starts_since_reset.items():
         # A scaling model may run up to its max replicas, each with its own starts.
         most = sim.record.scaling.max if sim.record and sim.record.scaling else sim.count
@@ -370,13 +448,23 @@ OPS = st.sampled_from(
 )
 
 
+# Issue 19's QA, D2: a bad definition parked, a new one applied (rolling out with a
+# canary beside the old replica, which Nomad stopped and which keeps its place), then
+# `planner retry` at once.
+D2 = [("nomad", 0), ("observe", 0), ("apply", 0), ("retry", 0), ("nomad", 0), ("observe", 0)]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(
+    seed=0, count=1, on_demand=False, scaling=False, skew=0.0, canaries=True, first=STARTS, ops=D2
+)
 @given(
     seed=st.integers(0, 2**32),
     count=st.integers(1, 2),
     on_demand=st.booleans(),
     scaling=st.booleans(),
     skew=st.sampled_from([0.0, 40.0, 86_400.0 * 365]),
+    canaries=st.booleans(),
     first=st.sampled_from([STARTS, 0, -1]),
     ops=st.lists(st.tuples(OPS, st.integers(0, 10**6)), min_size=5, max_size=60),
 )
@@ -386,10 +474,12 @@ def test_decide_keeps_its_promises_in_any_order_of_events(
     on_demand: bool,
     scaling: bool,
     skew: float,
+    canaries: bool,
     first: int,
     ops: list[tuple[str, int]],
 ) -> None:
     sim = SimNomad(random.Random(seed), count, skew, on_demand, scaling)
+    sim.canaries = canaries and not on_demand  # an on-demand job has none
     sim.apply(first)
     snapshots: list[Observation] = []
     last: tuple[Event, Observation] | None = None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from llmgw_contract import Parked
+from llmgw_contract import JobMeta, Parked
 from planner.cli.apply import Action, decide, dropped_engine, registration
 from planner.model.effects import Evaluate, Register
-from tests.support.nomad_mock import job
+from planner.model.resurrect import failed_elsewhere
+from tests.support.nomad_mock import alloc, job
 
 
 def spec(s: str, **kw: object) -> dict:
@@ -201,3 +202,47 @@ def test_lifting_parking_with_canaries_never_reschedules_the_old_definition() ->
         {"m": with_canaries(spec("s1"), 1)}, {"m": spec("s1", stop=True)}, prune=False
     )
     assert stopped.restart and [type(e) for e in registration(stopped)] == [Register, Evaluate]
+
+
+def test_a_stopped_job_started_with_a_new_definition_and_canaries_is_only_registered() -> None:
+    """The whole kind of D1: a job an operator stopped, applied with another definition
+    that rolls out with canaries, would have its failed allocations of the old definition
+    placed again at their own version by a forced reschedule (planner.model.resurrect)."""
+    stopped = {"m": spec("s1", stop=True)}
+    [changed] = decide(
+        {"m": with_canaries(spec("s2", definition_hash="d2"), 1)}, stopped, prune=False
+    )
+    assert changed.restart and changed.restarted_changed
+    assert [type(e) for e in registration(changed)] == [Register]
+    [no_canary] = decide(
+        {"m": with_canaries(spec("s2", definition_hash="d2"), 0)}, stopped, prune=False
+    )
+    assert [type(e) for e in registration(no_canary)] == [Register, Evaluate]
+
+
+def test_a_stopped_job_holding_a_failed_replica_of_an_older_definition_is_renewed() -> None:
+    """Stopped during a rollout, the job kept a failed replica of the definition before
+    (apply reads them: planner.model.resurrect.failed_elsewhere): the same definition is
+    registered renewed, a version that replaces every allocation, and nothing is forced."""
+    [same] = decide(
+        {"m": with_canaries(spec("s1"), 1)},
+        {"m": spec("s1", stop=True, JobModifyIndex=33)},
+        prune=False,
+    )
+    assert same.restart and not same.restarted_changed
+    [register] = registration(same, stale=("a0",))
+    assert isinstance(register, Register)
+    assert register.job["Meta"][JobMeta.RENEWED] == "33"
+    assert [type(e) for e in registration(same)] == [Register, Evaluate]
+
+
+def test_failed_elsewhere_reads_the_versions_nomad_keeps() -> None:
+    versions = [job(definition_hash="d2", Version=5), job(definition_hash="d1", Version=4)]
+    allocations = [
+        alloc("at4", version=4, client="failed"),
+        alloc("at5", version=5, client="failed"),
+        alloc("at1", version=1, client="failed"),  # a version Nomad dropped
+        alloc("stopped", version=4, client="failed", desired="stop"),
+    ]
+    assert failed_elsewhere("d2", versions, allocations) == ("at1", "at4")
+    assert failed_elsewhere("d1", versions, allocations) == ("at1", "at5")

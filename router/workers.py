@@ -90,7 +90,8 @@ class Supervisor:
 
     def run(self) -> int:
         """Run until every worker ended; the command's exit code."""
-        previous = {sig: signal.signal(sig, self._signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._signal) for sig in signals}
         try:
             for index in range(self.workers):
                 self._start(index)

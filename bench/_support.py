@@ -266,6 +266,8 @@ wrk.method = "POST"
 wrk.body = '%s'
 wrk.headers["Content-Type"] = "application/json"
 """
+WRK_HEADER = """wrk.headers["%s"] = "%s"
+"""
 
 
 def wrk_load(
@@ -275,21 +277,27 @@ def wrk_load(
     connections: int,
     duration: float,
     workdir: str,
+    headers: dict[str, str] | None = None,
 ) -> tuple[float, int, float, float]:
     """``POST body`` to ``url`` from wrk (one thread, ``connections`` keep-alive
     connections) for ``duration`` s: (seconds run, requests done, p50 s, p99 s).
 
-    ``wrk`` is its command and environment (bench/tools.py). Raises RuntimeError
+    ``wrk`` is its command and environment (bench/tools.py); ``headers`` are sent
+    beside Content-Type. Raises RuntimeError
     when wrk saw a non-2xx answer or a socket error."""
     command, env = wrk
     script = os.path.join(workdir, "post.lua")
-    Path(script).write_text(WRK_SCRIPT % body.decode())
-    flags = ["-t1", f"-c{connections}", f"-d{int(duration)}s", "--latency", "-s", script]
+    extra = "".join(WRK_HEADER % item for item in (headers or {}).items())
+    Path(script).write_text(WRK_SCRIPT % body.decode() + extra)
+    # wrk's own timeout is 2 s: a request that long on a loaded machine is a slow
+    # answer to measure, not an error.
+    flags = ["-t1", f"-c{connections}", f"-d{int(duration)}s", "--timeout", "30s"]
+    flags += ["--latency", "-s", script]
     out = subprocess.run(
         [*command, *flags, url],
         capture_output=True,
         text=True,
-        timeout=duration + 30,
+        timeout=duration + 60,
         check=True,
         env=env,
     ).stdout

@@ -242,7 +242,9 @@ def rps_wrk(port: int, connections: int, duration: float, workdir: str) -> Load:
     return seconds, done, [p99]
 
 
-def rps_python(port: int, connections: int, duration: float) -> Load:
+def rps_python(
+    port: int, connections: int, duration: float, headers: dict[str, str] | None = None
+) -> Load:
     import aiohttp
 
     async def run() -> Load:
@@ -254,7 +256,7 @@ def rps_python(port: int, connections: int, duration: float) -> Load:
 
             async def worker() -> None:
                 while (sent := time.perf_counter()) < deadline:
-                    async with session.post(url, data=REQUEST_BODY) as resp:
+                    async with session.post(url, data=REQUEST_BODY, headers=headers) as resp:
                         await resp.read()
                         if resp.status != 200:
                             raise RuntimeError(f"HTTP {resp.status}")

@@ -39,11 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +65,12 @@ from _support import (
 from router_overhead import MODEL, REQUEST_BODY, STUB_BODY, rps_python
 
 TARGETS = {"rps_ratio": 1.0, "p99_ratio": 1.0}
+
+# LiteLLM refuses to start without a master key (1.108: UnsafeMasterKeyError) and
+# then asks every request for it. Every target gets the same header: the router
+# drops it (no router keys), the others pass it to the stub, which ignores it.
+MASTER_KEY = "sk-" + secrets.token_hex(16)
+HEADERS = {"Authorization": f"Bearer {MASTER_KEY}"}
 
 _NGINX_COMMON = """
 worker_processes 1;
@@ -212,6 +220,7 @@ class Bench(Children):
             # No fetch of the cost map from the internet at start (none reachable).
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_LOG": "ERROR",
+            "LITELLM_MASTER_KEY": MASTER_KEY,
         }
         proc = self.spawn(
             [str(command), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
@@ -222,8 +231,10 @@ class Bench(Children):
 
 
 def answers(url: str) -> bool:
-    body = json.loads(http("POST", url, REQUEST_BODY))
-    return bool(body["choices"])
+    headers = {**HEADERS, "Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=REQUEST_BODY, method="POST", headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return bool(json.loads(resp.read())["choices"])
 
 
 def load(args: argparse.Namespace, wrk, target: Target, workdir: str) -> dict:
@@ -232,10 +243,10 @@ def load(args: argparse.Namespace, wrk, target: Target, workdir: str) -> dict:
     if wrk is not None:
         url = f"http://127.0.0.1:{target.port}/v1/completions"
         seconds, done, p50, p99 = wrk_load(
-            wrk, url, REQUEST_BODY, args.connections, args.duration, workdir
+            wrk, url, REQUEST_BODY, args.connections, args.duration, workdir, HEADERS
         )
     else:
-        seconds, done, latencies = rps_python(target.port, args.connections, args.duration)
+        seconds, done, latencies = rps_python(target.port, args.connections, args.duration, HEADERS)
         p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
     cpu = tree_cpu_seconds(target.pid) - cpu
     return {

@@ -57,18 +57,16 @@ def worker_index() -> int | None:
     return int(raw) if raw is not None and raw.isdigit() else None
 
 
-def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT`` (and
-    ``SO_REUSEADDR``), listening at once: a socket of the group that is bound but
-    not listening yet (a worker started again, in its app's startup) had
-    connections refused (found by tests/integration/test_router_workers.py); one
-    that listens keeps them in its backlog until its server accepts."""
+    ``SO_REUSEADDR``), not listening yet: uvicorn listens once the app has started,
+    and the kernel hands connections only to listening sockets of the group, so a
+    worker (started again) gets none while it starts; the others take them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(backlog)
     return sock
 
 

@@ -30,6 +30,8 @@ def test_two_workers_bind_the_same_port() -> None:
     first = workers.listen_socket("127.0.0.1", port)
     second = workers.listen_socket("127.0.0.1", port)
     try:
+        first.listen()
+        second.listen()
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
     finally:

@@ -362,7 +362,12 @@ def serve(
         server.run()
     else:
         # One of --workers: the port is shared with the others (router.workers).
-        server.run(sockets=[router_workers.listen_socket(settings.host, settings.port)])
+        try:
+            sock = router_workers.listen_socket(settings.host, settings.port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+            raise typer.Exit(1) from None
+        server.run(sockets=[sock])
     # uvicorn reports a failed startup (port in use, lifespan error) by
     # returning with started still False.
     if not server.started:

@@ -34,6 +34,8 @@ later is logged and started again, the others serving meanwhile.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 WORKER_ENV = "LLMGW_ROUTER_WORKER"
 START_GRACE_S = 5.0
 _FATAL = (2, 3)  # invalid settings, ACL denied: every worker would fail alike
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def worker_index() -> int | None:
@@ -81,7 +84,11 @@ class Supervisor:
 
     def _start(self, index: int) -> None:
         env = {**os.environ, WORKER_ENV: str(index)}
-        proc = subprocess.Popen(self.command, env=env)
+        # A process group of its own: a terminal's Ctrl-C reaches the supervisor
+        # alone, which passes it on once (a second signal would force the worker
+        # out without draining); and a supervisor killed outright takes its
+        # workers with it (PR_SET_PDEATHSIG), never leaving them on the port.
+        proc = subprocess.Popen(self.command, env=env, process_group=0, preexec_fn=_die_with_parent)
         self.procs[proc.pid] = (index, proc, time.monotonic())
 
     def _signal(self, signum: int, frame: FrameType | None) -> None:
@@ -124,6 +131,12 @@ class Supervisor:
             log.error("router worker %d exited with %d: starting another", index, exit_code)
             self._start(index)
         return code
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def supervise(workers: int) -> int:

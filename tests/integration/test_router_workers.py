@@ -92,3 +92,20 @@ def test_a_worker_that_dies_is_started_again(parts) -> None:
     eventually(lambda: started(router, 0, 2) or started(router, 1, 2), timeout=30)
     eventually(lambda: all(completion(router) == 200 for _ in range(20)), timeout=30)
     assert "exited with -9: starting another" in router.log_path.read_text()
+
+
+def test_workers_end_with_their_supervisor(parts) -> None:
+    _, _, router = parts
+    eventually(lambda: started(router, 0) and started(router, 1), timeout=30)
+    workers = workers_of(router)
+    router.proc.kill()
+    router.proc.wait()
+
+    def gone(pid: int) -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+
+    # PR_SET_PDEATHSIG: a supervisor killed outright leaves no worker on the port.
+    eventually(lambda: all(gone(pid) for pid in workers), timeout=30)

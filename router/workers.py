@@ -29,7 +29,9 @@ router does, and the command exits 0 when all exited 0. A worker that exits
 with 2 (invalid settings) or 3 (ACL denied), or with 1 within
 :data:`START_GRACE_S` of its start (could not start: the port, a lifespan
 error), stops the others and the command exits with that code; one that dies
-later is logged and started again, the others serving meanwhile.
+later is logged and started again, the others serving meanwhile. Workers run
+in a process group of their own and end with the supervisor, even one killed
+outright (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Helpers the router benchmarks share: child processes, Consul, the router, a raw client.
 
-Imported by ``bench/router_overhead.py`` and ``bench/refusal_latency.py`` (run
-as scripts, so ``bench/`` is on ``sys.path``). Everything listens on
-127.0.0.1; :class:`Children` stops whatever it started, on any exit.
+Imported by ``bench/router_overhead.py``, ``bench/side_by_side.py`` and
+``bench/refusal_latency.py`` (run as scripts, so ``bench/`` is on ``sys.path``).
+Everything listens on 127.0.0.1; :class:`Children` stops whatever it started, on any exit.
 """
 
 from __future__ import annotations
@@ -160,13 +160,21 @@ class Children:
         wait_for(lambda: http("GET", f"{url}/v1/status/leader") != b'""', 20, "consul leader")
         return url
 
-    def router_process(self, port: int, consul_port: int) -> subprocess.Popen:
-        """Start ``python -m router serve`` on ``port`` against the Consul on ``consul_port``.
+    def router_process(
+        self, port: int, consul_port: int, workers: int = 1, name: str = "router"
+    ) -> subprocess.Popen:
+        """Start ``python -m router serve`` on ``port`` against the Consul on ``consul_port``,
+        with ``workers`` worker processes (``--workers``).
 
         The benches' upstreams are stubs with no slots to count (no ``/props``), so the
         router's per-replica limit is set above any load a bench sends: what is
         measured is the proxy path, not the router's queue."""
-        env = {**os.environ, "PYTHONPATH": str(REPO), "LLMGW_REPLICA_CONCURRENCY": "1024"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "LLMGW_REPLICA_CONCURRENCY": "1024",
+            "LLMGW_ROUTER_WORKERS": str(workers),
+        }
         return self.spawn(
             [
                 sys.executable,
@@ -180,7 +188,7 @@ class Children:
                 "--log-level",
                 "warning",
             ],
-            "router",
+            name,
             cwd=REPO,
             env=env,
         )
@@ -231,6 +239,80 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a server's workers), as /proc lists them now."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        for task in Path(f"/proc/{pids[i]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pids += [int(c) for c in task.read_text().split()]
+        i += 1
+    return pids
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its descendants so far."""
+    total = 0.0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '%s'
+wrk.headers["Content-Type"] = "application/json"
+"""
+WRK_HEADER = """wrk.headers["%s"] = "%s"
+"""
+
+
+def wrk_load(
+    wrk: tuple[list[str], dict[str, str]],
+    url: str,
+    body: bytes,
+    connections: int,
+    duration: float,
+    workdir: str,
+    headers: dict[str, str] | None = None,
+) -> tuple[float, int, float, float]:
+    """``POST body`` to ``url`` from wrk (one thread, ``connections`` keep-alive
+    connections) for ``duration`` s: (seconds run, requests done, p50 s, p99 s).
+
+    ``wrk`` is its command and environment (bench/tools.py); ``headers`` are sent
+    beside Content-Type. Raises RuntimeError
+    when wrk saw a non-2xx answer or a socket error."""
+    command, env = wrk
+    script = os.path.join(workdir, "post.lua")
+    extra = "".join(WRK_HEADER % item for item in (headers or {}).items())
+    Path(script).write_text(WRK_SCRIPT % body.decode() + extra)
+    # wrk's own timeout is 2 s: a request that long on a loaded machine is a slow
+    # answer to measure, not an error.
+    flags = ["-t1", f"-c{connections}", f"-d{int(duration)}s", "--timeout", "30s"]
+    flags += ["--latency", "-s", script]
+    out = subprocess.run(
+        [*command, *flags, url],
+        capture_output=True,
+        text=True,
+        timeout=duration + 60,
+        check=True,
+        env=env,
+    ).stdout
+    errors = [line for line in out.splitlines() if "Non-2xx" in line or "Socket errors" in line]
+    if errors:
+        raise RuntimeError(f"wrk saw errors: {errors}")
+    total = next(line for line in out.splitlines() if " requests in " in line)
+    seconds = float(total.split(" in ")[1].split("s")[0])
+
+    def quantile(label: str) -> float:
+        value = next(x for x in out.splitlines() if x.strip().startswith(label)).split()[1]
+        unit = next(u for u in ("us", "ms", "s") if value.endswith(u))
+        return float(value[: -len(unit)]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+    return seconds, int(total.split()[0]), quantile("50%"), quantile("99%")
 
 
 def report(result: dict, output: str, print_table: Callable[[dict], None]) -> NoReturn:

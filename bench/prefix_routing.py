@@ -115,6 +115,8 @@ class Run:
                     "4",
                     "--threads",
                     "1",
+                    # requests_processing / requests_deferred: in flight, sampled.
+                    "--metrics",
                 ],
                 f"llama-server-{service_id}",
             )
@@ -183,7 +185,7 @@ def start_router(
     return url, proc
 
 
-async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> dict:
+async def turn(session: aiohttp.ClientSession, url: str | RoundRobin, messages: list[dict]) -> dict:
     """One streamed chat turn: time to first token, the reply, prompt and cached tokens."""
     body = {
         "model": MODEL,
@@ -222,7 +224,7 @@ async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict]) -
 
 async def conversation(
     session: aiohttp.ClientSession,
-    url: str,
+    url: str | RoundRobin,
     system: str,
     index: int,
     turns: int,
@@ -250,7 +252,75 @@ async def conversation(
     return results
 
 
-async def workload(url: str, args: argparse.Namespace, seed: int) -> list[dict]:
+class RoundRobin:
+    """The front of several routers: each request to the next one, in turn (a load
+    balancer with no affinity, as one in front of the router job's instances)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.sent = 0
+
+    def __str__(self) -> str:
+        url = self.urls[self.sent % len(self.urls)]
+        self.sent += 1
+        return url
+
+
+def inflight_of(text: str) -> float:
+    """Requests a llama-server holds (processing and deferred), from its /metrics."""
+    total = 0.0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("llamacpp:requests_processing", "llamacpp:requests_deferred"):
+            total += float(value)
+    return total
+
+
+async def sample_inflight(ports: list[int], samples: list[list[float]], every_s: float) -> None:
+    """Append each replica's requests in flight to ``samples`` every ``every_s`` s."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            row = []
+            for port in ports:
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    row.append(inflight_of(await resp.text()))
+            samples.append(row)
+            await asyncio.sleep(every_s)
+
+
+def balance(samples: list[list[float]]) -> dict:
+    """How evenly one run's replicas carried the requests in flight (processing and
+    deferred in llama-server, sampled every 0.1 s): the busiest one's share of the
+    mean in flight (0.5 is even on 2 replicas) and the mean, over samples with any in
+    flight, of |a - b| / (a + b)."""
+    busy = [row for row in samples if sum(row) > 0]
+    if not busy:
+        return {"busiest_share": 0.0, "imbalance": 0.0, "samples": 0, "mean_inflight": 0.0}
+    means = [statistics.fmean(column) for column in zip(*busy, strict=True)]
+    return {
+        "busiest_share": max(means) / sum(means),
+        "imbalance": statistics.fmean((max(r) - min(r)) / sum(r) for r in busy),
+        "samples": len(busy),
+        "mean_inflight": sum(means),
+    }
+
+
+async def workload(
+    url: str | RoundRobin, args: argparse.Namespace, seed: int, ports: list[int] | None = None
+) -> tuple[list[dict], list[list[float]]]:
+    """Every conversation's turns (each to ``str(url)``: a round-robin front picks
+    its router per request), and the replicas' in-flight samples when ``ports``."""
+    samples: list[list[float]] = []
+    sampler = asyncio.ensure_future(sample_inflight(ports, samples, 0.1)) if ports else None
+    try:
+        return await _conversations(url, args, seed), samples
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+
+
+async def _conversations(url: str | RoundRobin, args: argparse.Namespace, seed: int) -> list[dict]:
     rng = random.Random(seed)
     system = f"Run {seed}. You answer questions about documents. " + sentence(rng, 12)
     timeout = aiohttp.ClientTimeout(total=600)
@@ -289,9 +359,35 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
+Variant = tuple[str, int]
+"""(routing strategy, routers behind the round-robin front)."""
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    if args.routers:
+        return [(args.strategy, int(n)) for n in args.routers.split(",")]
+    return [(strategy, 1) for strategy in STRATEGIES]
+
+
+def label(variant: Variant, args: argparse.Namespace) -> str:
+    strategy, routers = variant
+    return f"{strategy} x{routers}" if args.routers else strategy
+
+
+def run_variant(
+    children: Children, consul: str, consul_port: int, model: Path, variant: Variant, seed: int
+) -> tuple[str, list[str], list[subprocess.Popen], Run]:
+    strategy, routers = variant
+    name = f"{strategy}-{routers}r-{seed}"
+    run = Run(children, consul, model, name)
+    started = [start_router(children, consul_port, strategy, f"{name}-{i}") for i in range(routers)]
+    return name, [url for url, _ in started], [proc for _, proc in started], run
+
+
 def measure(args: argparse.Namespace) -> dict:
     from tests.support.tiny_gguf import write_tiny_gguf
 
+    chosen = variants(args)
     with tempfile.TemporaryDirectory(prefix="llmgw-prefix-bench-") as workdir:
         children = Children(workdir)
         try:
@@ -313,46 +409,77 @@ def measure(args: argparse.Namespace) -> dict:
                 "replicas": 2,
                 "slots_per_replica": 4,
                 "cpus": os.cpu_count(),
+                "columns": [label(v, args) for v in chosen],
             }
-            results: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+            results: dict[Variant, list[dict]] = {v: [] for v in chosen}
+            # Per run: its replicas are its own, so balance is judged run by run.
+            balances: dict[Variant, list[dict]] = {v: [] for v in chosen}
             # A B B A ...: the machine's load drifts, and each order gets it alike.
-            schedule = [STRATEGIES[::-1] if r % 2 else STRATEGIES for r in range(args.rounds)]
+            schedule = [chosen[::-1] if r % 2 else chosen for r in range(args.rounds)]
             seed = 0
-            for strategies in schedule:
-                for strategy in strategies:
+            for order in schedule:
+                for variant in order:
                     seed += 1
-                    name = f"{strategy}-{seed}"
-                    run = Run(children, consul, model, name)
-                    url, router = start_router(children, consul_port, strategy, name)
+                    name, urls, routers, run = run_variant(
+                        children, consul, consul_port, model, variant, seed
+                    )
+                    front: str | RoundRobin = urls[0] if len(urls) == 1 else RoundRobin(urls)
                     try:
-                        results[strategy] += asyncio.run(workload(url, args, seed))
+                        turns, seen = asyncio.run(workload(front, args, seed, run.ports))
                     except Exception:
                         print(json.dumps(children.logs(), indent=1), file=sys.stderr)
                         raise
-                    router.terminate()
-                    router.wait(10)
+                    results[variant] += turns
+                    balances[variant].append(balance(seen))
+                    for router in routers:
+                        router.terminate()
+                        router.wait(10)
                     run.stop()
-                    print(f"{name}: {summarize(results[strategy])}", file=sys.stderr)
-            for strategy in STRATEGIES:
-                result[strategy] = summarize(results[strategy])
+                    print(f"{name}: {summarize(turns)} {balance(seen)}", file=sys.stderr)
+            for variant in chosen:
+                runs = balances[variant]
+                result[label(variant, args)] = {
+                    **summarize(results[variant]),
+                    **{k: statistics.fmean(b[k] for b in runs) for k in runs[0]},
+                    "busiest_share_runs": [b["busiest_share"] for b in runs],
+                }
         finally:
             children.close()
-    lo, px = result["least-outstanding"], result["prefix"]
-    result["met"] = {
-        "more_cached": px["cached_tokens"] > lo["cached_tokens"],
-        "lower_ttft": px["ttft_mean_s"] < lo["ttft_mean_s"],
-    }
+    result["met"] = targets_met(result, chosen, args)
     return result
+
+
+def targets_met(result: dict, chosen: list[Variant], args: argparse.Namespace) -> dict:
+    """Default: prefix routing cached more and answered sooner than least-outstanding.
+    With ``--routers``: each count's cached fraction and busiest replica's share of
+    the requests in flight within 10 % of one router's (issue 21)."""
+    if not args.routers:
+        lo, px = result["least-outstanding"], result["prefix"]
+        return {
+            "more_cached": px["cached_tokens"] > lo["cached_tokens"],
+            "lower_ttft": px["ttft_mean_s"] < lo["ttft_mean_s"],
+        }
+    one = result[label((args.strategy, 1), args)] if (args.strategy, 1) in chosen else None
+    met: dict = {}
+    if one is None:
+        return met
+    for variant in chosen:
+        if variant[1] == 1:
+            continue
+        r = result[label(variant, args)]
+        met[f"cached_x{variant[1]}"] = r["cached_fraction"] >= one["cached_fraction"] * 0.9
+        met[f"balance_x{variant[1]}"] = r["busiest_share"] <= one["busiest_share"] * 1.1
+    return met
 
 
 def print_table(r: dict) -> None:
     print(
         f"{r['conversations']} chats x {r['turns']} turns, {r['rounds']} rounds per "
-        f"strategy, 2 replicas of {r['model']} ({r['slots_per_replica']} slots each), "
+        f"column, 2 replicas of {r['model']} ({r['slots_per_replica']} slots each), "
         f"{r['cpus']} CPUs"
     )
-    print(f"{'':<34} {'least-outstanding':>18} {'prefix':>10}")
-    lo, px = r["least-outstanding"], r["prefix"]
+    columns = r["columns"]
+    print(f"{'':<48}" + "".join(f"{c:>20}" for c in columns))
     rows = [
         ("prompt tokens", "prompt_tokens", "{:,}"),
         ("cached prompt tokens", "cached_tokens", "{:,}"),
@@ -361,9 +488,18 @@ def print_table(r: dict) -> None:
         ("time to first token, mean (s)", "ttft_mean_s", "{:.3f}"),
         ("time to first token, p50 (s)", "ttft_p50_s", "{:.3f}"),
         ("time to first token, turns 2+ (s)", "later_turns_ttft_mean_s", "{:.3f}"),
+        ("in flight on the busiest replica (mean of runs)", "busiest_share", "{:.0%}"),
+        ("in-flight imbalance |a-b|/(a+b)", "imbalance", "{:.0%}"),
+        ("mean requests in flight", "mean_inflight", "{:.2f}"),
     ]
-    for label, key, fmt in rows:
-        print(f"{label:<34} {fmt.format(lo[key]):>18} {fmt.format(px[key]):>10}")
+    for text, key, fmt in rows:
+        print(f"{text:<48}" + "".join(f"{fmt.format(r[c][key]):>20}" for c in columns))
+    print(
+        "busiest replica's share, each run: "
+        + "; ".join(
+            f"{c} " + ", ".join(f"{x:.0%}" for x in r[c]["busiest_share_runs"]) for c in columns
+        )
+    )
 
 
 def main() -> None:
@@ -382,6 +518,12 @@ def main() -> None:
         default=2,
         help="runs of each strategy, alternating (A B, then B A, ...)",
     )
+    parser.add_argument(
+        "--routers",
+        default="",
+        help="router counts behind a round-robin front, e.g. 1,2,3 (each with --strategy)",
+    )
+    parser.add_argument("--strategy", choices=STRATEGIES, default="prefix")
     parser.add_argument("--width", type=int, default=256, help="model width")
     parser.add_argument("--layers", type=int, default=4, help="model layers")
     parser.add_argument("--output", choices=("table", "json"), default="table")

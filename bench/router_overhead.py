@@ -22,8 +22,9 @@ through the forwarder:
    p50 / p99 = percentile(router or forwarder) - percentile(direct);
 2. 16 connections: requests/s and p99 direct, then router and forwarder in
    ``--rounds`` alternating rounds of ``--duration`` seconds each (so a burst
-   of load from elsewhere on the machine hits both alike), with ``wrk`` when on
-   PATH, else a Python aiohttp generator; the two ratios router / forwarder;
+   of load from elsewhere on the machine hits both alike), with ``wrk`` (on PATH,
+   else Debian's package, installed by bench/tools.py), else a Python aiohttp
+   generator; the two ratios router / forwarder;
 3. the router's RSS (VmRSS) after the load.
 
 Client, router and stub share the machine's cores, so on a small machine
@@ -52,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import tools
 from _support import (
     Children,
     RawClient,
@@ -63,7 +65,12 @@ from _support import (
     report,
     rss_mb,
     wait_for,
+    wrk_load,
 )
+
+# The load generator: wrk (on PATH, else its Debian package, bench/tools.py),
+# else None and a Python one. Set in main.
+WRK: tuple[list[str], dict[str, str]] | None = None
 
 MODEL = "bench"
 TARGETS = {
@@ -223,47 +230,21 @@ def latency(direct_port: int, router_port: int, forwarder_port: int, requests: i
     return result
 
 
-WRK_SCRIPT = """
-wrk.method = "POST"
-wrk.body = '%s'
-wrk.headers["Content-Type"] = "application/json"
-"""
-
 Load = tuple[float, int, list[float]]
 """(seconds run, requests done, latencies in seconds or [p99] from wrk)."""
 
 
 def rps_wrk(port: int, connections: int, duration: float, workdir: str) -> Load:
-    script = os.path.join(workdir, "post.lua")
-    Path(script).write_text(WRK_SCRIPT % REQUEST_BODY.decode())
-    out = subprocess.run(
-        [
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{int(duration)}s",
-            "--latency",
-            "-s",
-            script,
-            f"http://127.0.0.1:{port}/v1/completions",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=duration + 30,
-        check=True,
-    ).stdout
-    errors = [line for line in out.splitlines() if "Non-2xx" in line or "Socket errors" in line]
-    if errors:
-        raise RuntimeError(f"wrk saw errors: {errors}")
-    total = next(line for line in out.splitlines() if " requests in " in line)
-    p99 = next(line for line in out.splitlines() if line.strip().startswith("99%")).split()[1]
-    scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-    unit = next(u for u in ("us", "ms", "s") if p99.endswith(u))
-    seconds = float(total.split(" in ")[1].split("s")[0])
-    return seconds, int(total.split()[0]), [float(p99[: -len(unit)]) * scale[unit]]
+    assert WRK is not None
+    seconds, done, _, p99 = wrk_load(
+        WRK, f"http://127.0.0.1:{port}/v1/completions", REQUEST_BODY, connections, duration, workdir
+    )
+    return seconds, done, [p99]
 
 
-def rps_python(port: int, connections: int, duration: float) -> Load:
+def rps_python(
+    port: int, connections: int, duration: float, headers: dict[str, str] | None = None
+) -> Load:
     import aiohttp
 
     async def run() -> Load:
@@ -275,7 +256,7 @@ def rps_python(port: int, connections: int, duration: float) -> Load:
 
             async def worker() -> None:
                 while (sent := time.perf_counter()) < deadline:
-                    async with session.post(url, data=REQUEST_BODY) as resp:
+                    async with session.post(url, data=REQUEST_BODY, headers=headers) as resp:
                         await resp.read()
                         if resp.status != 200:
                             raise RuntimeError(f"HTTP {resp.status}")
@@ -298,7 +279,7 @@ def throughput(cluster: Cluster, args: argparse.Namespace, workdir: str) -> dict
     """Requests/s and p99 at ``args.connections``: direct once, then router and
     forwarder in alternating rounds; the router's CPU per request."""
     assert cluster.router is not None
-    generator = "wrk" if shutil.which("wrk") else "python-aiohttp"
+    generator = "wrk" if WRK else "python-aiohttp"
     result: dict = {
         "load_generator": generator,
         "connections": args.connections,
@@ -433,6 +414,16 @@ def main() -> None:
     if args.serve_stub:
         serve_stub(args.serve_stub)
         return
+    global WRK
+    found = shutil.which("wrk")
+    if found:
+        WRK = ([found], dict(os.environ))
+    else:
+        got = tools.wrk()
+        if isinstance(got, str):
+            print(f"no wrk ({got}): a Python load generator instead", file=sys.stderr)
+        else:
+            WRK = got
     result = measure(args)
     report(result, args.output, print_table)
 

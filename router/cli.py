@@ -45,7 +45,8 @@ import typer
 import uvicorn
 
 from llmgw_contract.acl import ROUTER_CONSUL_KEYS_NEEDS, ROUTER_CONSUL_NEEDS
-from router import heap
+from router import collector, heap
+from router import workers as router_workers
 from router.app import create_app
 from router.catalog import ConsulCatalog
 from router.errors import CatalogUnavailable
@@ -82,10 +83,12 @@ class _Server(uvicorn.Server):
 
 def configure_logging(level: str) -> None:
     """Send every logger, uvicorn's included, to stderr in one format."""
+    worker = router_workers.worker_index()
+    where = "" if worker is None else f"worker {worker} "
     logging.basicConfig(
         stream=sys.stderr,
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s",
         force=True,
     )
 
@@ -258,6 +261,13 @@ def serve(
     tls_key: Annotated[
         str | None, typer.Option(help="Its PEM private key (env LLMGW_TLS_KEY).")
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Router processes sharing the port with SO_REUSEPORT, each with its own "
+            "state and /metrics (env LLMGW_ROUTER_WORKERS, 1; docs/router.md#workers)."
+        ),
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
@@ -298,6 +308,7 @@ def serve(
             cors_origins=tuple(o.rstrip("/") for o in cors_origin) if cors_origin else None,
             tls_cert=tls_cert,
             tls_key=tls_key,
+            workers=workers,
             access_log=access_log,
             log_level=log_level,
         )
@@ -313,10 +324,16 @@ def serve(
     if denied is not None:
         log.error("%s", denied)
         raise typer.Exit(3)
+    worker = router_workers.worker_index()
+    if settings.workers > 1 and worker is None:
+        raise typer.Exit(router_workers.supervise(settings.workers))
     # Large bodies mapped on their own, freed heap memory handed back (router.heap).
     heap.tune()
+    app = create_app(settings)
+    # Startup objects out of the cycle collector's full walks (router.collector).
+    collector.freeze()
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
@@ -341,7 +358,16 @@ def serve(
     # the stop was clean rather than "killed by SIGTERM".
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
-    server.run()
+    if worker is None:
+        server.run()
+    else:
+        # One of --workers: the port is shared with the others (router.workers).
+        try:
+            sock = router_workers.listen_socket(settings.host, settings.port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+            raise typer.Exit(1) from None
+        server.run(sockets=[sock])
     # uvicorn reports a failed startup (port in use, lifespan error) by
     # returning with started still False.
     if not server.started:

@@ -216,10 +216,13 @@ async def read_body(
                         pending.clear()
                         pending_bytes = 0
                     deadline += len(chunk) / min_rate
-                    timer.reschedule(deadline)
                 if not message.get("more_body", False):
                     blocks += pending
                     return blocks[0] if len(blocks) == 1 else b"".join(blocks)
+                if chunk:
+                    # Moved only when more is awaited: a body whole in its first
+                    # message (the common case) costs one timer, not two.
+                    timer.reschedule(deadline)
     except TimeoutError:
         raise errors.RequestTimeout(
             f"The request body was not received in time: {size} bytes of "

@@ -81,17 +81,47 @@ class _Refused(Exception):
 
 class _CycleTransport:
     """The transport as a request's cycle (uvicorn's ``RequestResponseCycle``) sees
-    it: closing it lingers."""
+    it: closing it lingers, and a whole answer leaves in one send.
 
-    __slots__ = ("_protocol",)
+    uvicorn writes a response's head (status line and headers) and then its body
+    as two writes: two ``send`` calls and two TCP segments, and two wake-ups of the
+    client. The first write is held until the next one or the end of this turn of
+    the event loop, whichever comes first, and the two go out as one
+    ``writelines``. Measured (bench/side_by_side.py, cProfile): the client write
+    was the router's costliest call, about 40 us each on the loaded 2-core machine,
+    two per request. A stream's head waits no longer than the turn: its first
+    event may be minutes away.
+    """
+
+    __slots__ = ("_held", "_protocol", "_wrote")
 
     def __init__(self, protocol: _Bounded) -> None:
         self._protocol = protocol
+        self._held: bytes | None = None
+        self._wrote = False
 
     def write(self, data: bytes) -> None:
-        self._protocol.transport.write(data)
+        if not self._wrote:
+            self._wrote = True
+            self._held = data
+            self._protocol.loop.call_soon(self._flush)
+            return
+        held = self._held
+        if held is None:
+            self._protocol.transport.write(data)
+        else:
+            self._held = None
+            self._protocol.transport.writelines((held, data))
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._protocol.transport.is_closing():
+                self._protocol.transport.write(held)
 
     def close(self) -> None:
+        self._flush()
         self._protocol.close_after_answer()
 
     def is_closing(self) -> bool:

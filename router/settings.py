@@ -53,6 +53,8 @@ Environment variables (all optional):
   eject a replica; ``LLMGW_ROUTER_EJECTION_BASE`` / ``LLMGW_ROUTER_EJECTION_MAX``:
   seconds of the first ejection and the longest (30 / 300; :mod:`router.outliers`)
 - ``LLMGW_ROUTER_DRAIN_TIMEOUT``: seconds to let in-flight requests finish on shutdown (30)
+- ``LLMGW_ROUTER_WORKERS``: router processes behind the one port (1; more share it
+  with ``SO_REUSEPORT``, each with its own state: :mod:`router.workers`)
 - ``LLMGW_PLANNER_URL``: a planner's admin API, for on-demand activation and
   usage reports (default ``http://127.0.0.1:4650``): tried after the leader
   Consul names, before the other passing ``llmgw-planner`` instances, which
@@ -185,6 +187,8 @@ class RouterSettings:
     # Replicas tried per request when a connection fails before any byte went out.
     max_attempts: int = 3
     drain_timeout_s: float = 30.0
+    # Processes behind the one port (router.workers); 1: this process serves.
+    workers: int = 1
     access_log: bool = False
     log_level: str = "info"
     # On-demand activation (router.activation) and usage reports (router.usage).
@@ -308,6 +312,8 @@ class RouterSettings:
             )
         if self.api_keys_file:
             ApiKeys.load(self.api_keys_file)
+        if self.workers < 1:
+            raise ValueError("LLMGW_ROUTER_WORKERS must be >= 1")
         if self.first_byte_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ValueError("the first-byte and stall timeouts must be > 0 s")
         if self.loading_heartbeat_s < 0:
@@ -424,6 +430,7 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTER_EJECTION_BASE", "ejection_base_s", float),
     ("LLMGW_ROUTER_EJECTION_MAX", "ejection_max_s", float),
     ("LLMGW_ROUTER_DRAIN_TIMEOUT", "drain_timeout_s", float),
+    ("LLMGW_ROUTER_WORKERS", "workers", int),
     ("LLMGW_PLANNER_URL", "planner_url", str),
     ("LLMGW_ACTIVATION_WINDOW", "activation_window_s", float),
     ("LLMGW_USAGE_INTERVAL", "usage_interval_s", float),

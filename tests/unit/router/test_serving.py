@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from router.serving import MAX_HEADER_BYTES, protocol_class
+from router.serving import MAX_HEADER_BYTES, _CycleTransport, protocol_class
 from tests.support.ports import free_port
 from tests.support.router_harness import run
 
@@ -203,3 +203,74 @@ def test_blank_lines_between_requests_do_not_stop_the_clock() -> None:
             assert status_and_error(answer) == (408, "request_timeout"), answer
 
     run(scenario())
+
+
+class _Wire:
+    """A protocol's transport that records each write call (one call: one send)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bytes, ...]] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.calls.append((data,))
+
+    def writelines(self, parts) -> None:
+        self.calls.append(tuple(parts))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+class _Protocol:
+    lingering = False
+
+    def __init__(self) -> None:
+        self.transport = _Wire()
+        self.loop = asyncio.get_running_loop()
+
+    def close_after_answer(self) -> None:
+        self.transport.closed = True
+
+
+def test_a_whole_answer_leaves_in_one_send() -> None:
+    run(_whole_answer())
+
+
+async def _whole_answer() -> None:
+    protocol = _Protocol()
+    cycle = _CycleTransport(protocol)  # type: ignore[arg-type]
+    cycle.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+    cycle.write(b"ok")
+    await asyncio.sleep(0)
+    assert protocol.transport.calls == [(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n", b"ok")]
+
+
+def test_a_stream_head_leaves_at_the_end_of_the_turn() -> None:
+    run(_stream_head())
+
+
+async def _stream_head() -> None:
+    protocol = _Protocol()
+    cycle = _CycleTransport(protocol)  # type: ignore[arg-type]
+    cycle.write(b"HEAD")
+    assert protocol.transport.calls == []
+    await asyncio.sleep(0)
+    assert protocol.transport.calls == [(b"HEAD",)]
+    cycle.write(b"event")
+    assert protocol.transport.calls == [(b"HEAD",), (b"event",)]
+
+
+def test_closing_sends_a_held_head_first() -> None:
+    run(_closing())
+
+
+async def _closing() -> None:
+    protocol = _Protocol()
+    cycle = _CycleTransport(protocol)  # type: ignore[arg-type]
+    cycle.write(b"HEAD")
+    cycle.close()
+    assert protocol.transport.calls == [(b"HEAD",)]
+    assert protocol.transport.closed
+    await asyncio.sleep(0)
+    assert protocol.transport.calls == [(b"HEAD",)]

@@ -18,7 +18,8 @@ transaction, evenly spread; each rewrite moves a failure count, and one model in
 ten turns unplaceable or placeable again, so the router's entries really change).
 Each phase measures p99 at ``--connections`` direct to the stub and through the
 router (wrk when on PATH, else Python; bench/router_overhead.py's generators);
-added p99 = router p99 - direct p99 of the same phase. Target: the churning added
+added p99 = router p99 - direct p99 of the same phase; then the same at one
+connection, back to back (a light client: less contention in the figure). Target: the churning added
 p99 within 1 ms of the quiet one (median over the rounds).
 
 First, with no request at all, the router's CPU share quiet and while churning: the
@@ -54,6 +55,7 @@ from pathlib import Path
 
 from _support import (
     Children,
+    RawClient,
     cpu_seconds,
     define_model,
     exit_on_sigterm,
@@ -150,11 +152,14 @@ class Cluster(Children):
         self.stub_port = free_port()
         self.router_port = free_port()
         self.router: subprocess.Popen | None = None
+        self.consul_pid = 0
+        self.idle_consul_cpu = 0.0
 
     def start(self) -> None:
         overhead = str(Path(__file__).with_name("router_overhead.py"))
         self.spawn([sys.executable, overhead, "--serve-stub", str(self.stub_port)], "stub")
         consul = self.consul(self.consul_port)
+        self.consul_pid = self.procs[-1].pid
         wait_for(lambda: socket.create_connection(("127.0.0.1", self.stub_port)), 10, "stub")
         service = {
             "ID": "llmgw-bench-1",
@@ -236,13 +241,29 @@ def idle_cpu(cluster: Cluster, args: argparse.Namespace, workdir: str, churning:
         wait_for(lambda: Path(counter).exists(), 10, "the writer's first batch")
     try:
         cpu = cpu_seconds(cluster.router.pid)
+        consul = cpu_seconds(cluster.consul_pid)
         time.sleep(args.duration)
+        cluster.idle_consul_cpu = (cpu_seconds(cluster.consul_pid) - consul) / args.duration
         return (cpu_seconds(cluster.router.pid) - cpu) / args.duration
     finally:
         if writer is not None:
             writer.terminate()
             writer.wait(10)
             time.sleep(3)  # the router's last reads of the churn (see phase)
+
+
+def p99_one_ms(port: int, seconds: float) -> float:
+    """p99 in ms of back-to-back requests on one connection for ``seconds``: a light
+    client, so less of the machine's contention lands in the figure."""
+    client = RawClient(port, REQUEST_BODY)
+    try:
+        times: list[float] = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            times.append(client.roundtrip())
+        return percentile(times, 0.99) * 1000
+    finally:
+        client.close()
 
 
 def phase(
@@ -263,6 +284,8 @@ def phase(
         started = time.monotonic()
         direct, _ = p99_ms(cluster.stub_port, args, workdir, generator)
         router, failed = p99_ms(cluster.router_port, args, workdir, generator)
+        direct_one = p99_one_ms(cluster.stub_port, args.duration / 2)
+        router_one = p99_one_ms(cluster.router_port, args.duration / 2)
         seconds = time.monotonic() - started
         cpu = cpu_seconds(cluster.router.pid) - cpu
     finally:
@@ -273,6 +296,7 @@ def phase(
         "direct_p99_ms": direct,
         "router_p99_ms": router,
         "added_p99_ms": router - direct,
+        "added_p99_1conn_ms": router_one - direct_one,
         "router_cpu_share": cpu / seconds,
     }
     if failed:
@@ -308,6 +332,7 @@ def measure(args: argparse.Namespace) -> dict:
             }
             result["idle_quiet_cpu_share"] = idle_cpu(cluster, args, workdir, False)
             result["idle_churn_cpu_share"] = idle_cpu(cluster, args, workdir, True)
+            result["idle_churn_consul_cpu_share"] = cluster.idle_consul_cpu
             for i in range(args.rounds):
                 order = (False, True) if i % 2 == 0 else (True, False)
                 pair = {}
@@ -318,7 +343,10 @@ def measure(args: argparse.Namespace) -> dict:
         finally:
             cluster.close()
     for name in ("quiet", "churn"):
-        for key in ("added_p99_ms", "router_p99_ms", "direct_p99_ms", "router_cpu_share"):
+        for key in (
+            "added_p99_ms", "router_p99_ms", "direct_p99_ms", "router_cpu_share",
+            "added_p99_1conn_ms",
+        ):  # fmt: skip
             result[f"{name}_{key}"] = statistics.median(r[name][key] for r in result["rounds"])
     result["churn_writes_per_s"] = statistics.median(
         r["churn"]["writes_per_s"] for r in result["rounds"]
@@ -339,11 +367,17 @@ def print_table(r: dict) -> None:
             print(
                 f"{name:<8} {p['direct_p99_ms']:>8.2f} ms {p['router_p99_ms']:>8.2f} ms "
                 f"{p['added_p99_ms']:>7.2f} ms {p['router_cpu_share'] * 100:>10.0f}%"
+                f"{p['added_p99_1conn_ms']:>15.2f} ms"
                 + (f"  round {i + 1}" if name == "quiet" else "")
             )
     print(
         f"router CPU with no request: quiet {r['idle_quiet_cpu_share'] * 100:.1f}%, while "
-        f"1,000 models churn {r['idle_churn_cpu_share'] * 100:.1f}% of one core"
+        f"1,000 models churn {r['idle_churn_cpu_share'] * 100:.1f}% of one core (Consul "
+        f"meanwhile: {r['idle_churn_consul_cpu_share'] * 100:.0f}%)"
+    )
+    print(
+        f"median added p99 at 1 connection: quiet {r['quiet_added_p99_1conn_ms']:.2f} ms, "
+        f"churning {r['churn_added_p99_1conn_ms']:.2f} ms"
     )
     ok = "yes" if r["met"]["churn_within_1ms"] else "NO"
     print(

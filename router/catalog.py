@@ -129,8 +129,8 @@ MAX_CONSUL_CONNECTIONS = 32
 # Pieces in which a streamed answer (the state documents) is handed on as it arrives.
 _PIECE_BYTES = 256 * 1024
 
-Consume = Callable[[AsyncIterable[bytes] | None], Awaitable[Any]]
-"""Makes a result of an answer's body, in pieces (``None``: a 404)."""
+Consume = Callable[[AsyncIterable[bytes] | None, int], Awaitable[Any]]
+"""Makes a result of an answer's body, in pieces (``None``: a 404), and its index."""
 
 CheckKey = tuple[str, str, str, str]
 """One check as the health watch compares it: (node, service ID, check ID, status)."""
@@ -455,7 +455,7 @@ class ConsulCatalog:
             async with asyncio.timeout(deadline), self._session.get(path, params=params) as resp:
                 new_index = int(resp.headers.get("X-Consul-Index", "0"))
                 if resp.status == 404:
-                    return new_index, None if consume is None else await consume(None)
+                    return new_index, None if consume is None else await consume(None, new_index)
                 if resp.status == 403:
                     needs = (
                         CONSUL_API_KEYS_READ
@@ -473,7 +473,8 @@ class ConsulCatalog:
                     text = (await resp.text())[:200]
                     raise CatalogUnavailable(f"GET {path}: HTTP {resp.status}: {text}")
                 if consume is not None:
-                    return new_index, await consume(resp.content.iter_chunked(_PIECE_BYTES))
+                    pieces = resp.content.iter_chunked(_PIECE_BYTES)
+                    return new_index, await consume(pieces, new_index)
                 return new_index, await resp.json(content_type=None)
         except (CatalogUnavailable, CatalogDenied):
             raise

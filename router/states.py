@@ -139,17 +139,24 @@ class StateView:
         self.max_bytes = max_bytes
         self.slice_s = slice_s
         self._known: dict[str, Known] = {}
+        self._index = 0
         self.cost_s = 0.0
         """Seconds of work (not waiting for bytes) the last read took."""
         self.decoded = 0
         """Documents decoded by the last read (keys whose index moved)."""
 
-    async def read(self, pieces: AsyncIterable[bytes] | None) -> dict[str, StateDocument]:
+    async def read(
+        self, pieces: AsyncIterable[bytes] | None, index: int = 0
+    ) -> dict[str, StateDocument]:
         """``{model: document}`` of the parked and unplaceable models in one KV answer
-        (``pieces`` of its body; ``None``: a 404, no key). Unchanged documents are
-        the objects of the previous read. Raises ``ValueError`` for a body that is
-        not Consul's list; the view is then left as it was."""
-        known = self._known
+        (``pieces`` of its body; ``None``: a 404, no key; ``index``: its
+        ``X-Consul-Index``). Unchanged documents are the objects of the previous
+        read. Raises ``ValueError`` for a body that is not Consul's list; the view is
+        then left as it was."""
+        # An index that went back is another timeline (a Consul that lost its state):
+        # a ModifyIndex there says nothing about the documents read before.
+        known = self._known if index >= self._index else {}
+        self._index = index
         fresh: dict[str, Known] = {}
         states: dict[str, StateDocument] = {}
         self.decoded = 0

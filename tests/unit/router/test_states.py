@@ -28,8 +28,10 @@ def body(*entries: dict[str, object]) -> bytes:
     return json.dumps(list(entries), separators=(",", ":")).encode()
 
 
-def read(view: StateView, data: bytes | None, piece: int = 7) -> dict[str, StateDocument]:
-    return asyncio.run(view.read(None if data is None else pieces_of(data, piece)))
+def read(
+    view: StateView, data: bytes | None, piece: int = 7, index: int = 100
+) -> dict[str, StateDocument]:
+    return asyncio.run(view.read(None if data is None else pieces_of(data, piece), index))
 
 
 PARKED = StateDocument(name="a", parked=Parked(reason="5 failures"), last_error="boom")
@@ -58,6 +60,16 @@ def test_a_rewrite_with_the_same_content_keeps_the_object() -> None:
     again = read(view, body(entry("a", PARKED, 20)))
     assert view.decoded == 1
     assert again["a"] is first["a"]
+
+
+def test_an_index_that_went_back_decodes_everything_again() -> None:
+    """A Consul that lost its state starts its indexes over: the same ModifyIndex
+    may now hold another document."""
+    view = StateView()
+    read(view, body(entry("a", PARKED, 10)), index=50)
+    other = read(view, body(entry("a", UNPLACEABLE, 10)), index=12)
+    assert view.decoded == 1
+    assert other["a"].unplaceable is not None and other["a"].parked is None
 
 
 def test_a_removed_key_is_removed_and_a_404_empties_the_view() -> None:

@@ -22,7 +22,10 @@ added p99 = router p99 - direct p99 of the same phase; then the same at one
 connection, back to back (a light client: less contention in the figure). Target: the churning added
 p99 within 1 ms of the quiet one (median over the rounds).
 
-First, with no request at all, the router's CPU share quiet and while churning: the
+First, in this process (no other load in the figure), one read of that answer by
+the router's state view, all documents new, none changed, all changed: its work
+and the longest the event loop waited meanwhile, against the old parse. Then,
+with no request at all, the router's CPU share quiet and while churning: the
 cost of the state watch alone, which the machine's other load does not bend.
 
 Client, router, stub, Consul and the writer share the machine's cores: on a small
@@ -38,6 +41,7 @@ Exit codes: 0 target met, 1 missed, 2 setup failed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import math
@@ -54,6 +58,7 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 from _support import (
+    REPO,
     Children,
     RawClient,
     cpu_seconds,
@@ -252,6 +257,62 @@ def idle_cpu(cluster: Cluster, args: argparse.Namespace, workdir: str, churning:
             time.sleep(3)  # the router's last reads of the churn (see phase)
 
 
+def kv_answer(models: int, generation: int) -> bytes:
+    """Consul's answer to a read of ``llmgw/state/`` at ``generation`` (its shape)."""
+    entries = [
+        {
+            "LockIndex": 0, "Key": f"llmgw/state/m{i}", "Flags": 0,
+            "Value": base64.b64encode(
+                json.dumps(state_document(i, generation), separators=(",", ":")).encode()
+            ).decode(),
+            "CreateIndex": 1, "ModifyIndex": 10 + generation * models + i,
+        }
+        for i in range(models)
+    ]  # fmt: skip
+    return json.dumps(entries, separators=(",", ":")).encode()
+
+
+def loop_gaps(models: int) -> dict:
+    """In this process, no other load in the figure: the work of one read of the state
+    answer by the router's :class:`router.states.StateView` (all new, none changed,
+    all changed) and the longest the event loop waited meanwhile, against the old
+    parse (``json.loads`` + :func:`router.catalog.parse_states`, one block)."""
+    sys.path.insert(0, str(REPO))
+    from router.catalog import parse_states
+    from router.states import StateView, pieces_of
+
+    first, second = kv_answer(models, 1), kv_answer(models, 2)
+    result: dict = {}
+
+    async def run() -> None:
+        view = StateView()
+        gaps: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.ensure_future(ticker())
+        for label, data in (("all_new", first), ("none_changed", first), ("all_changed", second)):
+            gaps.clear()
+            await view.read(pieces_of(data), 1)
+            result[f"{label}_work_ms"] = view.cost_s * 1000
+            result[f"{label}_longest_gap_ms"] = max(gaps, default=0.0) * 1000
+        done = True
+        await task
+
+    asyncio.run(run())
+    started = time.perf_counter()
+    parse_states(json.loads(second))
+    result["old_parse_block_ms"] = (time.perf_counter() - started) * 1000
+    return result
+
+
 def p99_one_ms(port: int, seconds: float) -> float:
     """p99 in ms of back-to-back requests on one connection for ``seconds``: a light
     client, so less of the machine's contention lands in the figure."""
@@ -312,6 +373,7 @@ def phase(
 
 
 def measure(args: argparse.Namespace) -> dict:
+    loop = loop_gaps(args.models)
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
         cluster = Cluster(workdir, args.models)
         try:
@@ -329,6 +391,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "duration_s": args.duration,
                 "load_generator": generator,
                 "rounds": [],
+                "loop": loop,
             }
             result["idle_quiet_cpu_share"] = idle_cpu(cluster, args, workdir, False)
             result["idle_churn_cpu_share"] = idle_cpu(cluster, args, workdir, True)
@@ -358,6 +421,14 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def print_table(r: dict) -> None:
+    lo = r["loop"]
+    print(
+        f"one read of the state answer, in process: all new {lo['all_new_work_ms']:.0f} ms "
+        f"of work, none changed {lo['none_changed_work_ms']:.0f} ms, all changed "
+        f"{lo['all_changed_work_ms']:.0f} ms; the loop waited at most "
+        f"{max(lo[k] for k in lo if k.endswith('gap_ms')):.2f} ms at a time (the old "
+        f"parse: one block of {lo['old_parse_block_ms']:.0f} ms, at every read)"
+    )
     print(
         f"{'phase':<8} {'direct p99':>11} {'router p99':>11} {'added p99':>10} {'router CPU':>11}"
     )

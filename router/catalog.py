@@ -127,7 +127,7 @@ REFRESH_CONCURRENCY = 8
 MAX_CONSUL_CONNECTIONS = 32
 
 # Pieces in which a streamed answer (the state documents) is handed on as it arrives.
-_PIECE_BYTES = 256 * 1024
+_PIECE_BYTES = 64 * 1024
 
 Consume = Callable[[AsyncIterable[bytes] | None, int], Awaitable[Any]]
 """Makes a result of an answer's body, in pieces (``None``: a 404), and its index."""

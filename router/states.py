@@ -163,14 +163,17 @@ class StateView:
         self.cost_s = 0.0
         if pieces is not None:
             scanner = EntryScanner()
+            # A slice runs from the last yield: pieces already buffered arrive
+            # without one, so a slice may span several.
+            last_yield = time.perf_counter()
             async for piece in pieces:
                 began = time.perf_counter()  # waiting for bytes costs the loop nothing
                 for entry in scanner.feed(piece):
                     self._take(entry, known, fresh, states)
-                    if (now := time.perf_counter()) - began >= self.slice_s:
+                    if (now := time.perf_counter()) - last_yield >= self.slice_s:
                         self.cost_s += now - began
                         await asyncio.sleep(0)
-                        began = time.perf_counter()
+                        began = last_yield = time.perf_counter()
                 self.cost_s += time.perf_counter() - began
             for entry in scanner.end():
                 self._take(entry, known, fresh, states)
@@ -229,7 +232,7 @@ class StateView:
         return routed(doc)
 
 
-async def pieces_of(data: bytes, size: int = 256 * 1024) -> AsyncIterator[bytes]:
+async def pieces_of(data: bytes, size: int = 64 * 1024) -> AsyncIterator[bytes]:
     """``data`` in pieces of ``size`` bytes (tests, and a body already read)."""
     for start in range(0, len(data), size):
         yield data[start : start + size]

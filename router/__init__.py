@@ -5,7 +5,8 @@ unplaceable state and their passing endpoints, fed by Consul blocking-query
 watches (:mod:`router.watch`): a model is defined while it has a record under
 Consul KV ``llmgw/models/`` or an ``llmgw-<model>`` service in Consul's
 catalog, so wiping KV never turns a serving model into a 404; its state comes
-from ``llmgw/state/``, its endpoints from the health of its service, all
+from ``llmgw/state/`` (decoded only where a document changed:
+:mod:`router.states`), its endpoints from the health of its service, all
 with a fixed number of queries however many models there are. The
 shapes of all of these (key and service names, documents, activation
 answers) are the shared contract, :mod:`llmgw_contract`.

@@ -6,7 +6,8 @@ Six kinds of blocking query, and plain reads, nothing else:
 - the KV prefix ``llmgw/models/`` (one :class:`llmgw_contract.ModelRecord` per
   model, written by ``planner apply``);
 - the KV prefix ``llmgw/state/`` (one :class:`llmgw_contract.StateDocument` per
-  model; the router keeps those that are parked or unplaceable);
+  model; the router keeps those that are parked or unplaceable), scanned as it
+  arrives and decoded only where a key's ``ModifyIndex`` moved (:mod:`router.states`);
 - ``/v1/catalog/services`` (every service and its tags): the models whose
   ``llmgw-<model>`` service has an instance registered, so a model that serves
   stays known when its KV record vanishes (an operator's
@@ -71,6 +72,7 @@ import logging
 import ssl
 import urllib.parse
 from collections import defaultdict
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -103,6 +105,7 @@ from llmgw_contract.acl import (
 from llmgw_contract.documents import Document
 from llmgw_contract.leadership import LeaderRefused, Refusal, Resolution, resolve_leader
 from router.errors import CatalogDenied, CatalogUnavailable
+from router.states import StateView, routed
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,12 @@ REFRESH_CONCURRENCY = 8
 # refresh reads, with room to spare; above it aiohttp would queue a request
 # silently (the starvation issue 10 found).
 MAX_CONSUL_CONNECTIONS = 32
+
+# Pieces in which a streamed answer (the state documents) is handed on as it arrives.
+_PIECE_BYTES = 64 * 1024
+
+Consume = Callable[[AsyncIterable[bytes] | None, int], Awaitable[Any]]
+"""Makes a result of an answer's body, in pieces (``None``: a 404), and its index."""
 
 CheckKey = tuple[str, str, str, str]
 """One check as the health watch compares it: (node, service ID, check ID, status)."""
@@ -192,12 +201,9 @@ def parse_states(entries: list[dict[str, Any]] | None) -> dict[str, StateDocumen
     """
     states: dict[str, StateDocument] = {}
     for name, doc in parse_documents(KVPrefix.STATE, StateDocument, entries).items():
-        if doc.parked is None and doc.unplaceable is None:
-            continue
-        if doc.parked is not None and doc.parked.last_error is None and doc.last_error:
-            parked = doc.parked.model_copy(update={"last_error": doc.last_error})
-            doc = doc.model_copy(update={"parked": parked})
-        states[name] = doc
+        kept = routed(doc)
+        if kept is not None:
+            states[name] = kept
     return states
 
 
@@ -301,6 +307,8 @@ class ConsulCatalog:
         self._token = token
         # Separate from the upstream pool: different timeouts, and it must
         # survive until the watches are cancelled during shutdown.
+        # The state documents as last read: a read decodes only what changed.
+        self.state_view = StateView()
         self._session = aiohttp.ClientSession(
             base_url=base_url,
             headers=headers,
@@ -317,9 +325,12 @@ class ConsulCatalog:
         return index, parse_models(body)
 
     async def states(self, index: int, wait_s: float) -> tuple[int, dict[str, StateDocument]]:
-        """Blocking read of every parked or unplaceable model's state (``{name: document}``)."""
-        index, body = await self._kv(KVPrefix.STATE, index, wait_s)
-        return index, parse_states(body)
+        """Blocking read of every parked or unplaceable model's state (``{name: document}``),
+        decoding only the keys that changed since the last read (:mod:`router.states`:
+        unchanged documents are the same objects)."""
+        return await self._get(
+            f"/v1/kv/{KVPrefix.STATE}", {"recurse": "true"}, index, wait_s, self.state_view.read
+        )
 
     async def services(self, index: int, wait_s: float) -> tuple[int, frozenset[str]]:
         """Blocking read of the models with a registered ``llmgw-<model>`` service."""
@@ -427,8 +438,15 @@ class ConsulCatalog:
         return await self._get(f"/v1/kv/{key}", params, index, wait_s)
 
     async def _get(
-        self, path: str, params: dict[str, str], index: int, wait_s: float
+        self,
+        path: str,
+        params: dict[str, str],
+        index: int,
+        wait_s: float,
+        consume: Consume | None = None,
     ) -> tuple[int, Any]:
+        """``(index, body)``: the JSON answer, or what ``consume`` made of the body's
+        pieces as they arrived (``None`` for a 404)."""
         if index > 0:
             params = {**params, "index": str(index), "wait": f"{int(wait_s * 1000)}ms"}
         # Consul adds up to wait/16 of jitter to a blocking query.
@@ -437,7 +455,7 @@ class ConsulCatalog:
             async with asyncio.timeout(deadline), self._session.get(path, params=params) as resp:
                 new_index = int(resp.headers.get("X-Consul-Index", "0"))
                 if resp.status == 404:
-                    return new_index, None
+                    return new_index, None if consume is None else await consume(None, new_index)
                 if resp.status == 403:
                     needs = (
                         CONSUL_API_KEYS_READ
@@ -454,6 +472,9 @@ class ConsulCatalog:
                 if resp.status != 200:
                     text = (await resp.text())[:200]
                     raise CatalogUnavailable(f"GET {path}: HTTP {resp.status}: {text}")
+                if consume is not None:
+                    pieces = resp.content.iter_chunked(_PIECE_BYTES)
+                    return new_index, await consume(pieces, new_index)
                 return new_index, await resp.json(content_type=None)
         except (CatalogUnavailable, CatalogDenied):
             raise

@@ -357,15 +357,27 @@ class EndpointTable:
             if dropped:
                 self._remember("Consul lost its state document (its state was reset)")
                 self._kept_states.update(dropped)
+        # Only the entries whose state changed are touched: the catalog hands back
+        # the same object for a document that did not change (router.states).
+        previous = self._states
+        changed = {
+            n for n in previous.keys() | states.keys() if previous.get(n) is not states.get(n)
+        }
         for name in states:
-            self._kept_states.pop(name, None)
+            if self._kept_states.pop(name, None) is not None:
+                changed.add(name)
         self._states = dict(states)
-        self._apply_states()
+        self._apply_states(changed)
         self._states_read = True
 
-    def _apply_states(self) -> None:
-        for name, entry in self._models.items():
-            entry._set_state(self._states.get(name) or self._kept_states.get(name))
+    def _apply_states(self, names: Iterable[str] | None = None) -> None:
+        """Hang each model's state (or the one a Consul reset dropped) on its entry:
+        every entry's, or those of ``names``."""
+        models = self._models
+        for name in models if names is None else names:
+            entry = models.get(name)
+            if entry is not None:
+                entry._set_state(self._states.get(name) or self._kept_states.get(name))
 
     def set_endpoints(self, model: str, addresses: Iterable[ServiceAddress]) -> EndpointDiff | None:
         """Replace ``model``'s passing endpoints; ``None`` if the model is not defined

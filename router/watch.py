@@ -17,7 +17,10 @@ connection each, held for its blocking query; nothing per model):
   until it does (the watches race at startup);
 - the KV prefix ``llmgw/state/`` (the planner's parked / unplaceable records),
   so a parked model is refused within one blocking-query round trip of the
-  planner's write.
+  planner's write. Each answer holds every document; only the changed ones are
+  decoded (:mod:`router.states`), and while they churn the reads are spaced so
+  that they take at most :data:`STATE_LOOP_SHARE` of the event loop
+  (:func:`state_interval`).
 
 Why not one health watch per model: issue 10 (500 on-demand models; the
 router held a long poll per model on a client capped at 100 connections,
@@ -82,6 +85,18 @@ Apply = Callable[[Any], Awaitable[None] | None]
 # bug, flapping service) costs at most this many requests per second.
 _MIN_READ_INTERVAL_S = 0.05
 _BACKOFF_INITIAL_S = 0.2
+# The share of the event loop the state watch may take while the documents churn
+# (issue 21: 1,000 models changing state every second): after a read that cost c
+# seconds of work (router.states), the next starts no sooner than c / this.
+STATE_LOOP_SHARE = 0.1
+
+
+def state_interval(cost_s: float) -> float:
+    """Seconds from the start of one read of ``llmgw/state/`` to the next, given
+    the work the last one cost: at least :data:`_MIN_READ_INTERVAL_S`, more for a
+    large answer. A write after a quiet spell is read at once (the blocking read
+    waited longer than this)."""
+    return max(_MIN_READ_INTERVAL_S, cost_s / STATE_LOOP_SHARE)
 
 
 def next_index(previous: int, returned: int) -> int:
@@ -114,7 +129,12 @@ class HighWater:
         return back
 
 
-async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]) -> None:
+async def _list_then_watch(
+    read: Read,
+    apply: Apply,
+    on_read: Callable[[], None],
+    interval: Callable[[], float] = lambda: _MIN_READ_INTERVAL_S,
+) -> None:
     index = 0
     first = True
     while True:
@@ -127,9 +147,9 @@ async def _list_then_watch(read: Read, apply: Apply, on_read: Callable[[], None]
                 await applied
         first = False
         index = next_index(index, returned)
-        elapsed = time.monotonic() - started
-        if elapsed < _MIN_READ_INTERVAL_S:
-            await asyncio.sleep(_MIN_READ_INTERVAL_S - elapsed)
+        pause = interval() - (time.monotonic() - started)
+        if pause > 0:
+            await asyncio.sleep(pause)
 
 
 class ConsulWatcher:
@@ -258,7 +278,10 @@ class ConsulWatcher:
         def apply(value: Any) -> None:
             self._table.set_states(value[0], consul_reset=value[1])
 
-        await self._forever(f"Consul KV {KVPrefix.STATE}", read, apply)
+        def interval() -> float:
+            return state_interval(self._catalog.state_view.cost_s)
+
+        await self._forever(f"Consul KV {KVPrefix.STATE}", read, apply, interval)
 
     async def _watch_leader(self, planners: PlannerCandidates) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
@@ -278,7 +301,13 @@ class ConsulWatcher:
 
         await self._forever(f"Consul health of {PLANNER_SERVICE}", read, planners.set_instances)
 
-    async def _forever(self, what: str, read: Read, apply: Apply) -> None:
+    async def _forever(
+        self,
+        what: str,
+        read: Read,
+        apply: Apply,
+        interval: Callable[[], float] = lambda: _MIN_READ_INTERVAL_S,
+    ) -> None:
         """Run the watch forever. A watch that fails before any read worked backs off;
         one that read and then failed starts a fresh back-off (first retry at once)."""
         while True:
@@ -298,7 +327,7 @@ class ConsulWatcher:
             async for attempt in retrying:
                 with attempt:
                     try:
-                        await _list_then_watch(read, apply, succeeded)
+                        await _list_then_watch(read, apply, succeeded, interval)
                     except Exception as exc:
                         if not worked:
                             raise

@@ -938,6 +938,62 @@ def test_router_started_after_parking_refuses_from_its_first_request(cluster, tm
         consul.clear_state("early")
 
 
+def test_a_state_write_changes_that_models_entry_only(cluster) -> None:
+    """Issue 21, item 4: the router's own catalog, table and watches (in this test's
+    event loop) on the real Consul. A write of one model's state document is the one
+    document decoded; the other models' entries keep their very objects; a deleted
+    key takes its state away."""
+    from router.catalog import ConsulCatalog
+    from router.endpoints import EndpointTable
+    from router.metrics import RouterMetrics
+    from router.watch import ConsulWatcher
+
+    consul, _, _, _ = cluster
+    names = ["churn-a", "churn-b", "churn-c"]
+    for name in names:
+        consul.define(name)
+        consul.set_state(name, planner_state(name, parked=True))
+
+    async def until(check) -> None:
+        while not check():
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> None:
+        catalog = ConsulCatalog(consul.url)
+        table = EndpointTable(RouterMetrics())
+        # A long wait: no read returns unchanged while the test looks at the last one.
+        watcher = ConsulWatcher(catalog, table, wait_s=120, backoff_max_s=1)
+        watcher.start()
+        try:
+            await until(lambda: all((e := table.get(n)) and e.parked for n in names))
+            before = {n: table.get(n) for n in names}
+            parked = {n: e.parked for n, e in before.items()}
+            await asyncio.to_thread(
+                consul.set_state, "churn-a", planner_state("churn-a", unplaceable=True)
+            )
+            await until(lambda: before["churn-a"].parked is None)
+            assert before["churn-a"].unplaceable is not None
+            assert catalog.state_view.decoded == 1
+            for name in ("churn-b", "churn-c"):
+                assert table.get(name) is before[name]
+                assert before[name].parked is parked[name]
+            await asyncio.to_thread(consul.clear_state, "churn-b")
+            await until(lambda: before["churn-b"].parked is None)
+            assert catalog.state_view.decoded == 0  # a removal decodes nothing
+            assert before["churn-c"].parked is parked["churn-c"]
+            assert before["churn-a"].unplaceable is not None
+        finally:
+            await watcher.stop()
+            await catalog.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        for name in names:
+            consul.clear_state(name)
+            consul.undefine(name)
+
+
 # --- on-demand activation (a scripted planner; real Consul) ------------------
 
 PLANNER_TOKEN = "router-test-token"

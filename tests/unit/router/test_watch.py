@@ -12,6 +12,7 @@ from router.endpoints import EndpointTable
 from router.errors import CatalogUnavailable
 from router.metrics import RouterMetrics
 from router.planners import PlannerCandidates
+from router.states import StateView
 from router.watch import ConsulWatcher, next_index
 
 
@@ -41,6 +42,7 @@ class FakeCatalog:
         self.fail_next = 0
         self.changed = asyncio.Event()
         self.health_reads: dict[str, int] = {}
+        self.state_view = StateView()  # what the state watch's spacing reads
 
     def bump(self, *, backwards: bool = False) -> None:
         self.index = 1 if backwards else self.index + 1

@@ -23,9 +23,9 @@ Who writes and who reads (keys in `llmgw_contract.keys`):
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmgw_contract.states import ActivationStatus
 
@@ -208,12 +208,28 @@ class UsageRecord(Document):
     last_used_at: str  # ISO 8601, UTC
 
 
+# Bounds of a usage report, which the planner takes from any holder of its token and
+# sums into scaling decisions (found in review: a negative count cancelled the other
+# routers' load and scaled down under load, an `interval_s` of NaN or 3600 kept a
+# router's load counted for hours, nothing bounded the sizes). A count above
+# MAX_LOAD is not a router's: one router holds at most its admission queue plus its
+# replicas' slots. The interval's bound is the router's own (`LLMGW_USAGE_INTERVAL`).
+MAX_LOAD = 1_000_000
+MAX_USAGE_INTERVAL_S = 300.0
+MAX_REPORTED_MODELS = 10_000
+MAX_NAME_CHARS = 256
+
+Count = Annotated[int, Field(ge=0, le=MAX_LOAD)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+
+
 class ModelLoad(Document):
     """One router's requests for one model right now: `inflight` sent to a replica and
-    not answered, `waiting` held for a free slot or a replica that is starting."""
+    not answered, `waiting` held for a free slot or a replica that is starting; each
+    within [0, MAX_LOAD]."""
 
-    inflight: int = 0
-    waiting: int = 0
+    inflight: Count = 0
+    waiting: Count = 0
 
 
 class UsageReport(Document):
@@ -222,12 +238,13 @@ class UsageReport(Document):
     `models` were used since the last report (idle scale-down). `load` holds the
     router's requests per model now (models absent: none); `router` names the sender,
     so the planner sums the latest report of each router and forgets one that stops
-    reporting. A router older than load reporting sends `models` alone."""
+    reporting. A router older than load reporting sends `models` alone. Bounded (see
+    MAX_*): a report out of bounds is refused whole (422), never clipped."""
 
-    models: list[str]
-    router: str = ""
-    interval_s: float = 10.0
-    load: dict[str, ModelLoad] = {}
+    models: list[Name] = Field(max_length=MAX_REPORTED_MODELS)
+    router: Name = ""
+    interval_s: float = Field(10.0, gt=0, le=MAX_USAGE_INTERVAL_S, allow_inf_nan=False)
+    load: dict[Name, ModelLoad] = Field({}, max_length=MAX_REPORTED_MODELS)
 
 
 class EngineRecord(Document):
@@ -280,9 +297,14 @@ def encode(document: Document) -> str:
 def decode(kind: type[D], raw: str | bytes | dict[str, Any]) -> D:
     """Parse a document of type `kind` from JSON text or an already-decoded object.
 
-    Raises ValueError (with pydantic's or json's reason) when it is not one."""
+    Raises ValueError (with pydantic's or json's reason) when it is not one. Every
+    document comes from KV or the wire, i.e. from anyone who can write there: a
+    nesting too deep for the parser (`[[[[...`, 10 KB is enough) is RecursionError in
+    json, which is not a ValueError; it is one more document that is not one (a reader
+    that let it out stopped reading every other key: a router kept every model's old
+    state, found in review)."""
     try:
         data = json.loads(raw) if isinstance(raw, str | bytes) else raw
         return kind.model_validate(data)
-    except (ValidationError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValidationError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"not a {kind.__name__}: {exc}") from None

@@ -132,7 +132,7 @@ def _last_object(body: bytes, key: bytes) -> Any:
         return None
     try:
         value, _ = _decoder.raw_decode(body[at + len(key) :].decode().lstrip())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return None
     return value
 
@@ -223,7 +223,7 @@ class StreamMeter:
             return False
         try:
             doc = json.loads(event[at + len(_DATA) :])
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             return False
         if not isinstance(doc, dict):
             return False

@@ -53,7 +53,7 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     proxy's other choices: prefix affinity, streaming); raises as :func:`extract_model`."""
     try:
         doc = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         _checked(f"{_NOT_JSON}{exc}", body)
     if not isinstance(doc, dict):
         _checked(_NOT_OBJECT, body)
@@ -87,7 +87,7 @@ while header := read(10):
     body = read(int(header))
     try:
         doc = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         found = "\0json" + str(exc)
     else:
         model = doc.get("model") if isinstance(doc, dict) else None

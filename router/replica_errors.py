@@ -89,7 +89,7 @@ def error_answer(body: bytes, status: int, model: str) -> bytes:
     error object translated, or, for a body that holds none, one that quotes it."""
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         doc = None
     if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
         error = translate(doc["error"], status)
@@ -150,7 +150,7 @@ class StreamErrors:
             return event
         try:
             doc = json.loads(body[len(b"data: ") :])
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             return event
         if not isinstance(doc, dict) or not isinstance(doc.get("error"), dict):
             return event

@@ -64,7 +64,7 @@ Environment variables (all optional):
 - ``LLMGW_PLANNER_TOKEN``: bearer token for it (the planner's ``LLMGW_ADMIN_TOKEN``)
 - ``LLMGW_ACTIVATION_WINDOW``: seconds a request for a loading model is held
   before 503 ``model_loading`` (45)
-- ``LLMGW_USAGE_INTERVAL``: seconds between usage reports to the planner (10)
+- ``LLMGW_USAGE_INTERVAL``: seconds between usage reports to the planner (10; at most 300)
 - ``LLMGW_ACTIVATION``: ``0`` / ``false`` turns activation off: a model with no
   passing endpoint is refused at once, and no usage is reported (default on)
 - ``LLMGW_REPLICA_CONCURRENCY``: requests in flight per replica; ``0`` (the
@@ -111,6 +111,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmgw_contract.documents import MAX_USAGE_INTERVAL_S
 from llmgw_contract.tlsfiles import tls_context
 from router.keys import ApiKeys
 
@@ -292,8 +293,13 @@ class RouterSettings:
                 f"planner URL {self.planner_url!r} is not an http(s):// URL "
                 f"or {NO_PLANNER_URL!r} (LLMGW_PLANNER_URL)"
             )
-        if self.activation_window_s < 0 or self.usage_interval_s <= 0:
-            raise ValueError("the activation window must be >= 0 s and the usage interval > 0 s")
+        if self.activation_window_s < 0:
+            raise ValueError("the activation window must be >= 0 s")
+        if not 0 < self.usage_interval_s <= MAX_USAGE_INTERVAL_S:
+            # The planner refuses a report outside these bounds (llmgw_contract).
+            raise ValueError(
+                f"the usage interval must be > 0 s and at most {MAX_USAGE_INTERVAL_S:g} s"
+            )
         if self.replica_concurrency < 0 or self.default_replica_concurrency < 1:
             raise ValueError(
                 "the replica concurrency must be >= 0 (0: from /props) and its default >= 1"

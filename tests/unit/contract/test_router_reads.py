@@ -37,6 +37,7 @@ from llmgw_contract import (
     ReplicaRecord,
     StateDocument,
     Unplaceable,
+    decode,
     encode,
     kv_key,
 )
@@ -220,6 +221,19 @@ def test_state_documents_reach_the_table_as_written() -> None:
     assert table.get("r").unplaceable == ROOM_BEING_MADE
     fine = table.get("fine")
     assert fine.parked is None and fine.unplaceable is None
+
+
+def test_a_document_nested_too_deep_is_skipped_and_hides_no_other_key() -> None:
+    """10 KB of `[` is RecursionError in json, not ValueError: it was let out of
+    decode, and the router's watch stopped reading every other key (review)."""
+    nested = base64.b64encode(b"[" * 5000 + b"]" * 5000).decode()
+    bad = {"Key": kv_key(KVPrefix.STATE, "x"), "Value": nested, "ModifyIndex": 8}
+    entries = [kv_entry(KVPrefix.STATE, "p", full_state("p", parked=PARKED)), bad]
+    with pytest.raises(ValueError, match="not a StateDocument"):
+        decode(StateDocument, base64.b64decode(nested))
+    assert set(parse_states(entries)) == {"p"}
+    bad_record = {**bad, "Key": kv_key(KVPrefix.MODELS, "x")}
+    assert parse_models([bad_record]) == {}
 
 
 def test_parked_is_refused_even_while_an_endpoint_passes() -> None:

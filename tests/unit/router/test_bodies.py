@@ -32,6 +32,26 @@ def test_small_bodies_are_parsed_inline_with_clear_errors() -> None:
     run(scenario())
 
 
+def test_a_body_nested_too_deep_is_a_clear_error_small_or_huge() -> None:
+    """json's RecursionError is not a ValueError: let out, a client's 10 KB of `[` was
+    a 500 on the loop and ended the worker that parses huge bodies (review)."""
+    nested = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b', "model": "m"}'
+
+    async def scenario() -> None:
+        inline, worker = BodyParser(), BodyParser(inline_bytes=1024)
+        try:
+            for parser in (inline, worker):
+                with pytest.raises(errors.InvalidRequest):
+                    await parser.find_model(nested)
+            later = b'{"prompt": "' + b"x" * 2000 + b'", "model": "m"}'
+            assert await worker.find_model(later) == "m"  # the worker process still serves
+        finally:
+            await inline.close()
+            await worker.close()
+
+    run(scenario(), timeout=60)
+
+
 def test_a_huge_body_never_stalls_the_loop() -> None:
     # The OpenAI SDK puts `messages` before `model`: the model is at the end.
     messages = [{"role": "user", "content": "x" * 1000}] * 30_000

@@ -88,6 +88,10 @@ def test_concurrency_and_queue_settings() -> None:
         RouterSettings(replica_concurrency=-1).validate()
     with pytest.raises(ValueError, match="queue timeout"):
         RouterSettings(queue_timeout_s=-1).validate()
+    # The planner refuses a usage report with an interval over 300 s (its bound on how
+    # old a router's load may be): the router refuses to start with one.
+    with pytest.raises(ValueError, match="usage interval"):
+        RouterSettings(usage_interval_s=600).validate()
     with pytest.raises(ValueError, match="LLMGW_REPLICA_CONCURRENCY"):
         RouterSettings.from_env({"LLMGW_REPLICA_CONCURRENCY": "many"})
 

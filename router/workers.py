@@ -217,13 +217,17 @@ class Supervisor:
         for index, due in sorted(self.pending.items()):
             if due <= now:
                 del self.pending[index]
+                log.info("starting router worker %d again", index)
                 self._start(index)
 
     def _reap(self) -> tuple[int, int]:
         """The next worker that ended (pid, wait status), or ``(0, 0)`` when a delayed
         start is due (or the command is stopping) first."""
         if not self.pending or self.stopping:
-            return os.wait()
+            try:
+                return os.wait()
+            except ChildProcessError:  # stopping while every worker waited for its start
+                return 0, 0
         due = min(self.pending.values())
         while (left := due - time.monotonic()) > 0 and not self.stopping:
             try:

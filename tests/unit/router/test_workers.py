@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,24 @@ def test_a_worker_whose_supervisor_died_before_prctl_exits() -> None:
         timeout=60,
     )
     assert orphan.returncode == 1 and orphan.stdout == ""
+
+
+def test_a_stop_while_a_worker_waits_for_its_start_ends_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM during a backoff: the waiting start is dropped, nothing waits it out."""
+    monkeypatch.setattr(workers, "START_GRACE_S", 0.0)
+    monkeypatch.setattr(workers, "BACKOFF_BASE_S", 600.0)
+    supervisor = workers.Supervisor(program(tmp_path, "import sys; sys.exit(1)"), 1)
+
+    def stop_once_waiting() -> None:
+        while not supervisor.pending:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_once_waiting, daemon=True)
+    stopper.start()
+    started = time.monotonic()
+    assert supervisor.run() == 0
+    assert time.monotonic() - started < 60  # not the 600 s backoff
+    stopper.join(5)

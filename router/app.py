@@ -47,6 +47,7 @@ from starlette.types import ASGIApp
 
 from llmgw_contract.certificates import CertificateCollector
 from router import errors
+from router import workers as router_workers
 from router.activation import Activator
 from router.capacity import CapacityReader
 from router.catalog import ConsulCatalog
@@ -252,9 +253,12 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         first_byte_timeout_s=settings.first_byte_timeout_s,
         stall_timeout_s=settings.stall_timeout_s,
         loading_heartbeat_s=settings.loading_heartbeat_s,
-        max_requests=settings.max_requests,
+        # --workers N: each worker holds its share of the router's bounds, so that
+        # all of them together hold what one router would (router.workers.share).
+        max_requests=router_workers.share(settings.max_requests, settings.workers),
         budget=BodyBudget(
-            settings.max_bodies_bytes or default_budget(), settings.busy_retry_after_s
+            router_workers.share(settings.max_bodies_bytes or default_budget(), settings.workers),
+            settings.busy_retry_after_s,
         ),
         body_read_timeout_s=settings.body_read_timeout_s,
         body_min_rate=settings.body_min_rate,

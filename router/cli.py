@@ -218,7 +218,7 @@ def serve(
         int | None,
         typer.Option(
             help="Requests held at once before 503 router_overloaded "
-            "(env LLMGW_ROUTER_MAX_REQUESTS, 4096; 0: no limit)."
+            "(env LLMGW_ROUTER_MAX_REQUESTS, 4096; 0: no limit; with --workers N, 1/N each)."
         ),
     ] = None,
     max_body_bytes: Annotated[
@@ -230,7 +230,7 @@ def serve(
         typer.Option(
             help="Bytes of request bodies held at once before 503 router_overloaded (env "
             "LLMGW_ROUTER_MAX_BODIES_BYTES; 0, the default: a quarter of the memory, at "
-            "most 1 GiB)."
+            "most 1 GiB; with --workers N, 1/N each)."
         ),
     ] = None,
     header_read_timeout: Annotated[
@@ -326,6 +326,9 @@ def serve(
         raise typer.Exit(3)
     worker = router_workers.worker_index()
     if settings.workers > 1 and worker is None:
+        api_keys = bool(settings.api_keys_file or settings.api_keys_consul)
+        for warning in router_workers.shared_state_warnings(settings.workers, api_keys):
+            log.warning("%s", warning)
         raise typer.Exit(router_workers.supervise(settings.workers))
     # Large bodies mapped on their own, freed heap memory handed back (router.heap).
     heap.tune()

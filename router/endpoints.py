@@ -58,7 +58,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable, service_name
@@ -348,10 +348,18 @@ class EndpointTable:
         self._services_read = True
         return self._define()
 
-    def set_states(self, states: Mapping[str, StateDocument], consul_reset: bool = False) -> None:
+    def set_states(
+        self,
+        states: Mapping[str, StateDocument],
+        consul_reset: bool = False,
+        present: Collection[str] = (),
+    ) -> None:
         """Replace every model's planner state (models absent from ``states`` have none).
         ``consul_reset``: as for :meth:`set_models`; the states this read drops are kept
-        until the model's record or state is back."""
+        until the model's record or state key is back. ``present``: the models with a
+        state key in the read (:attr:`router.states.StateView.present`), parked or not;
+        a key back ends what a reset kept whatever its document says (a model the
+        planner un-parked meanwhile is not refused as parked)."""
         if consul_reset:
             dropped = {n: d for n, d in self._states.items() if n not in states}
             if dropped:
@@ -363,7 +371,7 @@ class EndpointTable:
         changed = {
             n for n in previous.keys() | states.keys() if previous.get(n) is not states.get(n)
         }
-        for name in states:
+        for name in states.keys() | set(present):
             if self._kept_states.pop(name, None) is not None:
                 changed.add(name)
         self._states = dict(states)

@@ -35,12 +35,14 @@ Environment variables (all optional):
 - ``LLMGW_ROUTER_MAX_CONNECTIONS``: upstream connections to all replicas together
   (0, the default: no cap beyond each replica's)
 - ``LLMGW_ROUTER_MAX_REQUESTS``: requests the router holds at once, in flight
-  and waiting for a slot, before it answers 503 ``router_overloaded`` (4096; 0: none)
+  and waiting for a slot, before it answers 503 ``router_overloaded`` (4096; 0: none;
+  with ``LLMGW_ROUTER_WORKERS`` N, 1/N per worker: :func:`router.workers.share`)
 - ``LLMGW_ROUTER_MAX_BODY_BYTES``: largest request body (100 MiB, what
   llama-server accepts; larger is 413 ``request_too_large``)
 - ``LLMGW_ROUTER_MAX_BODIES_BYTES``: bytes of request bodies the router holds at
   once; past it 503 ``router_overloaded`` (0, the default: a quarter of the
-  machine's or cgroup's memory, at most 1 GiB; :mod:`router.intake`)
+  machine's or cgroup's memory, at most 1 GiB; :mod:`router.intake`; with N
+  workers, 1/N per worker)
 - ``LLMGW_ROUTER_HEADER_READ_TIMEOUT``: seconds a client has for its request line
   and headers, from its first byte (20; then 408, :mod:`router.serving`)
 - ``LLMGW_ROUTER_BODY_READ_TIMEOUT`` / ``LLMGW_ROUTER_BODY_MIN_RATE``: seconds to

@@ -146,6 +146,9 @@ class StateView:
         self.slice_s = slice_s
         self._known: dict[str, Known] = {}
         self._index = 0
+        self.present: frozenset[str] = frozenset()
+        """The models with a state key in the last read, whatever its document says:
+        what is back after a Consul reset (:meth:`router.endpoints.EndpointTable.set_states`)."""
         self.cost_s = 0.0
         """Seconds of work (not waiting for bytes) the last read took."""
         self.decoded = 0
@@ -157,12 +160,14 @@ class StateView:
         """``{model: document}`` of the parked and unplaceable models in one KV answer
         (``pieces`` of its body; ``None``: a 404, no key; ``index``: its
         ``X-Consul-Index``). Unchanged documents are the objects of the previous
-        read. Raises ``ValueError`` for a body that is not Consul's list; the view is
-        then left as it was."""
+        read. :attr:`present` names every model with a key in the answer. Raises
+        ``ValueError`` for a body that is not Consul's list; the view (its index, its
+        documents and :attr:`present`) is then left as it was."""
         # An index that went back is another timeline (a Consul that lost its state):
-        # a ModifyIndex there says nothing about the documents read before.
+        # a ModifyIndex there says nothing about the documents read before. The index
+        # and the documents change together, after a whole read: a read that fails
+        # partway (a reset mid-answer) must not pair the new index with old documents.
         known = self._known if index >= self._index else {}
-        self._index = index
         fresh: dict[str, Known] = {}
         states: dict[str, StateDocument] = {}
         self.decoded = 0
@@ -183,7 +188,11 @@ class StateView:
                 self.cost_s += time.perf_counter() - began
             for entry in scanner.end():
                 self._take(entry, known, fresh, states)
+        self._index = index
         self._known = fresh
+        self.present = frozenset(
+            name for key in fresh if (name := model_from_key(KVPrefix.STATE, key)) is not None
+        )
         return states
 
     def _take(

@@ -273,10 +273,11 @@ class ConsulWatcher:
 
         async def read(index: int) -> tuple[int, Any]:
             returned, states = await self._catalog.states(index, self._wait_s)
-            return returned, (states, mark.went_back(returned))
+            present = self._catalog.state_view.present
+            return returned, (states, mark.went_back(returned), present)
 
         def apply(value: Any) -> None:
-            self._table.set_states(value[0], consul_reset=value[1])
+            self._table.set_states(value[0], consul_reset=value[1], present=value[2])
 
         def interval() -> float:
             return state_interval(self._catalog.state_view.cost_s)

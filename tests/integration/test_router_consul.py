@@ -84,8 +84,9 @@ def eventually(check, timeout: float = 5.0, interval: float = 0.02) -> float:
 
 
 class Consul:
-    def __init__(self, binary: str, workdir: Path) -> None:
-        self.port = free_port()
+    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+        # ``port``: a Consul that lost its state, started again where one served.
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / "consul.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -992,6 +993,76 @@ def test_a_state_write_changes_that_models_entry_only(cluster) -> None:
         for name in names:
             consul.clear_state(name)
             consul.undefine(name)
+
+
+def test_a_state_key_back_after_a_reset_ends_the_kept_parking(tmp_path: Path) -> None:
+    """Review of issue 21: after a Consul reset (a dev agent started again on the same
+    port, its KV empty and its indexes back at the start) the router keeps a parked
+    model's state; when the planner writes that model's state back not parked, the
+    model is no longer refused as parked at once (not REMEMBER_S later), though its
+    record, written back before the router read it, never left."""
+    from router.catalog import ConsulCatalog
+    from router.endpoints import EndpointTable
+    from router.metrics import RouterMetrics
+    from router.watch import ConsulWatcher
+
+    binary = consul_binary()
+    if binary is None:
+        pytest.skip("no consul binary (set LLMGW_CONSUL_BIN)")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    consuls = [Consul(binary, tmp_path / "a")]
+    consuls[0].define("m")
+    # Raise the first agent's index well above where the second's will be (a few
+    # writes of its own start), so the second one's reads go back for sure.
+    for i in range(30):
+        assert request("PUT", f"{consuls[0].url}/v1/kv/filler/{i}", {})[0] == 200
+    consuls[0].set_state("m", planner_state("m", parked=True))
+
+    async def until(check) -> None:
+        while not check():
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> None:
+        catalog = ConsulCatalog(consuls[0].url)
+        # The models watch reads the new Consul only once the record is back there, so
+        # the record is never dropped (what the reviewer's case needs): the order of
+        # the two watches' reads, held by the test, the reads themselves real.
+        first_gone, records_back = asyncio.Event(), asyncio.Event()
+        read_models = catalog.models
+
+        async def models(index: int, wait_s: float):
+            if first_gone.is_set():
+                await records_back.wait()
+            return await read_models(index, wait_s)
+
+        catalog.models = models  # type: ignore[method-assign]
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=120, backoff_max_s=0.2)
+        watcher.start()
+        try:
+            await until(lambda: (e := table.get("m")) is not None and e.parked is not None)
+            parked = table.get("m").parked
+            first_gone.set()
+            await asyncio.to_thread(consuls[0].stop)
+            consuls.append(await asyncio.to_thread(Consul, binary, tmp_path / "b", consuls[0].port))
+            await asyncio.to_thread(consuls[-1].define, "m")
+            # The states watch read the new Consul: no state key; the parking is kept.
+            await until(lambda: catalog.state_view.present == frozenset())
+            records_back.set()
+            assert table.get("m").parked == parked
+            await asyncio.to_thread(consuls[-1].set_state, "m", planner_state("m"))
+            await until(lambda: catalog.state_view.present == {"m"})
+            assert table.get("m").parked is None
+        finally:
+            await watcher.stop()
+            await catalog.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        for consul in consuls:
+            consul.stop()
 
 
 # --- on-demand activation (a scripted planner; real Consul) ------------------

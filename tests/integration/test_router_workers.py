@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from router.intake import default_budget
 from tests.integration.test_router_consul import (
     Consul,
     Router,
@@ -69,6 +70,10 @@ def test_two_workers_serve_one_port_and_stop_cleanly(parts) -> None:
     # Each worker reads Consul itself; a request may meet one that has not yet.
     eventually(lambda: all(completion(router) == 200 for _ in range(20)), timeout=30)
     assert len(stub.requests) >= 20
+    log = router.log_path.read_text()
+    # Each holds half the body budget (the same machine and cgroup as this test).
+    assert log.count(f"request bodies held at once: at most {default_budget() // 2} bytes") == 2
+    assert "/metrics is per worker" in log
     workers = workers_of(router)
     assert router.stop() == 0
     for pid in workers:

@@ -255,6 +255,23 @@ def test_a_consul_reset_is_remembered_until_the_records_are_back(monkeypatch) ->
     assert table.get("parked") is None and table.names() == ["served"]
 
 
+def test_a_state_key_back_ends_the_remembered_state_whatever_it_says() -> None:
+    """After a Consul reset the table keeps a parked model's state until its state key
+    is back; a key back with a document that is no longer parked (the planner
+    un-parked the model meanwhile) ends it too, rather than REMEMBER_S later."""
+    table = EndpointTable(RouterMetrics())
+    table.set_models({"m": record("m")})
+    parked = Parked(reason="5 consecutive start failures")
+    table.set_states({"m": StateDocument(name="m", parked=parked)})
+    table.set_states({}, consul_reset=True)
+    assert table.get("m").parked == parked
+    table.set_states({}, present=())  # another read without its key: still kept
+    assert table.get("m").parked == parked
+    table.set_states({}, present={"m"})  # its key is back, not parked
+    assert table.get("m").parked is None
+    assert not isinstance(refusals.when_no_endpoint(table.get("m")), errors.ModelParked)
+
+
 def test_a_kv_wipe_is_no_reset_nothing_is_remembered() -> None:
     table = EndpointTable(RouterMetrics())
     table.set_models({"a": record("a")})

@@ -167,3 +167,30 @@ def test_the_scan_yields_to_the_loop_and_the_reads_are_spaced_by_their_cost() ->
     assert view.cost_s > 0
     assert state_interval(0.0) == 0.05
     assert state_interval(0.2) == pytest.approx(0.2 / STATE_LOOP_SHARE)
+
+
+def test_present_names_every_key_read_parked_or_not() -> None:
+    """A Consul reset's remembered state ends when the model's key is back, whatever
+    its document says (router.endpoints.EndpointTable.set_states): the view names
+    every key, not only the parked and unplaceable ones it hands on."""
+    view = StateView()
+    states = read(view, body(entry("a", PARKED, 10), entry("c", FINE, 12)))
+    assert set(states) == {"a"} and view.present == {"a", "c"}
+    with pytest.raises(ValueError):
+        read(view, body(entry("c", FINE, 13))[:-1])
+    assert view.present == {"a", "c"}  # a failed read changes nothing
+    read(view, None)
+    assert view.present == frozenset()
+
+
+def test_a_read_that_fails_during_a_reset_keeps_the_old_index_too() -> None:
+    """The index and the documents change together: a read of the new timeline (its
+    index went back) that fails partway must not leave the new index beside the old
+    timeline's documents, or the next read takes them for current."""
+    view = StateView()
+    read(view, body(entry("a", PARKED, 10)), index=50)
+    with pytest.raises(ValueError):
+        read(view, body(entry("a", UNPLACEABLE, 10))[:-1], index=12)
+    after = read(view, body(entry("a", UNPLACEABLE, 10)), index=13)
+    assert view.decoded == 1
+    assert after["a"].unplaceable is not None and after["a"].parked is None

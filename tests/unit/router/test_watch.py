@@ -43,6 +43,9 @@ class FakeCatalog:
         self.changed = asyncio.Event()
         self.health_reads: dict[str, int] = {}
         self.state_view = StateView()  # what the state watch's spacing reads
+        # Models with a state key whose document is neither parked nor unplaceable.
+        self.other_states: set[str] = set()
+        self.state_reads = 0
 
     def bump(self, *, backwards: bool = False) -> None:
         self.index = 1 if backwards else self.index + 1
@@ -67,6 +70,8 @@ class FakeCatalog:
 
     async def states(self, index: int, wait_s: float):
         await self._block(index, wait_s)
+        self.state_view.present = frozenset(self.model_states) | self.other_states
+        self.state_reads += 1
         return self.index, dict(self.model_states)
 
     async def leader(self, index: int, wait_s: float):
@@ -304,6 +309,44 @@ def test_a_consul_that_came_back_empty_at_a_lower_index_is_remembered() -> None:
         catalog.bump()
         await settle()
         assert table.remembered == frozenset() and table.get("p").parked == parked
+        await watcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_state_key_back_but_not_parked_ends_what_a_reset_kept() -> None:
+    """A Consul reset keeps a parked model's state; when its state key is back with a
+    document the router does not keep (the planner un-parked the model), the model
+    is no longer refused as parked, even though its record never left."""
+
+    async def read_state(catalog: FakeCatalog) -> None:
+        # The watch applies a read as soon as it returns: a read counted is applied.
+        reads = catalog.state_reads
+        catalog.bump()
+        for _ in range(500):
+            if catalog.state_reads > reads:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the state watch did not read again within 5 s")
+
+    async def scenario() -> None:
+        catalog = FakeCatalog()
+        table = EndpointTable(RouterMetrics())
+        watcher = ConsulWatcher(catalog, table, wait_s=5, backoff_max_s=0.05)  # type: ignore[arg-type]
+        parked = Parked(reason="5 consecutive start failures")
+        catalog.defined = {"p": record("p")}
+        catalog.model_states = {"p": StateDocument(name="p", parked=parked)}
+        catalog.index = 5
+        watcher.start()
+        await read_state(catalog)
+        assert table.get("p").parked == parked
+        catalog.model_states = {}  # Consul lost the state; the record was written back
+        catalog.index = 0  # bump: 1, lower than any read before
+        await read_state(catalog)
+        assert table.get("p").parked == parked
+        catalog.other_states = {"p"}
+        await read_state(catalog)
+        assert table.get("p").parked is None
         await watcher.stop()
 
     asyncio.run(scenario())

@@ -320,8 +320,23 @@ class SimNomad:
             allocations=tuple(copy.deepcopy(s.data) for s in self.allocs.values()),
             passing=dict(self.passing),
             demand=self._demand() if self.scaling else None,
+            deployments=self._deployments(),
             state_index=self.doc_index,
             nomad_index=self.index,
+        )
+
+    def _deployments(self) -> tuple[dict[str, Any], ...]:
+        """The deployment of canaries not promoted yet, running (the sim's deployments
+        never fail: a scale waits for a promotion that may never come)."""
+        if self.canary_version is None:
+            return ()
+        return (
+            {
+                "ID": f"dep-{self.canary_version}",
+                "JobCreateIndex": self.job.get("CreateIndex"),
+                "JobVersion": self.canary_version,
+                "Status": "running",
+            },
         )
 
     def _demand(self) -> Demand:
@@ -357,6 +372,8 @@ class SimNomad:
             return True
         if self.job.get("JobModifyIndex") != index:
             return False
+        if isinstance(effect, Scale) and self.canary_version is not None:
+            return False  # "job scaling blocked due to active deployment" (job_endpoint.go)
         read = observation.job or {}
         if isinstance(effect, Park):
             self.register(parked_job(read, effect.parked))

@@ -32,7 +32,7 @@ watched by every router, so it is not written on every pass), since when the ave
 asked for more or fewer, why a wanted scale waits, and the last decision with its figures.
 A new leader's first averages lean on the saved one for the part of the window it has
 no reports of. Saved since-markers are wall-clock times of whoever saved them: one in
-the future (clock skew), or from a state not saved for longer than `stale_after` (a
+the future (clock skew), or from a state not saved for longer than `STALE_AFTER_S` (a
 gap nobody watched: a leader change, a planner down), is dropped and starts again now.
 """
 
@@ -88,21 +88,15 @@ def wanted(load: float, bounds: ScalingBounds) -> int:
     return min(max(need, bounds.min, 1), bounds.max)
 
 
-def stale_after(bounds: ScalingBounds) -> float:
-    """Seconds after which a saved average (and the since-markers saved with it) is no
-    longer the continuation of a running scaler's."""
-    return max(float(bounds.window), STALE_AFTER_S)
+def average_is_fresh(state: ScalingState | None, now_s: float) -> bool:
+    """Whether the saved average was kept by a scaler with a signal (`STALE_AFTER_S`;
+    for `status`: a held scaler never refreshes it)."""
+    return state is not None and 0 <= now_s - state.average_at <= STALE_AFTER_S
 
 
-def average_is_fresh(state: ScalingState | None, bounds: ScalingBounds, now_s: float) -> bool:
-    """Whether the saved average was kept by a scaler with a signal (for `status`: a held
-    scaler never refreshes it)."""
-    return state is not None and 0 <= now_s - state.average_at <= stale_after(bounds)
-
-
-def _timer(since: float, state: ScalingState, bounds: ScalingBounds, now_s: float) -> float:
+def _timer(since: float, state: ScalingState, now_s: float) -> float:
     """A saved since-marker, or 0 when it cannot be trusted (see the module docstring)."""
-    if since > now_s or not average_is_fresh(state, bounds, now_s):
+    if since > now_s or not average_is_fresh(state, now_s):
         return 0.0
     return since
 
@@ -138,8 +132,8 @@ def decide(
     want = wanted(average, bounds)
     surge = count > 0 and demand.surge >= SURGE_FACTOR * bounds.target * count
     surge_to = wanted(demand.surge, bounds) if surge else count
-    above_since = _timer(state.above_since, state, bounds, t)
-    below_since = _timer(state.below_since, state, bounds, t)
+    above_since = _timer(state.above_since, state, t)
+    below_since = _timer(state.below_since, state, t)
     above = (above_since or t) if want > count or surge_to > count else 0.0
     below = (below_since or t) if want < count and not surge else 0.0
     target_count: int | None = None

@@ -177,7 +177,7 @@ def scaling_view(
         return None
     saved = state.scaling
     average = saved.average if saved else 0.0
-    stale = not autoscale.average_is_fresh(saved, bounds, now.timestamp())
+    stale = not autoscale.average_is_fresh(saved, now.timestamp())
     at_max = not stale and desired >= bounds.max and average > bounds.target * bounds.max
     return {
         "min": bounds.min,

@@ -308,3 +308,10 @@ def decode(kind: type[D], raw: str | bytes | dict[str, Any]) -> D:
         return kind.model_validate(data)
     except (ValidationError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"not a {kind.__name__}: {exc}") from None
+
+
+# A usage report with no models, no load and an interval of at most this many seconds
+# is a router's last (`router.usage.UsageReporter.stop`): the planner forgets that
+# router at once instead of counting it as gone silent (`planner.daemon.demand`). No
+# router reports that often.
+USAGE_GOODBYE_INTERVAL_S = 0.01

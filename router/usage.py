@@ -25,6 +25,12 @@ when a model was used or had load at the last report.
 A failed report is logged (a warning when reports start failing, an info line
 when they work again, not one warning per interval) and never raised; its
 models are marked again so the next report carries them.
+
+On the way out (:meth:`UsageReporter.stop`) a router that has reported sends a
+goodbye: no models, no load, an interval of
+``llmgw_contract.documents.USAGE_GOODBYE_INTERVAL_S``. The planner then forgets it
+at once, rather than counting its last load for three intervals and then holding
+scale-downs as for a router gone silent.
 """
 
 from __future__ import annotations
@@ -37,11 +43,15 @@ import socket
 import uuid
 
 from llmgw_contract import ModelLoad, UsageReport
+from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
 from router import errors
 from router.endpoints import EndpointTable
 from router.plannerapi import PlannerAPI
 
 log = logging.getLogger(__name__)
+
+# Shutdown must not wait on a planner that does not answer.
+GOODBYE_TIMEOUT_S = 2.0
 
 
 class UsageReporter:
@@ -56,6 +66,7 @@ class UsageReporter:
         # Unique per process: two routers on one host, or a restarted one, are not one.
         self.router_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self._loaded = False  # the last report carried load: the next one says it ended
+        self._reported = False  # a report reached the planner: a goodbye is owed
 
     def collect(self) -> list[str]:
         """Names used since the last call (sorted), and clear their marks."""
@@ -105,19 +116,30 @@ class UsageReporter:
             log.info("usage reports reach the planner again")
         self._failing = False
         self._loaded = bool(load)
+        self._reported = True
         return models
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
-        """Stop the loop (nothing is sent on the way out: the next router's report,
-        or this one's restart, marks the models again within one interval)."""
+        """Stop the loop, then say goodbye (see the module docstring; once, at most
+        `GOODBYE_TIMEOUT_S`, a failure only logged: the planner then forgets this
+        router after three intervals)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if not self._reported:
+            return
+        self._reported = False
+        goodbye = UsageReport(models=[], router=self.router_id, interval_s=USAGE_GOODBYE_INTERVAL_S)
+        try:
+            async with asyncio.timeout(GOODBYE_TIMEOUT_S):
+                await self.api.report_usage([], goodbye)
+        except (errors.PlannerUnavailable, TimeoutError) as exc:
+            log.info("usage goodbye not delivered: %s", exc)
 
     async def _loop(self) -> None:
         while True:

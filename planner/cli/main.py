@@ -537,6 +537,8 @@ def scaling_line(row: ModelStatus) -> str | None:
         f"{row.name}: scaling {view['min']}/{row.desired}/{view['max']} (min/desired/max), "
         f"target {view['target']:g} per replica, average {view['average']:g}"
     )
+    if view.get("average_stale"):
+        line += " (stale: no load signal)"
     if view["at_max"]:
         line += "; at max, demand asks for more"
     if view["waiting"]:

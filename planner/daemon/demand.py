@@ -7,10 +7,18 @@ report of each router, and after each one the sum per model as a sample (time, v
 `planner.model.autoscale.Demand`, for its worker's observation
 (`planner.daemon.observe`).
 
-A router that stops reporting (stopped, partitioned) counts for nothing once
-`EXPIRE_INTERVALS` of its intervals passed without a report: its requests ended or went
-elsewhere. A model no router reports for has a sum of 0 while any router reports; with
-no router fresh at all there is no signal (`Demand.routers == 0`: the scaler holds).
+A router that stops reporting (stopped, partitioned, refused by the planner) counts for
+nothing once `EXPIRE_INTERVALS` of its intervals passed without a report. Its load is
+then unknown, not gone, so it is counted as `Demand.lost` for the hold asked for (the
+scaler's `down_after`: no scale-down meanwhile), unless its last report was a goodbye:
+a router that shuts down sends an empty report with an interval of at most
+`USAGE_GOODBYE_INTERVAL_S` (`router.usage`), and is forgotten at once. A model no router
+reports for has a sum of 0 while any router reports; with no router fresh at all there
+is no signal (`Demand.routers == 0`: the scaler holds).
+
+A surge (`Demand.surge`) is judged on the sums at each report of the last
+`PANIC_INTERVALS` report intervals (the longest of the fresh routers'): their lowest,
+once one router reported twice in it (the load held for a whole interval), else 0.
 
 Memory is bounded: one entry per router (dropped when expired), and per model the
 samples of the last `KEEP_S` seconds (the longest window a definition may ask for).
@@ -26,10 +34,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from llmgw_contract import UsageReport
+from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
 from planner.model.autoscale import Demand
 
 EXPIRE_INTERVALS = 3
 KEEP_S = 600.0
+# Two reports of one router fit in 2.5 of its intervals whatever the phase.
+PANIC_INTERVALS = 2.5
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,9 @@ class DemandBook:
         self._routers: dict[str, _Report] = {}
         self._samples: dict[str, deque[tuple[float, float]]] = {}
         self._since = 0.0  # the first report this book holds (0: none yet)
+        # Each report's (time, router, sums per model), for the panic window.
+        self._recent: deque[tuple[float, str, dict[str, float]]] = deque()
+        self._lost: dict[str, float] = {}  # router -> when it went silent (Unix s)
         self._lock = threading.Lock()
 
     def report(self, report: UsageReport) -> None:
@@ -55,18 +69,28 @@ class DemandBook:
             return
         t = self._clock().timestamp()
         load = {name: float(m.inflight + m.waiting) for name, m in report.load.items()}
+        goodbye = not report.load and not report.models
+        goodbye = goodbye and report.interval_s <= USAGE_GOODBYE_INTERVAL_S
         with self._lock:
             self._since = self._since or t
-            self._routers[report.router] = _Report(t, max(report.interval_s, 0.1), load)
-            self._sample(t)
+            self._lost.pop(report.router, None)
+            if goodbye:
+                self._routers.pop(report.router, None)
+            else:
+                self._routers[report.router] = _Report(t, max(report.interval_s, 0.1), load)
+            self._sample(t, report.router)
 
-    def _sample(self, t: float) -> None:
+    def _sample(self, t: float, router: str) -> None:
         """Append each model's sum over the fresh routers at `t` (lock held)."""
         fresh = self._fresh(t)
         totals: dict[str, float] = {}
         for r in fresh:
             for name, value in r.load.items():
                 totals[name] = totals.get(name, 0.0) + value
+        self._recent.append((t, router, totals))
+        panic = PANIC_INTERVALS * max((r.interval_s for r in fresh), default=0.0)
+        while self._recent and self._recent[0][0] < t - panic:
+            self._recent.popleft()
         for name in set(totals) | set(self._samples):
             series = self._samples.setdefault(name, deque())
             value = totals.get(name, 0.0)
@@ -81,17 +105,35 @@ class DemandBook:
         for router, r in list(self._routers.items()):
             if t - r.at > EXPIRE_INTERVALS * r.interval_s:
                 del self._routers[router]
+                self._lost[router] = t
+        for router, when in list(self._lost.items()):
+            if when <= t - KEEP_S:
+                del self._lost[router]
         return list(self._routers.values())
 
-    def demand(self, name: str, window_s: float) -> Demand:
+    def _surge(self, name: str, t: float) -> float:
+        """The lowest sum at the reports of the panic window, once one router reported
+        twice in it; else 0 (lock held)."""
+        fresh = self._routers.values()
+        panic = PANIC_INTERVALS * max((r.interval_s for r in fresh), default=0.0)
+        recent = [(router, sums) for at, router, sums in self._recent if at >= t - panic]
+        routers = [router for router, _ in recent]
+        if len(set(routers)) == len(routers):
+            return 0.0
+        return min(sums.get(name, 0.0) for _, sums in recent)
+
+    def demand(self, name: str, window_s: float, hold_s: float = 0.0) -> Demand:
         """Model `name`'s load over the last `window_s` seconds (since this book's first
-        report at the earliest; 0 before the model's first sample) and now."""
+        report at the earliest; 0 before the model's first sample) and now; `lost`
+        counts the routers gone silent within the last `hold_s` seconds (at most `KEEP_S`)."""
         t = self._clock().timestamp()
         with self._lock:
             routers = len(self._fresh(t))
             now = sum(r.load.get(name, 0.0) for r in self._routers.values())
             series = list(self._samples.get(name, ()))
             since = self._since
+            surge = self._surge(name, t)
+            lost = sum(1 for when in self._lost.values() if when > t - hold_s)
         if not since:
             return Demand(average=0.0, now=0.0, covered_s=0.0, routers=0)
         start = max(t - window_s, since)
@@ -104,7 +146,9 @@ class DemandBook:
                 area += value * (hi - lo)
         covered = t - start
         average = area / covered if covered > 0 else now
-        return Demand(average=average, now=now, covered_s=covered, routers=routers)
+        return Demand(
+            average=average, now=now, covered_s=covered, routers=routers, surge=surge, lost=lost
+        )
 
     def snapshot(self) -> dict[str, float]:
         """Each model's summed load now (models with a sample), for /metrics."""
@@ -122,4 +166,6 @@ class DemandBook:
         with self._lock:
             self._routers.clear()
             self._samples.clear()
+            self._recent.clear()
+            self._lost.clear()
             self._since = 0.0

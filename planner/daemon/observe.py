@@ -170,9 +170,9 @@ class Observer:
         store: StateStore,
         datacenters: tuple[str, ...] = ("*",),
         versions: VersionCache | None = None,
-        demand: Callable[[str, float], Demand] | None = None,
+        demand: Callable[[str, float, float], Demand] | None = None,
     ) -> None:
-        """`demand(name, window_s)`: the routers' load of a scaling model (the leader's
+        """`demand(name, window_s, hold_s)`: the routers' load of a scaling model (the leader's
         `DemandBook.demand`); None: no load is read (`Observation.demand` None)."""
         self.nomad, self.consul, self.store = nomad, consul, store
         self.datacenters = datacenters
@@ -231,7 +231,7 @@ class Observer:
         mine = {a["ID"] for a in allocations}
         scaling = record.scaling if record else None
         demand = (
-            self.demand(name, scaling.window)
+            self.demand(name, scaling.window, scaling.down_after)
             if scaling is not None and self.demand is not None
             else None
         )

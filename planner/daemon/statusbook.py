@@ -47,7 +47,11 @@ class Row:
 
     status: ModelStatus
     wanted: int  # replicas it should have now
-    unplaceable: bool  # Nomad's last answer left replicas unplaced (not provisional)
+    # Nomad's last answer left replicas unplaced (not provisional), and the model does
+    # not serve on what it has: a scaling model short of its scale-up serves (issue 22,
+    # "never unplaceable for a model that serves"), and says so in `unplaced` alone.
+    unplaceable: bool
+    unplaced: int = 0  # replicas the job asks for that Nomad left unplaced
 
 
 def wanted_replicas(
@@ -72,11 +76,15 @@ def row(
     last_used: datetime | None,
     now: datetime,
 ) -> Row:
-    short = state.unplaceable is not None and not state.unplaceable.provisional
+    short = state.unplaceable
+    if short is None or short.provisional or status.state == ModelState.PARKED:
+        return Row(status, wanted_replicas(record, last_used, now, status.desired), False)
+    serves = record.scaling is not None and status.state == ModelState.SERVING
     return Row(
         status,
         wanted_replicas(record, last_used, now, status.desired),
-        short and status.state != ModelState.PARKED,
+        not serves,
+        max(short.desired - short.placed, 0),
     )
 
 

@@ -14,8 +14,13 @@ Knative's KPA (a stable window, and a panic mode at twice the target):
 
   wanted  = ceil(average / target), within [max(min, 1), max]
   up      once `wanted` > replicas has held for `up_after`, or at once on a surge: the
-          load now is at least 2 x target per replica (then to ceil(now / target))
-  down    once `wanted` < replicas has held for `down_after`
+          load stayed at least 2 x target per replica at every report of a short panic
+          window that holds two reports of one router (`Demand.surge`; one momentary
+          spike is not a surge), then to ceil(surge / target)
+  down    once `wanted` < replicas has held for `down_after`, and only when this
+          leader's reports cover the whole window (a new leader's first report is not
+          a window) and no router went silent within `down_after` (`Demand.lost`: its
+          load is unknown, not gone; a router that stops says goodbye instead)
   held    while a deployment of the job runs (Nomad refuses a scale then: "job scaling
           blocked due to active deployment"), while no router reports (nothing says
           the load ended), and for an idle on-demand model (count 0: activation's)
@@ -26,7 +31,9 @@ when a since-marker moves, and at most every `SAVE_EVERY_S` otherwise: the docum
 watched by every router, so it is not written on every pass), since when the average
 asked for more or fewer, why a wanted scale waits, and the last decision with its figures.
 A new leader's first averages lean on the saved one for the part of the window it has
-no reports of.
+no reports of. Saved since-markers are wall-clock times of whoever saved them: one in
+the future (clock skew), or from a state not saved for longer than `STALE_AFTER_S` (a
+gap nobody watched: a leader change, a planner down), is dropped and starts again now.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ from llmgw_contract import ScalingBounds, ScalingDecision, ScalingState
 SURGE_FACTOR = 2.0
 # The saved average is refreshed at most this often when nothing else changes.
 SAVE_EVERY_S = 30.0
+# A scaler with a signal saves at least every SAVE_EVERY_S (and decides every 2 s,
+# `planner.daemon.watcher.SCALE_EVERY_S`): a saved average older than twice that was
+# not kept by a running scaler (no signal, a leader change, a planner down).
+STALE_AFTER_S = 2 * SAVE_EVERY_S
 
 
 @dataclass(frozen=True)
@@ -49,12 +60,17 @@ class Demand:
 
     `average`: time-weighted over the last `covered_s` seconds (at most the window asked
     for); `now`: the latest sum; `routers`: routers whose report is still fresh (0: no
-    signal)."""
+    signal); `surge`: the lowest sum over the panic window when it holds two reports
+    of one router, else 0 (`planner.daemon.demand.PANIC_INTERVALS`); `lost`: routers
+    that went silent without a goodbye within the hold asked for (their load is
+    unknown)."""
 
     average: float
     now: float
     covered_s: float
     routers: int
+    surge: float = 0.0
+    lost: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,19 @@ def wanted(load: float, bounds: ScalingBounds) -> int:
     """ceil(load / target) within [max(min, 1), max]."""
     need = math.ceil(load / bounds.target - 1e-9) if load > 0 else 0
     return min(max(need, bounds.min, 1), bounds.max)
+
+
+def average_is_fresh(state: ScalingState | None, now_s: float) -> bool:
+    """Whether the saved average was kept by a scaler with a signal (`STALE_AFTER_S`;
+    for `status`: a held scaler never refreshes it)."""
+    return state is not None and 0 <= now_s - state.average_at <= STALE_AFTER_S
+
+
+def _timer(since: float, state: ScalingState, now_s: float) -> float:
+    """A saved since-marker, or 0 when it cannot be trusted (see the module docstring)."""
+    if since > now_s or not average_is_fresh(state, now_s):
+        return 0.0
+    return since
 
 
 def blended(demand: Demand, saved: ScalingState, window: int, now_s: float) -> float:
@@ -101,10 +130,12 @@ def decide(
         return Scaled(held)
     average = blended(demand, state, bounds.window, t)
     want = wanted(average, bounds)
-    surge = count > 0 and demand.now >= SURGE_FACTOR * bounds.target * count
-    surge_to = wanted(demand.now, bounds) if surge else count
-    above = (state.above_since or t) if want > count or surge_to > count else 0.0
-    below = (state.below_since or t) if want < count and not surge else 0.0
+    surge = count > 0 and demand.surge >= SURGE_FACTOR * bounds.target * count
+    surge_to = wanted(demand.surge, bounds) if surge else count
+    above_since = _timer(state.above_since, state, t)
+    below_since = _timer(state.below_since, state, t)
+    above = (above_since or t) if want > count or surge_to > count else 0.0
+    below = (below_since or t) if want < count and not surge else 0.0
     target_count: int | None = None
     how = ""
     if surge_to > count:
@@ -113,10 +144,13 @@ def decide(
         want < count and t - below >= bounds.down_after
     ):
         target_count, how = want, f"over {bounds.window} s"
-    per_replica = (demand.now if surge_to > count else average) / count
+    per_replica = (demand.surge if surge_to > count else average) / count
     update: dict[str, object] = {"above_since": above, "below_since": below, "waiting": ""}
     decision = None
-    if target_count is not None and target_count != count:
+    down_held = _down_held(demand, bounds)
+    if target_count is not None and target_count < count and down_held:
+        update["waiting"] = f"wants {target_count}: {down_held}"
+    elif target_count is not None and target_count != count:
         words = (
             f"{count} -> {target_count}: {per_replica:.2g} in flight per replica "
             f"{how}, target {bounds.target:g}"
@@ -147,3 +181,18 @@ def decide(
     if decision is None:
         return Scaled(next_state)
     return Scaled(next_state, decision.after, decision.reason)
+
+
+def _down_held(demand: Demand, bounds: ScalingBounds) -> str:
+    """Why a due scale-down must wait for a fuller signal ("": it need not)."""
+    if demand.lost:
+        return (
+            f"{demand.lost} router(s) stopped reporting within {bounds.down_after} s "
+            "(their load is unknown); scaling down waits"
+        )
+    if demand.covered_s < bounds.window - 1e-6:
+        return (
+            f"{demand.covered_s:.0f} s of the {bounds.window} s window reported "
+            "(a new leader); scaling down waits for the whole window"
+        )
+    return ""

@@ -27,6 +27,7 @@ from llmgw_contract import (
     UsageRecord,
 )
 from llmgw_contract.states import ReplicaState
+from planner.model import autoscale
 from planner.model.failures import STABLE_AFTER_S, headline, iso
 from planner.model.parking import parked_from_job
 from planner.vocab import Job, ServiceHealth, group_count
@@ -162,23 +163,29 @@ def _describe(bad: Iterable[ReplicaStatus]) -> str:
     return "; ".join(parts)
 
 
-def scaling_view(record: ModelRecord, state: StateDocument, desired: int) -> dict[str, Any] | None:
+def scaling_view(
+    record: ModelRecord, state: StateDocument, desired: int, now: datetime
+) -> dict[str, Any] | None:
     """What `status` shows of a scaling model (None for a fixed count): its bounds, the
     replicas the job asks for now, the average the scaler saved (requests in flight and
-    waiting over its window), `at_max` (at max with more than the target per replica),
-    why a wanted scale waits, and the last decision (`llmgw_contract.ScalingDecision`)."""
+    waiting over its window) and `average_stale` (true when no scaler with a signal kept
+    it: no router reports, no leader; `autoscale.average_is_fresh`), `at_max` (at max
+    with more than the target per replica, on a fresh average only), why a wanted scale
+    waits, and the last decision (`llmgw_contract.ScalingDecision`)."""
     bounds = record.scaling
     if bounds is None:
         return None
     saved = state.scaling
     average = saved.average if saved else 0.0
-    at_max = desired >= bounds.max and average > bounds.target * bounds.max
+    stale = not autoscale.average_is_fresh(saved, now.timestamp())
+    at_max = not stale and desired >= bounds.max and average > bounds.target * bounds.max
     return {
         "min": bounds.min,
         "desired": desired,
         "max": bounds.max,
         "target": bounds.target,
         "average": average,
+        "average_stale": stale,
         "at_max": at_max,
         "waiting": saved.waiting if saved else "",
         "last": saved.last.model_dump() if saved and saved.last else None,
@@ -214,7 +221,7 @@ def observe(
         "replicas": rows,
         "job_version": (observed.job or {}).get("Version"),
         "update_failed": failed.model_dump() if failed else None,
-        "scaling": scaling_view(record, state, desired),
+        "scaling": scaling_view(record, state, desired, now),
     }
 
     def status(
@@ -252,7 +259,7 @@ def observe(
     scaled = record.scaling
     if scaled is not None and short is not None and not bad and ready >= max(scaled.min, 1):
         # Load-based scaling asked for more than fits: the model serves what it has
-        # (issue 22, "capacity is honest"); `llmgw_model_unplaceable` says the rest.
+        # (issue 22, "capacity is honest"); `llmgw_model_unplaced_replicas` says the rest.
         return status(
             ModelState.SERVING, f"{counts}; wants {desired}: {short.reason}", None, short.since
         )

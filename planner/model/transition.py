@@ -162,6 +162,14 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
         return plan
     count = group_count(job)
     blocked = _blocked(observation)
+    failed = state.update_failed
+    if blocked is None and failed is not None and failed.definition_hash == record.definition_hash:
+        # Nomad serves the definition before the applied one: scaling it would follow
+        # a job nobody defined; a new apply (or `planner retry`) ends the hold.
+        blocked = (
+            f"the update to definition {failed.definition_hash[:12]} was rolled back; "
+            "scaling waits for a new apply"
+        )
     if blocked is None and count > 0 and not observation.passing:
         # More replicas of a model nothing serves would only fail beside the others
         # (each its own 5 starts); fewer would not help it start.

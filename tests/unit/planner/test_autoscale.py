@@ -16,13 +16,16 @@ from llmgw_contract import (
     ScalingState,
     StateDocument,
     Unplaceable,
+    UpdateFailed,
     UsageReport,
 )
+from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
 from planner.daemon.demand import DemandBook
 from planner.model.autoscale import SAVE_EVERY_S, Demand, decide, wanted
 from planner.model.effects import Reason, Scale
 from planner.model.failures import Rules
 from planner.model.observation import Observation
+from planner.model.status import scaling_view
 from planner.model.transition import Event
 from planner.model.transition import decide as transition
 from tests.support.nomad_mock import job
@@ -35,9 +38,20 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def load(average: float, now: float | None = None, covered: float = 30.0) -> Demand:
+def load(
+    average: float,
+    now: float | None = None,
+    covered: float = 30.0,
+    surge: float = 0.0,
+    lost: int = 0,
+) -> Demand:
     return Demand(
-        average=average, now=average if now is None else now, covered_s=covered, routers=2
+        average=average,
+        now=average if now is None else now,
+        covered_s=covered,
+        routers=2,
+        surge=surge,
+        lost=lost,
     )
 
 
@@ -68,28 +82,35 @@ def test_a_dip_restarts_the_wait() -> None:
 
 
 def test_a_surge_of_twice_the_target_per_replica_scales_at_once() -> None:
-    surge = decide(None, BOUNDS, 1, load(1.0, now=7.0), None, at(0))
+    surge = decide(None, BOUNDS, 1, load(1.0, now=7.0, surge=7.0), None, at(0))
     assert surge.count == 4
     assert surge.words == "1 -> 4: 7 in flight per replica now (a surge), target 2"
-    assert decide(None, BOUNDS, 2, load(1.0, now=7.0), None, at(0)).count is None  # 3.5 < 4
+    assert (
+        decide(None, BOUNDS, 2, load(1.0, now=7.0, surge=7.0), None, at(0)).count is None
+    )  # 3.5 < 4
 
 
 def test_down_only_after_down_after_and_never_below_the_floor() -> None:
     first = decide(None, BOUNDS, 3, load(0.0), None, at(0))
     assert first.count is None and first.state.below_since == at(0).timestamp()
-    assert decide(first.state, BOUNDS, 3, load(0.0), None, at(299)).count is None
-    down = decide(first.state, BOUNDS, 3, load(0.0), None, at(300))
+    state = first.state
+    for second in range(10, 300, 10):  # ticks: the scaler saves its state as it goes
+        held = decide(state, BOUNDS, 3, load(0.0), None, at(second))
+        assert held.count is None
+        state = held.state
+    assert decide(state, BOUNDS, 3, load(0.0), None, at(299)).count is None
+    down = decide(state, BOUNDS, 3, load(0.0), None, at(300))
     assert down.count == 1 and down.state.last is not None
     assert down.state.last.direction == "down"
 
 
 def test_no_scale_while_a_deployment_runs_and_it_says_why() -> None:
     blocked = "deployment 1234abcd of version 3 is running; scaling waits for it"
-    first = decide(None, BOUNDS, 1, load(1.0, now=7.0), blocked, at(0))
+    first = decide(None, BOUNDS, 1, load(1.0, now=7.0, surge=7.0), blocked, at(0))
     assert first.count is None
     assert first.state.waiting == f"wants 4: {blocked}"
     assert first.state.last is None
-    done = decide(first.state, BOUNDS, 1, load(1.0, now=7.0), None, at(1))
+    done = decide(first.state, BOUNDS, 1, load(1.0, now=7.0, surge=7.0), None, at(1))
     assert done.count == 4 and done.state.waiting == ""
 
 
@@ -124,9 +145,13 @@ def test_the_document_is_written_on_change_or_every_save_period_only() -> None:
 @pytest.mark.parametrize("count", range(0, 7))
 @pytest.mark.parametrize("value", [0.0, 0.3, 2.0, 5.0, 9.0, 50.0])
 def test_a_decision_is_always_within_the_bounds(count: int, value: float) -> None:
-    state = ScalingState(above_since=at(-1000).timestamp(), below_since=at(-1000).timestamp())
+    state = ScalingState(
+        above_since=at(-1000).timestamp(),
+        below_since=at(-1000).timestamp(),
+        average_at=at(-1).timestamp(),
+    )
     for now in (value, 0.0):
-        scaled = decide(state, BOUNDS, count, load(value, now=now), None, at(0))
+        scaled = decide(state, BOUNDS, count, load(value, now=now, surge=now), None, at(0))
         if scaled.count is not None:
             assert BOUNDS.min <= scaled.count <= BOUNDS.max
 
@@ -154,7 +179,7 @@ def observed(count: int, demand: Demand | None, **extra: object) -> Observation:
 
 def test_a_tick_scales_a_scaling_model_through_the_scale_effect() -> None:
     document = StateDocument(name="m", definition_hash="d1")
-    plan = transition(document, observed(1, load(1.0, now=7.0)), Event.TICK, RULES, T0)
+    plan = transition(document, observed(1, load(1.0, now=7.0, surge=7.0)), Event.TICK, RULES, T0)
     [scale] = plan.effects
     assert isinstance(scale, Scale) and scale.reason is Reason.LOAD
     assert (scale.group, scale.count) == ("server", 4)
@@ -165,21 +190,34 @@ def test_a_tick_never_scales_during_a_deployment_a_parked_or_a_fixed_model() -> 
     document = StateDocument(name="m", definition_hash="d1")
     running = {"ID": "dep1", "JobCreateIndex": 5, "JobVersion": 2, "Status": "running"}
     plan = transition(
-        document, observed(1, load(1.0, now=7.0), deployments=(running,)), Event.TICK, RULES, T0
+        document,
+        observed(1, load(1.0, now=7.0, surge=7.0), deployments=(running,)),
+        Event.TICK,
+        RULES,
+        T0,
     )
     assert plan.effects == ()
     assert plan.state.scaling is not None
     assert "deployment dep1 of version 2 is running" in plan.state.scaling.waiting
     done = {**running, "Status": "successful"}
     assert transition(
-        document, observed(1, load(1.0, now=7.0), deployments=(done,)), Event.TICK, RULES, T0
+        document,
+        observed(1, load(1.0, now=7.0, surge=7.0), deployments=(done,)),
+        Event.TICK,
+        RULES,
+        T0,
     ).effects
-    serving_none = observed(1, load(1.0, now=7.0), passing={})
+    serving_none = observed(1, load(1.0, now=7.0, surge=7.0), passing={})
     plan = transition(document, serving_none, Event.TICK, RULES, T0)
     assert plan.effects == () and plan.state.scaling is not None
     assert "no replica passes" in plan.state.scaling.waiting
     parked = document.model_copy(update={"parked": Parked(reason="r")})
-    assert transition(parked, observed(1, load(1.0, now=7.0)), Event.TICK, RULES, T0).effects == ()
+    assert (
+        transition(
+            parked, observed(1, load(1.0, now=7.0, surge=7.0)), Event.TICK, RULES, T0
+        ).effects
+        == ()
+    )
     fixed = Observation(name="m", record=RECORD.model_copy(update={"scaling": None}), job=job())
     assert transition(document, fixed, Event.TICK, RULES, T0).effects == ()
 
@@ -189,7 +227,7 @@ def test_a_scale_up_waits_while_nomad_cannot_place_what_the_job_asks_for() -> No
         reason="2 of 3 replicas placed; memory exhausted on 2 of 2 nodes", placed=2, desired=3
     )
     document = StateDocument(name="m", definition_hash="d1", unplaceable=short)
-    plan = transition(document, observed(3, load(1.0, now=20.0)), Event.TICK, RULES, T0)
+    plan = transition(document, observed(3, load(1.0, now=20.0, surge=20.0)), Event.TICK, RULES, T0)
     assert plan.effects == ()
     assert plan.state.scaling is not None
     assert plan.state.scaling.waiting == (
@@ -198,7 +236,12 @@ def test_a_scale_up_waits_while_nomad_cannot_place_what_the_job_asks_for() -> No
     )
     # Down is not held by a shortfall: fewer wanted is fewer asked for.
     quiet = document.model_copy(
-        update={"scaling": ScalingState(below_since=(T0 - timedelta(hours=1)).timestamp())}
+        update={
+            "scaling": ScalingState(
+                below_since=(T0 - timedelta(hours=1)).timestamp(),
+                average_at=(T0 - timedelta(seconds=2)).timestamp(),
+            )
+        }
     )
     [down] = transition(quiet, observed(3, load(0.0)), Event.TICK, RULES, T0).effects
     assert isinstance(down, Scale) and down.count == 1
@@ -254,3 +297,138 @@ def test_a_report_without_a_router_id_carries_no_load() -> None:
     book = DemandBook(Clock())
     book.report(UsageReport(models=["m"]))
     assert book.demand("m", 30).routers == 0
+
+
+# --- review fixes (issue 22): timers, surges, silent routers, rollbacks --------------
+
+
+def test_a_new_leader_does_not_scale_down_on_its_first_report() -> None:
+    """A: an old leader's below_since 601 s ago and one router's report of 1 s: no scale
+    down until this leader's reports cover the window, and then on the kept timer."""
+    t = 1000.0
+    saved = ScalingState(
+        average=0.5, average_at=at(t - 20).timestamp(), below_since=at(t - 601).timestamp()
+    )
+    one_report = Demand(average=0.0, now=0.0, covered_s=1.0, routers=1)
+    first = decide(saved, BOUNDS, 3, one_report, None, at(t))
+    assert first.count is None
+    assert first.state.waiting == (
+        "wants 1: 1 s of the 30 s window reported (a new leader); "
+        "scaling down waits for the whole window"
+    )
+    covered = Demand(average=0.0, now=0.0, covered_s=30.0, routers=1)
+    assert decide(first.state, BOUNDS, 3, covered, None, at(t + 29)).count == 1
+
+
+def test_saved_timers_from_the_future_or_a_stale_state_start_again() -> None:
+    """A: a since-marker later than now (clock skew) or saved with an average older
+    than the stale limit (nobody watched the gap) is dropped: the wait starts now."""
+    t = at(1000).timestamp()
+    skewed = ScalingState(average=0.0, average_at=t - 5, below_since=t + 3600)
+    assert decide(skewed, BOUNDS, 3, load(0.0), None, at(1000)).state.below_since == t
+    stale = ScalingState(average=0.0, average_at=t - 61, below_since=t - 900)
+    held = decide(stale, BOUNDS, 3, load(0.0), None, at(1000))
+    assert held.count is None and held.state.below_since == t
+    fresh = ScalingState(average=0.0, average_at=t - 59, below_since=t - 900)
+    assert decide(fresh, BOUNDS, 3, load(0.0), None, at(1000)).count == 1
+
+
+def test_a_momentary_spike_is_no_surge() -> None:
+    """B: `now` at 7 (3.5 x target) without a sustained surge figure waits for up_after."""
+    spike = decide(None, BOUNDS, 1, load(1.0, now=7.0, surge=0.0), None, at(0))
+    assert spike.count is None and spike.state.above_since == 0.0
+
+
+def test_the_book_sees_a_surge_only_when_it_held_for_two_reports_of_a_router() -> None:
+    """B: the panic window is 2.5 report intervals (25 s here); its lowest sum counts
+    once one router reported twice in it."""
+    clock = Clock()
+    book = DemandBook(clock)
+    book.report(report("r1", m=1))
+    clock.now = at(5)
+    book.report(report("r2", m=9))  # a spike
+    assert book.demand("m", 30).surge == 0.0  # no router reported twice yet
+    clock.now = at(10)
+    book.report(report("r1", m=1))
+    assert book.demand("m", 30).surge == 1.0  # the lowest sum, not the spike
+    for second in range(15, 55, 5):
+        clock.now = at(second)
+        book.report(report("r1" if second % 10 == 0 else "r2", m=8))
+    # From 25 s on (the window from 50 - 25) both routers reported 8 at every report.
+    assert book.demand("m", 30).surge == 16.0
+
+
+def test_a_router_gone_silent_holds_scale_downs_for_down_after() -> None:
+    """C: its load is unknown; a scale-down waits, a scale-up does not."""
+    clock = Clock()
+    book = DemandBook(clock)
+    book.report(report("r1", m=1))
+    book.report(report("r2", m=3))
+    for second in (10, 20, 30):
+        clock.now = at(second)
+        book.report(report("r1", m=1))
+    clock.now = at(31)  # r2: 31 s without a report
+    demand = book.demand("m", 30, 300)
+    assert (demand.routers, demand.lost, demand.now) == (1, 1, 1.0)
+    assert book.demand("m", 30, 300).lost == 1
+    clock.now = at(331)
+    book.report(report("r1", m=1))
+    assert book.demand("m", 30, 300).lost == 0  # down_after passed
+    clock.now = at(30)
+    book2 = DemandBook(clock)
+    book2.report(report("r2", m=3))
+    clock.now = at(61)
+    assert book2.demand("m", 30, 300).lost == 1
+    book2.report(report("r2", m=3))  # it reports again
+    assert book2.demand("m", 30, 300).lost == 0
+    due = ScalingState(average_at=at(-1).timestamp(), below_since=at(-400).timestamp())
+    held = decide(due, BOUNDS, 3, load(0.0, lost=1), None, at(0))
+    assert held.count is None
+    assert held.state.waiting == (
+        "wants 1: 1 router(s) stopped reporting within 300 s (their load is unknown); "
+        "scaling down waits"
+    )
+    assert decide(None, BOUNDS, 1, load(1.0, now=7.0, surge=7.0, lost=1), None, at(0)).count == 4
+
+
+def test_a_router_that_says_goodbye_is_forgotten_at_once_and_not_lost() -> None:
+    """B/C: a router shutting down sends an empty report with the goodbye interval."""
+    clock = Clock()
+    book = DemandBook(clock)
+    book.report(report("r1", m=1))
+    book.report(report("old", m=4))
+    clock.now = at(1)
+    book.report(UsageReport(models=[], router="old", interval_s=USAGE_GOODBYE_INTERVAL_S, load={}))
+    demand = book.demand("m", 30, 300)
+    assert (demand.routers, demand.now, demand.lost) == (1, 1.0, 0)
+    # An empty heartbeat at an ordinary interval is no goodbye.
+    book.report(UsageReport(models=[], router="r1", interval_s=10.0, load={}))
+    assert book.demand("m", 30, 300).routers == 1
+
+
+def test_no_load_scaling_while_the_update_is_rolled_back() -> None:
+    """E: the job runs the definition before the applied one."""
+    failed = UpdateFailed(definition_hash="d1", job_version=2, reason="deployment failed")
+    document = StateDocument(name="m", definition_hash="d1", update_failed=failed)
+    surge = load(1.0, now=7.0, surge=7.0)
+    plan = transition(document, observed(1, surge), Event.TICK, RULES, T0)
+    assert plan.effects == () and plan.state.scaling is not None
+    assert plan.state.scaling.waiting == (
+        "wants 4: the update to definition d1 was rolled back; scaling waits for a new apply"
+    )
+    older = failed.model_copy(update={"definition_hash": "d0"})
+    newer = document.model_copy(update={"update_failed": older})
+    assert transition(newer, observed(1, surge), Event.TICK, RULES, T0).effects
+
+
+def test_at_max_and_the_average_only_from_a_scaler_with_a_signal() -> None:
+    """D: a held scaler (no router reports) never refreshes the saved average."""
+    record = RECORD
+    hot = ScalingState(average=20.0, average_at=at(0).timestamp())
+    document = StateDocument(name="m", definition_hash="d1", scaling=hot)
+    view = scaling_view(record, document, 4, at(10))
+    assert view is not None and view["at_max"] and not view["average_stale"]
+    view = scaling_view(record, document, 4, at(61))
+    assert view is not None and not view["at_max"] and view["average_stale"]
+    empty = scaling_view(record, StateDocument(name="m"), 4, at(0))
+    assert empty is not None and empty["average_stale"] and not empty["at_max"]

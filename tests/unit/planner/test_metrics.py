@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from llmgw_contract import ModelRecord, ModelState, StateDocument, Unplaceable
+from llmgw_contract import ModelRecord, ModelState, ScalingBounds, StateDocument, Unplaceable
 from planner.daemon.engine_install import NodeInstall
 from planner.daemon.metrics import PlannerMetrics
 from planner.daemon.statusbook import Row, row, wanted_replicas
@@ -91,3 +91,22 @@ def test_engine_installs_per_node_at_zero_and_a_stale_version_at_one() -> None:
             f'llmgw_engine_installed{{engine="llama.cpp",node="{node}",'
             f'version="{version}"}} {value}'
         ) in text, text
+
+
+def test_a_scaling_model_serving_short_of_a_scale_up_is_never_unplaceable() -> None:
+    """Issue 22, "never unplaceable for a model that serves": the shortfall is its own
+    gauge; a fixed model short of its replicas stays unplaceable as before."""
+    scaling = ALWAYS.model_copy(update={"scaling": ScalingBounds(min=1, max=3, target=2)})
+    short = StateDocument(
+        name="a", unplaceable=Unplaceable(reason="memory exhausted", placed=2, desired=3)
+    )
+    serving = status("a", ModelState.SERVING, ready=2)
+    scaled = row(scaling, serving, short, None, T0)
+    assert (scaled.unplaceable, scaled.unplaced) == (False, 1)
+    fixed = row(ALWAYS, status("a", ModelState.DEGRADED, ready=2), short, None, T0)
+    assert (fixed.unplaceable, fixed.unplaced) == (True, 1)
+    nothing = row(scaling, status("a", ModelState.UNPLACEABLE), short, None, T0)
+    assert nothing.unplaceable
+    text = PlannerMetrics(lambda: [scaled]).exposition()[0].decode()
+    assert 'llmgw_model_unplaceable{model="a"} 0.0' in text
+    assert 'llmgw_model_unplaced_replicas{model="a"} 1.0' in text

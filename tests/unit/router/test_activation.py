@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_contract import ActivationStatus, Parked, ScalingBounds, StateDocument, Unplaceable
+from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -519,6 +520,32 @@ def test_usage_reports_carry_the_load_and_say_once_when_it_ended() -> None:
             await reporter.report()
             await reporter.report()
             assert len(h.stub.reports) == 4 and h.stub.reports[-1]["load"] == {}
+
+    run(scenario())
+
+
+def test_a_stopping_router_says_goodbye_once_if_it_ever_reported() -> None:
+    """Issue 22: an empty report with the goodbye interval, so the planner forgets this
+    router's load at once instead of holding scale-downs as for a silent router."""
+
+    async def scenario() -> None:
+        async with harness(models=("m",)) as h:
+            h.pass_endpoint("m")
+            reporter = h.app.state.usage
+            await reporter.stop()
+            assert h.stub.reports == []  # never reported: nothing to forget
+            h.table.get("m").endpoints[0].inflight += 1
+            assert await reporter.report() == ["m"]
+            await reporter.stop()
+            assert h.stub.reports[-1] == {
+                "models": [],
+                "router": reporter.router_id,
+                "interval_s": USAGE_GOODBYE_INTERVAL_S,
+                "load": {},
+            }
+            await reporter.stop()
+            assert len(h.stub.reports) == 2  # once
+            h.table.get("m").endpoints[0].inflight -= 1
 
     run(scenario())
 

@@ -16,16 +16,20 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import AsyncIterator, Coroutine
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import pytest
 from aiohttp import web
 from fastapi import FastAPI
 
 from llmgw_contract import ModelRecord
+from router.activation import Activator
 from router.app import control_session, create_app, upstream_session
 from router.catalog import ServiceAddress
-from router.endpoints import EndpointTable
+from router.endpoints import EndpointTable, ModelEntry
 from router.settings import RouterSettings
 from tests.support.ports import free_port
 
@@ -33,6 +37,45 @@ from tests.support.ports import free_port
 def run(scenario: Coroutine[Any, Any, None], timeout: float = 20) -> None:
     """Run `scenario` in a fresh event loop; TimeoutError after `timeout` s."""
     asyncio.run(asyncio.wait_for(scenario, timeout))
+
+
+async def until(condition: Callable[[], object], within_s: float = 10.0, what: str = "") -> None:
+    """Return once ``condition()`` is true, polled every 5 ms; AssertionError naming
+    `what` after `within_s` s. A test waits on this, never on a fixed sleep: a sleep
+    long enough on an idle machine is too short on a loaded one."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s:g} s: {what or condition}")
+        await asyncio.sleep(0.005)
+
+
+def count_activation_steps(monkeypatch: pytest.MonkeyPatch) -> tuple[Counter[str], Counter[str]]:
+    """Count, per model, the requests that entered the activator
+    (:class:`router.activation.Activator` called) and its waits for a change
+    (:meth:`router.endpoints.ModelEntry.wait_changed` called): (entered, waits).
+
+    A spy, not a fake: both run as they would. Each count rises synchronously
+    before the call first suspends, so once a test (which runs only while the
+    router's tasks are suspended) sees ``waits[m] == n``, a request for `m` is
+    blocked in its n-th wait, having checked the entry after every change
+    before it (what "still waiting" means, with no fixed sleep).
+    """
+    entered: Counter[str] = Counter()
+    waits: Counter[str] = Counter()
+    call, wait_changed = Activator.__call__, ModelEntry.wait_changed
+
+    async def counted_call(self: Activator, entry: ModelEntry) -> None:
+        entered[entry.name] += 1
+        await call(self, entry)
+
+    async def counted_wait(self: ModelEntry, timeout_s: float) -> bool:
+        waits[self.name] += 1
+        return await wait_changed(self, timeout_s)
+
+    monkeypatch.setattr(Activator, "__call__", counted_call)
+    monkeypatch.setattr(ModelEntry, "wait_changed", counted_wait)
+    return entered, waits
 
 
 class LocalServer:
@@ -130,13 +173,15 @@ async def asgi_post(
     body: dict,
     leave_after_s: float | None = None,
     headers: list[tuple[bytes, bytes]] | None = None,
+    leave: asyncio.Event | None = None,
 ) -> tuple[int | None, dict[str, str], dict]:
     """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection.
 
     Returns (status, headers, JSON body); (None, {}, {}) when the app sent
     nothing. ``headers`` are sent besides the JSON content type. The client
     stays connected until the app answers, or leaves (``http.disconnect``)
-    `leave_after_s` s after sending the body.
+    `leave_after_s` s after sending the body, or once `leave` is set (when the
+    test chooses, whatever the machine's load).
     """
     sent: list[dict] = []
     payload = json.dumps(body).encode()
@@ -147,6 +192,9 @@ async def asgi_post(
         if not delivered:
             delivered = True
             return {"type": "http.request", "body": payload, "more_body": False}
+        if leave is not None:
+            await leave.wait()
+            return {"type": "http.disconnect"}
         if leave_after_s is None:
             await asyncio.Event().wait()  # connected until cancelled
         await asyncio.sleep(leave_after_s)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -47,7 +46,14 @@ from router.endpoints import EndpointTable
 from router.metrics import RouterMetrics
 from router.refusals import gate, when_no_endpoint
 from router.settings import RouterSettings
-from tests.support.router_harness import LocalServer, asgi_post, in_process_router, run
+from tests.support.router_harness import (
+    LocalServer,
+    asgi_post,
+    count_activation_steps,
+    in_process_router,
+    run,
+    until,
+)
 
 # What each answer leads to: a refusal code at once, or None for "wait for a
 # passing endpoint, then serve".
@@ -120,24 +126,27 @@ def test_every_activation_status_has_an_outcome() -> None:
 
 
 @pytest.mark.parametrize("status", list(ActivationStatus))
-def test_every_activation_answer_is_understood_and_acted_on(status: ActivationStatus) -> None:
+def test_every_activation_answer_is_understood_and_acted_on(
+    status: ActivationStatus, monkeypatch: pytest.MonkeyPatch
+) -> None:
     expected = ACTIVATION_OUTCOMES[status]
+    _, waits = count_activation_steps(monkeypatch)
 
     async def scenario() -> None:
         for answer in answers(status):
-            async with activating_router(answer) as (app, planner):
+            waits.clear()
+            async with activating_router(answer, window_s=30) as (app, planner):
                 # The router's client parses the planner's bytes into the same document.
                 assert await app.state.activator.api.activate("m") == answer
                 request = asyncio.ensure_future(post(app))
                 if expected is None:  # held for an endpoint, then served
-                    await asyncio.sleep(0.2)
+                    await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
                     assert not request.done()
                     app.state.table.set_endpoints("m", [ServiceAddress("127.0.0.1", planner.port)])
-                    assert (await asyncio.wait_for(request, 2))[0] == 200
-                else:  # refused at once, in the planner's words when it gave any
-                    started = time.monotonic()
-                    code, headers, body = await asyncio.wait_for(request, 2)
-                    assert time.monotonic() - started < 0.5
+                    assert (await asyncio.wait_for(request, 10))[0] == 200
+                else:  # refused at once (never waiting), in the planner's words when it gave any
+                    code, headers, body = await asyncio.wait_for(request, 10)
+                    assert waits["m"] == 0
                     assert code == 503 and body["error"]["code"] == expected
                     assert "retry-after" not in headers  # none of these ends by waiting
                     if answer.reason:
@@ -257,23 +266,26 @@ def test_unplaceable_is_refused_but_room_being_made_is_not() -> None:
     ("unplaceable", "outcome"), [(NO_ROOM, "model_unplaceable"), (ROOM_BEING_MADE, None)]
 )
 def test_an_activation_wait_acts_on_the_state_written_meanwhile(
-    unplaceable: Unplaceable, outcome: str | None
+    unplaceable: Unplaceable, outcome: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
         loading = ActivationAnswer(name="m", status=ActivationStatus.LOADING)
         async with activating_router(loading, window_s=30) as (app, planner):
             request = asyncio.ensure_future(post(app))
-            await asyncio.sleep(0.2)
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
             document = full_state("m", unplaceable=unplaceable)
             app.state.table.set_states(parse_states([kv_entry(KVPrefix.STATE, "m", document)]))
-            await asyncio.sleep(0.2)
+            # It acts on the change itself: refused (no second wait), or waits on.
+            await until(lambda: request.done() or waits["m"] == 2, what="acted on the change")
             if outcome is not None:
-                assert request.done()
+                assert request.done() and waits["m"] == 1
                 assert (await request)[2]["error"]["code"] == outcome
                 return
             assert not request.done()  # room being made: it waits on
             app.state.table.set_endpoints("m", [ServiceAddress("127.0.0.1", planner.port)])
-            assert (await asyncio.wait_for(request, 2))[0] == 200
+            assert (await asyncio.wait_for(request, 10))[0] == 200
 
     run(scenario())
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from llmgw_contract import ActivationStatus, Parked, ScalingBounds, StateDocument, Unplaceable
@@ -27,9 +28,11 @@ from tests.support.router_harness import (
     LocalServer,
     RouterUnderTest,
     asgi_post,
+    count_activation_steps,
     free_port,
     in_process_router,
     run,
+    until,
 )
 
 
@@ -51,17 +54,20 @@ class StubPlanner(LocalServer):
     ``answers[model]`` is a list of activate answers, used in order (the last
     one repeats): a dict (merged over ``{"status": ...}`` defaults) or an int
     HTTP status answered with an error body. A model without a script is 404.
+    While ``hold`` is an unset event, answers wait until the test sets it (an
+    activate call in flight for as long as a test needs, whatever the machine's
+    load).
     """
 
-    def __init__(self, answers: dict[str, list[dict | int]], delay_s: float = 0.0) -> None:
+    def __init__(self, answers: dict[str, list[dict | int]]) -> None:
         self.answers = answers
-        self.delay_s = delay_s
         self.activations: list[str] = []
         self.authorization: list[str | None] = []
         self.usage: list[list[str]] = []
         self.reports: list[dict] = []
         self.upstream_hits = 0
         self.usage_status = 204
+        self.hold: asyncio.Event | None = None
         super().__init__(
             web.post("/v1/models/{name}/activate", self._activate),
             web.post("/v1/usage", self._usage),
@@ -72,7 +78,8 @@ class StubPlanner(LocalServer):
         name = request.match_info["name"]
         self.activations.append(name)
         self.authorization.append(request.headers.get("Authorization"))
-        await asyncio.sleep(self.delay_s)
+        if self.hold is not None:
+            await self.hold.wait()
         script = self.answers.get(name)
         if not script:
             error = {"message": f"model {name!r} was never applied", "code": "model_not_found"}
@@ -111,10 +118,11 @@ class Harness(RouterUnderTest):
         self.stub = stub
 
     async def post(
-        self, model: str = "m", leave_after_s: float | None = None
+        self, model: str = "m", leave: asyncio.Event | None = None
     ) -> tuple[int | None, dict[str, str], dict]:
-        """One request over ASGI: (status, headers, JSON body); status None if the client left."""
-        return await asgi_post(self.app, {"model": model, "prompt": "hi"}, leave_after_s)
+        """One request over ASGI: (status, headers, JSON body); status None if the client
+        left (once `leave` is set)."""
+        return await asgi_post(self.app, {"model": model, "prompt": "hi"}, leave=leave)
 
 
 @contextlib.asynccontextmanager
@@ -122,12 +130,11 @@ async def harness(
     answers: dict[str, list[dict | int]] | None = None,
     *,
     window_s: float = 5.0,
-    delay_s: float = 0.0,
     planner_url: str | None = None,
     token: str | None = TOKEN,
     models: tuple[str, ...] = ("m",),
 ) -> AsyncIterator[Harness]:
-    stub = StubPlanner(answers or {}, delay_s)
+    stub = StubPlanner(answers or {})
     await stub.start()
     settings = RouterSettings(
         planner_url=planner_url or stub.url,
@@ -152,9 +159,9 @@ def test_unplaceable_is_refused_at_once_with_the_reason() -> None:
     async def scenario() -> None:
         answer = {"status": "unplaceable", "reason": MISSING_GPU, "since": "2026-11-29T21:00Z"}
         async with harness({"m": [answer]}) as h:
-            started = time.monotonic()
             status, headers, body = await h.post()
-            assert time.monotonic() - started < 0.5
+            # At once: it never waited for an endpoint (no wait observed).
+            assert h.metric("llmgw_router_activation_wait_seconds_count", model="m") == 0
             assert status == 503 and "retry-after" not in headers
             error = body["error"]
             assert error["code"] == "model_unplaceable" and MISSING_GPU in error["message"]
@@ -201,9 +208,9 @@ def test_stopped_is_refused_at_once_in_the_planners_words() -> None:
     async def scenario() -> None:
         answer = {"status": "stopped", "reason": "defined with replicas: 0"}
         async with harness({"m": [answer]}) as h:
-            started = time.monotonic()
             status, headers, body = await h.post()
-            assert time.monotonic() - started < 0.5
+            # At once: it never waited for an endpoint (no wait observed).
+            assert h.metric("llmgw_router_activation_wait_seconds_count", model="m") == 0
             assert status == 503 and "retry-after" not in headers
             assert headers["x-should-retry"] == "false"
             error = body["error"]
@@ -233,17 +240,16 @@ def test_an_answer_outside_the_contract_is_planner_unavailable() -> None:
 # --- waiting for an endpoint ------------------------------------------------------
 
 
-def test_loading_then_endpoint_passes_is_forwarded() -> None:
+def test_loading_then_endpoint_passes_is_forwarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
-        async with harness({"m": [LOADING]}) as h:
+        async with harness({"m": [LOADING]}, window_s=30) as h:
             started = time.monotonic()
             request = asyncio.ensure_future(h.post())
             # Waiting is a state, not a duration: the planner has answered `loading`
-            # and the request is still open (no fixed sleep, which a loaded machine
-            # stretches past the window).
-            while not h.stub.activations:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
+            # and the request is held, waiting for a change.
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
             assert not request.done()
             h.pass_endpoint()
             passed_after = time.monotonic() - started
@@ -261,11 +267,14 @@ def test_loading_then_endpoint_passes_is_forwarded() -> None:
     run(scenario())
 
 
-def test_serving_answer_waits_for_the_watch_to_catch_up() -> None:
+def test_serving_answer_waits_for_the_watch_to_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
-        async with harness({"m": [{"status": "serving"}]}) as h:
+        async with harness({"m": [{"status": "serving"}]}, window_s=30) as h:
             request = asyncio.ensure_future(h.post())
-            await asyncio.sleep(0.1)
+            await until(lambda: waits["m"] == 1, what="the request waits for the watch")
+            assert not request.done() and h.stub.activations == ["m"]
             h.pass_endpoint()
             assert (await asyncio.wait_for(request, 2))[0] == 200
 
@@ -276,9 +285,10 @@ def test_window_shorter_than_the_load_is_503_loading_then_served() -> None:
     async def scenario() -> None:
         async with harness({"m": [LOADING]}, window_s=0.3) as h:
             started = time.monotonic()
-            status, headers, body = await h.post()
-            waited = time.monotonic() - started
-            assert 0.3 <= waited < 1.0
+            # The window ends the wait: without it the stub's `loading` would hold
+            # the request for ever (10 s bound, not a timing figure).
+            status, headers, body = await asyncio.wait_for(h.post(), 10)
+            assert time.monotonic() - started >= 0.3
             assert status == 503 and headers["retry-after"] == "5"
             error = body["error"]
             assert error["code"] == "model_loading" and error["param"] == "model"
@@ -296,30 +306,37 @@ def test_window_shorter_than_the_load_is_503_loading_then_served() -> None:
     run(scenario())
 
 
-def test_parked_while_waiting_is_refused_at_once() -> None:
+def test_parked_while_waiting_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
         async with harness({"m": [LOADING]}, window_s=30) as h:
             request = asyncio.ensure_future(h.post())
-            await asyncio.sleep(0.3)
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
             h.table.set_states({"m": parked_state("m", "5 consecutive start failures")})
-            started = time.monotonic()
-            status, _, body = await asyncio.wait_for(request, 2)
-            assert time.monotonic() - started < 0.2
+            # At once: on the change itself (no second wait), not at the window's end.
+            status, _, body = await asyncio.wait_for(request, 10)
+            assert waits["m"] == 1
             assert status == 503 and body["error"]["code"] == "model_parked"
 
     run(scenario())
 
 
-def test_fresh_unplaceable_while_waiting_is_refused_but_not_a_stale_one() -> None:
+def test_fresh_unplaceable_while_waiting_is_refused_but_not_a_stale_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
         stale = unplaceable_state("m", "an hour-old answer", "2026-11-29T20:00Z")
         fresh = unplaceable_state("m", MISSING_GPU, "2026-11-29T21:00Z")
         async with harness({"m": [LOADING]}, window_s=30) as h:
             h.table.set_states({"m": stale})  # the planner cleared it; the watch lags
             request = asyncio.ensure_future(h.post())
-            await asyncio.sleep(0.2)
+            await until(lambda: waits["m"] == 1, what="the request waits, stale record held")
             h.table.set_states({})
-            await asyncio.sleep(0.1)
+            # It checked the entry after the change and waits on: not refused.
+            await until(lambda: request.done() or waits["m"] == 2, what="acted on the change")
             assert not request.done()
             h.table.set_states({"m": fresh})  # Nomad's answer to the fresh attempt
             status, _, body = await asyncio.wait_for(request, 2)
@@ -332,15 +349,17 @@ def test_fresh_unplaceable_while_waiting_is_refused_but_not_a_stale_one() -> Non
 MEMORY = "memory exhausted on 1 of 1 nodes"
 
 
-def test_room_being_made_is_waited_for_never_refused() -> None:
+def test_room_being_made_is_waited_for_never_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
         provisional = unplaceable_state("m", MEMORY, "2026-11-29T21:00Z", provisional=True)
         room = {"status": "loading", "reason": "waiting for room being made"}
         async with harness({"m": [room]}, window_s=30) as h:
             request = asyncio.ensure_future(h.post())
-            await asyncio.sleep(0.2)
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
             h.table.set_states({"m": provisional})  # Nomad: no room yet, allocations stopping
-            await asyncio.sleep(0.2)
+            await until(lambda: request.done() or waits["m"] == 2, what="acted on the change")
             assert not request.done()  # not refused on it
             h.table.set_states({})  # the blocked evaluation placed it
             h.pass_endpoint()
@@ -367,25 +386,32 @@ def test_room_being_made_past_the_window_is_loading_and_says_so() -> None:
     run(scenario())
 
 
-def test_model_removed_while_waiting_is_not_found() -> None:
+def test_model_removed_while_waiting_is_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
         async with harness({"m": [LOADING]}, window_s=30) as h:
             request = asyncio.ensure_future(h.post())
-            await asyncio.sleep(0.2)
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
             h.table.set_models({})
-            status, _, body = await asyncio.wait_for(request, 2)
+            status, _, body = await asyncio.wait_for(request, 10)
             assert status == 404 and body["error"]["code"] == "model_not_found"
 
     run(scenario())
 
 
-def test_concurrent_requests_share_one_activate_call() -> None:
+def test_concurrent_requests_share_one_activate_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    entered, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
-        async with harness({"m": [LOADING]}, delay_s=0.3) as h:
+        async with harness({"m": [LOADING]}, window_s=30) as h:
+            h.stub.hold = asyncio.Event()  # the call stays in flight until all 8 joined it
             requests = [asyncio.ensure_future(h.post()) for _ in range(8)]
-            await asyncio.sleep(0.5)
+            await until(lambda: entered["m"] == 8, what="8 requests in the activator")
+            h.stub.hold.set()
+            await until(lambda: waits["m"] == 8, what="8 requests wait for an endpoint")
             h.pass_endpoint()
-            results = await asyncio.wait_for(asyncio.gather(*requests), 3)
+            results = await asyncio.wait_for(asyncio.gather(*requests), 10)
             assert [r[0] for r in results] == [200] * 8
             assert h.stub.activations == ["m"]
             assert h.metric("llmgw_router_activations_total", model="m", outcome="loading") == 1
@@ -394,31 +420,48 @@ def test_concurrent_requests_share_one_activate_call() -> None:
     run(scenario())
 
 
-def test_client_leaving_while_waiting_stops_the_wait_without_leaking_tasks() -> None:
+def test_client_leaving_while_waiting_stops_the_wait_without_leaking_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
         async with harness({"m": [LOADING]}, window_s=30) as h:
             before = router_tasks()
-            started = time.monotonic()
-            status, _, _ = await asyncio.wait_for(h.post(leave_after_s=0.2), 2)
+            leave = asyncio.Event()
+            request = asyncio.ensure_future(h.post(leave=leave))
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
+            leave.set()
+            # The wait ends with the client (well before the 30 s window).
+            status, _, _ = await asyncio.wait_for(request, 10)
             assert status is None  # nothing sent: the client is gone
-            assert time.monotonic() - started < 1.0
-            await asyncio.sleep(0.05)
-            assert router_tasks() == before
+            # The request's tasks end as the cancellation unwinds them.
+            await until(lambda: router_tasks() == before, what="no task left behind")
             assert h.metric("llmgw_router_requests_total", model="m", code="499") == 1
             assert h.metric("llmgw_router_activation_wait_seconds_count", model="m") == 1
 
     run(scenario())
 
 
-def test_a_waiter_leaving_does_not_cancel_the_shared_call() -> None:
+def test_a_waiter_leaving_does_not_cancel_the_shared_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entered, waits = count_activation_steps(monkeypatch)
+
     async def scenario() -> None:
-        async with harness({"m": [LOADING]}, delay_s=0.5, window_s=30) as h:
-            leaver = asyncio.ensure_future(h.post(leave_after_s=0.05))
+        async with harness({"m": [LOADING]}, window_s=30) as h:
+            h.stub.hold = asyncio.Event()  # the shared call is in flight while the leaver goes
+            leave = asyncio.Event()
+            leaver = asyncio.ensure_future(h.post(leave=leave))
             stayer = asyncio.ensure_future(h.post())
-            assert (await asyncio.wait_for(leaver, 2))[0] is None
-            await asyncio.sleep(0.6)  # the shared call has answered by now
+            await until(lambda: entered["m"] == 2, what="both requests share the call")
+            leave.set()
+            assert (await asyncio.wait_for(leaver, 10))[0] is None
+            h.stub.hold.set()
+            # The stayer got the shared call's answer: it waits for an endpoint.
+            await until(lambda: waits["m"] == 1, what="the stayer waits for an endpoint")
             h.pass_endpoint()
-            assert (await asyncio.wait_for(stayer, 2))[0] == 200
+            assert (await asyncio.wait_for(stayer, 10))[0] == 200
             assert h.stub.activations == ["m"]
 
     run(scenario())
@@ -431,12 +474,13 @@ def test_planner_down_is_planner_unavailable_fast() -> None:
     async def scenario() -> None:
         down = f"http://127.0.0.1:{free_port()}"
         async with harness(planner_url=down) as h:
-            started = time.monotonic()
             status, headers, body = await h.post()
-            assert time.monotonic() - started < 1.0
             assert status == 503 and headers["retry-after"] == "5"
             error = body["error"]
             assert error["code"] == "planner_unavailable" and down in error["message"]
+            # Fast: the connection was refused, which costs nothing; the slow failure,
+            # a connect timeout (2 s), would say ConnectionTimeoutError.
+            assert "(ClientConnectorError: " in error["message"]
             assert "could not be reached to activate the model `m`" in error["message"]
             assert h.metric("llmgw_router_activations_total", model="m", outcome="error") == 1
             refused = h.metric(
@@ -474,14 +518,27 @@ def test_usage_heartbeat_posts_the_used_models() -> None:
             assert h.stub.usage == []
             await h.post("m")
             await h.post("cold")  # refused, but activating counts as use
+            # Count the loop's rounds, so "nothing more was sent" is read after
+            # rounds that happened, not after a time.
+            rounds = 0
+            report = reporter.report
+
+            async def counted() -> list[str]:
+                nonlocal rounds
+                try:
+                    return await report()
+                finally:
+                    rounds += 1
+
+            reporter.report = counted
             reporter.start()  # every 0.1 s
-            await asyncio.sleep(0.35)
+            await until(lambda: rounds >= 3, what="three report rounds")
             assert h.stub.usage == [["cold", "m"]]  # once, and only while used
             assert h.stub.authorization[-1] == f"Bearer {TOKEN}"
             # A request in flight (a long stream) keeps its model counted.
             h.table.get("m").endpoints[0].inflight += 1
-            await asyncio.sleep(0.25)
-            assert h.stub.usage[-1] == ["m"] and len(h.stub.usage) >= 3
+            await until(lambda: len(h.stub.usage) >= 3, what="two more reports")
+            assert h.stub.usage[1:] == [["m"]] * (len(h.stub.usage) - 1)
             h.table.get("m").endpoints[0].inflight -= 1
 
     run(scenario())

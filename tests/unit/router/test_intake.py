@@ -111,7 +111,10 @@ def test_a_stalled_body_times_out_and_bytes_extend_the_deadline() -> None:
 
     async def steady() -> bytes:
         # The first chunk at once, 3 more 0.1 s apart: 0.3 s in all, well past the
-        # 0.05 s timeout, but each 100 bytes at 100 bytes/s buys 1 s more.
+        # 0.05 s timeout, but each 100 bytes at 10 bytes/s buys 10 s more. The sleep
+        # is the scripted client, not a wait for the router: it cannot return before
+        # 0.1 s, so each chunk comes past the bare timeout (no false pass), and only
+        # a stall of over 10 s between chunks could time it out (no false fail).
         chunks = [b"x" * 100] * 4
 
         async def receive() -> dict:
@@ -127,7 +130,7 @@ def test_a_stalled_body_times_out_and_bytes_extend_the_deadline() -> None:
                 Reservation(BodyBudget(1000)),
                 max_bytes=1000,
                 timeout_s=0.05,
-                min_rate=100.0,
+                min_rate=10.0,
             )
         )
 

@@ -93,15 +93,17 @@ def definitions(observation: Observation) -> dict[int, str]:
     return known
 
 
-def alloc_info(alloc: Allocation, versions: Mapping[int, str]) -> AllocInfo:
+def alloc_info(alloc: Allocation, versions: Mapping[int, str], own: str = "") -> AllocInfo:
     """What counting needs of an allocation; an allocation without JobVersion (an event
-    stub) has no known definition and never counts."""
+    stub) has no known definition and never counts. `own`: the definition of the job
+    the allocation was placed with (`Observation.own_definitions`), for a version
+    Nomad no longer keeps."""
     version = alloc.get("JobVersion")
     return AllocInfo(
         alloc_id=alloc["ID"],
         name=alloc.get("Name", ""),
         node=alloc.get("NodeName") or str(alloc.get("NodeID", ""))[:8],
-        definition_hash=versions.get(int(version), "") if version is not None else "",
+        definition_hash=versions.get(int(version), own) if version is not None else "",
         client_status=alloc.get("ClientStatus", ""),
         desired_status=alloc.get("DesiredStatus", ""),
         replaced=bool(alloc.get("NextAllocation")),
@@ -110,7 +112,8 @@ def alloc_info(alloc: Allocation, versions: Mapping[int, str]) -> AllocInfo:
 
 def infos(observation: Observation) -> dict[str, AllocInfo]:
     versions = definitions(observation)
-    return {a["ID"]: alloc_info(a, versions) for a in observation.allocations}
+    own = observation.own_definitions
+    return {a["ID"]: alloc_info(a, versions, own.get(a["ID"], "")) for a in observation.allocations}
 
 
 def error_lines(job: Job | None) -> Callable[[str], str]:

@@ -18,8 +18,9 @@ What every decision but TICK starts from (`planner.model.transition.decide`):
    no longer shows is dropped, and the records are bounded by the definition's
    replicas (the job's count, the record's `replicas`), never dropping a live one.
 5. **Failures** are counted from Nomad-side facts only: an allocation of the
-   current definition (its job version's meta), created in this incarnation of
-   the job (CreateIndex >= the job's CreateIndex: a purged and recreated job
+   current definition (its job version's meta; of a version Nomad no longer
+   keeps, its own job's: `Observation.own_definitions`), created in this
+   incarnation of the job (CreateIndex >= the job's CreateIndex: a purged and recreated job
    starts over), each failure once (`StateDocument.counted`, pruned to the keys
    whose allocation Nomad still shows). A document that was not stored
    (`observation.state_index == 0`: new, or lost from KV) takes every failure

@@ -51,12 +51,13 @@ from planner.agents.nomad import Job, NomadClient
 from planner.agents.state import StateStore
 from planner.daemon.applier import Applier, Stale
 from planner.daemon.engine_install import engine_refs
+from planner.daemon.observe import own_definitions
 from planner.errors import DefinitionError, InvalidDefinitions, NomadRejected
 from planner.model import rollout
 from planner.model.effects import Deregister, Effect, Evaluate, Reason, Register
 from planner.model.parking import parked_from_job, parked_job, set_parked
 from planner.model.placement import EngineNeed
-from planner.model.resurrect import failed_elsewhere, renewed
+from planner.model.resurrect import failed_elsewhere, renewal_kept, renewed
 from planner.model.unplaceable import engine_need
 from planner.spec.definitions import ModelDefinition, load_definitions
 from planner.spec.fit import Fit, check_models
@@ -304,11 +305,16 @@ def decide(
     `parked` the parked models' parking records; `rolled_back` the updates Nomad
     rolled back whose definition is the one rendered now; `records` the models with a
     KV record (applied before, whether or not Nomad still has their job). Each Change
-    carries the registered job's JobModifyIndex (`job_index`) and the rendered job.
+    carries the registered job's JobModifyIndex (`job_index`) and the rendered job; the
+    job it registers keeps the registered one's renewal marker while the definition is
+    the same (`planner.model.resurrect.renewal_kept`).
     """
     changes = [
         replace(
             change,
+            job=None
+            if change.job is None
+            else renewal_kept(change.job, registered.get(change.model)),
             job_index=_job_index(registered.get(change.model)),
             rendered=rendered.get(change.model),
         )
@@ -479,15 +485,17 @@ def prepare(
     parked = {
         name: p for name, job in registered.items() if (p := parked_from_job(job)) is not None
     }
+    states = StateStore(consul).load_all()
     # A parked model whose job was purged: its KV copy is all that is left of its
     # parking, and re-applying the same definition keeps it (docs/cli.md, "retry").
     parked |= {
         name: p
         if p.definition_hash
         else p.model_copy(update={"definition_hash": state.definition_hash})
-        for name, state in StateStore(consul).load_all().items()
+        for name, state in states.items()
         if name in rendered and name not in registered and (p := state.parked) is not None
     }
+    recorded = {n: s.update_failed for n, s in states.items() if s.update_failed is not None}
     return (
         definitions,
         decide(
@@ -495,7 +503,7 @@ def prepare(
             registered,
             prune,
             parked,
-            _rolled_back(rendered, registered, nomad),
+            _rolled_back(rendered, registered, nomad, recorded),
             _own_records(consul.model_records(), registered, rendered, nomad),
         ),
         fits,
@@ -520,17 +528,25 @@ def _own_records(
 
 
 def _rolled_back(
-    rendered: dict[str, Job], registered: dict[str, Job], nomad: NomadClient
+    rendered: dict[str, Job],
+    registered: dict[str, Job],
+    nomad: NomadClient,
+    recorded: dict[str, UpdateFailed],
 ) -> dict[str, UpdateFailed]:
-    """The models whose rendered definition Nomad rolled back, read from Nomad (job
-    versions and deployments; `planner.model.rollout`), so a wiped KV cannot retry it."""
+    """The models whose rendered definition Nomad rolled back: read from Nomad (job
+    versions and deployments; `planner.model.rollout.rolled_back`), so a wiped KV cannot
+    retry it, or else from the state documents' records (`recorded`: model ->
+    `update_failed`; `rollout.recorded_rollback`), so the versions a scaling model makes
+    cannot push it out of Nomad's last 6 and retry it either."""
     found = {}
     for name, job in rendered.items():
         old = registered.get(name)
         wanted = rollout.definition_of(job)
         if old is None or old.get("Stop") or rollout.definition_of(old) == wanted:
             continue
-        failed = rollout.rolled_back(nomad.versions(name), nomad.deployments(name), wanted)
+        failed = rollout.rolled_back(
+            nomad.versions(name), nomad.deployments(name), wanted
+        ) or rollout.recorded_rollback(recorded.get(name), rollout.definition_of(old), wanted)
         if failed is not None:
             found[name] = failed
     return found
@@ -619,7 +635,7 @@ def _register(change: Change, applier: Applier) -> Outcome:
     most MAX_DECISIONS decisions). Raises NomadRejected when the job kept changing."""
     for attempt in range(MAX_DECISIONS):
         if attempt:
-            change = _noted(_decide_again(change, applier.nomad), CHANGED_MEANWHILE)
+            change = _noted(_decide_again(change, applier), CHANGED_MEANWHILE)
         if change.action not in REGISTRATIONS or change.job is None:
             return Outcome(change)
         try:
@@ -679,10 +695,12 @@ def _registered(change: Change, applier: Applier) -> Outcome:
     stale: tuple[str, ...] = ()
     if change.restart and change.job_index:
         nomad = applier.nomad
+        versions, allocations = nomad.versions(change.model), nomad.allocations(change.model)
         stale = failed_elsewhere(
             rollout.definition_of(change.job),
-            nomad.versions(change.model),
-            nomad.allocations(change.model),
+            versions,
+            allocations,
+            own_definitions(nomad, versions, allocations),
         )
     answers = applier.write_job(change.model, registration(change, stale), change.job_index)
     index = _job_index(answers[0])
@@ -695,9 +713,10 @@ def _registered(change: Change, applier: Applier) -> Outcome:
     )
 
 
-def _decide_again(change: Change, nomad: NomadClient) -> Change:
-    """`change`'s model decided anew from its rendered job and Nomad's job now."""
-    name, rendered = change.model, change.rendered
+def _decide_again(change: Change, applier: Applier) -> Change:
+    """`change`'s model decided anew from its rendered job, Nomad's job now and its
+    state document's record of a rollback."""
+    name, rendered, nomad = change.model, change.rendered, applier.nomad
     if rendered is None:
         raise TypeError(f"model {name}: a change without its rendered job")
     job = nomad.job(name)
@@ -713,9 +732,14 @@ def _decide_again(change: Change, nomad: NomadClient) -> Change:
         registered,
         False,
         parked,
-        _rolled_back({name: rendered}, registered, nomad),
+        _rolled_back({name: rendered}, registered, nomad, _recorded(name, applier.store)),
     )
     return again
+
+
+def _recorded(name: str, store: StateStore | None) -> dict[str, UpdateFailed]:
+    failed = store.read(name)[1].update_failed if store is not None else None
+    return {name: failed} if failed is not None else {}
 
 
 def _deregister(change: Change, applier: Applier, consul: ConsulClient) -> Outcome:

@@ -17,7 +17,10 @@ Reads, in order (Nomad 1.6's HTTP API):
          latest complete one, and its placement answer: `planner.model.unplaceable`);
          the stderr tail of each start failure the document has not counted yet
          (`NomadClient.task_stderr_tail`: once counted, never read again; none for a
-         document not stored yet, which takes Nomad's failures as history).
+         document not stored yet, which takes Nomad's failures as history);
+         /v1/allocation/<id> of each failed allocation a forced reschedule would
+         place again whose version Nomad no longer keeps (its own job's definition,
+         `own_definitions`; at most `resurrect.MAX_OWN_READS`).
 
 Job versions never change, so they are cached per job incarnation (its
 CreateIndex: a purged job created again starts its versions over) and read
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -44,6 +47,7 @@ from planner.errors import NomadRejected
 from planner.model.autoscale import Demand
 from planner.model.failures import start_failures
 from planner.model.observation import Observation
+from planner.model.resurrect import unknown_failed
 from planner.model.rollout import definition_of
 
 log = logging.getLogger("planner.observe")
@@ -144,7 +148,7 @@ def _stderr_tails(
     document: StateDocument,
     definitions: set[str],
     allocations: list[dict[str, Any]],
-    definition_of_version: Callable[[int], str],
+    definition_of_alloc: Callable[[dict[str, Any]], str],
 ) -> dict[str, str]:
     """The stderr tail of every start failure not counted yet, for allocations of the
     definitions the document may judge by (key: `StartFailure.key`). By key alone, never
@@ -152,12 +156,27 @@ def _stderr_tails(
     tails = {}
     counted = set(document.counted)
     for alloc in allocations:
-        if definition_of_version(int(alloc.get("JobVersion", -1))) not in definitions:
+        if definition_of_alloc(alloc) not in definitions:
             continue
         for failure in start_failures(alloc):
             if failure.key not in counted:
                 tails[failure.key] = nomad.task_stderr_tail(failure.alloc_id, failure.task)
     return tails
+
+
+def own_definitions(
+    nomad: NomadClient, versions: Iterable[Job], allocations: Iterable[dict[str, Any]]
+) -> dict[str, str]:
+    """alloc id -> the definition hash of the allocation's own job (GET
+    /v1/allocation/:id, its Job's Meta), for the failed allocations of a version Nomad
+    no longer keeps (`planner.model.resurrect.unknown_failed`, bounded); one Nomad no
+    longer has is left out (it is not placed again either)."""
+    found = {}
+    for alloc_id in unknown_failed(versions, allocations):
+        full = nomad.allocation(alloc_id)
+        if full is not None and full.get("Job"):
+            found[alloc_id] = definition_of(full["Job"])
+    return found
 
 
 class Observer:
@@ -221,9 +240,14 @@ class Observer:
         definitions.discard("")
         # A document not stored yet takes what Nomad shows as history (counted without
         # reading it: `planner.model.fold`), so nothing of it is read.
+        own = own_definitions(self.nomad, versions, allocations)
         stderr = (
             _stderr_tails(
-                self.nomad, document, definitions, allocations, lambda v: by_version.get(v, "")
+                self.nomad,
+                document,
+                definitions,
+                allocations,
+                lambda a: by_version.get(int(a.get("JobVersion", -1)), own.get(a["ID"], "")),
             )
             if state_index
             else {}
@@ -246,6 +270,7 @@ class Observer:
             placement=placement,
             passing={a: s for a, s in passing.items() if a in mine},
             stderr=stderr,
+            own_definitions=own,
             demand=demand,
             state_index=state_index,
             nomad_index=nomad_index,

@@ -18,8 +18,9 @@ What every decision but TICK starts from (`planner.model.transition.decide`):
    no longer shows is dropped, and the records are bounded by the definition's
    replicas (the job's count, the record's `replicas`), never dropping a live one.
 5. **Failures** are counted from Nomad-side facts only: an allocation of the
-   current definition (its job version's meta), created in this incarnation of
-   the job (CreateIndex >= the job's CreateIndex: a purged and recreated job
+   current definition (its job version's meta; of a version Nomad no longer
+   keeps, its own job's: `Observation.own_definitions`), created in this
+   incarnation of the job (CreateIndex >= the job's CreateIndex: a purged and recreated job
    starts over), each failure once (`StateDocument.counted`, pruned to the keys
    whose allocation Nomad still shows). A document that was not stored
    (`observation.state_index == 0`: new, or lost from KV) takes every failure
@@ -93,15 +94,17 @@ def definitions(observation: Observation) -> dict[int, str]:
     return known
 
 
-def alloc_info(alloc: Allocation, versions: Mapping[int, str]) -> AllocInfo:
+def alloc_info(alloc: Allocation, versions: Mapping[int, str], own: str = "") -> AllocInfo:
     """What counting needs of an allocation; an allocation without JobVersion (an event
-    stub) has no known definition and never counts."""
+    stub) has no known definition and never counts. `own`: the definition of the job
+    the allocation was placed with (`Observation.own_definitions`), for a version
+    Nomad no longer keeps."""
     version = alloc.get("JobVersion")
     return AllocInfo(
         alloc_id=alloc["ID"],
         name=alloc.get("Name", ""),
         node=alloc.get("NodeName") or str(alloc.get("NodeID", ""))[:8],
-        definition_hash=versions.get(int(version), "") if version is not None else "",
+        definition_hash=versions.get(int(version), own) if version is not None else "",
         client_status=alloc.get("ClientStatus", ""),
         desired_status=alloc.get("DesiredStatus", ""),
         replaced=bool(alloc.get("NextAllocation")),
@@ -110,7 +113,8 @@ def alloc_info(alloc: Allocation, versions: Mapping[int, str]) -> AllocInfo:
 
 def infos(observation: Observation) -> dict[str, AllocInfo]:
     versions = definitions(observation)
-    return {a["ID"]: alloc_info(a, versions) for a in observation.allocations}
+    own = observation.own_definitions
+    return {a["ID"]: alloc_info(a, versions, own.get(a["ID"], "")) for a in observation.allocations}
 
 
 def error_lines(job: Job | None) -> Callable[[str], str]:

@@ -35,6 +35,10 @@ class Observation:
     placement: Unplaceable | None = None
     passing: Mapping[str, int] = field(default_factory=dict)  # alloc id -> since (ns)
     stderr: Mapping[str, str] = field(default_factory=dict)  # failure key -> stderr tail
+    # alloc id -> the definition hash in the Meta of the allocation's own job, read only
+    # for a failed allocation of a version Nomad no longer keeps
+    # (`planner.model.resurrect.unknown_failed`).
+    own_definitions: Mapping[str, str] = field(default_factory=dict)
     # The routers' load for a model with `record.scaling` (`planner.daemon.demand`);
     # None: not a scaling model, or no book (a command, not the leader).
     demand: Demand | None = None

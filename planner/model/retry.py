@@ -7,7 +7,9 @@ Ported from `planner.model.parking.retry`, whose order it keeps:
                                  its place in the count, stopped job or not: only a
                                  forced reschedule starts it again); counts forgiven
   an update Nomad rolled back -> `Revert` to its job version (only while the job is at
-                                 the version read), `update_failed` cleared
+                                 the version read), `update_failed` cleared; when Nomad
+                                 no longer keeps that version, only cleared (the next
+                                 `planner apply` registers it again)
   replicas Nomad stopped      -> counts forgiven, `Evaluate(force_reschedule=True)`
   unplaceable                 -> counts forgiven, `Evaluate()`
   otherwise                   -> counts forgiven, nothing written to Nomad
@@ -26,12 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw_contract import StateDocument
+from llmgw_contract import StateDocument, UpdateFailed
 from planner.model.effects import Effect, Evaluate, Reason, Register, Revert, Unpark
 from planner.model.failures import forgiven, retried
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
 from planner.model.resurrect import renewed, stale_failed
+from planner.model.rollout import definition_of
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,15 @@ def retry(state: StateDocument, observation: Observation) -> Retried:
             summary,
         )
     failed = state.update_failed
+    if failed is not None and not _kept(observation, failed):
+        # Nomad dropped that version (it keeps 6; every scale makes one): nothing to
+        # revert to. Forgotten, the next `planner apply` registers the definition again.
+        summary = (
+            f"definition {failed.definition_hash[:12]}'s job version {failed.job_version} "
+            "is no longer kept by Nomad; its rollback is forgotten: run `planner apply` "
+            "to roll it out again"
+        )
+        return Retried(state.model_copy(update={"update_failed": None}), (), summary)
     if failed is not None:
         summary = (
             f"rolling definition {failed.definition_hash[:12]} out again (job "
@@ -117,4 +129,13 @@ def _renewing(stale: tuple[str, ...]) -> str:
     return (
         f" as a new job version ({len(stale)} of them failed under an older definition, "
         "which a forced reschedule would start again)"
+    )
+
+
+def _kept(observation: Observation, failed: UpdateFailed) -> bool:
+    """Nomad still keeps the job version `failed` names, carrying its definition."""
+    return any(
+        int(v.get("Version") or 0) == failed.job_version
+        and definition_of(v) == failed.definition_hash
+        for v in observation.versions
     )

@@ -9,9 +9,12 @@ dead, that is after its restart attempts (5 starts, the planner's count, see
 client/allochealth/tracker.go in Nomad 1.6.3), or at the healthy deadline; the
 old replicas serve throughout.
 
-A rolled-back definition is known from Nomad alone, so it survives planner
-restarts and a wiped KV: the newest job version that carries the definition
-is not the job's current version, and that version's deployment failed.
+A rolled-back definition is known from Nomad, so it survives planner restarts
+and a wiped KV: the newest job version that carries the definition is not the
+job's current version, and that version's deployment failed. Nomad keeps only
+a job's last 6 versions, so it is also known from the state document's
+`update_failed`, which survives the versions a scaling model makes
+(`recorded_rollback`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,21 @@ def rolled_back(
         job_version=int(version or 0),
         reason=deployment.get("StatusDescription") or "deployment failed",
     )
+
+
+def recorded_rollback(
+    recorded: UpdateFailed | None, running: str, definition_hash: str
+) -> UpdateFailed | None:
+    """Pure: the state document's record of `definition_hash`'s rollback (`recorded`,
+    `StateDocument.update_failed`) while the job runs another definition, `running`.
+
+    What `rolled_back` cannot see once Nomad dropped the failed version: it keeps a
+    job's last 6 versions (structs.JobTrackedVersions), and every scale, activation or
+    idle stop makes one. The record lasts until a retry or another applied definition
+    clears it (`planner.model.retry`, `planner.model.fold`)."""
+    if recorded is None or recorded.definition_hash != definition_hash:
+        return None
+    return recorded if running != definition_hash else None
 
 
 def record_rollback(

@@ -17,6 +17,7 @@ import pytest
 
 from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
 from devcluster.cluster import Cluster
+from planner.model.resurrect import renewed
 from planner.spec.definitions import load_definitions
 from tests.conftest import PlannerDaemon, forget_models, http_json, nomad_get, wait_for
 from tests.integration.test_on_demand import complete
@@ -26,7 +27,7 @@ from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
-MODELS = ("upd-context", "upd-bad", "upd-scale", "upd-parked", "upd-early")
+MODELS = ("upd-context", "upd-bad", "upd-scale", "upd-parked", "upd-early", "upd-renewed")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,6 +150,22 @@ def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
     )
     assert old in running(cluster, "upd-bad")
 
+    # Reviewer's finding on issue 22: every scale makes a job version and Nomad keeps the
+    # last 6; once the failed one is gone, apply must still refuse it (the state
+    # document's record), and a retry, with no version to revert to, forgets it.
+    churn(cluster, "upd-bad", 6)
+    kept = nomad_get(cluster, "/v1/job/upd-bad/versions")["Versions"]
+    assert bad not in {v["Meta"]["llmgw_definition_hash"] for v in kept}, kept
+    churned = nomad_get(cluster, "/v1/job/upd-bad")["Version"]
+    again = planner("apply", str(folder), "--output", "json")
+    assert again.returncode == 1, again.stderr
+    [change] = [c for c in json.loads(again.stdout)["changes"] if c["model"] == "upd-bad"]
+    assert change["action"] == "rolled-back", change
+    assert nomad_get(cluster, "/v1/job/upd-bad")["Version"] == churned  # not tried
+    retried = planner("retry", "upd-bad")
+    assert retried.returncode == 0 and "no longer kept" in retried.stderr, retried.stderr
+    assert planner_daemon.model("upd-bad")["update_failed"] is None
+
     fixed = write_tiny_gguf(tmp_path / "fixed.gguf", seed=1)
     write_model(tmp_path / "m", "upd-bad", fixed)
     assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
@@ -157,6 +174,38 @@ def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
     assert nomad_get(cluster, "/v1/job/upd-bad")["Meta"]["llmgw_definition_hash"] == definition(
         folder, "upd-bad"
     )
+
+
+def churn(cluster: Cluster, name: str, times: int) -> None:
+    """Scale the job's group up and down `times` times through Nomad's /scale, as the
+    scaler does (each makes a job version), each once no deployment runs (Nomad refuses
+    a scale during one: the rollback's own, then the scale's); it ends at the count it
+    had when `times` is even."""
+    group = nomad_get(cluster, f"/v1/job/{name}")["TaskGroups"][0]
+    for turn in range(times):
+        wait_for(lambda: deployed(cluster, name), 90, f"{name} deployed before scale {turn + 1}")
+        count = group["Count"] + (1 if turn % 2 == 0 else 0)
+        try:
+            answer = http_json(
+                f"{cluster.nomad_addr}/v1/job/{name}/scale",
+                {"Count": count, "Target": {"Group": group["Name"]}, "Message": "test: churn"},
+            )
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"scale {turn + 1}: {exc.read().decode()}") from exc
+        # Its deployment, if it makes one, exists once its evaluation is complete.
+        wait_for(
+            lambda e=answer["EvalID"]: evaluated(cluster, e), 30, f"scale {turn + 1} evaluated"
+        )
+    wait_for(lambda: deployed(cluster, name), 90, f"{name} deployed after {times} scales")
+
+
+def evaluated(cluster: Cluster, eval_id: str) -> bool:
+    return nomad_get(cluster, f"/v1/evaluation/{eval_id}")["Status"] == "complete"
+
+
+def deployed(cluster: Cluster, name: str) -> bool:
+    """No deployment of the job is running."""
+    return all(d["Status"] != "running" for d in nomad_get(cluster, f"/v1/job/{name}/deployments"))
 
 
 def test_more_replicas_start_beside_the_first_without_touching_it(
@@ -187,6 +236,63 @@ def test_more_replicas_start_beside_the_first_without_touching_it(
     task, was = after["TaskStates"]["llama-server"], before["TaskStates"]["llama-server"]
     assert (task["Restarts"], task["StartedAt"]) == (0, was["StartedAt"])
     assert http_json(f"{planner_daemon.url}/v1/models/upd-scale")["ready"] == 3
+
+
+def test_a_renewed_job_takes_a_new_count_in_place(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Reviewer's finding on issue 19's QA fix: a job `planner retry` registered renewed
+    (meta llmgw_renewed) was rendered again by the next apply without that key, a meta
+    change Nomad takes as a destructive update: a canary for every replica, for a change
+    of count alone. Apply keeps the marker: the count changes in place."""
+    name = "upd-renewed"
+    folder = write_model(tmp_path / "m", name, tiny_model)
+    assert planner("apply", str(folder), "--wait", "--timeout", "60").returncode == 0
+    # The registration a retry makes when a failed replica of an older definition holds
+    # its place (`planner.model.retry`): the same job, renewed. It replaces the replica.
+    job = nomad_get(cluster, f"/v1/job/{name}")
+    index = job["JobModifyIndex"]
+    http_json(
+        f"{cluster.nomad_addr}/v1/jobs",
+        {"Job": renewed(job, index), "EnforceIndex": True, "JobModifyIndex": index},
+    )
+    version = job["Version"] + 1
+    wait_for(
+        lambda: any(
+            d["JobVersion"] == version and d["Status"] == "successful"
+            for d in nomad_get(cluster, f"/v1/job/{name}/deployments")
+        ),
+        90,
+        "the renewed version rolled out",
+    )
+    wait_for(lambda: len(running(cluster, name)) == 1, 30, "the replaced replica stopped")
+    [(first, before)] = running(cluster, name).items()
+
+    write_model(tmp_path / "m", name, tiny_model, replicas=2)
+    planned = json.loads(planner("apply", str(folder), "--dry-run", "--output", "json").stdout)
+    [change] = [c for c in planned["changes"] if c["model"] == name]
+    assert change["reason"] == "replicas 1 -> 2", change
+    assert not any("llmgw_renewed" in line for line in change["diff"]), change["diff"]
+    assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
+    wait_for(lambda: len(running(cluster, name)) == 2, 30, "two replicas")
+    after = nomad_get(cluster, f"/v1/job/{name}")
+    assert after["Meta"]["llmgw_renewed"] == str(index)
+    assert all(
+        not g.get("DesiredCanaries")
+        for d in nomad_get(cluster, f"/v1/job/{name}/deployments")
+        if d["JobVersion"] > version
+        for g in (d.get("TaskGroups") or {}).values()
+    )
+    alloc = nomad_get(cluster, f"/v1/allocation/{first}")
+    assert first in running(cluster, name) and not (alloc.get("DeploymentStatus") or {}).get(
+        "Canary"
+    )
+    task, was = alloc["TaskStates"]["llama-server"], before["TaskStates"]["llama-server"]
+    assert (task["Restarts"], task["StartedAt"]) == (0, was["StartedAt"])
 
 
 def starts_by_definition(cluster: Cluster, name: str) -> dict[str, int]:

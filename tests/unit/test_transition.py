@@ -410,12 +410,28 @@ def test_retry_of_a_stopped_job_starts_it() -> None:
 
 def test_retry_of_a_rolled_back_update_reverts_to_it() -> None:
     failed = UpdateFailed(definition_hash="d1", job_version=3, reason="failed")
+    current = job(definition_hash="d0", Version=4)
     plan = retried(
         STORED.model_copy(update={"update_failed": failed}),
-        observe(the_job=job(definition_hash="d0", Version=4)),
+        observe(the_job=current, versions=(current, job(definition_hash="d1", Version=3))),
     )
     assert plan.effects == (Revert(Reason.RETRY, plan.summary, version=3, prior_version=4),)
     assert plan.state.update_failed is None
+
+
+def test_retry_of_a_rollback_whose_version_nomad_dropped_forgets_it() -> None:
+    """Nomad keeps a job's last 6 versions and every scale makes one: a Revert to the
+    failed version would be refused. The rollback is forgotten instead, so the next
+    `planner apply` (which refuses a recorded one: `rollout.recorded_rollback`)
+    registers the definition again."""
+    failed = UpdateFailed(definition_hash="d1", job_version=3, reason="failed")
+    current = job(definition_hash="d0", Version=10)
+    plan = retried(
+        STORED.model_copy(update={"update_failed": failed}),
+        observe(the_job=current, versions=(current, job(definition_hash="d0", Version=9))),
+    )
+    assert plan.effects == () and plan.state.update_failed is None
+    assert "run `planner apply`" in plan.summary
 
 
 def test_retry_places_replicas_nomad_stopped_and_forgives_them() -> None:
@@ -660,3 +676,47 @@ def test_activation_during_a_stuck_update_reverts_and_answers() -> None:
     plan = activated(STORED, obs)
     assert [type(e) for e in plan.effects] == [Revert]
     assert plan.answer is not None and plan.answer.status is ActivationStatus.SERVING
+
+
+def test_retry_places_again_a_replica_whose_own_job_is_of_the_current_definition() -> None:
+    """Reviewer's finding on issue 22: a scaling model makes a version per scale, so its
+    failed replica's version soon is one Nomad dropped; observe reads that allocation's
+    own job (`Observation.own_definitions`), and a replica of the current definition is
+    placed again (a forced reschedule), not every serving replica replaced (renewed)."""
+    current = job(definition_hash="d1", Version=9)
+    mine = retried(
+        STORED,
+        observe(
+            failing(version=2),
+            alloc("a2", event("Started", 60), version=9, index=1),
+            the_job=current,
+            versions=(current,),
+            own_definitions={"a1": "d1"},
+        ),
+    )
+    assert [(type(e), getattr(e, "force_reschedule", None)) for e in mine.effects] == [
+        (Evaluate, True)
+    ]
+    older = retried(
+        STORED,
+        observe(
+            failing(version=2), the_job=current, versions=(current,), own_definitions={"a1": "d0"}
+        ),
+    )
+    assert [type(e) for e in older.effects] == [Register]
+
+
+def test_failures_of_a_replica_of_a_dropped_version_count_by_its_own_job() -> None:
+    """The same finding, in counting: a replica whose version Nomad no longer keeps was of
+    no known definition and its failures counted for none; its own job says which."""
+    current = job(definition_hash="d1", Version=9)
+    plan = observed(
+        STORED,
+        observe(failing(version=2), the_job=current, own_definitions={"a1": "d1"}),
+    )
+    assert [type(e) for e in plan.effects] == [Park]
+    older = observed(
+        STORED,
+        observe(failing(version=2), the_job=current, own_definitions={"a1": "d0"}),
+    )
+    assert older.effects == () and older.state.consecutive_failures == 0

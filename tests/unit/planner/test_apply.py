@@ -7,7 +7,7 @@ import json
 from llmgw_contract import JobMeta, Parked
 from planner.cli.apply import Action, decide, dropped_engine, registration
 from planner.model.effects import Evaluate, Register
-from planner.model.resurrect import failed_elsewhere
+from planner.model.resurrect import MAX_OWN_READS, failed_elsewhere, unknown_failed
 from tests.support.nomad_mock import alloc, job
 
 
@@ -246,3 +246,55 @@ def test_failed_elsewhere_reads_the_versions_nomad_keeps() -> None:
     ]
     assert failed_elsewhere("d2", versions, allocations) == ("at1", "at4")
     assert failed_elsewhere("d1", versions, allocations) == ("at1", "at5")
+
+
+def renewed_at(registered: dict, marker: str) -> dict:
+    return {**registered, "Meta": {**registered["Meta"], JobMeta.RENEWED: marker}}
+
+
+def test_an_update_of_the_count_keeps_the_renewal_marker() -> None:
+    """Reviewer's finding on issue 19's QA fix: apply rendered the job without the marker a
+    retry's renewal set, a meta change Nomad takes as a destructive update (a canary for
+    every replica) where a new count is an in-place one."""
+    registered = {"m": renewed_at(spec("s1", count=1), "33")}
+    [more] = decide({"m": spec("s1", count=2)}, registered, prune=False)
+    assert (more.action, more.reason) == (Action.UPDATE, "replicas 1 -> 2")
+    assert more.job["Meta"][JobMeta.RENEWED] == "33"
+    [template] = decide({"m": spec("s2")}, registered, prune=False)
+    assert template.job["Meta"][JobMeta.RENEWED] == "33"
+    # Another definition replaces every replica anyway: the marker goes.
+    [changed] = decide({"m": spec("s2", definition_hash="d2")}, registered, prune=False)
+    assert changed.action is Action.UPDATE and JobMeta.RENEWED not in changed.job["Meta"]
+    [same] = decide({"m": spec("s1")}, registered, prune=False)
+    assert same.action is Action.UNCHANGED
+    # A never-renewed job gets none.
+    [plain] = decide({"m": spec("s1", count=2)}, {"m": spec("s1")}, prune=False)
+    assert JobMeta.RENEWED not in plain.job["Meta"]
+
+
+def test_a_renewal_kept_gives_way_to_a_new_one() -> None:
+    stopped = {"m": renewed_at(spec("s1", stop=True, JobModifyIndex=50), "33")}
+    [again] = decide({"m": with_canaries(spec("s1"), 1)}, stopped, prune=False)
+    assert again.job["Meta"][JobMeta.RENEWED] == "33"
+    [register] = registration(again, stale=("a0",))
+    assert isinstance(register, Register) and register.job["Meta"][JobMeta.RENEWED] == "50"
+
+
+def test_failed_elsewhere_judges_a_version_nomad_dropped_by_the_allocations_own_job() -> None:
+    """Reviewer's finding on issue 22: a scaling model makes a version per scale, so a
+    failed replica of the current definition soon has a version Nomad no longer keeps;
+    taken as older, `planner retry` renewed (replaced every serving replica) instead of
+    placing it again. Its own job (GET /v1/allocation/:id) says which it is."""
+    versions = [job(definition_hash="d2", Version=9)]
+    allocations = [
+        alloc("mine", version=2, client="failed"),
+        alloc("older", version=1, client="failed"),
+        alloc("unread", version=1, client="failed"),
+        alloc("live", version=1),
+    ]
+    own = {"mine": "d2", "older": "d1"}
+    assert failed_elsewhere("d2", versions, allocations, own) == ("older", "unread")
+    assert unknown_failed(versions, allocations) == ("mine", "older", "unread")
+    many = [alloc(f"f{i:02}", version=1, client="failed") for i in range(MAX_OWN_READS + 3)]
+    assert len(unknown_failed(versions, many)) == MAX_OWN_READS
+    assert unknown_failed([*versions, job(Version=1)], allocations) == ("mine",)

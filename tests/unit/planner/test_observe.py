@@ -36,6 +36,7 @@ class FakeNomad:
         self.versions_ = [nm.job("m", CreateIndex=5, Version=v) for v in (1, 0)]
         self.allocs: list[dict[str, Any]] = []
         self.tails: list[str] = []
+        self.own_jobs: dict[str, dict[str, Any]] = {}  # alloc id -> the job it was placed with
 
     def __getattr__(self, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -50,6 +51,11 @@ class FakeNomad:
             }[name]
 
         return call
+
+    def allocation(self, alloc_id: str) -> dict[str, Any] | None:
+        self.reads.log.append(f"allocation {alloc_id}")
+        own = self.own_jobs.get(alloc_id)
+        return None if own is None else {"ID": alloc_id, "Job": own}
 
     def task_stderr_tail(self, alloc_id: str, task: str) -> str:
         self.tails.append(alloc_id)
@@ -133,3 +139,27 @@ def test_the_cache_is_bounded_by_the_models_kept() -> None:
         cache.versions(nomad, job, {1})  # type: ignore[arg-type]
     cache.keep_only({"m1", "m2"})
     assert len(cache) == 2
+
+
+def test_only_a_failed_replica_of_a_version_nomad_dropped_has_its_own_job_read() -> None:
+    """A scaling model makes a version per scale; Nomad keeps the last 6. A failed replica
+    a forced reschedule would place again, of a version no longer kept, is judged by the
+    job it was placed with (`planner.model.resurrect.failed_elsewhere`): one read each,
+    of those alone."""
+    obs, nomad, reads = observer()
+    nomad.job_ = nm.job("m", CreateIndex=5, Version=9)
+    nomad.versions_ = [nm.job("m", CreateIndex=5, Version=v) for v in range(9, 3, -1)]
+    nomad.allocs = [
+        nm.alloc("dropped", version=2, client="failed"),
+        nm.alloc("gone", version=2, client="failed"),  # Nomad no longer has it
+        nm.alloc("kept", version=9, client="failed"),
+        nm.alloc("running", version=1),
+        nm.alloc("replaced", version=1, client="failed", NextAllocation="x"),
+    ]
+    nomad.own_jobs = {"dropped": nm.job("m", definition_hash="d1", Version=2)}
+    observation = obs.observe("m", {}, NOW)[1]
+    assert observation.own_definitions == {"dropped": "d1"}
+    assert [r for r in reads.log if r.startswith("allocation ")] == [
+        "allocation dropped",
+        "allocation gone",
+    ]

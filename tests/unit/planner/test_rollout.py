@@ -6,8 +6,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from llmgw_contract import StateDocument, UpdateFailed
-from planner.cli.apply import Action, decide
-from planner.model.rollout import for_applied, record_rollback, rolled_back, stuck_update
+from planner.cli.apply import Action, _rolled_back, decide
+from planner.model.rollout import (
+    for_applied,
+    record_rollback,
+    recorded_rollback,
+    rolled_back,
+    stuck_update,
+)
 from tests.support.nomad_mock import job
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -103,3 +109,47 @@ def test_apply_does_not_try_a_rolled_back_definition_again() -> None:
     [change] = decide(rendered, registered, prune=False, rolled_back={"m": failed})
     assert change.action is Action.ROLLED_BACK and change.job is None
     assert FAILED in change.reason and "planner retry m" in change.reason
+
+
+# Nomad after a rollback and six scales: the failed version is no longer kept (it keeps the
+# last 6, structs.JobTrackedVersions), only versions of the good definition are.
+CHURNED = [version(n, "good") for n in range(8, 2, -1)]
+RECORDED = UpdateFailed(definition_hash="bad", job_version=1, reason=FAILED)
+
+
+def test_a_rollback_nomad_no_longer_keeps_is_known_from_the_state_document() -> None:
+    """Reviewer's finding on issue 22: every scale makes a job version; after six, Nomad's
+    versions no longer show the failed one, and the next apply tried it again."""
+    assert rolled_back(CHURNED, [deployment(1, "failed")], "bad") is None
+    assert recorded_rollback(RECORDED, "good", "bad") == RECORDED
+    assert recorded_rollback(RECORDED, "bad", "bad") is None  # it runs: not rolled back
+    assert recorded_rollback(RECORDED, "good", "other") is None
+    assert recorded_rollback(None, "good", "bad") is None
+
+
+class VersionsOnly:
+    """Nomad's versions and deployments of one job (all `_rolled_back` reads)."""
+
+    def __init__(self, versions: list[dict], deployments: list[dict]) -> None:
+        self._versions, self._deployments = versions, deployments
+
+    def versions(self, name: str) -> list[dict]:
+        return self._versions
+
+    def deployments(self, name: str) -> list[dict]:
+        return self._deployments
+
+
+def test_apply_refuses_a_rolled_back_definition_after_the_versions_churned() -> None:
+    rendered = {"m": job(definition_hash="bad")}
+    registered = {"m": job(definition_hash="good", Version=8)}
+    nomad = VersionsOnly(CHURNED, [deployment(1, "failed")])
+    found = _rolled_back(rendered, registered, nomad, {"m": RECORDED})  # type: ignore[arg-type]
+    assert found == {"m": RECORDED}
+    [change] = decide(rendered, registered, prune=False, rolled_back=found)
+    assert change.action is Action.ROLLED_BACK
+    # Without the record (a wiped KV), only what Nomad keeps is known.
+    assert _rolled_back(rendered, registered, nomad, {}) == {}  # type: ignore[arg-type]
+    # Another definition applied is not refused by the record of this one.
+    other = {"m": job(definition_hash="fixed")}
+    assert _rolled_back(other, registered, nomad, {"m": RECORDED}) == {}  # type: ignore[arg-type]

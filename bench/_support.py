@@ -19,7 +19,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,6 +43,88 @@ def consul_binary() -> str:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise SystemExit("no consul binary: set LLMGW_CONSUL_BIN")
+
+
+def call(
+    method: str, url: str, body: object | None = None, token: str | None = None, timeout: float = 10
+) -> bytes:
+    """One JSON request (`body` encoded when given, a bearer `token` when given); the
+    answer's bytes. Raises urllib's errors (an HTTP error status among them)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read()
+
+
+def get_json(url: str) -> object:
+    return json.loads(call("GET", url) or b"null")
+
+
+def serve_models(
+    children: Children,
+    cluster: Any,
+    models: Path,
+    models_root: Path,
+    token: str,
+    planner_url: str,
+    router_url: str,
+    router_args: list[str],
+) -> None:
+    """On a started dev `cluster` (devcluster.cluster.Cluster): `planner apply` the
+    folder `models` (GGUF files under `models_root`), then `planner serve` on
+    `planner_url` once it is ready (60 s), then `router serve` on `router_url` with that
+    planner and `router_args`, both as `children`. Raises RuntimeError when apply fails."""
+    from devcluster.bootstrap import BIN  # the repository is on sys.path by now
+
+    env = {
+        **os.environ,
+        **cluster.env,
+        "PYTHONPATH": str(REPO),
+        "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
+        "LLMGW_MODELS_ROOT": str(models_root),
+        "LLMGW_ADMIN_TOKEN": token,
+    }
+    applied = subprocess.run(
+        [sys.executable, "-m", "planner.cli.main", "apply", str(models)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if applied.returncode != 0:
+        raise RuntimeError(f"planner apply failed:\n{applied.stdout}{applied.stderr}")
+    port = planner_url.rsplit(":", 1)[1]
+    children.spawn(
+        [sys.executable, "-m", "planner.cli.main", "serve", "--port", port],
+        "planner",
+        env=env,
+        cwd=REPO,
+    )
+    wait_for(lambda: get_json(f"{planner_url}/health")["ready"], 60, "planner serve")
+    children.spawn(
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "serve",
+            "--port",
+            router_url.rsplit(":", 1)[1],
+            "--consul-addr",
+            f"127.0.0.1:{cluster.consul_http_port}",
+            "--planner-url",
+            planner_url,
+            "--planner-token",
+            token,
+            *router_args,
+        ],
+        "router",
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+    )
 
 
 def http(method: str, url: str, body: bytes | None = None, timeout: float = 5) -> bytes:

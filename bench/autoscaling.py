@@ -37,7 +37,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,11 +45,20 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from _support import REPO, Children, exit_on_sigterm, free_port, percentile, wait_for
+from _support import (
+    REPO,
+    Children,
+    call,
+    exit_on_sigterm,
+    free_port,
+    get_json,
+    percentile,
+    serve_models,
+    wait_for,
+)
 
 sys.path.insert(0, str(REPO))
 
-from devcluster.bootstrap import BIN
 from devcluster.cluster import Cluster, down, up
 
 PORT_OFFSET = 10000
@@ -60,18 +68,6 @@ PROFILE = (
     '  args: ["--threads", "1"]\n'
 )
 BACK_TO_MIN_TIMEOUT_S = 300.0
-
-
-def call(method: str, url: str, body: object | None = None, timeout: float = 60) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
-
-
-def get_json(url: str) -> object:
-    return json.loads(call("GET", url, timeout=10) or b"null")
 
 
 class Clients:
@@ -91,7 +87,7 @@ class Clients:
         while not self._stop.is_set():
             sent = time.monotonic()
             try:
-                answer = json.loads(call("POST", f"{self.router}/v1/completions", body))
+                answer = json.loads(call("POST", f"{self.router}/v1/completions", body, timeout=60))
                 if not answer.get("choices"):
                     raise ValueError(f"no choices: {answer}")
                 with self._lock:
@@ -133,52 +129,15 @@ class Bench:
             f"scaling: {{min: 1, max: 3, target: {self.args.target}, window: 10s, "
             f"up_after: 5s, down_after: {self.args.down_after}s}}\n"
         )
-        env = {
-            **os.environ,
-            **self.cluster.env,
-            "PYTHONPATH": str(REPO),
-            "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
-            "LLMGW_MODELS_ROOT": str(path.resolve().parent),
-            "LLMGW_ADMIN_TOKEN": self.token,
-        }
-        applied = subprocess.run(
-            [sys.executable, "-m", "planner.cli.main", "apply", str(models)],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if applied.returncode != 0:
-            raise RuntimeError(f"planner apply failed:\n{applied.stdout}{applied.stderr}")
-        port = self.planner_url.rsplit(":", 1)[1]
-        self.children.spawn(
-            [sys.executable, "-m", "planner.cli.main", "serve", "--port", port],
-            "planner",
-            env=env,
-            cwd=REPO,
-        )
-        wait_for(lambda: get_json(f"{self.planner_url}/health")["ready"], 60, "planner serve")
-        self.children.spawn(
-            [
-                sys.executable,
-                "-m",
-                "router",
-                "serve",
-                "--port",
-                self.router_url.rsplit(":", 1)[1],
-                "--consul-addr",
-                f"127.0.0.1:{self.cluster.consul_http_port}",
-                "--planner-url",
-                self.planner_url,
-                "--planner-token",
-                self.token,
-                "--usage-interval",
-                "1",
-            ],
-            "router",
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
+        serve_models(
+            self.children,
+            self.cluster,
+            models,
+            path.resolve().parent,
+            self.token,
+            self.planner_url,
+            self.router_url,
+            ["--usage-interval", "1"],
         )
         for model in (FIXED, SCALING):
             wait_for(

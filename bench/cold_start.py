@@ -48,18 +48,25 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from _support import REPO, Children, exit_on_sigterm, free_port, percentile, wait_for
+from _support import (
+    REPO,
+    Children,
+    call,
+    exit_on_sigterm,
+    free_port,
+    get_json,
+    percentile,
+    serve_models,
+    wait_for,
+)
 
 sys.path.insert(0, str(REPO))
 
-from devcluster.bootstrap import BIN
 from devcluster.cluster import Cluster, down, up
 
 MODEL = "cold-bench"
@@ -73,22 +80,6 @@ SCALE_DOWN_TIMEOUT_S = 60.0
 # llama.cpp's log prefix: minutes.seconds.milliseconds.microseconds since start.
 _ELAPSED = re.compile(r"^(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) ")
 _READY_LINE = re.compile(r"model loaded|listening on", re.IGNORECASE)
-
-
-def call(
-    method: str, url: str, body: object | None = None, token: str | None = None, timeout: float = 10
-) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
-
-
-def get_json(url: str) -> object:
-    return json.loads(call("GET", url) or b"null")
 
 
 def load_seconds(stderr: str) -> float | None:
@@ -166,58 +157,15 @@ class Bench:
             '  args: ["--threads", "2"]\n'
             "replicas: 1\non_demand: {idle_after: 15m}\n"
         )
-        env = {
-            **os.environ,
-            **self.cluster.env,
-            "PYTHONPATH": str(REPO),
-            "LLMGW_ENGINES": f"llama.cpp={BIN / 'llama-server'}",
-            "LLMGW_MODELS_ROOT": str(path.resolve().parent),
-            "LLMGW_ADMIN_TOKEN": self.token,
-        }
-        applied = subprocess.run(
-            [sys.executable, "-m", "planner.cli.main", "apply", str(models)],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if applied.returncode != 0:
-            raise RuntimeError(f"planner apply failed:\n{applied.stdout}{applied.stderr}")
-        planner_port = self.planner_url.rsplit(":", 1)[1]
-        self.children.spawn(
-            [sys.executable, "-m", "planner.cli.main", "serve", "--port", planner_port],
-            "planner",
-            env=env,
-            cwd=REPO,
-        )
-        wait_for(
-            lambda: get_json(f"{self.planner_url}/health")["ready"],
-            60,
-            "planner serve to reconcile",
-        )
-        self.children.spawn(
-            [
-                sys.executable,
-                "-m",
-                "router",
-                "serve",
-                "--port",
-                self.router_url.rsplit(":", 1)[1],
-                "--consul-addr",
-                f"127.0.0.1:{self.cluster.consul_http_port}",
-                "--planner-url",
-                self.planner_url,
-                "--planner-token",
-                self.token,
-                "--activation-window",
-                str(ACTIVATION_WINDOW_S),
-                "--log-level",
-                "info",
-            ],
-            "router",
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
+        serve_models(
+            self.children,
+            self.cluster,
+            models,
+            path.resolve().parent,
+            self.token,
+            self.planner_url,
+            self.router_url,
+            ["--activation-window", str(ACTIVATION_WINDOW_S), "--log-level", "info"],
         )
         wait_for(
             lambda: MODEL in call("GET", f"{self.router_url}/v1/models").decode(),

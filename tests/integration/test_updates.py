@@ -320,6 +320,27 @@ def parked(cluster: Cluster, planner_daemon: PlannerDaemon, name: str, what: str
     return {**model, "definition": job["Meta"]["llmgw_definition_hash"]}
 
 
+def failing_then_rolling_out(
+    planner: Callable, planner_daemon: PlannerDaemon, tmp_path: Path, name: str
+) -> tuple[Callable[[int], str], str, str]:
+    """Model `name` in tmp_path/m: definition A (a GGUF that never loads) applied and
+    failing, then definition B (as broken) applied, rolling out with a canary. Returns
+    `define(seed)` (writes definition `seed` and gives its hash), A's and B's hashes."""
+    folder = tmp_path / "m"
+
+    def define(seed: int) -> str:
+        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
+        write_model(folder, name, source)
+        return definition(folder, name)
+
+    a = define(0)
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
+    b = define(1)
+    assert planner("apply", str(folder)).returncode == 0
+    return define, a, b
+
+
 def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definition(
     cluster: Cluster,
     planner: Callable,
@@ -336,17 +357,7 @@ def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definit
     counting against nothing, never parked, `model_loading` for ever; instead the job
     is renewed: five starts of D, parked, and the router says so."""
     name, folder = "upd-parked", tmp_path / "m"
-
-    def define(seed: int) -> str:
-        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
-        write_model(folder, name, source)
-        return definition(folder, name)
-
-    a = define(0)
-    assert planner("apply", str(folder)).returncode == 0
-    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
-    b = define(1)
-    assert planner("apply", str(folder)).returncode == 0
+    define, a, b = failing_then_rolling_out(planner, planner_daemon, tmp_path, name)
     first = parked(cluster, planner_daemon, name, "B parked")
     assert first["consecutive_failures"] == 5 and first["definition"] == b
     wait_for(
@@ -418,18 +429,8 @@ def test_a_retry_while_the_old_replica_still_restarts_still_parks_the_canary(
     canary's remaining starts fail, Nomad fails the deployment and stops the canary,
     and A's replica ends failed, holding its place. Nothing will start again: the model
     is parked, and the router says so."""
-    name, folder = "upd-early", tmp_path / "m"
-
-    def define(seed: int) -> str:
-        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
-        write_model(folder, name, source)
-        return definition(folder, name)
-
-    a = define(0)
-    assert planner("apply", str(folder)).returncode == 0
-    wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
-    b = define(1)
-    assert planner("apply", str(folder)).returncode == 0
+    name = "upd-early"
+    _, a, b = failing_then_rolling_out(planner, planner_daemon, tmp_path, name)
     wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "B failing")
     answers: list[str] = []
 

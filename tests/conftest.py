@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -287,6 +288,27 @@ class PlannerDaemon:
 
     def model(self, name: str) -> dict:
         return http_json(f"{self.url}/v1/models/{name}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a node that dies: its Consul session is not released, so the lead
+        passes only when the session's checks fail."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+
+def lead_again(daemon: PlannerDaemon, standby: PlannerDaemon, within_s: float) -> None:
+    """Give the lead back to the session's `daemon` after a test made `standby` lead:
+    `daemon` starts (a follower), `standby` stops (releasing its session: the lead
+    passes at once), and `daemon` leads within `within_s`."""
+    daemon.start()
+    standby.stop()
+    wait_for(
+        lambda: http_json(f"{daemon.url}/health", timeout=2)["role"] == "leader",
+        within_s,
+        "the session's planner to lead again",
+    )
 
 
 @pytest.fixture(scope="session")

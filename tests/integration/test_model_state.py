@@ -38,6 +38,7 @@ from tests.conftest import (
     PlannerDaemon,
     forget_models,
     http_json,
+    lead_again,
     nomad_get,
     passing_endpoints,
     wait_for,
@@ -301,11 +302,8 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
             60,
             "two counted failures",
         )
-        assert planner_daemon.proc is not None
         killed_at = time.monotonic()
-        planner_daemon.proc.send_signal(signal.SIGKILL)
-        planner_daemon.proc.wait()
-        planner_daemon.proc = None
+        planner_daemon.kill()
         wait_for(
             lambda: http_json(f"{standby.url}/health", timeout=2)["role"] == "leader",
             20,
@@ -329,13 +327,7 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
         time.sleep(6)
         assert starts(cluster, "failover-kev") == 5
     finally:
-        planner_daemon.start()  # a follower now
-        standby.stop()  # hands the lead back at once
-        wait_for(
-            lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] == "leader",
-            20,
-            "the session's planner to lead again",
-        )
+        lead_again(planner_daemon, standby, 20)
 
 
 def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(

@@ -9,7 +9,6 @@ through it, and its usage reports reach it (router.planners, router.plannerapi).
 from __future__ import annotations
 
 import base64
-import signal
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devcluster.cluster import Cluster
 from llmgw_contract import KVPrefix, UsageRecord, decode, kv_key
-from tests.conftest import PlannerDaemon, forget_models, http_json, run_router, wait_for
+from tests.conftest import PlannerDaemon, forget_models, http_json, lead_again, run_router, wait_for
 from tests.integration.test_on_demand import complete, on_demand_model, refusal
 
 pytestmark = pytest.mark.integration
@@ -87,11 +86,8 @@ def test_the_router_follows_a_sigkilled_leader_to_the_new_one(
             assert status == 503 and error["code"] == "model_unplaceable"
             assert router_metric(router, "llmgw_router_planner_switches_total") == 0
 
-            assert planner_daemon.proc is not None
             killed_at = time.monotonic()
-            planner_daemon.proc.send_signal(signal.SIGKILL)
-            planner_daemon.proc.wait()
-            planner_daemon.proc = None
+            planner_daemon.kill()
             wait_for(
                 lambda: (
                     (h := http_json(f"{standby.url}/health", timeout=2))["role"] == "leader"
@@ -134,10 +130,4 @@ def test_the_router_follows_a_sigkilled_leader_to_the_new_one(
         switches = [line for line in log.splitlines() if "planner calls switched" in line]
         assert len(switches) == 1 and standby.url in switches[0], switches
     finally:
-        planner_daemon.start()  # a follower now
-        standby.stop()  # hands the lead back at once
-        wait_for(
-            lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] == "leader",
-            20,
-            "the session's planner to lead again",
-        )
+        lead_again(planner_daemon, standby, 20)

@@ -9,7 +9,6 @@ judges them on a fixed clock)."""
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 import urllib.error
@@ -24,6 +23,7 @@ from tests.conftest import (
     PlannerDaemon,
     forget_models,
     http_json,
+    lead_again,
     nomad_get,
     passing_endpoints,
     run_router,
@@ -245,10 +245,7 @@ def test_a_leader_sigkilled_during_scaling_neither_loses_nor_doubles_a_decision(
                     on_timeout=lambda: scaling_row(planner, name)["scaling"],
                 )
                 decided = scaling_row(planner, name)["scaling"]["last"]
-                assert planner_daemon.proc is not None
-                planner_daemon.proc.send_signal(signal.SIGKILL)
-                planner_daemon.proc.wait()
-                planner_daemon.proc = None
+                planner_daemon.kill()
                 wait_until(
                     lambda: (
                         (h := http_json(f"{standby.url}/health", timeout=2))["role"] == "leader"
@@ -275,11 +272,5 @@ def test_a_leader_sigkilled_during_scaling_neither_loses_nor_doubles_a_decision(
         assert load.failures == [], load.failures[:5]
         assert load_scales(cluster, name) == [(1, 2), (2, 1)]
     finally:
-        planner_daemon.start()  # a follower now
-        standby.stop()  # hands the lead back at once
-        wait_until(
-            lambda: http_json(f"{planner_daemon.url}/health", timeout=2)["role"] == "leader",
-            30,
-            "the session's planner to lead again",
-        )
+        lead_again(planner_daemon, standby, 30)
         forget_models(cluster, name)

@@ -63,13 +63,23 @@ from planner.spec.definitions import ModelDefinition
 from planner.spec.fit import Fit
 from planner.spec.settings import Settings
 
-EXIT_CODES = """Exit codes: 0 ok; 1 refused by an agent, or a model is short of what it should
-have (an engine is not installed on some node; Nomad runs a model job Consul has no record
-of); 2 invalid model or engine files, settings or usage; 3 Nomad or Consul unreachable, or
-their TLS certificate not verified (retry later), or an ACL token (NOMAD_TOKEN,
-CONSUL_HTTP_TOKEN) lacks a permission: the message names it and the policy under acl/.
-`apply --dry-run --detailed-exitcode` exits as `terraform plan -detailed-exitcode` does
-instead: 0 no changes, 2 changes, 1 any error."""
+# One item per line: rich keeps a help text's line breaks and wraps each line on its
+# own, so a sentence broken across source lines wrapped mid-sentence (issue 19's
+# second QA).
+EXIT_CODES = "\n".join(
+    (
+        "Exit codes:",
+        "0  ok",
+        "1  refused by an agent, or a model is short of what it should have (an engine not "
+        "installed on some node; Nomad runs a model job Consul has no record of)",
+        "2  invalid model or engine files, settings or usage",
+        "3  Nomad or Consul unreachable, or its TLS certificate not verified (retry later), "
+        "or an ACL token (NOMAD_TOKEN, CONSUL_HTTP_TOKEN) lacks a permission: the message "
+        "names it and the policy under acl/",
+        "`apply --dry-run --detailed-exitcode` exits as `terraform plan -detailed-exitcode` "
+        "does instead: 0 no changes, 2 changes, 1 any error.",
+    )
+)
 
 app = typer.Typer(
     help=f"llmgw planner: run llama.cpp models on Nomad.\n\n{EXIT_CODES}",

@@ -288,7 +288,11 @@ def _count(
             notes.append(
                 (
                     logging.WARNING,
-                    f"replica {replica.index if replica else info.name} on {info.node}: "
+                    # Nomad's name of the allocation, whatever the record holds: a
+                    # record `judge` made has none (issue 19's second QA: the log
+                    # switched from server[0] to the allocation ID mid-run).
+                    f"replica {info.name.partition('.')[2] or info.alloc_id[:8]} on "
+                    f"{info.node}: "
                     f"start failure {replica.consecutive_failures if replica else 0} in "
                     f"a row (model: {state.consecutive_failures}): "
                     f"{headline(state.last_error)}",

@@ -11,15 +11,25 @@ Ported from `planner.model.parking.retry`, whose order it keeps:
                                  no longer keeps that version, only cleared (the next
                                  `planner apply` registers it again)
   replicas Nomad stopped      -> counts forgiven, `Evaluate(force_reschedule=True)`
-  unplaceable                 -> counts forgiven, `Evaluate()`
-  otherwise                   -> counts forgiven, nothing written to Nomad
+  unplaceable                 -> `Evaluate()`
+  otherwise                   -> nothing written to Nomad, nothing forgiven
 
 A forced reschedule would place a failed replica of an older definition again, at
 its own job version, while the current one rolls out with canaries
 (`planner.model.resurrect`, issue 19's QA: D2, D3). When one such replica holds its
 place, the job is registered renewed instead (`Unpark(renew=True)`, or `Register` of
 the renewed job), and no evaluation is forced: Nomad replaces every allocation with
-the current definition.
+the current definition. A renewal replaces live allocations too, so it is asked for
+only when none is live and Nomad has placed the job's latest registration
+(`settled`); otherwise the current definition's rollout is under way, and it is what
+replaces the old failed replicas.
+
+A retry forgives counts only when it starts again what was seen failing: a parked
+or stopped job, or replicas of the current definition Nomad stopped after their
+restarts. A retry while Nomad still restarts a replica forgives nothing (issue 19's
+second QA: `planner retry` 1-4 s after `planner apply` of a failing definition reset
+the count and renewed the job over the replica apply had just started: 7 starts of
+one definition between parks).
 
 The caller checks there is a job (`transition.decide` raises Rejected otherwise).
 """
@@ -30,7 +40,7 @@ from dataclasses import dataclass
 
 from llmgw_contract import StateDocument, UpdateFailed
 from planner.model.effects import Effect, Evaluate, Reason, Register, Revert, Unpark
-from planner.model.failures import forgiven, retried
+from planner.model.failures import LIVE_CLIENT_STATUSES, forgiven, retried
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
 from planner.model.resurrect import renewed, stale_failed
@@ -107,8 +117,16 @@ def retry(state: StateDocument, observation: Observation) -> Retried:
             ),
             summary,
         )
-    state = forgiven(state)
     stopped = stopped_replicas(observation)
+    mine = stopped - len(stale)  # the current definition's, seen failing: forgiven
+    if stale and (live_replicas(observation) or not settled(observation)):
+        summary = (
+            f"nothing to retry now: the current definition is rolling out ("
+            f"{live_replicas(observation)} replica(s) starting or running); it replaces "
+            f"the {len(stale)} failed replica(s) of an older definition"
+        )
+        return Retried(state, (), summary)
+    state = forgiven(state) if mine else state
     if stale:
         summary = f"{stopped} stopped replica(s) replaced{_renewing(stale)}"
         return Retried(
@@ -116,13 +134,34 @@ def retry(state: StateDocument, observation: Observation) -> Retried:
             (Register(Reason.RETRY, summary, renewed(job, observation.job_index)),),
             summary,
         )
-    if stopped:
-        summary = f"{stopped} stopped replica(s) placed again"
+    if mine:
+        summary = f"{mine} stopped replica(s) placed again"
         return Retried(state, (Evaluate(Reason.RETRY, summary, force_reschedule=True),), summary)
     if state.unplaceable is not None:
         summary = "asked the scheduler to place it again"
         return Retried(state, (Evaluate(Reason.RETRY, summary),), summary)
     return Retried(state, (), "not parked, unplaceable or stopped; nothing to retry")
+
+
+def live_replicas(observation: Observation) -> int:
+    """Allocations still wanted whose task runs or may start (pending, running)."""
+    return sum(
+        1
+        for a in observation.allocations
+        if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in LIVE_CLIENT_STATUSES
+    )
+
+
+def settled(observation: Observation) -> bool:
+    """Nomad's scheduler has handled the job's latest registration: the latest complete
+    evaluation was made at its JobModifyIndex or later (structs.Evaluation
+    JobModifyIndex). Right after a register, before its evaluation completes, no
+    allocation of it exists yet. Without a complete evaluation (garbage-collected after
+    an hour: `eval_gc_threshold`) it is taken as handled."""
+    evaluation = observation.evaluation
+    if evaluation is None:
+        return True
+    return int(evaluation.get("JobModifyIndex") or 0) >= observation.job_index
 
 
 def _renewing(stale: tuple[str, ...]) -> str:

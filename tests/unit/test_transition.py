@@ -475,13 +475,19 @@ OLD_AND_NEW = (job(definition_hash="d0"), job(definition_hash="d1", Version=3))
 
 
 def test_retry_never_forces_a_reschedule_of_a_replica_of_an_older_definition() -> None:
-    """A forced reschedule would start version 0 (d0) again, at that version: the job is
-    registered renewed instead, a new version that replaces every allocation."""
+    """A forced reschedule would start version 0 (d0) again, at that version: once the
+    current definition's canary failed too (Nomad stopped it), the job is registered
+    renewed instead, a new version that replaces every allocation, and the canary's
+    count is forgiven (it was seen failing)."""
     current = job(definition_hash="d1", Version=3, JobModifyIndex=40)
-    canary = alloc("a2", event("Started", 60), version=3, index=0)
     plan = retried(
-        STORED.model_copy(update={"consecutive_failures": 2}),
-        observe(failing(version=0), canary, the_job=current, versions=(current, OLD_AND_NEW[0])),
+        STORED.model_copy(update={"consecutive_failures": 4}),
+        observe(
+            failing(version=0),
+            failing("a2", version=3, index=0),
+            the_job=current,
+            versions=(current, OLD_AND_NEW[0]),
+        ),
     )
     [register] = plan.effects
     assert isinstance(register, Register) and register.reason is Reason.RETRY
@@ -490,6 +496,52 @@ def test_retry_never_forces_a_reschedule_of_a_replica_of_an_older_definition() -
     assert not any(isinstance(e, Evaluate) for e in plan.effects)
     assert plan.state.consecutive_failures == 0
     assert "as a new job version" in plan.summary
+
+
+def test_retry_while_the_current_definition_rolls_out_does_nothing() -> None:
+    """Issue 19's second QA: `planner retry` 1-4 s after `planner apply` of a failing
+    definition d1 (its canary restarting, 2 failures counted), d0's failed replica still
+    holding its place: renewing replaced the canary and the count started over, 7 starts
+    of d1 between parks. Now nothing is written and nothing forgiven; the rollout
+    replaces d0's replica. The same right after the apply, before Nomad's evaluation of
+    it completed (no allocation of d1 yet)."""
+    current = job(definition_hash="d1", Version=3, JobModifyIndex=40)
+    canary = failing("a2", starts=2, version=3, index=0)
+    counted = STORED
+    seen = observe(failing(version=0), canary, the_job=current, versions=(current, OLD_AND_NEW[0]))
+    plan = retried(counted, seen)
+    assert plan.effects == () and plan.state == observed(counted, seen).state
+    assert plan.state.consecutive_failures == 2
+    assert "nothing to retry now" in plan.summary
+    early = retried(
+        counted,
+        observe(
+            failing(version=0),
+            the_job=current,
+            versions=(current, OLD_AND_NEW[0]),
+            evaluation={"Status": "complete", "JobModifyIndex": 31},
+        ),
+    )
+    assert early.effects == () and early.state.consecutive_failures == 0
+    done = retried(
+        counted,
+        observe(
+            failing(version=0),
+            the_job=current,
+            versions=(current, OLD_AND_NEW[0]),
+            evaluation={"Status": "complete", "JobModifyIndex": 40},
+        ),
+    )
+    assert [type(e) for e in done.effects] == [Register] and done.state.consecutive_failures == 0
+
+
+def test_retry_of_a_replica_nomad_still_restarts_forgives_nothing() -> None:
+    restarting = STORED
+    seen = observe(failing(starts=2))
+    plan = retried(restarting, seen)
+    assert plan.effects == () and plan.state == observed(restarting, seen).state
+    assert plan.state.consecutive_failures == 2
+    assert "nothing to retry" in plan.summary
 
 
 def test_retry_of_a_parked_job_with_a_replica_of_an_older_definition_renews_it() -> None:

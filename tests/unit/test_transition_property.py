@@ -63,6 +63,7 @@ from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job, parked_job, unparked_job
 from planner.model.resurrect import renewed, stale_failed
+from planner.model.retry import live_replicas, stopped_replicas
 from planner.model.transition import Event, Plan, decide
 from planner.vocab import group_count
 from tests.support.nomad_mock import TASK, S, event, job
@@ -408,6 +409,9 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
                 and versions.get(a["JobVersion"]) == current
             ]
             assert not serving, f"parked while {serving} pass"
+        if isinstance(effect, Register) and event_ is Event.RETRY:
+            live = live_replicas(observation)
+            assert not live, f"a retry renewed the job over {live} live replica(s)"
         if isinstance(effect, Evaluate) and effect.force_reschedule:
             assert event_ is Event.RETRY, f"a forced reschedule from {event_}"
             stale = stale_failed(observation)
@@ -435,9 +439,25 @@ def step(sim: SimNomad, event_: Event, observation: Observation) -> None:
     check(sim, event_, plan, observation)
     for effect in plan.effects:
         hypothesis.event(f"{event_}: {type(effect).__name__} {effect.reason}")
-    if sim.carry_out(document, plan, observation) and event_ is Event.RETRY:
+    if sim.carry_out(document, plan, observation) and _starts_over(event_, plan, observation):
         for definition in sim.starts_since_reset:
             sim.starts_since_reset[definition] = 0
+
+
+def _starts_over(event_: Event, plan: Plan, observation: Observation) -> bool:
+    """A retry that starts again what was seen failing: a parked or stopped job, or
+    replicas of the current definition Nomad stopped after their restarts. One that
+    writes nothing, or renews a job none of whose current replicas stopped, forgives
+    nothing (issue 19's second QA: retry 1-4 s after apply, 7 starts of a definition)."""
+    if event_ is not Event.RETRY:
+        return False
+    mine = stopped_replicas(observation) - len(stale_failed(observation))
+    return any(
+        isinstance(e, Unpark)
+        or (isinstance(e, Evaluate) and e.force_reschedule)
+        or (isinstance(e, Register) and mine > 0)
+        for e in plan.effects
+    )
 
 
 def _document_at(sim: SimNomad, observation: Observation) -> StateDocument:
@@ -470,10 +490,34 @@ OPS = st.sampled_from(
 # `planner retry` at once.
 D2 = [("nomad", 0), ("observe", 0), ("apply", 0), ("retry", 0), ("nomad", 0), ("observe", 0)]
 
+# Issue 19's second QA: the same, but the new definition's canary starts (and fails)
+# twice before `planner retry`, which must neither renew the job over it nor forgive.
+QA_RETRY = [
+    ("nomad", 0),
+    ("observe", 0),
+    ("apply", 0),
+    ("progress", 1),
+    ("progress", 1),
+    ("observe", 0),
+    ("retry", 0),
+    ("nomad", 0),
+    ("observe", 0),
+]
+
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(
     seed=0, count=1, on_demand=False, scaling=False, skew=0.0, canaries=True, first=STARTS, ops=D2
+)
+@example(
+    seed=0,
+    count=1,
+    on_demand=False,
+    scaling=False,
+    skew=0.0,
+    canaries=True,
+    first=STARTS,
+    ops=QA_RETRY,
 )
 @given(
     seed=st.integers(0, 2**32),

@@ -28,7 +28,9 @@ the key names another planner or address than the registration) when the
 holder's address cannot be trusted; nothing is sent then, and
 `llmgw_planner_leader_forward_refusals_total{code}` counts it. GET routes are answered by any
 instance from Nomad and Consul directly. Errors use {"error": {"message",
-"type", "code"}}, the shape the router uses.
+"type", "code"}}, the shape the router uses, FastAPI's own included (422
+`invalid_request`, 400, 404). A request body is bounded (`planner.api.bodybound`:
+1 MiB, 413 `body_too_large`).
 
 A leader that serves HTTPS (`planner serve --tls-cert`) registers the https
 scheme; followers verify its certificate, host name included, against the
@@ -47,11 +49,14 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from llmgw_contract import UsageReport
 from llmgw_contract.leadership import LeaderRefused
 from planner.agents.statusreads import gather, model_status
+from planner.api.bodybound import BodyBound
 from planner.daemon.activation import ModelNotFound
 from planner.daemon.serve import PlannerNode
 from planner.errors import PlannerError, Rejected
@@ -180,10 +185,27 @@ def create_app(
 
     app = FastAPI(title="llmgw planner", lifespan=lifespan)
 
+    app.add_middleware(BodyBound)
+
     @app.exception_handler(PlannerError)
     async def planner_error(_: Request, exc: PlannerError) -> JSONResponse:
         status = 409 if isinstance(exc, Rejected) else 503
         return _error(status, type(exc).__name__, str(exc))
+
+    # Every error in the one shape the module docstring promises, FastAPI's own too
+    # (a body too large, one that does not parse, an unknown route, a failed validation).
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        code = "body_too_large" if exc.status_code == 413 else f"http_{exc.status_code}"
+        return _error(exc.status_code, code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        where = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+            for e in exc.errors()[:5]
+        )
+        return _error(422, "invalid_request", where or "invalid request")
 
     @app.get("/health")
     def health() -> dict[str, Any]:

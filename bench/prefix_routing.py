@@ -147,8 +147,10 @@ class Run:
 
 
 def start_router(
-    children: Children, consul_port: int, strategy: str, name: str
+    children: Children, consul_port: int, strategy: str, name: str, shared: bool = True
 ) -> tuple[str, subprocess.Popen]:
+    """A router; `shared` False: balancing on its own requests only (no replica load
+    reads: LLMGW_ROUTER_SHARED_LOAD_INTERVAL=0), as before router.replicaload."""
     port = free_port()
     env = {
         **os.environ,
@@ -156,6 +158,8 @@ def start_router(
         "LLMGW_ACTIVATION": "0",
         "LLMGW_ROUTING": strategy,
     }
+    if not shared:
+        env["LLMGW_ROUTER_SHARED_LOAD_INTERVAL"] = "0"
     proc = children.spawn(
         [
             sys.executable,
@@ -359,28 +363,36 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-Variant = tuple[str, int]
-"""(routing strategy, routers behind the round-robin front)."""
+Variant = tuple[str, int, bool]
+"""(routing strategy, routers behind the round-robin front, whether they read the
+replicas' load: `--routers 3:own` is 3 routers each on its own load)."""
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     if args.routers:
-        return [(args.strategy, int(n)) for n in args.routers.split(",")]
-    return [(strategy, 1) for strategy in STRATEGIES]
+        chosen = []
+        for item in args.routers.split(","):
+            count, _, own = item.partition(":")
+            chosen.append((args.strategy, int(count), own != "own"))
+        return chosen
+    return [(strategy, 1, True) for strategy in STRATEGIES]
 
 
 def label(variant: Variant, args: argparse.Namespace) -> str:
-    strategy, routers = variant
-    return f"{strategy} x{routers}" if args.routers else strategy
+    strategy, routers, shared = variant
+    own = "" if shared else " own load"
+    return f"{strategy} x{routers}{own}" if args.routers else strategy
 
 
 def run_variant(
     children: Children, consul: str, consul_port: int, model: Path, variant: Variant, seed: int
 ) -> tuple[str, list[str], list[subprocess.Popen], Run]:
-    strategy, routers = variant
-    name = f"{strategy}-{routers}r-{seed}"
+    strategy, routers, shared = variant
+    name = f"{strategy}-{routers}r{'' if shared else '-own'}-{seed}"
     run = Run(children, consul, model, name)
-    started = [start_router(children, consul_port, strategy, f"{name}-{i}") for i in range(routers)]
+    started = [
+        start_router(children, consul_port, strategy, f"{name}-{i}", shared) for i in range(routers)
+    ]
     return name, [url for url, _ in started], [proc for _, proc in started], run
 
 
@@ -459,16 +471,18 @@ def targets_met(result: dict, chosen: list[Variant], args: argparse.Namespace) -
             "more_cached": px["cached_tokens"] > lo["cached_tokens"],
             "lower_ttft": px["ttft_mean_s"] < lo["ttft_mean_s"],
         }
-    one = result[label((args.strategy, 1), args)] if (args.strategy, 1) in chosen else None
+    ones = [v for v in chosen if v[1] == 1]
     met: dict = {}
-    if one is None:
+    if not ones:
         return met
+    one = result[label(ones[0], args)]
     for variant in chosen:
         if variant[1] == 1:
             continue
         r = result[label(variant, args)]
-        met[f"cached_x{variant[1]}"] = r["cached_fraction"] >= one["cached_fraction"] * 0.9
-        met[f"balance_x{variant[1]}"] = r["busiest_share"] <= one["busiest_share"] * 1.1
+        tag = f"x{variant[1]}{'' if variant[2] else '_own_load'}"
+        met[f"cached_{tag}"] = r["cached_fraction"] >= one["cached_fraction"] * 0.9
+        met[f"balance_{tag}"] = r["busiest_share"] <= one["busiest_share"] * 1.1
     return met
 
 
@@ -521,7 +535,8 @@ def main() -> None:
     parser.add_argument(
         "--routers",
         default="",
-        help="router counts behind a round-robin front, e.g. 1,2,3 (each with --strategy)",
+        help="router counts behind a round-robin front, e.g. 1,2,3 (each with "
+        "--strategy); 3:own: 3 routers balancing on their own load only, side by side",
     )
     parser.add_argument("--strategy", choices=STRATEGIES, default="prefix")
     parser.add_argument("--width", type=int, default=256, help="model width")

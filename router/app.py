@@ -62,6 +62,7 @@ from router.planners import PlannerCandidates
 from router.prefix import PrefixChooser
 from router.proxy import NoEndpoint, Proxy, Receive, Scope, Send
 from router.refusals import refuse_at_once
+from router.replicaload import LoadSampler
 from router.routes import model_route
 from router.settings import RouterSettings
 from router.usage import UsageReporter
@@ -293,6 +294,12 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         )
         app.state.watcher = watcher
         watcher.start()
+        sampler = LoadSampler(
+            lambda: (entry.endpoints for entry in table.entries()),
+            lambda: proxy.control,
+            settings.shared_load_interval_s,
+        )
+        sampler.start()
         following = asyncio.ensure_future(keys.follow()) if isinstance(keys, KeysFile) else None
         if planner is not None and usage is not None:
             await planner.start()
@@ -312,7 +319,10 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             or f"its /props slot count (else {settings.default_replica_concurrency})",
             settings.queue_timeout_s,
             proxy.budget.limit,
-            settings.routing,
+            f"{settings.routing}, other routers' load read every "
+            f"{settings.shared_load_interval_s:g} s"
+            if settings.shared_load_interval_s
+            else f"{settings.routing}, on this router's own load",
             f"activation through the planner leader (Consul), then "
             f"{settings.fixed_planner_url or 'no fixed planner URL'}, "
             f"then the other passing planners (window {settings.activation_window_s:g} s, "
@@ -334,6 +344,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
                 await usage.stop()
                 await activator.close()
                 await planner.close()
+            await sampler.close()
             log.info("shutdown: closing upstream connection pools")
             await proxy.first_byte.close()
             await proxy.outliers.close()

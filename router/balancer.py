@@ -1,9 +1,11 @@
 """Least-outstanding-requests choice among a model's passing endpoints, under their limits.
 
-:func:`pick` is pure: it reads each :class:`Endpoint`'s in-flight count and
-limit and returns the least loaded endpoint that has a free slot, rotating the
-starting point so replicas with equal load take turns. The counts change only
-in :class:`router.admission.Slots`, which grants and releases slots in pairs.
+:func:`pick` is pure: it reads each :class:`Endpoint`'s in-flight counts (its own,
+and the other routers' as the replica reported them) and limit and returns the
+least loaded endpoint that has a free slot, rotating the starting point so
+replicas with equal load take turns. The router's own counts change only in
+:class:`router.admission.Slots`, which grants and releases slots in pairs; the
+others' only in :mod:`router.replicaload`.
 :class:`~router.endpoint.Endpoint` (:mod:`router.endpoint`) is created and retired
 by :mod:`router.endpoints`; its limit is set by :mod:`router.capacity`. With prefix
 routing on, an :data:`Affinity` is asked first (:mod:`router.prefix`);
@@ -38,6 +40,10 @@ def pick(
 ) -> Endpoint | None:
     """Return the endpoint with the fewest requests in flight and a free slot, or ``None``.
 
+    Requests in flight are this router's and, as the replica last reported them, the
+    other routers' (``others``: :mod:`router.replicaload`); the free slot is this
+    router's own limit.
+
     ``start`` rotates the scan (callers pass a per-model counter) so that
     ties go round-robin instead of always to the first replica; an idle
     endpoint ends the scan early. Endpoints at their limit, and those in
@@ -49,17 +55,24 @@ def pick(
     endpoints = not_ejected(endpoints, exclude)
     if affinity is not None:
         chooser, key = affinity
-        chosen = chooser.choose(endpoints, key, lambda e: usable(e, exclude))
+        # The preferred replica only while every router's requests there leave it a
+        # slot: past that, least loaded over all routers (its cache is worth less
+        # than a wait in its queue). Alone, a router's own limit says the same.
+        chosen = chooser.choose(
+            endpoints, key, lambda e: usable(e, exclude) and e.inflight + e.others < e.limit
+        )
         if chosen is not None:
             return chosen
     n = len(endpoints)
     best: Endpoint | None = None
+    best_load = 0
     for i in range(n):
         candidate = endpoints[(start + i) % n]
         if candidate.inflight >= candidate.limit or (exclude and candidate in exclude):
             continue
-        if best is None or candidate.inflight < best.inflight:
-            best = candidate
-            if best.inflight == 0:
+        load = candidate.inflight + candidate.others
+        if best is None or load < best_load:
+            best, best_load = candidate, load
+            if load == 0:
                 break
     return best

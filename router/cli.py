@@ -207,6 +207,14 @@ def serve(
             "0: none (env LLMGW_ROUTER_LOADING_HEARTBEAT, 5)."
         ),
     ] = None,
+    shared_load_interval: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between reads of a busy model's replicas' /metrics, for what the "
+            "other routers have in flight there; 0: balance on this router's own counts "
+            "(env LLMGW_ROUTER_SHARED_LOAD_INTERVAL, 0.25)."
+        ),
+    ] = None,
     max_connections_per_replica: Annotated[
         int | None,
         typer.Option(
@@ -299,6 +307,7 @@ def serve(
             first_byte_timeout_s=first_byte_timeout,
             stall_timeout_s=stall_timeout,
             loading_heartbeat_s=loading_heartbeat,
+            shared_load_interval_s=shared_load_interval,
             max_connections_per_replica=max_connections_per_replica,
             max_requests=max_requests,
             max_body_bytes=max_body_bytes,

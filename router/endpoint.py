@@ -69,7 +69,7 @@ class Endpoint:
     it and releases its own slot even after the replica left.
     """
 
-    __slots__ = ("_urls", "address", "base_url", "health", "inflight", "limit")
+    __slots__ = ("_urls", "address", "base_url", "health", "inflight", "limit", "others")
 
     def __init__(self, address: ServiceAddress, limit: int) -> None:
         self.address = address
@@ -77,6 +77,9 @@ class Endpoint:
         self.base_url = f"http://{host}:{address.port}"
         self.inflight = 0
         self.limit = limit
+        # Other routers' requests in flight here, as the replica last reported them
+        # (router.replicaload): balance orders by inflight + others.
+        self.others = 0
         # Passive outlier ejection (router.outliers).
         self.health = ReplicaHealth()
         self._urls: dict[str, URL] = {}
@@ -97,4 +100,7 @@ class Endpoint:
         return url
 
     def __repr__(self) -> str:
-        return f"Endpoint({self.base_url}, inflight={self.inflight}/{self.limit})"
+        return (
+            f"Endpoint({self.base_url}, inflight={self.inflight}/{self.limit}, "
+            f"others={self.others})"
+        )

@@ -64,6 +64,9 @@ class Loaded(Protocol):
     @property
     def inflight(self) -> int: ...
 
+    @property
+    def others(self) -> int: ...  # other routers' in flight (router.replicaload)
+
 
 E = TypeVar("E", bound=Loaded)
 
@@ -156,8 +159,9 @@ class PrefixChooser:
 
     def bound(self, endpoints: Sequence[Loaded]) -> int:
         """Most requests in flight one endpoint may have, this one counted:
-        ceil(load_factor * (in flight + 1) / endpoints)."""
-        total = sum(e.inflight for e in endpoints) + 1
+        ceil(load_factor * (in flight + 1) / endpoints), in flight being every
+        router's (this one's, and the others' as the replicas reported them)."""
+        total = sum(e.inflight + e.others for e in endpoints) + 1
         return math.ceil(self.load_factor * total / len(endpoints))
 
     def choose(self, endpoints: Sequence[E], key: str, usable: Callable[[E], bool]) -> E | None:
@@ -181,6 +185,6 @@ class PrefixChooser:
         bound = self.bound(endpoints)
         for index in order:
             endpoint = endpoints[index]
-            if endpoint.inflight < bound and usable(endpoint):
+            if endpoint.inflight + endpoint.others < bound and usable(endpoint):
                 return endpoint
         return None

@@ -190,6 +190,9 @@ class RouterSettings:
     # Replicas tried per request when a connection fails before any byte went out.
     max_attempts: int = 3
     drain_timeout_s: float = 30.0
+    # How often a busy model's replicas are asked what every router has in flight on
+    # them (router.replicaload); 0: balance on this router's own counts only.
+    shared_load_interval_s: float = 0.25
     # Processes behind the one port (router.workers); 1: this process serves.
     workers: int = 1
     access_log: bool = False
@@ -326,6 +329,8 @@ class RouterSettings:
             raise ValueError("the first-byte and stall timeouts must be > 0 s")
         if self.loading_heartbeat_s < 0:
             raise ValueError("the loading heartbeat must be >= 0 s (0: none)")
+        if self.shared_load_interval_s < 0:
+            raise ValueError("LLMGW_ROUTER_SHARED_LOAD_INTERVAL must be >= 0 s (0: off)")
         if self.max_connections_per_replica < 1 or self.max_connections < 0:
             raise ValueError(
                 "max connections per replica must be >= 1 and max connections >= 0 (0: no cap)"
@@ -438,6 +443,7 @@ _ENV_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("LLMGW_ROUTER_EJECTION_BASE", "ejection_base_s", float),
     ("LLMGW_ROUTER_EJECTION_MAX", "ejection_max_s", float),
     ("LLMGW_ROUTER_DRAIN_TIMEOUT", "drain_timeout_s", float),
+    ("LLMGW_ROUTER_SHARED_LOAD_INTERVAL", "shared_load_interval_s", float),
     ("LLMGW_ROUTER_WORKERS", "workers", int),
     ("LLMGW_PLANNER_URL", "planner_url", str),
     ("LLMGW_ACTIVATION_WINDOW", "activation_window_s", float),

@@ -1,0 +1,114 @@
+"""What the other routers have in flight on each replica, read from the replica itself.
+
+Each router counts only its own requests in flight (:class:`router.endpoint.Endpoint`
+``inflight``), and the router job runs two instances by default behind a front
+with no affinity: each router alone balances its own share, and together they
+pile onto one replica (issue 21, measured with ``bench/prefix_routing.py
+--routers``: the busiest of two replicas held 72 % of the requests in flight with
+three routers, 56 % with one). The replica knows the sum: llama-server's
+``GET /metrics`` (every replica runs with ``--metrics``) has
+``llamacpp:requests_processing`` and ``llamacpp:requests_deferred``, gauges of the
+requests it runs and queues, every router's together. So while a model has
+requests in flight (on this router, or on others as last read), :class:`LoadSampler`
+reads every one of its replicas' gauges each ``interval_s`` and sets each
+endpoint's ``others``: that sum less this router's own in flight there (never
+below 0). :func:`router.balancer.pick` and the prefix chooser's load bound order
+replicas by ``inflight + others``; the admission limit stays this router's own
+(``inflight < limit``), as before. Admitting on the sum instead would hold a
+router's requests in its queue on a read up to ``interval_s`` old while the other
+routers, which see their own releases at once, refill every slot that frees: under
+overload a router that held no slots (just started, or its load just rose) would
+time its clients out while the others serve. A replica that more than one router
+fills past its slots queues the excess itself, in order.
+
+What it costs: one small GET per replica of a busy model per interval (0.25 s by
+default; ``LLMGW_ROUTER_SHARED_LOAD_INTERVAL``, 0 turns it off), on the control
+session, never on the request path. llama-server answers ``/metrics`` from its
+queue's worker between batch steps (measured at most 18 ms into prompt steps of 5
+to 27 s: :mod:`router.firstbyte`). A replica that does not answer within the
+interval, or has no ``/metrics`` (501), counts 0 others: the router then balances
+on its own counts, as it did before. Each read is at most ``interval_s`` old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+from router.endpoint import Endpoint
+
+log = logging.getLogger(__name__)
+
+METRICS_PATH = "/metrics"
+# llama.cpp tools/server (server_task_result_metrics): gauges, every client's requests.
+LOAD_GAUGES = (b"llamacpp:requests_processing", b"llamacpp:requests_deferred")
+
+
+def reported_load(text: bytes) -> int | None:
+    """The requests a replica runs and queues, from its ``/metrics`` text; ``None``
+    when it has neither gauge."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        name, _, value = line.partition(b" ")
+        if name in LOAD_GAUGES:
+            with contextlib.suppress(ValueError):
+                total += float(value.strip())
+                seen = True
+    return int(total) if seen else None
+
+
+def others_on(endpoint: Endpoint, reported: int | None) -> int:
+    """The requests in flight on ``endpoint`` that are not this router's."""
+    return max(0, reported - endpoint.inflight) if reported is not None else 0
+
+
+class LoadSampler:
+    """Keeps each busy model's endpoints' ``others`` fresh (see the module docstring).
+    ``models`` gives each model's endpoints now; ``session`` the control session."""
+
+    def __init__(
+        self,
+        models: Callable[[], Iterable[tuple[Endpoint, ...]]],
+        session: Callable[[], aiohttp.ClientSession],
+        interval_s: float = 0.25,
+    ) -> None:
+        self._models, self._session, self.interval_s = models, session, interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.interval_s > 0 and self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            busy = [e for endpoints in self._models() if _busy(endpoints) for e in endpoints]
+            if busy:
+                await asyncio.gather(*(self._read(e) for e in busy))
+            await asyncio.sleep(self.interval_s)
+
+    async def _read(self, endpoint: Endpoint) -> None:
+        reported: int | None = None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.interval_s)
+            async with self._session().get(endpoint.url(METRICS_PATH), timeout=timeout) as response:
+                if response.status == 200:
+                    reported = reported_load(await response.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("no load read from %s: %r", endpoint.base_url, exc)
+        endpoint.others = others_on(endpoint, reported)
+
+
+def _busy(endpoints: tuple[Endpoint, ...]) -> bool:
+    """More than one replica to choose from, and requests in flight on one of them
+    (this router's, or others' as last read)."""
+    return len(endpoints) > 1 and any(e.inflight or e.others for e in endpoints)

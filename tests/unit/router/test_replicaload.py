@@ -1,0 +1,113 @@
+"""Other routers' load, read from the replicas (router.replicaload), and the choices
+that use it (router.balancer.pick, router.prefix.PrefixChooser). The replicas in the
+sampler test are real aiohttp servers on 127.0.0.1 answering llama-server's
+/metrics text (the gauge lines of the pinned build; the real replicas:
+bench/prefix_routing.py --routers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from router.balancer import pick
+from router.catalog import ServiceAddress
+from router.endpoint import Endpoint
+from router.prefix import PrefixChooser
+from router.replicaload import LoadSampler, others_on, reported_load
+from tests.support.ports import free_port
+
+METRICS = b"""# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing %d
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred %d
+llamacpp:n_decode_total 42
+"""
+
+
+def endpoints(*inflight: int, limit: int = 4) -> list[Endpoint]:
+    made = []
+    for i, n in enumerate(inflight):
+        endpoint = Endpoint(ServiceAddress("10.0.0.1", 9000 + i), limit)
+        endpoint.inflight = n
+        made.append(endpoint)
+    return made
+
+
+def test_the_replica_s_gauges_give_every_router_s_requests_less_this_one_s() -> None:
+    assert reported_load(METRICS % (3, 2)) == 5
+    assert reported_load(b"llamacpp:n_decode_total 1\n") is None
+    assert reported_load(b"llamacpp:requests_processing nan-ish\n") is None
+    [mine] = endpoints(2)
+    assert others_on(mine, 5) == 3
+    assert others_on(mine, 1) == 0  # this router's request not yet counted there
+    assert others_on(mine, None) == 0  # no gauges: this router's own counts only
+
+
+def test_pick_orders_by_every_router_s_load_and_admits_on_its_own_limit() -> None:
+    a, b = endpoints(0, 1)
+    a.others = 3  # another router keeps a busy
+    assert pick([a, b], start=0) is b
+    full = endpoints(4, 0)
+    full[1].others = 9  # busy elsewhere, but this router's slot there is free
+    assert pick(full, start=0) is full[1]
+
+
+def test_the_prefix_bound_counts_the_other_routers_requests() -> None:
+    chooser = PrefixChooser(load_factor=1.25)
+    a, b = endpoints(0, 0)
+    key = next(k for k in (f"chat {i}" for i in range(100)) if chooser.choose([a, b], k, bool) is a)
+    a.others = 4  # bound: ceil(1.25 * 5 / 2) = 4, and a holds 4
+    assert chooser.choose([a, b], key, lambda e: True) is b
+
+
+def test_the_sampler_reads_busy_models_replicas_and_leaves_idle_ones_alone() -> None:
+    async def run() -> tuple[list[int], list[int], list[str]]:
+        asked: list[str] = []
+        loads = {0: (3, 1), 1: (1, 0)}
+
+        def serve(i: int) -> web.Application:
+            async def metrics(request: web.Request) -> web.Response:
+                asked.append(f"{i}{request.path}")
+                return web.Response(body=METRICS % loads[i])
+
+            app = web.Application()
+            app.router.add_get("/metrics", metrics)
+            return app
+
+        runners = [web.AppRunner(serve(i)) for i in (0, 1)]
+        ports = [free_port(), free_port()]
+        for runner, port in zip(runners, ports, strict=True):
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
+        busy[0].inflight = 1
+        idle = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
+        async with aiohttp.ClientSession() as session:
+            sampler = LoadSampler(lambda: (busy, idle), lambda: session, interval_s=0.05)
+            sampler.start()
+            while len(asked) < 4:
+                await asyncio.sleep(0.01)
+            await sampler.close()
+        for runner in runners:
+            await runner.cleanup()
+        return [e.others for e in busy], [e.others for e in idle], asked
+
+    busy, idle, asked = asyncio.run(run())
+    assert busy == [3, 1] and idle == [0, 0]
+    assert set(asked) == {"0/metrics", "1/metrics"}
+
+
+def test_a_prefix_s_replica_full_over_all_routers_gives_way_to_the_least_loaded() -> None:
+    chooser = PrefixChooser(load_factor=4.0)  # a bound that never binds here
+    a, b = endpoints(1, 1)
+    key = next(
+        k for k in (f"chat {i}" for i in range(100)) if pick([a, b], 0, (), (chooser, k)) is a
+    )
+    a.others = 2  # 3 of its 4 slots taken: still preferred
+    assert pick([a, b], 0, (), (chooser, key)) is a
+    a.others = 3  # every slot taken, by this router and others: the least loaded instead
+    assert pick([a, b], 0, (), (chooser, key)) is b

@@ -57,7 +57,7 @@ from planner.model import rollout
 from planner.model.effects import Deregister, Effect, Evaluate, Reason, Register
 from planner.model.parking import parked_from_job, parked_job, set_parked
 from planner.model.placement import EngineNeed
-from planner.model.resurrect import failed_elsewhere, renewal_kept, renewed
+from planner.model.resurrect import failed_elsewhere, held_places, renewal_kept, renewed
 from planner.model.unplaceable import engine_need
 from planner.spec.definitions import ModelDefinition, load_definitions
 from planner.spec.fit import Fit, check_models
@@ -652,7 +652,9 @@ def _noted(change: Change, note: str) -> Change:
     return replace(change, reason=f"{change.reason} ({note})")
 
 
-def registration(change: Change, stale: tuple[str, ...] = ()) -> list[Effect]:
+def registration(
+    change: Change, stale: tuple[str, ...] = (), held: tuple[str, ...] = ()
+) -> list[Effect]:
     """The effects that register `change.job`: the registration, and for a job that was
     stopped, a forced reschedule of the replicas Nomad stopped after their restart
     attempts (they keep their place in the count across a job stop: no reschedule).
@@ -669,15 +671,18 @@ def registration(change: Change, stale: tuple[str, ...] = ()) -> list[Effect]:
 
     Never while one of those replicas is `stale` (the job stopped during a rollout
     kept one of the definition before): the forced reschedule would place it again at
-    its own version. The job is registered as a new definition replaces them all
-    (renewed, `planner.model.resurrect.renewed`, when its definition is the same)."""
+    its own version. Nor while any failed replica holds its place (`held`, of any
+    version: `planner.model.resurrect.held_places`): a registration equal to its job
+    (A, then B, then A again) does not update it, and Nomad places nothing. The job is
+    then registered renewed (`planner.model.resurrect.renewed`), a version whose meta
+    no allocation has, which replaces them all."""
     assert change.job is not None
     new_definition = change.unpark or change.restarted_changed
     job = change.job
-    if change.restart and stale and not new_definition:
+    if change.restart and (stale or held):
         job = renewed(job, change.job_index)
     effects: list[Effect] = [Register(Reason.APPLY, change.reason, job)]
-    if change.restart and not stale and not (new_definition and _canaries(change.job)):
+    if change.restart and not (stale or held) and not (new_definition and _canaries(change.job)):
         effects.append(
             Evaluate(Reason.APPLY, "the stopped job is starting again", force_reschedule=True)
         )
@@ -693,6 +698,7 @@ def _registered(change: Change, applier: Applier) -> Outcome:
     stopped or parked job again, and clear the KV cache of a lifted parking."""
     assert change.job is not None
     stale: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
     if change.restart and change.job_index:
         nomad = applier.nomad
         versions, allocations = nomad.versions(change.model), nomad.allocations(change.model)
@@ -702,7 +708,8 @@ def _registered(change: Change, applier: Applier) -> Outcome:
             allocations,
             own_definitions(nomad, versions, allocations),
         )
-    answers = applier.write_job(change.model, registration(change, stale), change.job_index)
+        held = held_places(allocations)
+    answers = applier.write_job(change.model, registration(change, stale, held), change.job_index)
     index = _job_index(answers[0])
     if change.unpark:
         applier.update(change.model, lambda s: set_parked(s, None, index))

@@ -236,6 +236,21 @@ def test_a_stopped_job_holding_a_failed_replica_of_an_older_definition_is_renewe
     assert [type(e) for e in registration(same)] == [Register, Evaluate]
 
 
+def test_an_earlier_definition_applied_again_over_its_failed_replica_is_renewed() -> None:
+    """Issue 19's third QA: A parked, B parked, A applied again. A's first failed replica
+    (job version 0, A's very job) still holds its place: registered as it is, A is no
+    update of it, Nomad places nothing and the model parks again with 0 starts. Any
+    failed replica holding its place makes the registration a renewal."""
+    parked = {"m": Parked(reason="5 consecutive start failures", definition_hash="d2")}
+    registered = {"m": spec("s2", definition_hash="d2", stop=True, JobModifyIndex=70)}
+    [again] = decide({"m": with_canaries(spec("s1"), 1)}, registered, prune=False, parked=parked)
+    assert again.unpark
+    [register] = registration(again, stale=("b0",), held=("a0", "b0"))
+    assert isinstance(register, Register) and register.job["Meta"][JobMeta.RENEWED] == "70"
+    [only_a] = registration(again, held=("a0",))
+    assert isinstance(only_a, Register) and only_a.job["Meta"][JobMeta.RENEWED] == "70"
+
+
 def test_failed_elsewhere_reads_the_versions_nomad_keeps() -> None:
     versions = [job(definition_hash="d2", Version=5), job(definition_hash="d1", Version=4)]
     allocations = [

@@ -44,7 +44,11 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from llmgw_contract.acl import ROUTER_CONSUL_KEYS_NEEDS, ROUTER_CONSUL_NEEDS
+from llmgw_contract.acl import (
+    ROUTER_CONSUL_KEYS_NEEDS,
+    ROUTER_CONSUL_LIMITS_NEEDS,
+    ROUTER_CONSUL_NEEDS,
+)
 from router import collector, heap
 from router import workers as router_workers
 from router.app import create_app
@@ -385,6 +389,8 @@ async def _denied(settings: RouterSettings) -> str | None:
     )
     try:
         needs = ROUTER_CONSUL_NEEDS + (ROUTER_CONSUL_KEYS_NEEDS if settings.api_keys_consul else ())
+        if settings.shared_limits and (settings.api_keys_file or settings.api_keys_consul):
+            needs += ROUTER_CONSUL_LIMITS_NEEDS
         return await catalog.denied(needs)
     finally:
         await catalog.close()

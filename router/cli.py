@@ -331,7 +331,9 @@ def serve(
     worker = router_workers.worker_index()
     if settings.workers > 1 and worker is None:
         api_keys = bool(settings.api_keys_file or settings.api_keys_consul)
-        for warning in router_workers.shared_state_warnings(settings.workers, api_keys):
+        for warning in router_workers.shared_state_warnings(
+            settings.workers, api_keys, settings.shared_limits
+        ):
             log.warning("%s", warning)
         raise typer.Exit(router_workers.supervise(settings.workers))
     # Large bodies mapped on their own, freed heap memory handed back (router.heap).

@@ -125,11 +125,16 @@ def shared_state_warnings(workers: int, api_keys: bool, shared_limits: bool = Tr
         f"/metrics is per worker: a scrape through the shared port reads whichever of the "
         f"{workers} workers accepted it (docs/router.md#workers)"
     ]
-    if api_keys:
+    if api_keys and shared_limits:
+        warnings.append(
+            f"per-key concurrent_requests are per worker: with {workers} workers a key gets "
+            f"up to {workers} times that limit (requests per minute and budgets are shared "
+            f"through Consul; docs/router.md#workers)"
+        )
+    elif api_keys:
         warnings.append(
             f"per-key limits (requests_per_minute, concurrent_requests, budgets) are per worker: "
-            f"with "
-            f"{workers} workers a key gets up to {workers} times its limits "
+            f"with {workers} workers a key gets up to {workers} times its limits "
             f"(docs/router.md#workers)"
         )
     return warnings

@@ -167,3 +167,38 @@ def test_a_key_over_its_limits_gets_429_through_the_router(tmp_path: Path) -> No
             await replica.stop()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_requests_the_router_refuses_itself_use_no_allowance(tmp_path: Path, shared: bool) -> None:
+    """Issue 23's defect: an unknown model (404), a model with no replica (503) and a
+    bad body (400) were charged to the key's requests per minute; only requests that
+    reach a replica are. ``shared``: the leases of router.limits over an in-memory
+    store (no lifespan, so no Consul), else the per-router bucket."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {requests_per_minute: 2}\n"
+    )
+    auth = [(b"authorization", b"Bearer sk-team-0123456789")]
+
+    async def scenario() -> None:
+        replica = HeldReplica()
+        replica.release.set()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=shared)
+        try:
+            async with in_process_router(settings, models=("m", "idle")) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                for body in ({"model": "nope"}, {"model": "idle"}, {"prompt": "no model"}):
+                    for _ in range(3):
+                        status = (await asgi_post(app, body, headers=auth))[0]
+                        assert status in (400, 404, 503), status
+                for _ in range(2):
+                    assert (await asgi_post(app, {"model": "m"}, headers=auth))[0] == 200
+                status, _, body = await asgi_post(app, {"model": "m"}, headers=auth)
+                assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+        finally:
+            await replica.stop()
+
+    run(scenario())

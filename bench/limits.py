@@ -190,6 +190,8 @@ def measure(args: argparse.Namespace) -> dict:
             define_model(consul, MODEL)
             keys = keys_files(workdir, args.rpm, args.n)
             ports = {"on": free_port(), "off": free_port(), "on2": free_port()}
+            # No planner in this bench: never report usage to one a demo left running.
+            os.environ["LLMGW_ACTIVATION"] = "0"
             for name, port in ports.items():
                 os.environ["LLMGW_API_KEYS_FILE"] = keys["off" if name == "off" else "on"]
                 children.router_process(port, consul_port, name=f"router-{name}")

@@ -329,10 +329,13 @@ class KeyLimits:
         at a time: a second caller waits for the first's answer). A store that fails
         makes the limits fail open (nothing raised)."""
         pending = self._refills.get((name, kind))
-        if pending is None:
+        if pending is None or pending.done():
+            # A done ask is never awaited again: awaiting a done future does not
+            # yield, so a caller that found its lease emptied by the others would
+            # spin on it without ever letting the loop run (found by bench/limits.py:
+            # 16 requests at once for a lease of 5 held a router at 100% CPU).
             pending = asyncio.ensure_future(self._take(name, kind, lease, want))
             self._refills[(name, kind)] = pending
-            pending.add_done_callback(lambda _: self._refills.pop((name, kind), None))
         # Shielded: a client that leaves must not cancel the ask the others wait on.
         await asyncio.shield(pending)
 

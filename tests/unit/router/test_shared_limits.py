@@ -190,6 +190,31 @@ def test_concurrent_requests_wait_for_one_ask() -> None:
     assert store.calls == 1
 
 
+@pytest.mark.timeout(20, method="thread")  # a spin never yields: only a thread ends it
+def test_more_requests_at_once_than_a_lease_holds_ask_again_and_end() -> None:
+    """bench/limits.py found a router spinning for ever when the requests waiting on
+    one ask outnumbered the units it brought: the rest awaited the finished ask again."""
+    store, wall = CountingStore(), Clock(T0)
+    limits = router(store, wall)
+
+    async def burst(key: ApiKey, count: int) -> list[object]:
+        return await asyncio.gather(
+            *(limits.admit(key) for _ in range(count)), return_exceptions=True
+        )
+
+    async def scenario() -> None:
+        plenty = ApiKey("plenty", ("*",), requests_per_minute=200)  # leases of 10
+        results = await asyncio.wait_for(burst(plenty, 35), 5)
+        assert all(isinstance(r, Admission) for r in results)
+        assert store.calls == 4
+        scarce = ApiKey("scarce", ("*",), requests_per_minute=20)  # leases of 1
+        results = await asyncio.wait_for(burst(scarce, 30), 5)
+        assert sum(isinstance(r, Admission) for r in results) == 20
+        assert sum(isinstance(r, errors.RateLimited) for r in results) == 10
+
+    asyncio.run(scenario())
+
+
 def test_a_spent_budget_is_insufficient_quota_on_every_router_until_the_day_ends() -> None:
     store, wall = CountingStore(), Clock(T0)
     a, b = router(store, wall), router(store, wall)

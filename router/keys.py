@@ -11,6 +11,7 @@ Off unless ``LLMGW_API_KEYS_FILE`` (``--api-keys-file``) names a YAML file::
         limits:                      # optional (router.limits)
           requests_per_minute: 600   # every router together (per router: see router.limits)
           concurrent_requests: 8     # per router
+          tokens_per_minute: 40000   # every router together: prompt + completion
           tokens_per_day: 2000000    # a budget (or tokens_per_month): prompt + completion
 
 Only SHA-256 digests are stored, never a key: a file that leaks gives nobody
@@ -91,6 +92,7 @@ class _Limits(BaseModel):
 
     requests_per_minute: int | None = Field(default=None, ge=1)
     concurrent_requests: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
     tokens_per_day: int | None = Field(default=None, ge=1)
     tokens_per_month: int | None = Field(default=None, ge=1)
 
@@ -141,6 +143,7 @@ class ApiKey:
     concurrent_requests: int | None = None
     budget_tokens: int | None = None
     budget_period: str | None = None
+    tokens_per_minute: int | None = None
 
     @property
     def limited(self) -> bool:
@@ -149,6 +152,7 @@ class ApiKey:
             self.requests_per_minute is not None
             or self.concurrent_requests is not None
             or self.budget_tokens is not None
+            or self.tokens_per_minute is not None
         )
 
     def allows(self, model: str) -> bool:
@@ -218,6 +222,7 @@ class ApiKeys:
                 limits.concurrent_requests,
                 limits.tokens_per_day or limits.tokens_per_month,
                 "day" if limits.tokens_per_day else "month" if limits.tokens_per_month else None,
+                limits.tokens_per_minute,
             )
         return cls(keys)
 

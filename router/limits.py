@@ -1,5 +1,5 @@
-"""Per-key limits: requests per minute and a token budget shared by every router,
-concurrent requests per router.
+"""Per-key limits: requests and tokens per minute and a token budget shared by every
+router, concurrent requests per router.
 
 :class:`KeyLimits` is asked by :class:`router.proxy.Proxy` right after a
 request's key is authenticated (before its body is read, so a refused request
@@ -7,6 +7,7 @@ costs no body), for keys with ``limits`` in the keys file (:mod:`router.keys`)::
 
     limits:
       requests_per_minute: 600     # every router together, per UTC minute
+      tokens_per_minute: 40000     # every router together, per UTC minute
       concurrent_requests: 8       # requests of the key in this router at once
       tokens_per_day: 2000000      # a budget (or tokens_per_month), UTC
 
@@ -25,9 +26,14 @@ end. The window is a fixed UTC minute, not a sliding one: a key may send its
 limit at the end of one minute and again at the start of the next.
 
 Tokens are charged from the answer's ``usage`` (:mod:`router.accounting`; with
-``LLMGW_ROUTER_ACCOUNTING=false`` nothing is charged): a request is admitted
-while its router holds some of the budget, and what it used is taken from
-that lease after it ends; beyond the lease it is owed and written to the
+``LLMGW_ROUTER_ACCOUNTING=false`` nothing is charged but the estimate below): a
+request is admitted while its router holds some of the budget (or of the
+minute's tokens), and what it used is taken from that lease after it ends. For
+tokens per minute the prompt is estimated once the body is read
+(:data:`BYTES_PER_TOKEN`) and charged at once, so a burst of large prompts is
+held back before any answer; the answer's usage then corrects it (an
+overestimate is given back to the lease; an answer without usage keeps the
+estimate); beyond the lease it is owed and written to the
 shared tally at once (one compare-and-set, off the request path), so the
 other routers see a budget spent within a round trip of the answer that spent
 it. A budget can thus be overrun by what the requests in flight when it ran out
@@ -54,13 +60,15 @@ for the per-minute limit, ``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests`` and ``x-ratelimit-reset-requests`` (until
 the minute ends, or the bucket is full, in OpenAI's ``1m30s`` / ``250ms``
 spelling). The concurrency limit has no OpenAI header of its own:
-``Retry-After: 1``. A spent budget is 429 ``insufficient_quota`` (type and code,
+``Retry-After: 1``. Tokens per minute: ``x-ratelimit-limit-tokens``,
+``x-ratelimit-remaining-tokens: 0``, ``x-ratelimit-reset-tokens``. A spent budget is 429 ``insufficient_quota`` (type and code,
 as OpenAI answers a spent quota), ``Retry-After`` until the period ends, and
 ``x-should-retry: false`` (the OpenAI SDKs would otherwise retry a 429).
 
 A request the router then refuses itself (an unknown or forbidden model, a
-parked one, no replica, a bad body...) is given back (:meth:`KeyLimits.refund`):
-only requests that reached a replica use the per-minute allowance.
+parked one, no replica, a bad body...) is given back (:meth:`KeyLimits.refund`),
+its prompt's estimate too: only requests that reached a replica use the
+per-minute allowances.
 """
 
 from __future__ import annotations
@@ -91,8 +99,12 @@ BUDGET_LEASE_FRACTION = 0.01
 # Seconds the limits fail open after Consul did not answer, before asking again
 # (a hung Consul costs one request every FAIL_OPEN_RETRY_S a timeout, not each one).
 FAIL_OPEN_RETRY_S = 5.0
-# The tally kinds: requests of a minute; tokens of a budget's period.
+# The tally kinds: requests and tokens of a minute; tokens of a budget's period.
 REQUESTS = "requests"
+MINUTE_TOKENS = "tokens-minute"
+# A prompt's tokens estimated from its body at admission (OpenAI's rule of thumb: a
+# token is ~4 characters of English); the answer's usage corrects it.
+BYTES_PER_TOKEN = 4
 
 
 def budget_kind(period: str) -> str:
@@ -139,12 +151,21 @@ class _Bucket:
 @dataclass(slots=True)
 class Admission:
     """One admitted request of ``key``: where its request was taken from (a shared
-    lease, this router's bucket, or nothing: no per-minute limit) and the budget
-    lease its tokens are charged to."""
+    lease, this router's bucket, or nothing: no per-minute limit) and the budget and
+    tokens-per-minute leases its tokens are charged to."""
 
     key: ApiKey
     requests: Lease | _Bucket | None = None
     budget: Lease | None = None
+    # Tokens per minute: the lease, and the prompt's estimate charged to it at
+    # admission (corrected by the answer's usage).
+    minute_tokens: Lease | None = None
+    estimated: int = 0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the answer's tokens are charged (a budget or tokens per minute)."""
+        return self.budget is not None or self.minute_tokens is not None
 
 
 class KeyLimits:
@@ -210,6 +231,8 @@ class KeyLimits:
         try:
             if key.budget_tokens is not None:
                 admission.budget = await self._budget(key)
+            if key.tokens_per_minute is not None:
+                admission.minute_tokens = await self._minute_tokens(key, key.tokens_per_minute)
             if key.requests_per_minute is not None:
                 admission.requests = await self._request(key, key.requests_per_minute)
         except BaseException:
@@ -227,22 +250,37 @@ class KeyLimits:
         taken, admission.requests = admission.requests, None
         if taken is not None:
             taken.give_back()
+        if admission.minute_tokens is not None:
+            admission.minute_tokens.adjust(-admission.estimated)
+            admission.estimated = 0
+
+    def estimate(self, admission: Admission, body_bytes: int) -> None:
+        """Charge the prompt's estimate (:data:`BYTES_PER_TOKEN`) to the key's tokens per
+        minute once the body is read; :meth:`charge` corrects it by the answer's usage."""
+        if admission.minute_tokens is None:
+            return
+        admission.estimated = max(1, body_bytes // BYTES_PER_TOKEN)
+        admission.minute_tokens.charge(admission.estimated)
 
     def charge(self, admission: Admission, tokens: int) -> None:
         """The request used ``tokens`` (prompt and completion): taken from its budget
         lease; what the lease did not hold is written to the shared tally now, in
         the background."""
-        lease = admission.budget
-        if lease is None or tokens <= 0:
-            return
-        lease.charge(tokens)
+        key = admission.key
+        if admission.budget is not None and tokens > 0:
+            assert key.budget_period is not None
+            admission.budget.charge(tokens)
+            self._owe(key.name, budget_kind(key.budget_period), admission.budget)
+        if admission.minute_tokens is not None:
+            admission.minute_tokens.adjust(tokens - admission.estimated)
+            admission.estimated = tokens
+            self._owe(key.name, MINUTE_TOKENS, admission.minute_tokens)
+
+    def _owe(self, name: str, kind: str, lease: Lease) -> None:
         if lease.owed > 0:
-            key = admission.key
-            assert key.budget_tokens is not None and key.budget_period is not None
-            kind = budget_kind(key.budget_period)
             # Only what is owed (nothing asked): the next request asks for a lease,
-            # and so learns at once when the others have spent the budget meanwhile.
-            settle = asyncio.ensure_future(self._settle(key.name, kind, lease))
+            # and so learns at once when the others have spent the allowance meanwhile.
+            settle = asyncio.ensure_future(self._settle(name, kind, lease))
             self._settling.add(settle)
             settle.add_done_callback(self._settling.discard)
 
@@ -284,28 +322,62 @@ class KeyLimits:
 
     async def _budget(self, key: ApiKey) -> Lease:
         assert key.budget_tokens is not None and key.budget_period is not None
-        window, ends_in = window_of(Period(key.budget_period), self._wall())
-        kind = budget_kind(key.budget_period)
-        lease = self._lease(key.name, kind, window, key.budget_tokens)
+        budget, period = key.budget_tokens, key.budget_period
+
+        def refusal(ends_in: float) -> errors.RateLimited:
+            return errors.QuotaExceeded(
+                f"You exceeded your current quota: key `{key.name}` used its budget of "
+                f"{budget} tokens this {period} (UTC). It renews in {duration(ends_in)}.",
+                [
+                    (b"retry-after", str(max(1, math.ceil(ends_in))).encode()),
+                    (b"x-should-retry", b"false"),
+                ],
+            )
+
+        return await self._tokens(
+            key.name, budget_kind(period), Period(period), budget, BUDGET_LEASE_FRACTION, refusal
+        )
+
+    async def _minute_tokens(self, key: ApiKey, per_minute: int) -> Lease:
+        def refusal(ends_in: float) -> errors.RateLimited:
+            return errors.RateLimited(
+                f"Rate limit reached for key `{key.name}` on tokens per minute (TPM): limit "
+                f"{per_minute}. Please try again in {duration(ends_in)}.",
+                [
+                    (b"retry-after", str(max(1, math.ceil(ends_in))).encode()),
+                    (b"x-ratelimit-limit-tokens", str(per_minute).encode()),
+                    (b"x-ratelimit-remaining-tokens", b"0"),
+                    (b"x-ratelimit-reset-tokens", duration(ends_in).encode()),
+                ],
+            )
+
+        return await self._tokens(
+            key.name, MINUTE_TOKENS, Period.MINUTE, per_minute, REQUEST_LEASE_FRACTION, refusal
+        )
+
+    async def _tokens(
+        self,
+        name: str,
+        kind: str,
+        period: Period,
+        limit: int,
+        fraction: float,
+        refusal: Callable[[float], errors.RateLimited],
+    ) -> Lease:
+        """The lease a request of tokens is admitted on: some of it left (what the
+        request uses is charged later); raises ``refusal(seconds to the window's end)``
+        when the window's tokens are spent."""
+        window, ends_in = window_of(period, self._wall())
+        lease = self._lease(name, kind, window, limit)
         while True:
             if lease.left > 0:
                 return lease
             if lease.spent:
-                raise errors.QuotaExceeded(
-                    f"You exceeded your current quota: key `{key.name}` used its budget of "
-                    f"{key.budget_tokens} tokens this {key.budget_period} (UTC). It renews "
-                    f"in {duration(ends_in)}.",
-                    [
-                        (b"retry-after", str(max(1, math.ceil(ends_in))).encode()),
-                        (b"x-should-retry", b"false"),
-                    ],
-                )
+                raise refusal(ends_in)
             if self.failing_open and self.shared:
                 self._count_open()
                 return lease
-            await self._refill(
-                key.name, kind, lease, lease_size(key.budget_tokens, BUDGET_LEASE_FRACTION)
-            )
+            await self._refill(name, kind, lease, lease_size(limit, fraction))
 
     def _lease(self, name: str, kind: str, window: str, limit: int) -> Lease:
         lease = self._leases.get((name, kind))

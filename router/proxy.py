@@ -276,6 +276,8 @@ class Proxy:
                 min_rate=self.body_min_rate,
             )
             body_read = True
+            if limited is not None:
+                self.limits.estimate(limited, len(body))  # type: ignore[union-attr]
             doc: dict[str, Any] | None = None
             if len(body) <= self.bodies.inline_bytes:
                 model, doc = parse_request(body)  # the common case, without a coroutine
@@ -364,7 +366,7 @@ class Proxy:
             if limited is not None:
                 assert self.limits is not None
                 self.limits.release(limited)
-                if limited.budget is not None and (usage := meter.used()) is not None:
+                if limited.counts_tokens and (usage := meter.used()) is not None:
                     self.limits.charge(limited, usage.prompt + usage.completion)
 
     async def _forward(

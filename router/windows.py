@@ -153,6 +153,17 @@ class Lease:
             self.owed += units - self.left
             self.left = 0
 
+    def adjust(self, units: int) -> None:
+        """Correct an earlier :meth:`charge` by ``units`` (an estimate against what was
+        used): more is charged; less is given back, to what is owed first."""
+        if units >= 0:
+            self.charge(units)
+            return
+        back = -units
+        paid = min(back, self.owed)
+        self.owed -= paid
+        self.left += back - paid
+
     def granted(self, units: int, owed_sent: int, wanted: int) -> None:
         """A :func:`take` that asked for ``wanted`` units granted ``units`` and took
         ``owed_sent`` of what was owed (what was charged while it was under way stays

@@ -39,6 +39,7 @@ KEYS = {
     "rpm": ("sk-rpm-0123456789abcdef", "{requests_per_minute: 40}"),
     "budget": ("sk-budget-0123456789abcdef", "{tokens_per_day: 5}"),
     "down": ("sk-down-0123456789abcdef", "{requests_per_minute: 5}"),
+    "tpm": ("sk-tpm-0123456789abcdef", "{tokens_per_minute: 5}"),
 }
 
 
@@ -165,6 +166,26 @@ def test_a_budget_spent_on_one_router_refuses_the_next_request_on_the_other(
         assert headers["x-should-retry"] == "false"
         assert int(headers["retry-after"]) >= 1
     assert parts.b.metric("llmgw_router_refusals_total", model="", reason="over_budget") == 1
+
+
+def test_tokens_per_minute_spent_on_one_router_refuse_the_other_until_the_minute_ends(
+    parts: Parts,
+) -> None:
+    if 60 - time.time() % 60 < 40:
+        eventually(lambda: time.time() % 60 < 20, timeout=45, interval=0.2)
+    status, _, answer = post(parts.a, "tpm")
+    assert status == 200
+    used = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+    assert used > 5
+    # What was leased and what was owed (the estimate corrected by the usage) is
+    # written right after the answer.
+    eventually(lambda: (tally(parts.consul, "tpm", "tokens-minute") or {}).get("used", 0) >= 5)
+    status, headers, body = post(parts.b, "tpm")
+    assert status == 429, body
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert headers["x-ratelimit-limit-tokens"] == "5"
+    assert headers["x-ratelimit-remaining-tokens"] == "0"
+    assert 1 <= int(headers["retry-after"]) <= 60
 
 
 def test_consul_down_while_limiting_fails_open_on_each_routers_own_limit(

@@ -103,7 +103,21 @@ def test_limits_in_the_keys_file() -> None:
     a = keys.authenticate(b"Bearer sk-a-0123456789")
     assert (a.requests_per_minute, a.concurrent_requests, a.limited) == (5, 2, True)
     assert not keys.authenticate(b"Bearer sk-b-0123456789").limited
-    for bad in ("{requests_per_minute: 0}", "{tokens_per_minute: 5}"):
+    budgeted = ApiKeys.parse(
+        f"keys:\n  - name: a\n    sha256: {digest('x')}\n"
+        "    limits: {tokens_per_minute: 9, tokens_per_month: 7}\n".encode(),
+        "test",
+    ).authenticate(b"Bearer x")
+    assert (budgeted.tokens_per_minute, budgeted.budget_tokens, budgeted.budget_period) == (
+        9, 7, "month",
+    )  # fmt: skip
+    assert budgeted.limited
+    for bad in (
+        "{requests_per_minute: 0}",
+        "{tokens_per_hour: 5}",
+        "{tokens_per_minute: 0}",
+        "{tokens_per_day: 5, tokens_per_month: 9}",
+    ):
         with pytest.raises(ValueError, match="limits"):
             ApiKeys.parse(
                 f"keys:\n  - name: a\n    sha256: {digest('x')}\n    limits: {bad}\n".encode(),

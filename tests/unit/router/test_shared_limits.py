@@ -125,6 +125,11 @@ def test_lease_accounting() -> None:
     lease.granted(0, owed_sent=4, wanted=1)
     assert (lease.left, lease.owed, lease.spent) == (0, 0, True)
     assert lease.current("5", 100) and not lease.current("6", 100)
+    lease.charge(3)
+    lease.adjust(-5)  # an estimate of 5 that used 0: back to what is owed first
+    assert (lease.left, lease.owed) == (2, 0)
+    lease.adjust(4)
+    assert (lease.left, lease.owed) == (0, 2)
     assert not lease.current("5", 200)
 
 
@@ -260,3 +265,41 @@ def test_consul_unreachable_fails_open_on_each_routers_own_limit() -> None:
     clock.now += FAIL_OPEN_RETRY_S
     assert not limits.failing_open
     assert served(limits, key, 1) == 1 and store.calls == 2  # shared again
+
+
+def test_tokens_per_minute_are_estimated_at_admission_and_corrected_by_usage() -> None:
+    store, wall = CountingStore(), Clock(T0)
+    a, b = router(store, wall), router(store, wall)
+    key = ApiKey("team", ("*",), tokens_per_minute=1000)  # leases of 50
+
+    async def scenario() -> None:
+        first = await a.admit(key)
+        a.estimate(first, 400)  # a 400-byte body: 100 tokens estimated
+        assert first.minute_tokens is not None and first.estimated == 100
+        refused = await a.admit(key)
+        a.estimate(refused, 40)
+        a.refund(refused)  # refused by the router: its estimate given back
+        a.release(refused)
+        a.release(first)
+        a.charge(first, 30)  # used 30: 70 of the estimate given back
+        await a.close()
+        used = await b.admit(key)
+        b.release(used)
+        b.charge(used, 940)  # 50 leased + 890 owed: the minute's 1,000 spent
+        await b.close()
+        # a still holds 120 (its lease, the estimate's excess given back): the slack.
+        held = await a.admit(key)
+        a.release(held)
+        a.charge(held, 200)  # 80 owed
+        await a.close()
+        with pytest.raises(errors.RateLimited) as raised:
+            await a.admit(key)
+        headers = dict(raised.value.headers())
+        assert raised.value.code == "rate_limit_exceeded"
+        assert headers[b"x-ratelimit-limit-tokens"] == b"1000"
+        assert headers[b"x-ratelimit-remaining-tokens"] == b"0"
+        assert headers[b"retry-after"] == b"60"
+
+    asyncio.run(scenario())
+    # a: 50 leased, 50 owed (the estimate of 100), 50 leased, 80 owed; b: 50 leased, 890 owed.
+    assert store._tallies[("team", "tokens-minute")].used == 50 + 50 + 50 + 80 + 50 + 890

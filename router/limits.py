@@ -41,13 +41,15 @@ use.
 
 **Per router** (``LLMGW_ROUTER_SHARED_LIMITS=false``, and as the floor while
 Consul does not answer): requests per minute are a token bucket (the limit at
-once, refilled at limit/60 per second) and budgets are counted in memory: with R
+once, refilled at limit/60 per second); tokens per minute and budgets are
+counted in memory, by the same windows as shared: with R
 routers a key gets up to R times its limits.
 
 **Consul unreachable**: a lease that cannot be taken (no answer in
 :data:`router.sharedlimits.TIMEOUT_S`, an error, a 403) fails open for
 :data:`FAIL_OPEN_RETRY_S`: requests are admitted on this router's own bucket
-(the per-router limit above), budgets are not checked (tokens used meanwhile
+(the per-router limit above), tokens per minute and budgets are not checked
+(tokens used meanwhile
 are owed, and written when Consul answers again, in the same window),
 ``llmgw_router_limits_fail_open_total`` counts the requests so admitted, and
 ``llmgw_router_limits_shared`` reads 0; one warning is logged when it starts
@@ -61,8 +63,9 @@ for the per-minute limit, ``x-ratelimit-limit-requests``,
 the minute ends, or the bucket is full, in OpenAI's ``1m30s`` / ``250ms``
 spelling). The concurrency limit has no OpenAI header of its own:
 ``Retry-After: 1``. Tokens per minute: ``x-ratelimit-limit-tokens``,
-``x-ratelimit-remaining-tokens: 0``, ``x-ratelimit-reset-tokens``. A spent budget is 429 ``insufficient_quota`` (type and code,
-as OpenAI answers a spent quota), ``Retry-After`` until the period ends, and
+``x-ratelimit-remaining-tokens: 0``, ``x-ratelimit-reset-tokens``. A spent
+budget is 429 ``insufficient_quota`` (type and code, as OpenAI answers a spent
+quota), ``Retry-After`` until the period ends, and
 ``x-should-retry: false`` (the OpenAI SDKs would otherwise retry a 429).
 
 A request the router then refuses itself (an unknown or forbidden model, a
@@ -419,7 +422,8 @@ class KeyLimits:
             if not self.failing_open:
                 log.warning(
                     "per-key limits: Consul did not answer (%s); failing open: each router "
-                    "holds the per-minute limits alone and budgets are not checked, until "
+                    "holds requests per minute alone, tokens per minute and budgets are not "
+                    "checked, until "
                     "Consul answers (asked again every %g s)",
                     exc,
                     FAIL_OPEN_RETRY_S,

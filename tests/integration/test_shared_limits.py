@@ -146,6 +146,9 @@ def test_a_key_limited_to_n_a_minute_gets_n_across_two_routers_under_10n(parts: 
     # may write nothing; a minute boundary adds a few.
     assert writes <= minutes * (n // lease + 2), writes
     assert tally(parts.consul, "rpm", "requests")["used"] <= n
+    # One document per key and kind, whatever the minutes: old windows never accumulate.
+    status, _, listed = request("GET", f"{parts.consul.url}/v1/kv/llmgw-router/limits/rpm/?keys")
+    assert status == 200 and json.loads(listed) == ["llmgw-router/limits/rpm/requests"]
 
 
 def test_a_budget_spent_on_one_router_refuses_the_next_request_on_the_other(

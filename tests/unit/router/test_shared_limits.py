@@ -303,3 +303,17 @@ def test_tokens_per_minute_are_estimated_at_admission_and_corrected_by_usage() -
     asyncio.run(scenario())
     # a: 50 leased, 50 owed (the estimate of 100), 50 leased, 80 owed; b: 50 leased, 890 owed.
     assert store._tallies[("team", "tokens-minute")].used == 50 + 50 + 50 + 80 + 50 + 890
+
+
+def test_windows_are_computed_once_per_window_and_again_when_the_clock_goes_back() -> None:
+    wall = Clock(T0 + 10)
+    limits = router(CountingStore(), wall)
+    minute = int(T0 // 60)
+    assert limits._window(Period.MINUTE) == (str(minute), 50.0)
+    wall.now += 49.5
+    assert limits._window(Period.MINUTE) == (str(minute), 0.5)
+    wall.now += 0.5
+    assert limits._window(Period.MINUTE) == (str(minute + 1), 60.0)
+    wall.now = T0 - 10  # set back
+    assert limits._window(Period.MINUTE) == (str(minute - 1), 10.0)
+    assert limits._window(Period.DAY) == ("2026-12-01", 10.0)

@@ -316,4 +316,4 @@ def test_windows_are_computed_once_per_window_and_again_when_the_clock_goes_back
     assert limits._window(Period.MINUTE) == (str(minute + 1), 60.0)
     wall.now = T0 - 10  # set back
     assert limits._window(Period.MINUTE) == (str(minute - 1), 10.0)
-    assert limits._window(Period.DAY) == ("2026-12-01", 10.0)
+    assert limits._window(Period.DAY) == ("2026-12-02", 14 * 3600 + 10.0)

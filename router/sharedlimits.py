@@ -128,7 +128,9 @@ class ConsulCounters:
         raise CatalogUnavailable(f"Consul KV {key}: {MAX_ATTEMPTS} conflicting writes in a row")
 
     async def _read(self, key: str) -> tuple[int, Tally | None]:
-        answer = await self._call("GET", f"/v1/kv/{key}", None)
+        # The key as the transaction writes it, byte for byte: its own %-escapes
+        # (a key name's spaces or slashes) escaped again for the URL.
+        answer = await self._call("GET", "/v1/kv/" + urllib.parse.quote(key, safe="/"), None)
         self._counted(READ)
         if answer is None:
             return 0, None

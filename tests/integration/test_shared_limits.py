@@ -17,6 +17,7 @@ import hashlib
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ import pytest
 
 from devcluster.bootstrap import BIN
 from router.limits import REQUEST_LEASE_FRACTION
+from router.sharedlimits import limits_key
 from router.windows import lease_size
 from tests.integration.test_router_consul import Consul, Router, consul_binary, eventually, request
 from tests.integration.test_router_path import LlamaServer
@@ -38,7 +40,8 @@ MODEL = "tiny"
 KEYS = {
     "rpm": ("sk-rpm-0123456789abcdef", "{requests_per_minute: 40}"),
     "budget": ("sk-budget-0123456789abcdef", "{tokens_per_day: 5}"),
-    "down": ("sk-down-0123456789abcdef", "{requests_per_minute: 5}"),
+    # A name with a space, a slash and a non-ASCII letter: its KV key is escaped.
+    "ops tëam/down": ("sk-down-0123456789abcdef", "{requests_per_minute: 5}"),
     "tpm": ("sk-tpm-0123456789abcdef", "{tokens_per_minute: 5}"),
 }
 
@@ -71,7 +74,8 @@ def post(router: Router, key: str, timeout: float = 30) -> tuple[int, dict, dict
 
 
 def tally(consul: Consul, name: str, kind: str) -> dict | None:
-    status, _, data = request("GET", f"{consul.url}/v1/kv/llmgw-router/limits/{name}/{kind}")
+    key = urllib.parse.quote(limits_key(name, kind), safe="/")
+    status, _, data = request("GET", f"{consul.url}/v1/kv/{key}")
     if status == 404:
         return None
     return json.loads(base64.b64decode(json.loads(data)[0]["Value"]))
@@ -204,11 +208,11 @@ def test_consul_down_while_limiting_fails_open_on_each_routers_own_limit(
         llama = LlamaServer(write_tiny_gguf(tmp_path / "tiny.gguf"), tmp_path)
         router = Router(consul, tmp_path, "router", "--api-keys-file", str(keys))
         serve(consul, llama, router)
-        assert post(router, "down")[0] == 200  # shared: one lease taken in Consul
+        assert post(router, "ops tëam/down")[0] == 200  # shared: one lease taken in Consul
         consul.stop()
         # Consul gone: the router keeps its replicas and admits on its own bucket
         # (5 at once) what the lease it held does not cover, then 429.
-        statuses = [post(router, "down")[0] for _ in range(10)]
+        statuses = [post(router, "ops tëam/down")[0] for _ in range(10)]
         assert statuses.count(200) == 5 and statuses.count(429) == 5, statuses
         assert router.metric("llmgw_router_limits_shared") == 0
         assert router.metric("llmgw_router_limits_fail_open_total") == 5
@@ -217,9 +221,9 @@ def test_consul_down_while_limiting_fails_open_on_each_routers_own_limit(
         # next ask after the fail-open period takes a lease in Consul again.
         consul = Consul(binary, tmp_path, port=consul.port)
         serve(consul, llama, router)
-        eventually(lambda: post(router, "down")[0] == 200, timeout=30, interval=0.5)
+        eventually(lambda: post(router, "ops tëam/down")[0] == 200, timeout=30, interval=0.5)
         assert router.metric("llmgw_router_limits_shared") == 1
-        assert tally(consul, "down", "requests") is not None
+        assert tally(consul, "ops tëam/down", "requests") is not None
         assert "limits are shared again" in router.log_path.read_text()
     finally:
         if router is not None:

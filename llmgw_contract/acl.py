@@ -23,7 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from llmgw_contract.keys import KV_ROOT, PLANNER_SERVICE, ROUTER_API_KEYS_KEY, SERVICE_PREFIX
+from llmgw_contract.keys import (
+    KV_ROOT,
+    PLANNER_SERVICE,
+    ROUTER_API_KEYS_KEY,
+    ROUTER_LIMITS_PREFIX,
+    SERVICE_PREFIX,
+)
 
 
 class Agent(StrEnum):
@@ -90,6 +96,16 @@ ROUTER_CONSUL_NEEDS = (
     CONSUL_SESSIONS_READ,
 )
 ROUTER_CONSUL_KEYS_NEEDS = (CONSUL_API_KEYS_READ,)
+# The per-key limits every router shares (router.sharedlimits): with API keys and
+# LLMGW_ROUTER_SHARED_LIMITS on (the default).
+CONSUL_LIMITS_WRITE = Permission(
+    Agent.CONSUL,
+    f'key_prefix "{ROUTER_LIMITS_PREFIX}" write',
+    "key",
+    ROUTER_LIMITS_PREFIX,
+    "write",
+)
+ROUTER_CONSUL_LIMITS_NEEDS = (CONSUL_LIMITS_WRITE,)
 
 
 def denial(

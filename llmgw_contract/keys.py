@@ -28,6 +28,15 @@ Outside `llmgw/`, written by operators only:
                                           LLMGW_API_KEYS_CONSUL (router.keys); outside
                                           `llmgw/` so the planner's token (`llmgw/`
                                           write) cannot grant itself a key
+
+Written by routers (compare-and-set), outside `llmgw/` so the planner's token
+cannot reset a key's allowance and nothing that watches `llmgw/` wakes per lease:
+
+    llmgw-router/limits/<key name>/<kind>   JSON {"window", "used"}: what every router
+                                          together has used of one API key's limit
+                                          in its current window (router.windows);
+                                          one document per (key, kind), reused
+                                          window after window
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from enum import StrEnum
 KV_ROOT = "llmgw/"
 LEADER_KEY = "llmgw/leader"
 ROUTER_API_KEYS_KEY = "llmgw-router/api-keys"
+# Per-key limits shared by every router (router.sharedlimits).
+ROUTER_LIMITS_PREFIX = "llmgw-router/limits/"
 
 
 class KVPrefix(StrEnum):

@@ -65,6 +65,7 @@ from router.refusals import refuse_at_once
 from router.replicaload import LoadSampler
 from router.routes import model_route
 from router.settings import RouterSettings
+from router.sharedlimits import ConsulCounters
 from router.usage import UsageReporter
 from router.watch import ConsulWatcher
 
@@ -235,6 +236,13 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         keys = KeysFile(settings.api_keys_file)
     elif settings.api_keys_consul:
         keys = ConsulKeys()
+    limits: KeyLimits | None = None
+    if keys is not None:
+        limits = KeyLimits(shared=settings.shared_limits, fail_open=metrics.limits_fail_open.inc)
+        shared_limits = limits
+        metrics.limits_shared.set_function(
+            lambda: float(shared_limits.shared and not shared_limits.failing_open)
+        )
     proxy = Proxy(
         table,
         metrics,
@@ -250,7 +258,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         forward_authorization=settings.forward_authorization,
         accounting=settings.accounting,
         ask_stream_usage=settings.ask_stream_usage,
-        limits=None if keys is None else KeyLimits(),
+        limits=limits,
         first_byte_timeout_s=settings.first_byte_timeout_s,
         stall_timeout_s=settings.stall_timeout_s,
         loading_heartbeat_s=settings.loading_heartbeat_s,
@@ -282,6 +290,16 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         catalog = ConsulCatalog(
             f"{scheme}://{host}:{port}", settings.consul_token, settings.consul_ssl_context()
         )
+        counters: ConsulCounters | None = None
+        if limits is not None and limits.shared:
+            calls = metrics.limits_consul_calls
+            counters = ConsulCounters(
+                f"{scheme}://{host}:{port}",
+                settings.consul_token,
+                settings.consul_ssl_context(),
+                counted=lambda outcome: calls.labels(outcome=outcome).inc(),
+            )
+            limits.attach(counters)
         proxy.session = upstream_session(settings)
         proxy.control = control_session(settings)
         watcher = ConsulWatcher(
@@ -353,6 +371,10 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             await proxy.session.close()
             await proxy.control.close()
             await proxy.bodies.close()
+            if limits is not None:
+                await limits.close()  # tokens still being written to the shared tallies
+            if counters is not None:
+                await counters.close()
             await catalog.close()
             log.info("shutdown: done")
 

@@ -44,7 +44,11 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from llmgw_contract.acl import ROUTER_CONSUL_KEYS_NEEDS, ROUTER_CONSUL_NEEDS
+from llmgw_contract.acl import (
+    ROUTER_CONSUL_KEYS_NEEDS,
+    ROUTER_CONSUL_LIMITS_NEEDS,
+    ROUTER_CONSUL_NEEDS,
+)
 from router import collector, heap
 from router import workers as router_workers
 from router.app import create_app
@@ -336,7 +340,9 @@ def serve(
     worker = router_workers.worker_index()
     if settings.workers > 1 and worker is None:
         api_keys = bool(settings.api_keys_file or settings.api_keys_consul)
-        for warning in router_workers.shared_state_warnings(settings.workers, api_keys):
+        for warning in router_workers.shared_state_warnings(
+            settings.workers, api_keys, settings.shared_limits
+        ):
             log.warning("%s", warning)
         raise typer.Exit(router_workers.supervise(settings.workers))
     # Large bodies mapped on their own, freed heap memory handed back (router.heap).
@@ -394,6 +400,8 @@ async def _denied(settings: RouterSettings) -> str | None:
     )
     try:
         needs = ROUTER_CONSUL_NEEDS + (ROUTER_CONSUL_KEYS_NEEDS if settings.api_keys_consul else ())
+        if settings.shared_limits and (settings.api_keys_file or settings.api_keys_consul):
+            needs += ROUTER_CONSUL_LIMITS_NEEDS
         return await catalog.denied(needs)
     finally:
         await catalog.close()

@@ -13,6 +13,8 @@ The tree, split by what the caller can do::
     │   ├── InvalidApiKey          401 invalid_api_key (router keys on: none, or unknown)
     │   ├── RateLimited            429 rate_limit_exceeded (the key's requests per minute
     │   │                          or concurrent requests, router.limits; Retry-After)
+    │   ├── QuotaExceeded          429 insufficient_quota (the key's token budget of the
+    │   │                          day or month is spent, router.limits; Retry-After)
     │   ├── ModelNotFound          404 model_not_found (no KV record, no Consul service;
     │   │                          or a name llmgw reserves, llmgw_contract.reserved)
     │   └── ModelNotAllowed        404 model_not_found (the API key may not use it; as
@@ -88,6 +90,8 @@ class Refusal(StrEnum):
     NOT_ALLOWED = "not_allowed"
     # A key over its limits (router.limits): checked before the body names a model.
     RATE_LIMITED = "rate_limited"
+    # A key whose token budget of the day or month is spent (router.limits).
+    OVER_BUDGET = "over_budget"
     # Router-wide, counted under model="": no model was looked at.
     ROUTER_STARTING = "router_starting"
     ROUTER_OVERLOADED = "router_overloaded"
@@ -191,6 +195,16 @@ class RateLimited(RequestRefused):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return self._headers
+
+
+class QuotaExceeded(RateLimited):
+    """The request's key spent its token budget of the day or month (:mod:`router.limits`).
+    OpenAI's shape for a spent quota: 429, type and code ``insufficient_quota``; the
+    OpenAI SDKs do not retry it. ``Retry-After``: when the budget's period ends."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+    refusal = Refusal.OVER_BUDGET
 
 
 class ModelNotAllowed(RequestRefused):

@@ -8,9 +8,11 @@ Off unless ``LLMGW_API_KEYS_FILE`` (``--api-keys-file``) names a YAML file::
         models: ["gemma-3-270m", "team-a-*"]   # optional: shell patterns; default every model
       - name: ops
         sha256: ...
-        limits:                      # optional, per router (router.limits)
-          requests_per_minute: 600
-          concurrent_requests: 8
+        limits:                      # optional (router.limits)
+          requests_per_minute: 600   # every router together (per router: see router.limits)
+          concurrent_requests: 8     # per router
+          tokens_per_minute: 40000   # every router together: prompt + completion
+          tokens_per_day: 2000000    # a budget (or tokens_per_month): prompt + completion
 
 Only SHA-256 digests are stored, never a key: a file that leaks gives nobody
 a key. A plain hash (no salt, no stretching) is enough because the keys are
@@ -63,7 +65,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmgw_contract import ROUTER_API_KEYS_KEY
 from router import errors
@@ -83,6 +92,15 @@ class _Limits(BaseModel):
 
     requests_per_minute: int | None = Field(default=None, ge=1)
     concurrent_requests: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_day: int | None = Field(default=None, ge=1)
+    tokens_per_month: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> _Limits:
+        if self.tokens_per_day is not None and self.tokens_per_month is not None:
+            raise ValueError("a key has one budget: tokens_per_day or tokens_per_month, not both")
+        return self
 
 
 class _KeyEntry(BaseModel):
@@ -113,17 +131,29 @@ class _KeysFile(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """One key's name, the model patterns it may use, and its limits (``None``: none)."""
+    """One key's name, the model patterns it may use, and its limits (``None``: none).
+
+    ``budget_tokens``: prompt and completion tokens the key may use per
+    ``budget_period`` (``"day"`` or ``"month"``, UTC: :class:`router.windows.Period`).
+    """
 
     name: str
     models: tuple[str, ...]
     requests_per_minute: int | None = None
     concurrent_requests: int | None = None
+    budget_tokens: int | None = None
+    budget_period: str | None = None
+    tokens_per_minute: int | None = None
 
     @property
     def limited(self) -> bool:
         """Whether the key has any limit (:mod:`router.limits`)."""
-        return self.requests_per_minute is not None or self.concurrent_requests is not None
+        return (
+            self.requests_per_minute is not None
+            or self.concurrent_requests is not None
+            or self.budget_tokens is not None
+            or self.tokens_per_minute is not None
+        )
 
     def allows(self, model: str) -> bool:
         """Whether this key may use ``model`` (shell-style patterns, ``*`` for every one)."""
@@ -184,11 +214,15 @@ class ApiKeys:
             if entry.name in names:
                 raise ValueError(f"{where}: keys.{i}.name: {entry.name!r} is used twice")
             names.add(entry.name)
+            limits = entry.limits
             keys[entry.sha256] = ApiKey(
                 entry.name,
                 tuple(entry.models),
-                entry.limits.requests_per_minute,
-                entry.limits.concurrent_requests,
+                limits.requests_per_minute,
+                limits.concurrent_requests,
+                limits.tokens_per_day or limits.tokens_per_month,
+                "day" if limits.tokens_per_day else "month" if limits.tokens_per_month else None,
+                limits.tokens_per_minute,
             )
         return cls(keys)
 

@@ -88,6 +88,7 @@ from llmgw_contract import ActivationStatus
 from router.accounting import Usage
 from router.endpoint import Failure
 from router.errors import ROUTER_REFUSALS, Refusal
+from router.sharedlimits import CALL_OUTCOMES as LIMITS_CALL_OUTCOMES
 
 UNKNOWN_MODEL = ""
 
@@ -113,7 +114,13 @@ _MODEL_REFUSALS = tuple(
     r
     for r in Refusal
     if r
-    not in (Refusal.UNKNOWN_MODEL, Refusal.UNAUTHORIZED, Refusal.NOT_ALLOWED, Refusal.RATE_LIMITED)
+    not in (
+        Refusal.UNKNOWN_MODEL,
+        Refusal.UNAUTHORIZED,
+        Refusal.NOT_ALLOWED,
+        Refusal.RATE_LIMITED,
+        Refusal.OVER_BUDGET,
+    )
     and r not in ROUTER_REFUSALS
 )
 
@@ -389,6 +396,27 @@ class RouterMetrics:
             "Streams: seconds between first and last byte per completion token after the first.",
             ("model",),
             buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.limits_fail_open = Counter(
+            "llmgw_router_limits_fail_open_total",
+            "Requests of limited API keys admitted without the limits every router shares, "
+            "because Consul did not answer (router.limits: each router's own limit holds).",
+            registry=self.registry,
+        )
+        self.limits_consul_calls = Counter(
+            "llmgw_router_limits_consul_calls_total",
+            "Consul calls for the shared per-key limits, by outcome (written: a lease taken; "
+            "conflict: another router wrote first; read; error).",
+            ("outcome",),
+            registry=self.registry,
+        )
+        for call in LIMITS_CALL_OUTCOMES:
+            self.limits_consul_calls.labels(outcome=call)
+        self.limits_shared = Gauge(
+            "llmgw_router_limits_shared",
+            "1 while the per-key limits are shared through Consul, 0 while they fail open "
+            "(or are per router: LLMGW_ROUTER_SHARED_LIMITS=false).",
             registry=self.registry,
         )
         self._models: dict[str, ModelMetrics] = {}

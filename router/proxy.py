@@ -77,8 +77,8 @@ from router.intake import (
     default_budget,
     read_body,
 )
-from router.keys import ApiKey, KeySource
-from router.limits import KeyLimits
+from router.keys import KeySource
+from router.limits import Admission, KeyLimits
 from router.metrics import (
     KEY_ANONYMOUS,
     KEY_UNAUTHENTICATED,
@@ -251,7 +251,7 @@ class Proxy:
         key_name = KEY_ANONYMOUS if self.keys is None else KEY_UNAUTHENTICATED
         refused = False
         meter = _Meter()
-        limited: ApiKey | None = None
+        limited: Admission | None = None
         try:
             if scope["method"] != "POST":
                 raise _MethodNotAllowed(f"Use POST for {scope['path']}.")
@@ -266,8 +266,7 @@ class Proxy:
             if key is not None:
                 key_name = key.name
                 if key.limited and self.limits is not None:
-                    self.limits.admit(key)
-                    limited = key
+                    limited = await self.limits.admit(key)
             body = await read_body(
                 receive,
                 content_length(scope["headers"]),
@@ -277,6 +276,8 @@ class Proxy:
                 min_rate=self.body_min_rate,
             )
             body_read = True
+            if limited is not None:
+                self.limits.estimate(limited, len(body))  # type: ignore[union-attr]
             doc: dict[str, Any] | None = None
             if len(body) <= self.bodies.inline_bytes:
                 model, doc = parse_request(body)  # the common case, without a coroutine
@@ -335,6 +336,9 @@ class Proxy:
                 entry, scope, path, body, receive, send, affinity, close, heartbeat, meter
             )
         except errors.RouterError as exc:
+            if limited is not None:
+                # The router answers itself: no replica served it, nothing is charged.
+                self.limits.refund(limited)  # type: ignore[union-attr]
             if exc.refusal is not None:
                 refused = True
                 bound.refused(exc.refusal)
@@ -355,12 +359,15 @@ class Proxy:
         finally:
             reservation.release()
             self.active -= 1
-            if limited is not None:
-                self.limits.release(limited)  # type: ignore[union-attr]
             ended = time.perf_counter()
             bound.observe(status, ended - started)
             if self.accounting:
                 _account(bound, key_name, status, refused, meter, started, ended)
+            if limited is not None:
+                assert self.limits is not None
+                self.limits.release(limited)
+                if limited.counts_tokens and (usage := meter.used()) is not None:
+                    self.limits.charge(limited, usage.prompt + usage.completion)
 
     async def _forward(
         self,
@@ -625,6 +632,10 @@ class _Meter:
         self.stream: StreamMeter | None = None
         self.whole = False
         self.usage: Usage | None = None
+
+    def used(self) -> Usage | None:
+        """The answer's usage, whole or streamed; ``None`` when none was read."""
+        return self.stream.usage if self.stream is not None else self.usage
 
 
 def _account(

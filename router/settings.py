@@ -89,6 +89,11 @@ Environment variables (all optional):
   header on to the replica (default: dropped, it is the router's key)
 - ``LLMGW_ROUTER_ACCOUNTING``: ``false`` turns token accounting off: no usage is
   read or asked for, no per-key series (default on; :mod:`router.accounting`)
+- ``LLMGW_ROUTER_SHARED_LIMITS``: ``false`` counts the API keys' requests per
+  minute and token budgets in each router alone (a key gets up to R times its
+  limits from R routers); default on: counted in Consul KV under
+  ``llmgw-router/limits/`` for every router together, which needs ``key_prefix
+  "llmgw-router/limits/" write`` (:mod:`router.limits`)
 - ``LLMGW_ROUTER_ASK_STREAM_USAGE``: ``true`` adds ``stream_options.include_usage``
   to streams whose client did not ask, and strips that usage event from what the
   client gets: for engines that send no llama-server ``timings`` (default off: on
@@ -231,6 +236,8 @@ class RouterSettings:
     # Token accounting (router.accounting).
     accounting: bool = True
     ask_stream_usage: bool = False
+    # Per-key limits counted in Consul for every router (router.limits).
+    shared_limits: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -260,6 +267,10 @@ class RouterSettings:
         if env.get("LLMGW_ROUTER_ASK_STREAM_USAGE"):
             overrides["ask_stream_usage"] = _flag(
                 "LLMGW_ROUTER_ASK_STREAM_USAGE", env["LLMGW_ROUTER_ASK_STREAM_USAGE"]
+            )
+        if env.get("LLMGW_ROUTER_SHARED_LIMITS"):
+            overrides["shared_limits"] = _flag(
+                "LLMGW_ROUTER_SHARED_LIMITS", env["LLMGW_ROUTER_SHARED_LIMITS"]
             )
         if env.get("LLMGW_API_KEYS_CONSUL"):
             overrides["api_keys_consul"] = _flag(

@@ -113,20 +113,28 @@ def backoff_s(failures: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** min(failures - 1, 32))
 
 
-def shared_state_warnings(workers: int, api_keys: bool) -> list[str]:
+def shared_state_warnings(workers: int, api_keys: bool, shared_limits: bool = True) -> list[str]:
     """What an operator of ``--workers`` must know that the workers do not share
     (logged by :mod:`router.cli` when the supervisor starts); ``api_keys``: keys are
-    configured (a file or Consul), which may carry per-key limits."""
+    configured (a file or Consul), which may carry per-key limits; ``shared_limits``:
+    requests per minute and budgets are counted in Consul (each worker takes its own
+    leases, as a router does), so only the concurrency limit is per worker."""
     if workers < 2:
         return []
     warnings = [
         f"/metrics is per worker: a scrape through the shared port reads whichever of the "
         f"{workers} workers accepted it (docs/router.md#workers)"
     ]
-    if api_keys:
+    if api_keys and shared_limits:
         warnings.append(
-            f"per-key limits (requests_per_minute, concurrent_requests) are per worker: with "
-            f"{workers} workers a key gets up to {workers} times its limits "
+            f"per-key concurrent_requests are per worker: with {workers} workers a key gets "
+            f"up to {workers} times that limit (requests per minute and budgets are shared "
+            f"through Consul; docs/router.md#workers)"
+        )
+    elif api_keys:
+        warnings.append(
+            f"per-key limits (requests_per_minute, concurrent_requests, budgets) are per worker: "
+            f"with {workers} workers a key gets up to {workers} times its limits "
             f"(docs/router.md#workers)"
         )
     return warnings

@@ -1,4 +1,5 @@
-# Consul ACL policy of the llmgw router (`router serve`): it only reads.
+# Consul ACL policy of the llmgw router (`router serve`): it reads, and writes only the
+# per-key limits every router shares.
 #
 #   consul acl policy create -name llmgw-router -rules @acl/consul/router.hcl
 #   consul acl token create -description "llmgw router" -policy-name llmgw-router
@@ -16,6 +17,9 @@
 #     read                        (LLMGW_API_KEYS_CONSUL); outside llmgw/ so the
 #                                 planner's token cannot write them: give write on it
 #                                 to operators only
+#   key_prefix                    the per-key limits every router shares (one small
+#     "llmgw-router/limits/"      document per key and kind, compare-and-set), with API
+#     write                       keys and LLMGW_ROUTER_SHARED_LIMITS on (the default)
 #   session_prefix "" read        the session holding llmgw/leader: its node and the
 #                                 llmgw-planner check it is bound to say where the
 #                                 leader registered (the key's text alone is not trusted)
@@ -44,4 +48,8 @@ key "llmgw-router/api-keys" {
 
 session_prefix "" {
   policy = "read"
+}
+
+key_prefix "llmgw-router/limits/" {
+  policy = "write"
 }

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from router import errors
 from router.keys import ApiKey, ApiKeys, digest
-from router.limits import KeyLimits, duration
+from router.limits import Admission, KeyLimits, duration
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -31,9 +31,13 @@ class Clock:
         return self.now
 
 
+def admit(limits: KeyLimits, key: ApiKey) -> Admission:
+    return asyncio.run(limits.admit(key))
+
+
 def refusal(limits: KeyLimits, key: ApiKey) -> errors.RateLimited:
     with pytest.raises(errors.RateLimited) as raised:
-        limits.admit(key)
+        admit(limits, key)
     return raised.value
 
 
@@ -48,8 +52,7 @@ def test_requests_per_minute_is_a_bucket_refilled_over_the_minute() -> None:
     limits = KeyLimits(clock)
     key = ApiKey("team", ("*",), requests_per_minute=3)
     for _ in range(3):
-        limits.admit(key)
-        limits.release(key)
+        limits.release(admit(limits, key))
     refused = refusal(limits, key)
     assert refused.status == 429 and refused.code == "rate_limit_exceeded"
     assert refused.type == "requests"
@@ -61,33 +64,33 @@ def test_requests_per_minute_is_a_bucket_refilled_over_the_minute() -> None:
     clock.now += 19.9
     refusal(limits, key)
     clock.now += 0.1
-    limits.admit(key)
+    admit(limits, key)
     # Another key has a bucket of its own; a reload that changes the rate starts afresh.
-    limits.admit(ApiKey("other", ("*",), requests_per_minute=1))
-    limits.admit(ApiKey("team", ("*",), requests_per_minute=10))
+    admit(limits, ApiKey("other", ("*",), requests_per_minute=1))
+    admit(limits, ApiKey("team", ("*",), requests_per_minute=10))
 
 
 def test_concurrent_requests_are_counted_until_released() -> None:
     limits = KeyLimits(Clock())
     key = ApiKey("team", ("*",), concurrent_requests=2)
-    limits.admit(key)
-    limits.admit(key)
+    first = admit(limits, key)
+    admit(limits, key)
     refused = refusal(limits, key)
     assert dict(refused.headers()) == {b"retry-after": b"1"}
     assert "concurrent requests: limit 2" in refused.message
-    limits.release(key)
-    limits.admit(key)
+    limits.release(first)
+    admit(limits, key)
 
 
 def test_a_refused_request_counts_against_nothing() -> None:
     clock = Clock()
     limits = KeyLimits(clock)
     key = ApiKey("team", ("*",), requests_per_minute=60, concurrent_requests=1)
-    limits.admit(key)
+    first = admit(limits, key)
     refusal(limits, key)  # concurrency: the bucket was not charged
-    limits.release(key)
+    limits.release(first)
     clock.now += 1
-    limits.admit(key)
+    admit(limits, key)
 
 
 def test_limits_in_the_keys_file() -> None:
@@ -100,7 +103,21 @@ def test_limits_in_the_keys_file() -> None:
     a = keys.authenticate(b"Bearer sk-a-0123456789")
     assert (a.requests_per_minute, a.concurrent_requests, a.limited) == (5, 2, True)
     assert not keys.authenticate(b"Bearer sk-b-0123456789").limited
-    for bad in ("{requests_per_minute: 0}", "{tokens_per_minute: 5}"):
+    budgeted = ApiKeys.parse(
+        f"keys:\n  - name: a\n    sha256: {digest('x')}\n"
+        "    limits: {tokens_per_minute: 9, tokens_per_month: 7}\n".encode(),
+        "test",
+    ).authenticate(b"Bearer x")
+    assert (budgeted.tokens_per_minute, budgeted.budget_tokens, budgeted.budget_period) == (
+        9, 7, "month",
+    )  # fmt: skip
+    assert budgeted.limited
+    for bad in (
+        "{requests_per_minute: 0}",
+        "{tokens_per_hour: 5}",
+        "{tokens_per_minute: 0}",
+        "{tokens_per_day: 5, tokens_per_month: 9}",
+    ):
         with pytest.raises(ValueError, match="limits"):
             ApiKeys.parse(
                 f"keys:\n  - name: a\n    sha256: {digest('x')}\n    limits: {bad}\n".encode(),
@@ -130,7 +147,8 @@ def test_a_key_over_its_limits_gets_429_through_the_router(tmp_path: Path) -> No
     async def scenario() -> None:
         replica = HeldReplica()
         await replica.start()
-        settings = RouterSettings(activation=False, api_keys_file=str(keys))
+        # Per router (a token bucket): the shared path is tested in test_shared_limits.py.
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=False)
         try:
             async with in_process_router(settings) as app:
                 router = RouterUnderTest(app, replica)
@@ -159,6 +177,41 @@ def test_a_key_over_its_limits_gets_429_through_the_router(tmp_path: Path) -> No
                     router.metric("llmgw_router_refusals_total", model="", reason="rate_limited")
                     == 2
                 )
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_requests_the_router_refuses_itself_use_no_allowance(tmp_path: Path, shared: bool) -> None:
+    """Issue 23's defect: an unknown model (404), a model with no replica (503) and a
+    bad body (400) were charged to the key's requests per minute; only requests that
+    reach a replica are. ``shared``: the leases of router.limits over an in-memory
+    store (no lifespan, so no Consul), else the per-router bucket."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {requests_per_minute: 2}\n"
+    )
+    auth = [(b"authorization", b"Bearer sk-team-0123456789")]
+
+    async def scenario() -> None:
+        replica = HeldReplica()
+        replica.release.set()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=shared)
+        try:
+            async with in_process_router(settings, models=("m", "idle")) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                for body in ({"model": "nope"}, {"model": "idle"}, {"prompt": "no model"}):
+                    for _ in range(3):
+                        status = (await asgi_post(app, body, headers=auth))[0]
+                        assert status in (400, 404, 503), status
+                for _ in range(2):
+                    assert (await asgi_post(app, {"model": "m"}, headers=auth))[0] == 200
+                status, _, body = await asgi_post(app, {"model": "m"}, headers=auth)
+                assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
         finally:
             await replica.stop()
 

@@ -125,8 +125,10 @@ def test_workers_with_api_keys_warn_that_limits_and_metrics_are_per_worker() -> 
     assert workers.shared_state_warnings(1, True) == []
     (metrics,) = workers.shared_state_warnings(2, False)
     assert "/metrics is per worker" in metrics
-    _, limits = workers.shared_state_warnings(4, True)
+    _, limits = workers.shared_state_warnings(4, True, shared_limits=False)
     assert "per-key limits" in limits and "up to 4 times" in limits
+    _, limits = workers.shared_state_warnings(4, True)
+    assert "concurrent_requests are per worker" in limits and "shared through Consul" in limits
 
 
 def test_a_worker_started_again_that_exits_2_is_retried_the_others_serve(

@@ -62,7 +62,13 @@ log = logging.getLogger("planner.applier")
 
 class Stale(Exception):
     """The plan was decided on reads that are no longer true (a Nomad index check or
-    the document's check-and-set failed): observe and decide again."""
+    the document's check-and-set failed): observe and decide again. `written`: the
+    plan whose Nomad writes landed before its document's check-and-set failed (None:
+    nothing was written), so its caller can still say what was done."""
+
+    def __init__(self, message: str, written: Plan | None = None) -> None:
+        super().__init__(message)
+        self.written = written
 
 
 @dataclass
@@ -120,7 +126,10 @@ class Applier:
             # The parking the document caches is the job's as of this write.
             applied.state = applied.state.model_copy(update={"job_index": index})
         if applied.state != before and not store.write(name, applied.state, state_index):
-            raise Stale(f"model {name}: its state document changed meanwhile")
+            raise Stale(
+                f"model {name}: its state document changed meanwhile",
+                plan if plan.effects else None,
+            )
         for note in plan.notes:
             log.log(note.level, "model %s: %s", name, note.text)
         return applied

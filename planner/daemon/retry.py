@@ -53,6 +53,12 @@ def answered(future: concurrent.futures.Future[Outcome], name: str) -> tuple[Sta
         raise Unavailable(
             f"model {name}: no decision within {PASS_WAIT_S:.0f} s (Nomad or Consul slow)"
         ) from None
+    if outcome.written:
+        # Issue 19's third QA (D2): the first attempt lifted parking and its document's
+        # check-and-set lost to the watcher's; the second saw an unparked job and said
+        # "nothing to retry". What was written is said first.
+        done = "; ".join(p.summary for p in outcome.written)
+        return outcome.applied.state, f"{done} (then, observed again: {outcome.plan.summary})"
     return outcome.applied.state, outcome.plan.summary
 
 

@@ -71,6 +71,9 @@ class Outcome:
     plan: Plan
     applied: Applied
     attempts: int
+    # Plans of earlier attempts whose Nomad writes landed before their document's
+    # check-and-set failed (`Stale.written`): what was done is theirs too.
+    written: tuple[Plan, ...] = ()
 
 
 @dataclass
@@ -231,6 +234,7 @@ class Workers:
             future.set_exception(exc)
 
     def _pass(self, name: str, event: Event, guard: Guard | None) -> Outcome:
+        written: list[Plan] = []
         for attempt in range(1, self.max_attempts + 1):
             if guard is not None and not guard():
                 raise Skipped(f"{event}: no longer wanted")
@@ -248,6 +252,8 @@ class Workers:
             try:
                 applied = self._apply(name, document, plan, observation)
             except Stale as exc:
+                if exc.written is not None:
+                    written.append(exc.written)
                 self.stale += 1
                 log.info(
                     "model %s: %s (attempt %d of %d); observing again",
@@ -258,7 +264,7 @@ class Workers:
                 )
                 continue
             self.passes += 1
-            outcome = Outcome(event, document, observation, plan, applied, attempt)
+            outcome = Outcome(event, document, observation, plan, applied, attempt, tuple(written))
             self._done(name, outcome)
             return outcome
         self.given_up += 1

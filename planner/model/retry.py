@@ -24,6 +24,13 @@ only when none is live and Nomad has placed the job's latest registration
 (`settled`); otherwise the current definition's rollout is under way, and it is what
 replaces the old failed replicas.
 
+Nomad places nothing more for a job version whose deployment failed
+(scheduler/reconcile.go: a failed deployment is not place-ready), a forced
+reschedule included: a retry of replicas it stopped then renews the job too, when
+none is live (issue 19's third QA, D3: with no planner running to park it,
+`planner retry` said "1 stopped replica(s) placed again", forgave the count, and
+nothing started); with live ones it says so and writes nothing.
+
 A retry forgives counts only when it starts again what was seen failing: a parked
 or stopped job, or replicas of the current definition Nomad stopped after their
 restarts. A retry while Nomad still restarts a replica forgives nothing (issue 19's
@@ -44,7 +51,7 @@ from planner.model.failures import LIVE_CLIENT_STATUSES, forgiven, retried
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
 from planner.model.resurrect import renewed, stale_failed
-from planner.model.rollout import definition_of
+from planner.model.rollout import definition_of, rollout_failed
 
 
 @dataclass(frozen=True)
@@ -126,9 +133,22 @@ def retry(state: StateDocument, observation: Observation) -> Retried:
             f"the {len(stale)} failed replica(s) of an older definition"
         )
         return Retried(state, (), summary)
+    failed_rollout = bool(mine) and rollout_failed(job, list(observation.deployments))
+    if failed_rollout and live_replicas(observation):
+        summary = (
+            f"{mine} stopped replica(s) not placed again: Nomad's deployment of job version "
+            f"{observation.job_version} failed, and Nomad places nothing more for it; a "
+            "new version (`planner apply` of a fixed definition) starts them"
+        )
+        return Retried(state, (), summary)
     state = forgiven(state) if mine else state
-    if stale:
-        summary = f"{stopped} stopped replica(s) replaced{_renewing(stale)}"
+    if stale or failed_rollout:
+        why = (
+            _renewing(stale)
+            if stale
+            else " as a new job version (Nomad places nothing more for a failed deployment)"
+        )
+        summary = f"{stopped} stopped replica(s) replaced{why}"
         return Retried(
             state,
             (Register(Reason.RETRY, summary, renewed(job, observation.job_index)),),

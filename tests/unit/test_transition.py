@@ -535,6 +535,30 @@ def test_retry_while_the_current_definition_rolls_out_does_nothing() -> None:
     assert [type(e) for e in done.effects] == [Register] and done.state.consecutive_failures == 0
 
 
+def test_retry_of_replicas_of_a_failed_deployment_renews_the_job() -> None:
+    """Issue 19's third QA (D3): no planner ran to park it, Nomad stopped the replica and
+    failed the deployment; a forced reschedule places nothing for a failed deployment
+    (scheduler/reconcile.go), yet retry said "placed again" and forgave the count. It
+    renews the job now; with a replica still live it writes nothing and says why."""
+    current = job(CreateIndex=5, JobModifyIndex=12)
+    failed = (
+        {"ID": "d", "JobVersion": 0, "JobCreateIndex": 5, "CreateIndex": 9, "Status": "failed"},
+    )
+    plan = retried(STORED, observe(failing(), the_job=current, deployments=failed))
+    [register] = plan.effects
+    assert isinstance(register, Register) and register.job["Meta"][JobMeta.RENEWED] == "12"
+    assert plan.state.consecutive_failures == 0
+    two = job(count=2, CreateIndex=5, JobModifyIndex=12)
+    live = retried(
+        STORED,
+        observe(
+            failing(), alloc("a2", event("Started", 1), index=1), the_job=two, deployments=failed
+        ),
+    )
+    assert live.effects == () and "deployment of job version 0 failed" in live.summary
+    assert live.state.consecutive_failures == 5
+
+
 def test_retry_of_a_replica_nomad_still_restarts_forgives_nothing() -> None:
     restarting = STORED
     seen = observe(failing(starts=2))

@@ -189,3 +189,32 @@ def test_commands_need_submit_and_a_stopped_pool_refuses(model: Model, workers: 
     workers.stop()
     with pytest.raises(Exception, match="stopped leading"):
         workers.submit("m", Event.ACTIVATE).result(WAIT)
+
+
+def test_a_retry_whose_writes_landed_before_a_refused_document_says_so() -> None:
+    """Issue 19's third QA (D2): the retry lifted parking, its document's check-and-set
+    lost to the watcher's write, and the pass decided again on the unparked job:
+    "nothing to retry" was all the operator read. The landed plan is kept and said."""
+    from planner.daemon.retry import answered
+
+    landed = Plan(StateDocument(name="m"), summary="parking lifted; the job is starting again")
+    attempts = iter([Stale("model m: its state document changed meanwhile", landed), None])
+
+    def apply(name: str, before: StateDocument, plan: Plan, observation: Observation) -> Applied:
+        refusal = next(attempts)
+        if refusal is not None:
+            raise refusal
+        return Applied(plan.state)
+
+    model = Model()
+    workers = Workers(
+        model.observe,
+        lambda d, o, e: Plan(d, summary="not parked, unplaceable or stopped; nothing to retry"),
+        apply,
+    )
+    try:
+        _, words = answered(workers.submit("m", Event.RETRY), "m")
+    finally:
+        workers.stop()
+    assert words.startswith("parking lifted; the job is starting again (then, observed again")
+    assert "nothing to retry" in words

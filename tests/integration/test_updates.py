@@ -454,3 +454,34 @@ def test_a_retry_while_the_old_replica_still_restarts_still_parks_the_canary(
     )
     assert last["definition"] == b and counted[a] <= 5 and counted[b] == 5, counted
     assert last["consecutive_failures"] == 5, last
+
+
+def test_an_earlier_definition_applied_again_starts_five_times(
+    cluster: Cluster, planner: Callable, planner_daemon: PlannerDaemon, tmp_path: Path
+) -> None:
+    """Issue 19's third QA (D1): A parked, B parked, A applied again. A's first failed
+    replica still held its place, and a job equal to its own is no update of it: Nomad
+    placed nothing, and the model was parked again 0.3 s later with 0 starts. The apply
+    now renews the job: five more starts of A, then parked."""
+    name, folder = "upd-aba", tmp_path / "m"
+
+    def define(seed: int) -> str:
+        source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
+        write_model(folder, name, source)
+        return definition(folder, name)
+
+    a = define(0)
+    assert planner("apply", str(folder)).returncode == 0
+    assert parked(cluster, planner_daemon, name, "A parked")["definition"] == a
+    b = define(1)
+    assert planner("apply", str(folder)).returncode == 0
+    assert parked(cluster, planner_daemon, name, "B parked")["definition"] == b
+    before = starts_by_definition(cluster, name)
+    assert define(0) == a
+    assert planner("apply", str(folder)).returncode == 0
+    wait_for(lambda: starts_by_definition(cluster, name)[a] > before[a], 60, "A started again")
+    again = parked(cluster, planner_daemon, name, "A parked again")
+    after = starts_by_definition(cluster, name)
+    print(f"A, B, then A again: starts {before} -> {after}, {again['reason']}")
+    assert again["definition"] == a and again["consecutive_failures"] == 5
+    assert (after[a], after[b]) == (before[a] + 5, before[b]), after

@@ -18,10 +18,12 @@ asserted, never assumed."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -41,10 +43,11 @@ from tests.conftest import (
 pytestmark = pytest.mark.integration
 
 NAME = "drain-gemma"
+WAITING = "Waiting for shutdown delay"  # Nomad's TaskWaitingShuttingDownDelay
 PROMPT = "Tell me a long story about {}, with many chapters."
 
 
-def write_model(folder: Path, replicas: int, cpu: int = 100, drain: str = "3m") -> Path:
+def write_model(folder: Path, replicas: int, cpu: int = 100, drain: str = "5m") -> Path:
     """Gemma with 2 slots a replica (a long stream and short requests side by side)."""
     folder.mkdir(exist_ok=True)
     (folder / f"{NAME}.yaml").write_text(
@@ -115,10 +118,12 @@ class Stream:
 
 
 def replicas(cluster: Cluster, desired: str = "run") -> dict[str, str]:
-    """{allocation ID: "ip:port"} of the job's running allocations Nomad wants `desired`."""
+    """{allocation ID: "ip:port"} of the job's running allocations Nomad wants `desired`
+    (one told to stop is "pending" again while it waits its shutdown_delay)."""
+    alive = ("running",) if desired == "run" else ("running", "pending")
     found = {}
     for stub in nomad_get(cluster, f"/v1/job/{NAME}/allocations"):
-        if stub["DesiredStatus"] == desired and stub["ClientStatus"] == "running":
+        if stub["DesiredStatus"] == desired and stub["ClientStatus"] in alive:
             alloc = nomad_get(cluster, f"/v1/allocation/{stub['ID']}")
             [port] = alloc["AllocatedResources"]["Shared"]["Ports"]
             found[stub["ID"]] = f"{port['HostIP']}:{port['Value']}"
@@ -152,23 +157,42 @@ def short(router: str) -> dict:
     )
 
 
-def left(cluster: Cluster, router: str, address: str, remaining: int) -> tuple[float, float]:
+def left(cluster: Cluster, router: str, address: str, remaining: int) -> None:
     """Wait until `address` is out of Consul's passing instances and the router's table
-    holds `remaining` replicas; returns (seconds until Consul dropped it, seconds until
-    the router did), measured from the call, polled every 50 ms."""
-    started = time.monotonic()
-    consul_at = router_at = None
-    deadline = started + 120
-    while time.monotonic() < deadline and router_at is None:
-        now = time.monotonic() - started
-        if consul_at is None and address not in passing_endpoints(cluster, f"llmgw-{NAME}"):
-            consul_at = now
-        if consul_at is not None and router_replicas(router) == remaining:
-            router_at = time.monotonic() - started
-        time.sleep(0.05)
-    if consul_at is None or router_at is None:
-        pytest.fail(f"{address} still in Consul ({consul_at}) or the router ({router_at})")
-    return consul_at, router_at
+    holds `remaining` replicas (polled every 50 ms)."""
+    wait_for(
+        lambda: (
+            address not in passing_endpoints(cluster, f"llmgw-{NAME}")
+            and router_replicas(router) == remaining
+        ),
+        120,
+        f"{address} out of Consul and the router's table",
+        interval=0.05,
+    )
+
+
+def router_dropped(cluster: Cluster, router: str, address: str) -> tuple[float, int]:
+    """When the router dropped `address` from its table, in seconds since the epoch, and
+    the requests it said were still in flight there: its log line (`router.endpoints`,
+    "endpoint <url> left (<n> in flight finish there)", local time to the millisecond)."""
+    log = cluster.root / f"router-{router.rsplit(':', 1)[1]}.log"
+    for line in log.read_text().splitlines():
+        found = re.match(
+            rf"(\S+ \S+) INFO router.endpoints: model {NAME}: endpoint "
+            rf"http://{re.escape(address)} left \((\d+) in flight",
+            line,
+        )
+        if found:
+            at = datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            return at, int(found.group(2))
+    pytest.fail(f"the router never logged {address} leaving")
+
+
+def deregistered(cluster: Cluster, alloc_id: str) -> float:
+    """When Nomad removed the replica's service (its task's "Waiting for shutdown delay"
+    event, which follows the removal: client/allocrunner/taskrunner, handleKill), in
+    seconds since the epoch."""
+    return float(wait_for(lambda: stop_events(cluster, alloc_id).get(WAITING), 30, "the drain"))
 
 
 def apply(planner: Callable, folder: Path) -> str:
@@ -205,7 +229,7 @@ def test_a_stopping_replica_serves_its_streams_to_the_end_and_gets_no_new_reques
 def scale_down(cluster: Cluster, planner: Callable, router: str, folder: Path) -> None:
     """2 -> 1 with a long stream on each replica: Nomad stops one of them."""
     before = {alloc: launches(cluster, alloc) for alloc in replicas(cluster)}
-    streams = [Stream(router, subject, 400) for subject in ("a dragon", "a lighthouse")]
+    streams = [Stream(router, subject, 300) for subject in ("a dragon", "a lighthouse")]
     wait_for(lambda: all(s.events for s in streams), 120, "both streams to start")
     # Least-outstanding sends the second to the idle replica: one on each.
     wait_for(
@@ -216,8 +240,12 @@ def scale_down(cluster: Cluster, planner: Callable, router: str, folder: Path) -
     assert apply(planner, write_model(folder, replicas=1)) == "replicas 2 -> 1"
     told = wait_for(lambda: replicas(cluster, desired="stop"), 60, "Nomad to stop one")
     [(stopping, address)] = told.items()
-    consul_s, router_s = left(cluster, router, address, remaining=1)
+    left(cluster, router, address, remaining=1)
+    gone = time.monotonic()
     assert all(s.open for s in streams), "a stream ended before its replica left: no case"
+    router_at, inflight = router_dropped(cluster, router, address)
+    assert inflight == 1  # the router saw its stream there, and let it finish
+    lag = router_at - deregistered(cluster, stopping)
     counted = launches(cluster, stopping)
     served = [short(router) for _ in range(6)]
     assert all(answer["choices"] for answer in served)
@@ -227,23 +255,29 @@ def scale_down(cluster: Cluster, planner: Callable, router: str, folder: Path) -
     [(survivor, _)] = replicas(cluster).items()
     assert launches(cluster, survivor) == before[survivor] + 1 + len(served)
     print(
-        f"scale-down: replica left Consul {consul_s:.2f} s and the router's table "
-        f"{router_s:.2f} s after the stop was seen; streams ran "
-        + ", ".join(f"{s.ended - s.started:.1f} s" for s in streams if s.ended)
-        + f", all {streams[0].max_tokens} tokens; 6 requests after it, none on it"
+        f"scale-down: out of the router's table {lag:.2f} s after Nomad deregistered it; "
+        "streams ran "
+        + ", ".join(f"{(s.ended or 0) - s.started:.1f} s" for s in streams)
+        + f", all {streams[0].max_tokens} tokens, ending "
+        + ", ".join(f"{(s.ended or 0) - gone:.1f} s" for s in streams)
+        + " after it left; 6 requests after it, none on it"
     )
 
 
 def rollout(cluster: Cluster, planner: Callable, router: str, folder: Path) -> None:
     """A new definition rolls out beside the one replica; its long stream ends whole."""
     [(old, address)] = replicas(cluster).items()
-    stream = Stream(router, "a mountain", 1000)
+    stream = Stream(router, "a mountain", 800)
     wait_for(lambda: stream.events, 120, "the stream to start")
     assert apply(planner, write_model(folder, replicas=1, cpu=101)) == "source or profile changed"
     wait_for(lambda: router_replicas(router) == 2, 180, "the canary in the router's table")
     wait_for(lambda: old in replicas(cluster, desired="stop"), 180, "the old replica stopped")
-    consul_s, router_s = left(cluster, router, address, remaining=1)
+    left(cluster, router, address, remaining=1)
+    left_after = time.monotonic() - stream.started
     assert stream.open, "the stream ended before its replica left: no case"
+    router_at, inflight = router_dropped(cluster, router, address)
+    assert inflight == 1
+    lag = router_at - deregistered(cluster, old)
     counted = launches(cluster, old)
     served = [short(router) for _ in range(4)]
     assert all(answer["choices"] for answer in served)
@@ -251,9 +285,9 @@ def rollout(cluster: Cluster, planner: Callable, router: str, folder: Path) -> N
     assert stream.whole(), (stream.error, stream.finish_reason, stream.usage)
     assert launches(cluster, old) == counted, "a request reached the old replica"
     print(
-        f"rollout: old replica left Consul {consul_s:.2f} s, the router's table "
-        f"{router_s:.2f} s after the stop was seen; its stream ran "
-        f"{(stream.ended or 0) - stream.started:.1f} s, all 1000 tokens"
+        f"rollout: old replica out of the router's table {lag:.2f} s after Nomad "
+        f"deregistered it, its stream {left_after:.1f} s old; the stream ran "
+        f"{(stream.ended or 0) - stream.started:.1f} s, all {stream.max_tokens} tokens"
     )
 
 
@@ -263,12 +297,12 @@ def drain_change_in_place(cluster: Cluster, planner: Callable, folder: Path) -> 
     [(alloc, _)] = replicas(cluster).items()
     version = nomad_get(cluster, f"/v1/job/{NAME}")["Version"]
     assert apply(planner, write_model(folder, replicas=1, cpu=101, drain="5s")) == (
-        "shutdown_delay 180s -> 5s"
+        "shutdown_delay 300s -> 5s"
     )
     job = nomad_get(cluster, f"/v1/job/{NAME}")
     assert job["Version"] == version + 1
     wait_for(
-        lambda: nomad_get(cluster, f"/v1/allocation/{alloc}")["JobVersion"] == version + 1,
+        lambda: nomad_get(cluster, f"/v1/allocation/{alloc}")["Job"]["Version"] == version + 1,
         30,
         "the replica updated in place",
     )
@@ -284,11 +318,10 @@ def drain_change_in_place(cluster: Cluster, planner: Callable, folder: Path) -> 
     )
     events = stop_events(cluster, alloc)
     state = nomad_get(cluster, f"/v1/allocation/{alloc}")["TaskStates"]["llama-server"]
-    waited = [
-        e["DisplayMessage"] for e in state["Events"] if "shutdown_delay" in e["DisplayMessage"]
-    ]
+    waited = [e["DisplayMessage"] for e in state["Events"] if e["Type"] == WAITING]
     assert waited == ["Waiting for shutdown_delay of 5s before killing the task."], waited
     print(
         f"stop with shutdown_delay 5s: {events['Killed'] - stopped_at:.1f} s from apply to "
-        f"the task killed (signal to exit {events['Killed'] - events['Killing']:.1f} s)"
+        f"the task killed, {events['Killed'] - events[WAITING]:.1f} s of it from the "
+        f"deregistration (5 s of drain, then llama-server's exit)"
     )

@@ -9,8 +9,8 @@ router dropped the replica reaches it (counted where it is true: the slots llama
 launched, from its own log). A change of the drain alone is an update in place, and the
 running replica's next stop waits the new delay.
 
-The model's drain here is 3 minutes, so that a stream of 1,000 tokens on a loaded
-2-core machine ends within it whatever the machine's speed; nothing waits for it to
+The model's drain here is 5 minutes, so that a stream of 800 tokens (56 s on the shared,
+loaded 2-core machine) ends within it whatever the machine's speed; nothing waits for it to
 pass (the cleanup purges with no_shutdown_delay). Each step waits on a condition; the
 one thing the case needs, a stream still open when its replica leaves Consul, is
 asserted, never assumed."""
@@ -292,8 +292,8 @@ def rollout(cluster: Cluster, planner: Callable, router: str, folder: Path) -> N
 
 
 def drain_change_in_place(cluster: Cluster, planner: Callable, folder: Path) -> None:
-    """shutdown_delay 3m -> 5s updates the running replica in place; its stop (replicas
-    0, as an idle model's) then waits 5 s, not 3 minutes."""
+    """shutdown_delay 5m -> 5s updates the running replica in place; its stop (replicas
+    0, as an idle model's) then waits 5 s, not 5 minutes."""
     [(alloc, _)] = replicas(cluster).items()
     version = nomad_get(cluster, f"/v1/job/{NAME}")["Version"]
     assert apply(planner, write_model(folder, replicas=1, cpu=101, drain="5s")) == (

@@ -19,7 +19,9 @@ of 1 client, then ``--clients`` clients for ``--step`` s, then none; each client
 errors. For each step it reports p50/p99 latency and errors during the step, and for
 the scaling model the seconds from the step to the job's first scale-up
 (``scale_up_s``, Nomad's count) and from the load's end back to min (``back_to_min_s``);
-requests during the scale-down are counted in ``failed_requests``.
+requests during the scale-down are counted in ``failed_requests``. Both models drain a
+stopping replica for ``--shutdown-delay`` s (the definitions' ``shutdown_delay``, default
+30 s as theirs): a request that outlives it is cut, and counted there too.
 
 Usage::
 
@@ -123,11 +125,14 @@ class Bench:
         models = self.workdir / "models"
         models.mkdir()
         source = f"source: file://{path}\n"
-        (models / f"{FIXED}.yaml").write_text(f"name: {FIXED}\n{source}{PROFILE}replicas: 1\n")
+        drain = f"shutdown_delay: {self.args.shutdown_delay}s\n"
+        (models / f"{FIXED}.yaml").write_text(
+            f"name: {FIXED}\n{source}{PROFILE}replicas: 1\n{drain}"
+        )
         (models / f"{SCALING}.yaml").write_text(
             f"name: {SCALING}\n{source}{PROFILE}"
             f"scaling: {{min: 1, max: 3, target: {self.args.target}, window: 10s, "
-            f"up_after: 5s, down_after: {self.args.down_after}s}}\n"
+            f"up_after: 5s, down_after: {self.args.down_after}s}}\n{drain}"
         )
         serve_models(
             self.children,
@@ -239,6 +244,7 @@ def measure(args: argparse.Namespace) -> dict:
         "clients": args.clients,
         "target": args.target,
         "down_after_s": args.down_after,
+        "shutdown_delay_s": args.shutdown_delay,
         "scale_up_s": worst(scaling, "scale_up_s"),
         "back_to_min_s": worst(scaling, "back_to_min_s"),
         "failed_requests": sum(s["failed_requests"] for s in steps),
@@ -280,6 +286,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
     parser.add_argument("--target", type=float, default=2.0, help="requests per replica")
     parser.add_argument("--down-after", type=int, default=30, help="seconds")
+    parser.add_argument(
+        "--shutdown-delay", type=int, default=30, help="seconds a stopping replica drains"
+    )
     parser.add_argument("--output", choices=("table", "json"), default="table")
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     args = parser.parse_args()

@@ -383,7 +383,9 @@ def _node_ready(cluster: Cluster, name: str) -> bool:
 
 
 def _stop_jobs(cluster: Cluster, timeout: float) -> None:
-    """Stop every job and wait for its allocations to stop, so tasks end cleanly."""
+    """Stop every job and wait for its allocations to stop, so tasks end cleanly; without
+    their shutdown_delay (a model replica's drain: 30 s by default), which a cluster
+    going down has no router to drain from."""
     try:
         context, headers = client_context(cluster), _headers(cluster)
         jobs = _get_json(f"{cluster.nomad_addr}/v1/jobs", context=context, headers=headers)
@@ -391,7 +393,9 @@ def _stop_jobs(cluster: Cluster, timeout: float) -> None:
         return
     for job in jobs if isinstance(jobs, list) else []:
         request = urllib.request.Request(
-            f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true", method="DELETE", headers=headers
+            f"{cluster.nomad_addr}/v1/job/{job['ID']}?purge=true&no_shutdown_delay=true",
+            method="DELETE",
+            headers=headers,
         )
         with contextlib.suppress(OSError, urllib.error.URLError):
             urllib.request.urlopen(request, timeout=5, context=context).close()

@@ -9,7 +9,8 @@ Called by the CLI. Three steps, in this order, so bad input changes nothing:
      (`planner.daemon.applier`): write its record, then register its job
      checked against the job as step 1 read it (EnforceIndex), or deregister it.
 A model whose rendered job hash matches the registered job's
-`llmgw_spec_hash` is left alone, so a second run registers nothing.
+`llmgw_spec_hash`, with the same replicas, bounds and drain (compared apart: Nomad
+updates them in place), is left alone, so a second run registers nothing.
 
 Each model is applied whole or not at all (issue 19, item 7): when its
 registration fails, its record is put back as it was, so the leader never
@@ -61,7 +62,14 @@ from planner.model.resurrect import failed_elsewhere, held_places, renewal_kept,
 from planner.model.unplaceable import engine_need
 from planner.spec.definitions import ModelDefinition, load_definitions
 from planner.spec.fit import Fit, check_models
-from planner.spec.jobspec import SPEC_HASH_KEY, record_of, render, replicas_of, scaling_of
+from planner.spec.jobspec import (
+    SPEC_HASH_KEY,
+    drain_of,
+    record_of,
+    render,
+    replicas_of,
+    scaling_of,
+)
 from planner.spec.settings import Settings
 
 
@@ -146,7 +154,8 @@ def _update_reason(new: Job, old: Job) -> str:
         return STOPPED_REASON
     if new_meta.get(JobMeta.DEFINITION_HASH) != old_meta.get(JobMeta.DEFINITION_HASH):
         return "source or profile changed"
-    return _counts(new, old) or "job template or settings changed"
+    in_place = [why for why in (_counts(new, old), _drain(new, old)) if why]
+    return "; ".join(in_place) or "job template or settings changed"
 
 
 def _counts(new: Job, old: Job) -> str | None:
@@ -167,6 +176,18 @@ def _counts(new: Job, old: Job) -> str | None:
     old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
     new_count = sum(tg.get("Count", 0) for tg in new.get("TaskGroups") or [])
     return f"replicas {old_count} -> {new_count}" if old_count != new_count else None
+
+
+def _drain(new: Job, old: Job) -> str | None:
+    """How the tasks' drain differs (the spec hash leaves it out: Nomad updates it in
+    place), or None."""
+    before, after = drain_of(old), drain_of(new)
+    changed = [
+        f"{word} {before[key] / 1e9:g}s -> {after[key] / 1e9:g}s"
+        for key, word in (("ShutdownDelay", "shutdown_delay"), ("KillTimeout", "kill_timeout"))
+        if before[key] != after[key]
+    ]
+    return ", ".join(changed) or None
 
 
 def _parked_change(name: str, job: Job, old: Job | None, parked: Parked) -> Change:
@@ -364,6 +385,7 @@ def _changes(
             old.get("Stop")
             or (old.get("Meta") or {}).get(SPEC_HASH_KEY) != job["Meta"][SPEC_HASH_KEY]
             or _counts(job, old) is not None
+            or _drain(job, old) is not None
         ):
             changes.append(
                 Change(

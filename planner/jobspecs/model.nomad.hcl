@@ -156,6 +156,12 @@ variable "healthy_deadline" {
   description = "How long a new replica may take (download and load) to pass its check before the update is rolled back."
 }
 
+variable "shutdown_delay" {
+  type        = string
+  default     = "30s"
+  description = "How long a stopping replica, already out of Consul, keeps serving what it has before its signal (the definition's shutdown_delay)."
+}
+
 variable "datacenters" {
   type    = list(string)
   default = ["*"]
@@ -253,11 +259,20 @@ job "model" {
       driver = var.driver
       user   = var.user
 
-      # A replica being stopped (an update's old version, a scale-down) leaves
-      # Consul first, then gets its signal 3 s later: routers drop it from
-      # their tables within that time (a blocking query), and what it still
-      # serves finishes, so a rollout fails no request.
-      shutdown_delay = "3s"
+      # A replica being stopped (a scale-down, an update's old version, an idle
+      # model's last, a job stop) leaves Consul first: the routers drop it from
+      # their tables within one blocking query and send it nothing new. What it
+      # still serves has shutdown_delay to finish, then it gets its signal:
+      # llama-server stops at once on SIGINT/SIGTERM, cutting any request left
+      # (tests/integration/test_drain.py). Nomad waits the whole delay, busy or
+      # not, and updates it in place (scheduler/util.go, tasksUpdated).
+      #
+      # kill_timeout counts from the signal, not from the stop: it only has to
+      # cover llama-server's own exit (about 1 s for Gemma 270M with a request
+      # in flight; a large model's teardown longer) before Nomad sends SIGKILL.
+      # A client caps it at its max_kill_timeout (30 s by default).
+      shutdown_delay = var.shutdown_delay
+      kill_timeout   = "15s"
 
       dynamic "artifact" {
         for_each = var.artifacts

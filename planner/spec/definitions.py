@@ -23,10 +23,23 @@ One file holds one model:
     replicas: 1
     on_demand: {idle_after: 15m}        # optional: run only while used (0 replicas when idle)
     scaling: {min: 1, max: 4, target: 2}  # optional, instead of replicas: follow demand
+    shutdown_delay: 30s                 # a stopping replica's drain: out of the routers'
+                                        # tables at once, its signal this long after
 
 The definition hash covers what the server runs (source, sha256, profile) and
-not `replicas`, `on_demand` or `scaling`: a changed hash lifts parking and rolls
-out, a changed count or bound must not.
+not `replicas`, `on_demand`, `scaling` or `shutdown_delay`: a changed hash lifts
+parking and rolls out, a changed count, bound or drain must not.
+
+`shutdown_delay` (issue 22, items 2 and 6) is Nomad's task `shutdown_delay`: when a
+replica is stopped (a scale-down, a rollout's old replicas, an idle model's last, a
+job stop), Nomad removes its service from Consul (the routers drop it from their
+tables within one blocking query and send it nothing new), waits this long, then
+signals llama-server, which stops at once and cuts what it still serves. So a
+request that runs longer than the delay after the stop began is cut; every stop
+takes the whole delay, busy or not (Nomad has no "until idle"). 0s to 10m; 30 s is
+Kubernetes' terminationGracePeriodSeconds default. Nomad updates it in place
+(scheduler/util.go, tasksUpdated, does not compare it), so a change restarts nothing
+and holds for every later stop of the running replicas.
 
 `scaling` (issue 22) replaces `replicas` for a model whose replicas follow demand:
 `min` <= `max` <= 100 (the replicas limit), `target` requests in flight and waiting
@@ -59,6 +72,7 @@ from urllib.parse import quote, urlparse
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -196,6 +210,19 @@ class OnDemand(BaseModel):
 
 
 MAX_REPLICAS = 100
+# How long a stopping replica keeps serving what it has (`shutdown_delay`): Kubernetes'
+# default grace period (terminationGracePeriodSeconds, 30 s), at most 10 minutes.
+DEFAULT_SHUTDOWN_DELAY_S = 30
+MAX_SHUTDOWN_DELAY_S = 600
+
+
+def _drain_within_bounds(seconds: int) -> int:
+    if not 0 <= seconds <= MAX_SHUTDOWN_DELAY_S:
+        raise ValueError(f"expected a duration from 0s to 10m, got {seconds} s")
+    return seconds
+
+
+Drain = Annotated[int, BeforeValidator(parse_seconds), AfterValidator(_drain_within_bounds)]
 
 
 class Scaling(BaseModel):
@@ -239,6 +266,7 @@ class ModelDefinition(BaseModel):
     replicas: int = Field(1, ge=0, le=MAX_REPLICAS)  # on demand: how many when active
     on_demand: OnDemand | None = None
     scaling: Scaling | None = None  # replicas follow demand (then replicas = max(min, 1))
+    shutdown_delay: Drain = DEFAULT_SHUTDOWN_DELAY_S  # seconds a stopping replica drains
 
     @model_validator(mode="after")
     def _replicas_from_scaling(self) -> ModelDefinition:

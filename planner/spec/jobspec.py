@@ -45,6 +45,13 @@ ENGINE_KIND_META = "llmgw_engine_kind"
 REPLICAS_META = "llmgw_replicas"
 SCALING_META = "llmgw_scaling"
 COUNT_META = (REPLICAS_META, SCALING_META)
+# The task's drain (the definition's shutdown_delay, and the template's kill_timeout):
+# Nomad updates both in place, so the spec hash (job meta, compared by Nomad) leaves them
+# out and `drain_of` compares them. Hashed as the template fixed them before the drain
+# was a field (3 s, and Nomad's default kill_timeout 5 s), so a job registered then keeps
+# its hash and takes the new drain in place, not in a rollout of every model.
+NOMAD_KILL_TIMEOUT_NS = 5_000_000_000  # a task's kill_timeout when none is given
+DRAIN_HASHED_AS = {"ShutdownDelay": 3_000_000_000, "KillTimeout": NOMAD_KILL_TIMEOUT_NS}
 
 
 class ParsesJobs(Protocol):
@@ -112,6 +119,7 @@ def variables(
         # A new replica's deadline covers a download (not in load_timeout, which runs
         # from the task's start) of up to 30 min, then its load.
         "healthy_deadline": f"{profile.load_timeout + DOWNLOAD_ALLOWANCE_S}s",
+        "shutdown_delay": f"{definition.shutdown_delay}s",
         "datacenters": list(settings.datacenters),
     }
 
@@ -123,9 +131,10 @@ def variable_file(values: dict[str, Any]) -> str:
 def spec_hash(job: Job) -> str:
     """16 hex chars of sha256 over the rendered job, without what the replica count sets
     (the groups' Count, their canaries, the services' llmgw_replicas and llmgw_scaling:
-    `replicas_of` and `scaling_of` compare those) or the hash's own meta key. It lives
-    in the job's meta, which Nomad compares: a hash that changed with the count would
-    replace every allocation."""
+    `replicas_of` and `scaling_of` compare those), the tasks' drain (`DRAIN_HASHED_AS`;
+    `drain_of` compares it) or the hash's own meta key. It lives in the job's meta,
+    which Nomad compares: a hash that changed with the count or the drain would replace
+    every allocation."""
     meta = {k: v for k, v in (job.get("Meta") or {}).items() if k != SPEC_HASH_KEY}
     groups = [_without_count(tg) for tg in job.get("TaskGroups") or []]
     canonical = json.dumps(
@@ -141,6 +150,7 @@ def _without_count(group: dict[str, Any]) -> dict[str, Any]:
     tasks = [
         {
             **task,
+            **DRAIN_HASHED_AS,
             "Services": [
                 {
                     **service,
@@ -154,6 +164,17 @@ def _without_count(group: dict[str, Any]) -> dict[str, Any]:
         for task in group.get("Tasks") or []
     ]
     return {**{k: v for k, v in group.items() if k != "Count"}, "Update": update, "Tasks": tasks}
+
+
+def drain_of(job: Job) -> dict[str, int]:
+    """The drain a job was rendered with: {"ShutdownDelay": ns, "KillTimeout": ns} of its
+    task (a model's job has one), Nomad's defaults (0 and 5 s) where unset."""
+    tasks = [task for group in job.get("TaskGroups") or [] for task in group.get("Tasks") or []]
+    task = tasks[0] if tasks else {}
+    return {
+        "ShutdownDelay": int(task.get("ShutdownDelay") or 0),
+        "KillTimeout": int(task.get("KillTimeout") or NOMAD_KILL_TIMEOUT_NS),
+    }
 
 
 def replicas_of(job: Job) -> int:

@@ -270,6 +270,41 @@ def test_replica_change_updates_without_changing_definition_hash(
     assert planner("apply", str(folder)).returncode == 0
 
 
+def test_a_drain_change_is_planned_and_updated_in_place(
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path]
+) -> None:
+    """shutdown_delay (issue 22): the plan names it, Nomad's diff shows the task's
+    ShutdownDelay, and the update leaves the job's meta alone (no rollout)."""
+    folder = model_files("drain-only", replicas=0)
+    assert planner("apply", str(folder)).returncode == 0
+    job = nomad_get(cluster, "/v1/job/drain-only")
+    [task] = job["TaskGroups"][0]["Tasks"]
+    assert (task["ShutdownDelay"], task["KillTimeout"]) == (30 * 10**9, 15 * 10**9)
+    model_files("drain-only", replicas=0, extra="shutdown_delay: 2m\n")
+
+    plan = planner("apply", str(folder), "--dry-run", "--output", "json")
+    assert plan.returncode == 0, plan.stderr
+    [planned] = [c for c in json.loads(plan.stdout)["changes"] if c["model"] == "drain-only"]
+    assert (planned["action"], planned["reason"]) == ("update", "shutdown_delay 30s -> 120s")
+    # Nothing else moves (the job's meta, which Nomad compares, among it).
+    assert planned["diff"] == [
+        '+/- Job: "drain-only"',
+        '  +/- Task Group: "server"',
+        '    +/- Task: "llama-server"',
+        '      +/- ShutdownDelay: "30000000000" => "120000000000"',
+    ]
+
+    applied = planner("apply", str(folder), "--output", "json")
+    [change] = [c for c in json.loads(applied.stdout)["changes"] if c["model"] == "drain-only"]
+    assert (change["action"], change["reason"]) == ("update", "shutdown_delay 30s -> 120s")
+    after = nomad_get(cluster, "/v1/job/drain-only")
+    assert after["TaskGroups"][0]["Tasks"][0]["ShutdownDelay"] == 120 * 10**9
+    assert after["Meta"] == job["Meta"]
+    second = planner("apply", str(folder), "--output", "json")
+    [again] = [c for c in json.loads(second.stdout)["changes"] if c["model"] == "drain-only"]
+    assert again["action"] == "unchanged"
+
+
 def test_prune_deregisters_models_gone_from_git(
     cluster: Cluster, planner: Callable, model_files: Callable[..., Path], tmp_path: Path
 ) -> None:

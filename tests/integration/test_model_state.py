@@ -267,7 +267,7 @@ def test_c20_room_being_made_waits_for_it_and_serves(
         c["eval_id"] for c in json.loads(applied.stdout)["changes"] if c["model"] == "c20-a"
     ]
     # Once the scheduler told it to stop (apply returns before that), A's allocation is
-    # still stopping: 3 s of shutdown delay, then its engine takes 4 s to exit.
+    # still stopping: its 30 s of shutdown_delay (the default drain), then its engine's exit.
     wait_for(
         lambda: nomad_get(cluster, f"/v1/evaluation/{eval_id}")["Status"] == "complete",
         10,

@@ -151,13 +151,21 @@ def test_c11_twenty_clients_get_the_reason_fast_from_one_attempt(
 
 
 def free_memory_mb(cluster: Cluster) -> int:
-    """The dev node's memory that no running allocation (of any test) has reserved."""
+    """The dev node's memory that no running allocation (of any test) has reserved, read
+    once none is stopping: a stopped replica keeps its memory through its shutdown_delay
+    (30 s by default) and would give it back in the middle of the caller's test."""
     [node] = nomad_get(cluster, "/v1/nodes")
     total = nomad_get(cluster, f"/v1/node/{node['ID']}")["NodeResources"]["Memory"]["MemoryMB"]
+
+    def settled() -> tuple[list[dict]] | None:
+        allocs = nomad_get(cluster, f"/v1/node/{node['ID']}/allocations")
+        live = [a for a in allocs if a["ClientStatus"] in ("pending", "running")]
+        return None if any(a["DesiredStatus"] != "run" for a in live) else (live,)
+
+    [live] = wait_for(settled, 120, "no allocation on the node stopping")
     used = sum(
         task["Memory"]["MemoryMB"]
-        for alloc in nomad_get(cluster, f"/v1/node/{node['ID']}/allocations")
-        if alloc["ClientStatus"] in ("pending", "running")
+        for alloc in live
         for task in (alloc.get("AllocatedResources") or {}).get("Tasks", {}).values()
     )
     return total - used

@@ -148,6 +148,57 @@ def start_failures(alloc: dict[str, Any]) -> Iterator[StartFailure]:
                 )
 
 
+# Nomad keeps a task's last 10 events (structs.TaskState, appendTaskEvent): five
+# starts make about 17, so a cold read of a replica that failed five times shows
+# three of its failures (issue 19's third QA, D4).
+UNSEEN = "unseen"
+
+
+def unseen_failures(
+    alloc: dict[str, Any], counted: Iterable[str], stable_after_ns: int
+) -> list[StartFailure]:
+    """The failures of `alloc` whose events Nomad no longer keeps and that `counted`
+    (the keys counted so far) does not hold, oldest first; keyed
+    `<alloc>/<task>/unseen-<n>`, so a later read counts none of them again.
+
+    Only for an allocation Nomad failed after its restart attempts (ClientStatus
+    failed) whose whole life, from its CreateTime to its last ModifyTime (both the
+    Nomad server's clock), was shorter than the stability window: every run in it
+    then ended before it could be stable, so each ended run was a failure. Its ended
+    runs are the task's Restarts + 1, less the restarts asked for that are still
+    shown; what `counted` already holds of it (its shown failures, ones counted while
+    they were shown, earlier unseen ones) is not counted again."""
+    if alloc.get("ClientStatus") != "failed":
+        return []
+    created, modified = int(alloc.get("CreateTime") or 0), int(alloc.get("ModifyTime") or 0)
+    if not created or not modified or modified - created >= stable_after_ns:
+        return []
+    shown = list(start_failures(alloc))
+    known = set(counted) | {f.key for f in shown}
+    unseen: list[StartFailure] = []
+    for task, task_state in sorted((alloc.get("TaskStates") or {}).items()):
+        events = task_state.get("Events") or []
+        asked = sum(1 for e in events if e.get("Type") == RESTART_SIGNALED and _stop_asked(e))
+        ended = int(task_state.get("Restarts") or 0) + 1 - asked
+        prefix = f"{alloc['ID']}/{task}/"
+        have = sum(1 for key in known if key.startswith(prefix))
+        first = min((int(e.get("Time", 0)) for e in events), default=0)
+        numbered = sum(1 for key in known if key.startswith(prefix + UNSEEN))
+        missing = max(0, ended - have)
+        for n in range(numbered + 1, numbered + missing + 1):
+            unseen.append(
+                StartFailure(
+                    f"{prefix}{UNSEEN}-{n}",
+                    alloc["ID"],
+                    task,
+                    "a start failure whose event Nomad no longer keeps (a task's last 10)",
+                    max(0, first - (numbered + missing + 1 - n)),
+                    0,
+                )
+            )
+    return unseen
+
+
 def memory_limit_mib(alloc: dict[str, Any], task: str) -> int | None:
     """The task's memory limit in MiB (its memory_max when set, else its memory), from
     the allocation's AllocatedResources; None when the allocation does not carry them."""

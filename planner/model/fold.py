@@ -55,6 +55,7 @@ from planner.model.failures import (
     retried,
     start_failures,
     track,
+    unseen_failures,
 )
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
@@ -139,7 +140,7 @@ def fold(document: StateDocument, observation: Observation, rules: Rules, now: d
     current = current_definition(observation)
     state = _for_definition(state, current)
     if observation.state_index == 0:
-        state = _seed(state, observation)
+        state = _seed(state, observation, rules)
     for info in allocs.values():
         state = track(state, info)
     state = healthy_runs(state, observation.passing)
@@ -241,23 +242,34 @@ def _incarnation(alloc: Allocation, job: Job | None) -> bool:
 
 
 def _failures(
-    observation: Observation, allocs: Mapping[str, AllocInfo], definition: str
+    observation: Observation,
+    allocs: Mapping[str, AllocInfo],
+    definition: str,
+    counted: tuple[str, ...] = (),
+    stable_after_ns: int = 0,
 ) -> list[StartFailure]:
-    """Every failure of an allocation of `definition` in this incarnation, oldest first."""
+    """Every failure of an allocation of `definition` in this incarnation, oldest first:
+    those its events show, and those Nomad no longer shows (`unseen_failures`, against
+    the keys `counted`)."""
     found = [
         f
         for alloc in observation.allocations
         if allocs[alloc["ID"]].definition_hash == definition
         and _incarnation(alloc, observation.job)
-        for f in start_failures(alloc)
+        for f in (*unseen_failures(alloc, counted, stable_after_ns), *start_failures(alloc))
     ]
     return sorted(found, key=lambda f: (f.at_ns, f.key))
 
 
-def _seed(state: StateDocument, observation: Observation) -> StateDocument:
+def _seed(state: StateDocument, observation: Observation, rules: Rules) -> StateDocument:
     """A document not stored (new, or lost from KV): what Nomad shows failed already is
-    history, taken as counted; the replicas passing now start their healthy runs."""
-    keys = tuple(f.key for alloc in observation.allocations for f in start_failures(alloc))
+    history, taken as counted, and so are the failures it no longer shows; the replicas
+    passing now start their healthy runs."""
+    keys = tuple(
+        f.key
+        for alloc in observation.allocations
+        for f in (*start_failures(alloc), *unseen_failures(alloc, (), rules.stable_after_ns))
+    )
     return state.model_copy(update={"counted": tuple(dict.fromkeys((*state.counted, *keys)))})
 
 
@@ -277,7 +289,7 @@ def _count(
     notes: list[NoteLine],
 ) -> StateDocument:
     lines = error_lines(observation.job)
-    for failure in _failures(observation, allocs, definition):
+    for failure in _failures(observation, allocs, definition, state.counted, rules.stable_after_ns):
         if failure.key in state.counted:
             continue
         before = state.consecutive_failures

@@ -28,7 +28,7 @@ from planner.model.observation import Observation
 from planner.model.parking import parked_job
 from planner.model.resurrect import stale_failed
 from planner.model.transition import Event, Plan, decide
-from tests.support.nomad_mock import S, alloc, event, job, run
+from tests.support.nomad_mock import TASK, S, alloc, event, job, run
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 NOW_NS = int(NOW.timestamp()) * S
@@ -384,6 +384,49 @@ def test_a_run_found_stable_by_the_tick_ends_stable_whatever_the_nodes_clock_say
     ended = alloc("a1", *run(90, 230), event("Restarting", 230), event("Started", 236))
     plan = observed(stable.state, observe(ended))
     assert plan.state.consecutive_failures == 0 and len(plan.state.counted) == 1
+
+
+def crash_looped(lifetime_s: float, kept: int = 10) -> dict[str, Any]:
+    """A replica Nomad failed after five starts (Restarts 4) as Nomad shows it: only
+    its task's last `kept` events (Nomad keeps 10), and its life on the server's clock
+    (CreateTime, ModifyTime) `lifetime_s` long."""
+    events = [event("Received", 0.5)]
+    for i in range(5):
+        events += [*run(1 + 6 * i, 2 + 6 * i), event("Restarting", 2.1 + 6 * i)]
+    events[-1] = event("Not Restarting", 27)
+    looped = alloc("a1", *events[-kept:], client="failed")
+    looped["TaskStates"][TASK].update({"Restarts": 4, "State": "dead", "Failed": True})
+    return {**looped, "CreateTime": 1000 * S, "ModifyTime": int((1000 + lifetime_s) * S)}
+
+
+def test_failures_nomad_no_longer_shows_are_counted_once() -> None:
+    """Issue 19's third QA (D4): Nomad keeps a task's last 10 events, so a cold read of a
+    replica that failed five times showed three failures (`planner retry` with no
+    planner running, a restarted leader): "3 consecutive start failures" beside 5
+    starts. A replica whose whole life was shorter than the stability window failed
+    every run it ended: Restarts + 1 are counted, each once, however often it is read."""
+    cold = observed(STORED, observe(crash_looped(30)))
+    assert cold.state.consecutive_failures == 5 and cold.state.start_failures_total == 5
+    [park] = cold.effects
+    assert isinstance(park, Park) and park.parked.reason == "5 consecutive start failures"
+    again = observed(cold.state, observe(crash_looped(30), the_job=parked_job(job(), park.parked)))
+    assert again.state.consecutive_failures == 5 and again.state.counted == cold.state.counted
+    # Counted live (every event shown), then read with the first ones gone: nothing more.
+    live = observed(STORED, observe(crash_looped(30, kept=100)))
+    assert live.state.consecutive_failures == 5
+    [live_park] = live.effects
+    later = observed(
+        live.state, observe(crash_looped(30), the_job=parked_job(job(), live_park.parked))
+    )
+    assert later.state.consecutive_failures == 5 and later.state.start_failures_total == 5
+    # A life longer than the window may have held a stable run: only what is shown counts.
+    slow = observed(STORED, observe(crash_looped(600)))
+    assert slow.state.consecutive_failures == 3
+
+
+def test_a_recreated_document_takes_unseen_failures_as_history_too() -> None:
+    seeded = observed(STORED, observe(crash_looped(30), state_index=0))
+    assert seeded.state.consecutive_failures == 0 and len(seeded.state.counted) == 5
 
 
 # --- RETRY --------------------------------------------------------------------------------

@@ -56,9 +56,13 @@ def answered(future: concurrent.futures.Future[Outcome], name: str) -> tuple[Sta
     if outcome.written:
         # Issue 19's third QA (D2): the first attempt lifted parking and its document's
         # check-and-set lost to the watcher's; the second saw an unparked job and said
-        # "nothing to retry". What was written is said first.
+        # "nothing to retry". What was written is said; what the next look did, if
+        # anything (a second tester read "(then, observed again: ... nothing to retry)"
+        # as nothing done).
         done = "; ".join(p.summary for p in outcome.written)
-        return outcome.applied.state, f"{done} (then, observed again: {outcome.plan.summary})"
+        if not outcome.plan.effects:  # the next look found it done: nothing more to say
+            return outcome.applied.state, done
+        return outcome.applied.state, f"{done}; then {outcome.plan.summary}"
     return outcome.applied.state, outcome.plan.summary
 
 

@@ -101,7 +101,14 @@ def decide(
                 f"parked model's job is registered again still parked), then `planner retry "
                 f"{observation.name}`"
             )
-        retried = retry.retry(folded.state, observation)
+        state = folded.state
+        if any(isinstance(e, Park) for e in folded.effects):
+            # The retry decides instead of the park this look found due: neither its
+            # record nor its log line stand (a tester read "parked" from a retry that
+            # renewed the job and started it: issue 19's second QA this session).
+            state = state.model_copy(update={"parked": document.parked})
+            notes = tuple(n for n in notes if not n.text.startswith("parked ("))
+        retried = retry.retry(state, observation)
         return Plan(
             retried.state,
             retried.effects,

@@ -588,6 +588,8 @@ def test_retry_of_replicas_of_a_failed_deployment_renews_the_job() -> None:
         {"ID": "d", "JobVersion": 0, "JobCreateIndex": 5, "CreateIndex": 9, "Status": "failed"},
     )
     plan = retried(STORED, observe(failing(), the_job=current, deployments=failed))
+    assert plan.state.parked is None  # the park this look found due is not kept
+    assert not [n for n in plan.notes if n.text.startswith("parked (")]
     [register] = plan.effects
     assert isinstance(register, Register) and register.job["Meta"][JobMeta.RENEWED] == "12"
     assert plan.state.consecutive_failures == 0

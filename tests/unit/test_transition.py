@@ -556,25 +556,23 @@ def test_retry_while_the_current_definition_rolls_out_does_nothing() -> None:
     assert plan.effects == () and plan.state == observed(counted, seen).state
     assert plan.state.consecutive_failures == 2
     assert "nothing to retry now" in plan.summary
-    early = retried(
-        counted,
-        observe(
-            failing(version=0),
-            the_job=current,
-            versions=(current, OLD_AND_NEW[0]),
-            evaluation={"Status": "complete", "JobModifyIndex": 31},
-        ),
-    )
+
+    def evaluated_at(index: int) -> Plan:
+        """The retry with the latest complete evaluation made at JobModifyIndex `index`."""
+        evaluation = {"Status": "complete", "JobModifyIndex": index}
+        return retried(
+            counted,
+            observe(
+                failing(version=0),
+                the_job=current,
+                versions=(current, OLD_AND_NEW[0]),
+                evaluation=evaluation,
+            ),
+        )
+
+    early = evaluated_at(31)
     assert early.effects == () and early.state.consecutive_failures == 0
-    done = retried(
-        counted,
-        observe(
-            failing(version=0),
-            the_job=current,
-            versions=(current, OLD_AND_NEW[0]),
-            evaluation={"Status": "complete", "JobModifyIndex": 40},
-        ),
-    )
+    done = evaluated_at(40)
     assert [type(e) for e in done.effects] == [Register] and done.state.consecutive_failures == 0
 
 

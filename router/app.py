@@ -373,6 +373,7 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
             await proxy.bodies.close()
             if limits is not None:
                 await limits.close()  # tokens still being written to the shared tallies
+                await limits.give_back()  # the unused leases, to the other routers
             if counters is not None:
                 await counters.close()
             await catalog.close()

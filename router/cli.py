@@ -1,4 +1,5 @@
-"""``router`` command line: ``router serve`` runs the router under uvicorn.
+"""``router`` command line: ``router serve`` runs the router under uvicorn;
+``router keys`` (:mod:`router.keyscli`) edits its API keys.
 
 The console script ``router = "router.cli:main"`` and ``python -m router``
 land here. Settings come from the environment (see :mod:`router.settings`)
@@ -54,6 +55,7 @@ from router import workers as router_workers
 from router.app import create_app
 from router.catalog import ConsulCatalog
 from router.errors import CatalogUnavailable
+from router.keyscli import keys_app
 from router.serving import protocol_class
 from router.settings import RouterSettings
 
@@ -69,8 +71,10 @@ cli = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="llmgw router: OpenAI-compatible proxy to llama-server replicas found in Consul."
-    f"\n\n{EXIT_CODES}",
+    f"\n\n`router serve`: {EXIT_CODES}\n\n`router keys`: adds, rotates, removes and lists "
+    "API keys and shows their usage (its exit codes: router keys --help).",
 )
+cli.add_typer(keys_app, name="keys")
 
 
 class _Server(uvicorn.Server):

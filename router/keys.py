@@ -52,11 +52,28 @@ Two sources, one format:
 
 Either way, a document that no longer loads is logged and the keys read before
 stay in force, so a typo never locks every client out or lets everyone in.
+
+``router keys`` (:mod:`router.keyscli`) adds, rotates, removes and lists keys in
+either source, through :meth:`ApiKeys.parse`: what it writes is what the router
+reads.
+
+YAML 1.1, which PyYAML reads, takes ``on``, ``off``, ``yes``, ``no`` (any case)
+for booleans, so a key named ``on`` was refused as "not a string". Keys
+documents are read with :class:`_KeysLoader`, which takes only ``true`` and
+``false`` for booleans (YAML 1.2's rule): ``name: on`` is the name ``on``. A name
+YAML still reads as something else (``true``, ``42``, ``1.5``: the spelling
+is lost) is refused with a message saying to quote it.
+
+Model patterns are shell patterns (``fnmatch``) over model names, which are
+``[a-z0-9-]`` (the planner's definitions refuse any other): a pattern with
+another character (an upper-case letter, a space, a dot) can never match, so it
+is refused as the mistake it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import fnmatch
 import hashlib
 import logging
@@ -78,6 +95,34 @@ from llmgw_contract import ROUTER_API_KEYS_KEY
 from router import errors
 
 log = logging.getLogger(__name__)
+
+
+class _KeysLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only ``true`` and ``false``
+    (not ``on``/``off``/``yes``/``no``), so such a key name stays a string."""
+
+
+_KeysLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_KeysLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool",
+    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"),
+)
+
+# The limits a key may carry, as the keys document spells them (router.limits).
+LIMIT_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "concurrent_requests",
+    "tokens_per_day",
+    "tokens_per_month",
+)
+# What a model pattern may hold: a model name's characters (planner/spec/definitions.py
+# NAME_PATTERN: [a-z0-9-]) and fnmatch's * ? [ ] !.
+_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+$")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # How often the keys file is read for a change.
@@ -110,6 +155,25 @@ class _KeyEntry(BaseModel):
     sha256: str
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
     limits: _Limits = Field(default_factory=_Limits)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, value: object) -> object:
+        if isinstance(value, bool | int | float | dt.date) or value is None:
+            # The operator's spelling is lost (True or true? 1.50 or 1.5?): ask for quotes.
+            raise ValueError(f"YAML reads this name as {value!r}, not as text: quote it")
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not _PATTERN.match(pattern):
+                raise ValueError(
+                    f"{pattern!r} can never match a model: a pattern holds a model name's "
+                    "characters (a-z, 0-9, -) and the shell wildcards * ? [ ] !"
+                )
+        return value
 
     @field_validator("sha256")
     @classmethod
@@ -181,6 +245,10 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def by_name(self) -> dict[str, ApiKey]:
+        """The keys by name, in the document's order."""
+        return {key.name: key for key in self._by_digest.values()}
+
     @classmethod
     def load(cls, path: str) -> ApiKeys:
         """Read and check the keys file at ``path``.
@@ -195,17 +263,11 @@ class ApiKeys:
     def parse(cls, document: bytes, where: str) -> ApiKeys:
         """Check a keys document (the file's format); raises as :meth:`load`, each
         message starting with ``where`` (the file, or the Consul KV key)."""
-        try:
-            raw = yaml.safe_load(document)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{where}: not YAML ({exc})") from None
+        raw = load_yaml(document, where)
         try:
             parsed = _KeysFile.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
-            )
-            raise ValueError(f"{where}: {problems}") from None
+            raise ValueError(f"{where}: {_problems(exc)}") from None
         keys: dict[str, ApiKey] = {}
         names: set[str] = set()
         for i, entry in enumerate(parsed.keys):
@@ -225,6 +287,16 @@ class ApiKeys:
                 limits.tokens_per_minute,
             )
         return cls(keys)
+
+    @staticmethod
+    def check_entry(entry: dict[str, object], where: str) -> None:
+        """Check one key's entry of a keys document (``{"name", "sha256", "models",
+        "limits"}``) as :meth:`parse` does; raises ``ValueError`` starting with ``where``
+        and naming the field (``limits.requests_per_minute``)."""
+        try:
+            _KeyEntry.model_validate(entry)
+        except ValidationError as exc:
+            raise ValueError(f"{where}: {_problems(exc)}") from None
 
     def authenticate(self, authorization: bytes | None) -> ApiKey:
         """The key an ``Authorization: Bearer <key>`` header value carries.
@@ -327,6 +399,15 @@ class ConsulKeys:
         log.info("API keys read from %s: %d keys", where, len(keys))
 
 
+def load_yaml(document: bytes, where: str) -> object:
+    """The YAML ``document`` as keys documents are read (:class:`_KeysLoader`); raises
+    ``ValueError`` starting with ``where`` when it is not YAML."""
+    try:
+        return yaml.load(document, Loader=_KeysLoader)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where}: not YAML ({exc})") from None
+
+
 def read_keys_file(path: str) -> bytes:
     """The bytes of the keys file at ``path``, at most :data:`MAX_KEYS_BYTES`; raises
     ``ValueError`` naming the file."""
@@ -339,6 +420,13 @@ def read_keys_file(path: str) -> bytes:
     if len(document) > MAX_KEYS_BYTES:
         raise ValueError(f"{where}: larger than {MAX_KEYS_BYTES} bytes")
     return document
+
+
+def _problems(exc: ValidationError) -> str:
+    """pydantic's errors as ``field.path: message; ...``."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
+    )
 
 
 def _redact(key: str) -> str:

@@ -115,6 +115,15 @@ def budget_kind(period: str) -> str:
     return f"tokens-{period}"
 
 
+# The period each tally kind counts over.
+_PERIODS = {
+    REQUESTS: Period.MINUTE,
+    MINUTE_TOKENS: Period.MINUTE,
+    budget_kind(Period.DAY): Period.DAY,
+    budget_kind(Period.MONTH): Period.MONTH,
+}
+
+
 def duration(seconds: float) -> str:
     """``seconds`` as OpenAI's ``x-ratelimit-reset-*`` values spell it: ``250ms``,
     ``1.5s``, ``6m0s``."""
@@ -295,6 +304,70 @@ class KeyLimits:
         if self._settling:
             await asyncio.wait(list(self._settling), timeout=timeout_s)
 
+    async def give_back(self, timeout_s: float = 2.0) -> None:
+        """At shutdown, once no request is left and :meth:`close` waited: give back to
+        the shared tallies what this router's leases of the current windows hold and
+        did not use (one compare-and-set per lease, all at once, at most ``timeout_s``),
+        so that a stopped router does not keep up to a lease of each key's minute or
+        budget. Routers that found a window spent do not ask again within it, so what is
+        given back serves the others' next asks. A failure is logged; those units are
+        then lost until their window ends, as without it."""
+        if not self.shared:
+            return
+        returns = [
+            asyncio.ensure_future(self._store.give_back(name, kind, lease.window, lease.left))
+            for (name, kind), lease in self._leases.items()
+            if lease.left > 0 and lease.window == self._window(_PERIODS[kind])[0]
+        ]
+        if not returns:
+            return
+        done, pending = await asyncio.wait(returns, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        raised = [t.exception() for t in done if t.exception() is not None]
+        lost = len(raised) + len(pending)
+        if lost:
+            log.warning(
+                "per-key limits: %d of %d unused leases not given back to Consul (%s); "
+                "they are lost until their window ends",
+                lost,
+                len(returns),
+                raised[0] if raised else f"no answer within {timeout_s:g} s",
+            )
+        else:
+            log.info("per-key limits: %d unused leases given back to Consul", len(returns))
+
+    def headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
+        """OpenAI's ``x-ratelimit-*`` headers for the answer to an admitted request, as
+        this router knows its key's standing when the answer starts: for requests per
+        minute ``x-ratelimit-{limit,remaining,reset}-requests``, for tokens per minute
+        ``x-ratelimit-{limit,remaining,reset}-tokens`` (OpenAI sends them on every
+        answer). Shared, ``remaining`` counts what the other routers leased as used
+        (:meth:`router.windows.Lease.remaining`); per router, the bucket's."""
+        key = admission.key
+        found: list[tuple[bytes, bytes]] = []
+        if key.requests_per_minute is not None:
+            taken = admission.requests or (
+                self._leases.get((key.name, REQUESTS))
+                if self.shared
+                else self._buckets.get(key.name)
+            )
+            remaining, reset = self._standing(taken, key.requests_per_minute)
+            found += _standing_headers(b"requests", key.requests_per_minute, remaining, reset)
+        if key.tokens_per_minute is not None:
+            remaining, reset = self._standing(admission.minute_tokens, key.tokens_per_minute)
+            found += _standing_headers(b"tokens", key.tokens_per_minute, remaining, reset)
+        return found
+
+    def _standing(self, taken: Lease | _Bucket | None, limit: int) -> tuple[int, float]:
+        """``(remaining, seconds until the window resets)`` of a per-minute limit."""
+        if isinstance(taken, _Bucket):
+            return int(taken.tokens), taken.full_in()
+        window, ends_in = self._window(Period.MINUTE)
+        if taken is None or taken.window != window:
+            return limit, ends_in
+        return min(limit, taken.remaining()), ends_in
+
     async def _settle(self, name: str, kind: str, lease: Lease) -> None:
         """Write what ``lease`` owes (an ask already under way may carry only part of
         it); while failing open it stays owed until the next ask."""
@@ -431,7 +504,9 @@ class KeyLimits:
     async def _take(self, name: str, kind: str, lease: Lease, want: int) -> None:
         owed = lease.owed
         try:
-            granted = await self._store.take(name, kind, lease.window, lease.limit, want, owed)
+            granted, seen = await self._store.take(
+                name, kind, lease.window, lease.limit, want, owed
+            )
         except errors.CatalogUnavailable as exc:
             if not self.failing_open:
                 log.warning(
@@ -444,10 +519,20 @@ class KeyLimits:
                 )
             self._open_until = self._clock() + FAIL_OPEN_RETRY_S
             return
-        lease.granted(granted, owed, want)
+        lease.granted(granted, owed, want, seen)
         if self._open_until is not None:
             self._open_until = None
             log.warning("per-key limits: Consul answers again; the limits are shared again")
+
+
+def _standing_headers(
+    unit: bytes, limit: int, remaining: int, reset: float
+) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-ratelimit-limit-" + unit, str(limit).encode()),
+        (b"x-ratelimit-remaining-" + unit, str(remaining).encode()),
+        (b"x-ratelimit-reset-" + unit, duration(reset).encode()),
+    ]
 
 
 def _requests_refusal(name: str, per_minute: int, wait: float, reset: float) -> errors.RateLimited:

@@ -93,6 +93,7 @@ from router.routes import model_route, upstream_query
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
     DisconnectWatch,
+    Message,
     Receive,
     Scope,
     Send,
@@ -267,6 +268,7 @@ class Proxy:
                 key_name = key.name
                 if key.limited and self.limits is not None:
                     limited = await self.limits.admit(key)
+                    send = _with_standing(send, self.limits, limited)
             body = await read_body(
                 receive,
                 content_length(scope["headers"]),
@@ -618,6 +620,23 @@ class Proxy:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
         return status
+
+
+def _with_standing(send: Send, limits: KeyLimits, admission: Admission) -> Send:
+    """``send``, adding the key's ``x-ratelimit-*`` headers (:meth:`KeyLimits.headers`)
+    to the response's start, whoever answers: OpenAI sends them on every answer. Read
+    when the answer starts, so a request the router refused itself shows what it gave
+    back."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {
+                **message,
+                "headers": [*message.get("headers", ()), *limits.headers(admission)],
+            }
+        await send(message)
+
+    return sending
 
 
 class _Meter:

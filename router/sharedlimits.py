@@ -39,7 +39,7 @@ import aiohttp
 
 from llmgw_contract import ROUTER_LIMITS_PREFIX
 from router.errors import CatalogUnavailable
-from router.windows import Tally, decode_tally, take
+from router.windows import Tally, decode_tally, returned, take
 
 # Seconds one Consul call may take before the limits fail open: a request that
 # needs a new lease waits at most this long (twice on a conflict).
@@ -57,7 +57,13 @@ class CounterStore(Protocol):
 
     async def take(
         self, name: str, kind: str, window: str, limit: int, want: int, owed: int
-    ) -> int: ...
+    ) -> tuple[int, int]:
+        """``(units granted, units used in the window after it)``."""
+        ...
+
+    async def give_back(self, name: str, kind: str, window: str, units: int) -> None:
+        """Take ``units`` a lease did not use off ``window``'s tally (a stopping router)."""
+        ...
 
 
 def limits_key(name: str, kind: str) -> str:
@@ -73,10 +79,15 @@ class LocalCounters:
 
     async def take(
         self, name: str, kind: str, window: str, limit: int, want: int, owed: int
-    ) -> int:
+    ) -> tuple[int, int]:
         tally, granted = take(self._tallies.get((name, kind)), window, limit, want, owed)
         self._tallies[(name, kind)] = tally
-        return granted
+        return granted, tally.used
+
+    async def give_back(self, name: str, kind: str, window: str, units: int) -> None:
+        tally = returned(self._tallies.get((name, kind)), window, units)
+        if tally is not None:
+            self._tallies[(name, kind)] = tally
 
 
 class ConsulCounters:
@@ -107,9 +118,9 @@ class ConsulCounters:
 
     async def take(
         self, name: str, kind: str, window: str, limit: int, want: int, owed: int
-    ) -> int:
+    ) -> tuple[int, int]:
         """Take up to ``want`` of ``limit`` in ``window``, adding ``owed``; the units
-        granted. Raises :class:`CatalogUnavailable`."""
+        granted and the window's units used after. Raises :class:`CatalogUnavailable`."""
         key = limits_key(name, kind)
         known = self._known.get(key)
         for _ in range(MAX_ATTEMPTS):
@@ -118,11 +129,32 @@ class ConsulCounters:
             index, tally = known
             new, granted = take(tally, window, limit, want, owed)
             if new == tally:
-                return granted  # spent, as last seen, and nothing owed: no write
+                return granted, new.used  # spent, as last seen, nothing owed: no write
             written = await self._cas(key, index, new)
             if written is not None:
                 self._known[key] = (written, new)
-                return granted
+                return granted, new.used
+            known = None
+        self._known.pop(key, None)
+        raise CatalogUnavailable(f"Consul KV {key}: {MAX_ATTEMPTS} conflicting writes in a row")
+
+    async def give_back(self, name: str, kind: str, window: str, units: int) -> None:
+        """Take ``units`` off ``window``'s tally (:func:`router.windows.returned`), by
+        compare-and-set, read first when another router wrote since. Raises
+        :class:`CatalogUnavailable`."""
+        key = limits_key(name, kind)
+        known = self._known.get(key)
+        for _ in range(MAX_ATTEMPTS):
+            if known is None:
+                known = await self._read(key)
+            index, tally = known
+            new = returned(tally, window, units)
+            if new is None:
+                return
+            written = await self._cas(key, index, new)
+            if written is not None:
+                self._known[key] = (written, new)
+                return
             known = None
         self._known.pop(key, None)
         raise CatalogUnavailable(f"Consul KV {key}: {MAX_ATTEMPTS} conflicting writes in a row")

@@ -98,6 +98,15 @@ def take(
     return Tally(window, used + granted), granted
 
 
+def returned(tally: Tally | None, window: str, units: int) -> Tally | None:
+    """What a stopping router writes to give back ``units`` of its lease it did not use:
+    the tally with ``units`` fewer used in ``window``; ``None`` (nothing to write) when
+    the tally counts another window (the lease's is over) or nothing is given."""
+    if tally is None or tally.window != window or units <= 0:
+        return None
+    return Tally(window, max(0, tally.used - units))
+
+
 def later(a: str, b: str) -> bool:
     """Whether window ``a`` comes after window ``b`` of the same period (minute numbers
     compare by length first; days and months are fixed-width ISO dates)."""
@@ -118,7 +127,7 @@ class Lease:
     limit changes: a raised limit is asked again).
     """
 
-    __slots__ = ("left", "limit", "owed", "spent", "window")
+    __slots__ = ("left", "limit", "owed", "seen", "spent", "window")
 
     def __init__(self, window: str, limit: int) -> None:
         self.window = window
@@ -126,6 +135,14 @@ class Lease:
         self.left = 0
         self.owed = 0
         self.spent = False
+        # The window's units used (granted) by every router, as the last take answered.
+        self.seen = 0
+
+    def remaining(self) -> int:
+        """What is left of the window's limit as this router knows it: what no router
+        had been granted at the last take, and what this lease has not used (what the
+        other routers hold and have not used counts as used)."""
+        return max(0, self.limit - self.seen) + self.left
 
     def current(self, window: str, limit: int) -> bool:
         """Whether this lease is of ``window`` at ``limit`` (else a new one is due;
@@ -164,11 +181,13 @@ class Lease:
         self.owed -= paid
         self.left += back - paid
 
-    def granted(self, units: int, owed_sent: int, wanted: int) -> None:
+    def granted(self, units: int, owed_sent: int, wanted: int, seen: int = 0) -> None:
         """A :func:`take` that asked for ``wanted`` units granted ``units`` and took
         ``owed_sent`` of what was owed (what was charged while it was under way stays
-        owed). Nothing granted of something asked: the window's limit is spent."""
+        owed), leaving ``seen`` used in the window. Nothing granted of something asked:
+        the window's limit is spent."""
         self.left += units
+        self.seen = seen
         self.owed = max(0, self.owed - owed_sent)
         if wanted > 0:
             self.spent = units == 0

@@ -39,7 +39,7 @@ class CountingStore(LocalCounters):
 
     async def take(
         self, name: str, kind: str, window: str, limit: int, want: int, owed: int
-    ) -> int:
+    ) -> tuple[int, int]:
         self.calls += 1
         await asyncio.sleep(0)  # a round trip: others run meanwhile
         if self.down:

@@ -140,9 +140,10 @@ class Lease:
 
     def remaining(self) -> int:
         """What is left of the window's limit as this router knows it: what no router
-        had been granted at the last take, and what this lease has not used (what the
-        other routers hold and have not used counts as used)."""
-        return max(0, self.limit - self.seen) + self.left
+        had been granted at the last take, less what this router owes, and what this
+        lease has not used (what the other routers hold and have not used counts as
+        used)."""
+        return max(0, self.limit - self.seen - self.owed) + self.left
 
     def current(self, window: str, limit: int) -> bool:
         """Whether this lease is of ``window`` at ``limit`` (else a new one is due;

@@ -216,3 +216,41 @@ def test_requests_the_router_refuses_itself_use_no_allowance(tmp_path: Path, sha
             await replica.stop()
 
     run(scenario())
+
+
+def test_every_answer_to_a_limited_key_carries_its_x_ratelimit_headers(tmp_path: Path) -> None:
+    """OpenAI sends x-ratelimit-* on every answer, not only on 429s (issue 23)."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {requests_per_minute: 3, tokens_per_minute: 1000}\n"
+        f"  - name: free\n    sha256: {digest('sk-free-0123456789')}\n"
+    )
+    auth = [(b"authorization", b"Bearer sk-team-0123456789")]
+
+    async def scenario() -> None:
+        replica = HeldReplica()
+        replica.release.set()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=False)
+        try:
+            async with in_process_router(settings) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                status, headers, _ = await asgi_post(app, {"model": "m"}, headers=auth)
+                assert status == 200
+                assert headers["x-ratelimit-limit-requests"] == "3"
+                assert headers["x-ratelimit-remaining-requests"] == "2"
+                assert headers["x-ratelimit-reset-requests"].endswith("s")
+                assert headers["x-ratelimit-limit-tokens"] == "1000"
+                assert int(headers["x-ratelimit-remaining-tokens"]) < 1000  # the estimate
+                # Refused by the router itself: given back, and said so.
+                status, headers, _ = await asgi_post(app, {"model": "nope"}, headers=auth)
+                assert status == 404 and headers["x-ratelimit-remaining-requests"] == "2"
+                # A key without limits: none.
+                free = [(b"authorization", b"Bearer sk-free-0123456789")]
+                status, headers, _ = await asgi_post(app, {"model": "m"}, headers=free)
+                assert status == 200 and "x-ratelimit-limit-requests" not in headers
+        finally:
+            await replica.stop()
+
+    run(scenario())

@@ -162,6 +162,58 @@ def test_a_lease_left_on_one_router_is_the_slack() -> None:
     assert served(a, key, 10) == 4
 
 
+def test_a_stopping_router_gives_its_unused_leases_back() -> None:
+    store, wall = CountingStore(), Clock(T0)
+    a, b = router(store, wall), router(store, wall)
+    key = ApiKey("team", ("*",), requests_per_minute=100, budget_tokens=1000, budget_period="day")
+    first = admit(a, key)  # a lease of 5 requests and one of 10 tokens
+    a.release(first)
+    a.charge(first, 3)
+    assert store._tallies[("team", "requests")] == Tally("29936760", 5)
+    assert store._tallies[("team", "tokens-day")] == Tally("2026-12-02", 10)
+    asyncio.run(a.close())
+    asyncio.run(a.give_back())
+    # What a used stays counted; what it held and did not use is the others' again.
+    assert store._tallies[("team", "requests")] == Tally("29936760", 1)
+    assert store._tallies[("team", "tokens-day")] == Tally("2026-12-02", 3)
+    assert served(b, key, 200) == 99  # the whole minute but a's one request
+    # A lease of a window that is over is not given back (the tally counts another).
+    wall.now += 60
+    asyncio.run(b.give_back())
+    assert store._tallies[("team", "requests")] == Tally("29936760", 100)
+    # Per router (not shared): nothing to give back.
+    local = KeyLimits(Clock(0.0), wall=wall)
+    local.release(admit(local, key))
+    asyncio.run(local.give_back())
+
+
+def test_x_ratelimit_headers_say_what_this_router_knows_is_left() -> None:
+    store, wall = CountingStore(), Clock(T0 + 15)
+    a, b = router(store, wall), router(store, wall)
+    key = ApiKey("team", ("*",), requests_per_minute=100, tokens_per_minute=1000)
+    held = admit(a, key)  # a: 5 requests leased, 1 used; 50 tokens leased
+    assert dict(a.headers(held)) == {
+        b"x-ratelimit-limit-requests": b"100",
+        b"x-ratelimit-remaining-requests": b"99",  # 95 nobody holds + a's 4
+        b"x-ratelimit-reset-requests": b"45s",
+        b"x-ratelimit-limit-tokens": b"1000",
+        b"x-ratelimit-remaining-tokens": b"1000",
+        b"x-ratelimit-reset-tokens": b"45s",
+    }
+    other = admit(b, key)
+    # b counts a's unused 4 as used: 90 nobody holds + its own 4.
+    assert dict(b.headers(other))[b"x-ratelimit-remaining-requests"] == b"94"
+    a.estimate(held, 400)  # 100 tokens estimated: 50 of the lease, 50 owed
+    assert dict(a.headers(held))[b"x-ratelimit-remaining-tokens"] == b"900"
+    # A key with only a budget or concurrency gets none (OpenAI has no such header).
+    assert a.headers(admit(a, ApiKey("b", ("*",), concurrent_requests=1))) == []
+    # Per router: the bucket's standing.
+    local = KeyLimits(Clock(0.0), wall=wall)
+    taken = admit(local, ApiKey("team", ("*",), requests_per_minute=60))
+    assert dict(local.headers(taken))[b"x-ratelimit-remaining-requests"] == b"59"
+    assert dict(local.headers(taken))[b"x-ratelimit-reset-requests"] == b"1s"
+
+
 def test_a_request_the_router_refuses_itself_is_given_back() -> None:
     store, wall = CountingStore(), Clock(T0)
     limits = router(store, wall)

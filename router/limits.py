@@ -67,6 +67,14 @@ spelling). The concurrency limit has no OpenAI header of its own:
 budget is 429 ``insufficient_quota`` (type and code, as OpenAI answers a spent
 quota), ``Retry-After`` until the period ends, and
 ``x-should-retry: false`` (the OpenAI SDKs would otherwise retry a 429).
+Every other answer to an admitted request carries the key's standing, as OpenAI
+sends on every response (:meth:`KeyLimits.headers`):
+``x-ratelimit-{limit,remaining,reset}-requests`` and ``-tokens`` for the
+per-minute limits the key has.
+
+At shutdown a router gives back what its leases of the current windows hold and
+did not use (:meth:`KeyLimits.give_back`), so a stopped router keeps none of a
+key's minute or budget.
 
 A request the router then refuses itself (an unknown or forbidden model, a
 parked one, no replica, a bad body...) is given back (:meth:`KeyLimits.refund`),

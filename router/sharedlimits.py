@@ -15,7 +15,9 @@ on the tally of one (key, kind), written with a compare-and-set:
   again: **two round trips**. A window's limit already spent, as last seen,
   is answered without a write (used only grows within a window: a stale copy
   that says spent is right);
-- Consul's own cost: each write is a Raft commit of a ~40-byte value.
+- Consul's own cost: each write is a Raft commit of a ~40-byte value;
+- at shutdown, :meth:`ConsulCounters.give_back` takes what a lease did not use off
+  the tally, by the same compare-and-set (:func:`router.windows.returned`).
 
 Every failure (connection, timeout of :data:`TIMEOUT_S`, an HTTP status other
 than 200/404/409, a 403 for a token without ``key_prefix

@@ -15,8 +15,9 @@ from it locally (:class:`Lease`), so most requests cost no Consul round trip.
 Granted units are counted as used at once: routers together never grant more
 than the limit in a window; the price is that units a router leased and did
 not use before the window ended are lost (at most the lease size per router and
-window; a router that stops gives them back, :func:`returned`), and a key gets up to ``routers x (lease - 1)`` fewer than its limit when
-its load is spread thin. Tokens are charged after the answer (the actual usage
+window; a router that stops gives them back, :func:`returned`), and a key gets
+up to ``routers x (lease - 1)`` fewer than its limit when its load is spread
+thin. Tokens are charged after the answer (the actual usage
 is known only then): what a request used beyond the lease it was admitted on is
 *owed* and added to the tally at the router's next compare-and-set, so a budget
 can be overrun by what the requests in flight when it ran out use.

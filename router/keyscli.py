@@ -280,18 +280,19 @@ def usage_of(key: ApiKey, tallies: dict[str, Tally], wall: float) -> list[dict[s
     (LLMGW_ROUTER_SHARED_LIMITS=false). Concurrent requests: per router, ``used``
     ``None``."""
     rows: list[dict[str, Any]] = []
-    counted = (
+    counted: list[tuple[str, int | None, str, Period]] = [
         ("requests_per_minute", key.requests_per_minute, REQUESTS, Period.MINUTE),
         ("tokens_per_minute", key.tokens_per_minute, MINUTE_TOKENS, Period.MINUTE),
-    )
+    ]
     if key.budget_tokens is not None and key.budget_period is not None:
-        budget = (
-            f"tokens_per_{key.budget_period}",
-            key.budget_tokens,
-            budget_kind(key.budget_period),
-            Period(key.budget_period),
+        counted.append(
+            (
+                f"tokens_per_{key.budget_period}",
+                key.budget_tokens,
+                budget_kind(key.budget_period),
+                Period(key.budget_period),
+            )
         )
-        counted = (*counted, budget)
     for limit, value, kind, period in counted:
         if value is None:
             continue

@@ -268,7 +268,8 @@ class Proxy:
                 key_name = key.name
                 if key.limited and self.limits is not None:
                     limited = await self.limits.admit(key)
-                    send = _with_standing(send, self.limits, limited)
+                    if key.requests_per_minute or key.tokens_per_minute:
+                        send = _with_standing(send, self.limits, limited)
             body = await read_body(
                 receive,
                 content_length(scope["headers"]),

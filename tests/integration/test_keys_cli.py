@@ -201,6 +201,38 @@ def test_rotate_retires_the_old_secret_and_a_stale_write_is_refused(parts: Parts
         router.stop()
 
 
+def test_a_key_added_to_a_running_routers_file_is_accepted_at_its_next_read(
+    parts: Parts, tmp_path: Path
+) -> None:
+    path = tmp_path / "keys.yaml"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def add(name: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "router", "keys", "add", name, "--file", str(path)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    first = add("first")
+    router = Router(parts.consul, tmp_path, "router-file", "--api-keys-file", str(path))
+    try:
+        eventually(lambda: router.metric("llmgw_router_endpoints", model=MODEL) == 1, 15)
+        assert post(router, first)[0] == 200
+        second = add("off")  # a YAML 1.1 boolean, quoted by the CLI
+        # The router logs each changed document it takes (the file is read every 5 s;
+        # the one it started with is not logged as a reload): the event.
+        eventually(lambda: "API keys reloaded from" in router.log_path.read_text(), 10)
+        assert post(router, second)[0] == 200 and post(router, first)[0] == 200
+    finally:
+        router.stop()
+
+
 def test_consul_unreachable_is_exit_3(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CONSUL_HTTP_ADDR": "127.0.0.1:1"}
     done = subprocess.run(

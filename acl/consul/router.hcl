@@ -16,7 +16,7 @@
 #   key "llmgw-router/api-keys"   the router's API keys, when it reads them from Consul
 #     read                        (LLMGW_API_KEYS_CONSUL); outside llmgw/ so the
 #                                 planner's token cannot write them: give write on it
-#                                 to operators only
+#                                 to operators only (`router keys --consul` edits it)
 #   key_prefix                    the per-key limits every router shares (one small
 #     "llmgw-router/limits/"      document per key and kind, compare-and-set), with API
 #     write                       keys and LLMGW_ROUTER_SHARED_LIMITS on (the default)

@@ -489,3 +489,33 @@ def _management_json(url: str, headers: dict[str, str]) -> Any:
         urllib.request.Request(url, headers=headers), timeout=10
     ) as response:
         return json.load(response)
+
+
+def test_router_keys_needs_an_operators_token_to_write_and_names_the_rule(
+    acl_cluster: Cluster, binaries: Path, tokens: Tokens
+) -> None:
+    """`router keys --consul` with the router's own token (acl/consul/router.hcl: the
+    keys read-only) may list them, and is refused an edit with exit 3 naming the rule;
+    the operator's (management) token adds one."""
+
+    def keys(token: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "router", "keys", *args, "--consul"],
+            cwd=REPO,
+            env=env_with(acl_cluster, binaries, None, token),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    operator = acl_cluster.management_env["CONSUL_HTTP_TOKEN"]
+    added = keys(operator, "add", "acl-team")
+    assert added.returncode == 0, added.stderr
+    listed = keys(tokens.router_consul, "list", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    assert [k["name"] for k in json.loads(listed.stdout)] == ["acl-team"]
+    refused = keys(tokens.router_consul, "add", "another")
+    assert refused.returncode == 3 and "Traceback" not in refused.stderr
+    assert 'denied CONSUL_HTTP_TOKEN `key "llmgw-router/api-keys" write`' in refused.stderr
+    listed = keys(operator, "list", "-o", "json")
+    assert [k["name"] for k in json.loads(listed.stdout)] == ["acl-team"]

@@ -331,11 +331,11 @@ def new_secret() -> str:
 
 
 def _print_usage(report: list[dict[str, Any]]) -> None:
-    table = Table("name", "limit", "window", "used", "limit value", "resets in", box=None)
+    table = Table("name", "limit", "window", "used", "of", "left", "resets in", box=None)
     notes: set[str] = set()
     for key in report:
         if not key["limits"]:
-            table.add_row(key["name"], "none", "", "", "", "")
+            table.add_row(key["name"], "none", "", "", "", "", "")
         for row in key["limits"]:
             if row["used"] is None:
                 used = "per router"
@@ -349,11 +349,27 @@ def _print_usage(report: list[dict[str, Any]]) -> None:
                     "since it was set), or routers running with "
                     "LLMGW_ROUTER_SHARED_LIMITS=false count alone, in memory"
                 )
-            resets = "" if row["resets_in_s"] is None else f"{row['resets_in_s']:g} s"
-            table.add_row(key["name"], row["limit"], row["window"], used, str(row["value"]), resets)
+            resets = "" if row["resets_in_s"] is None else _span(row["resets_in_s"])
+            left = "" if row["remaining"] is None else str(row["remaining"])
+            table.add_row(
+                key["name"], row["limit"], row["window"], used, str(row["value"]), left, resets
+            )
     _out.print(table)
     for note in sorted(notes):
         _err.print(note, markup=False)
+
+
+def _span(seconds: float) -> str:
+    """``seconds`` for a person: ``36s``, ``12m5s``, ``3h20m``, ``29d11h``."""
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
 def _named(entries: list[Entry], name: str) -> Entry:

@@ -31,9 +31,10 @@ with the configured ``--planner-url`` the first address tried while Consul
 names no leader, and move to another planner only when one could not be
 reached at all (:mod:`router.plannerapi`).
 
-Optional API keys (:mod:`router.keys`, from a file or Consul KV) gate every
-request and the model list; the client's ``Authorization`` is not passed to
-replicas. Request bodies held at once, and the time a client may take to send
+Optional API keys (:mod:`router.keys`, from a file or Consul KV, edited with
+``router keys``: :mod:`router.keyscli`) gate every request and the model list,
+with per-key limits (:mod:`router.limits`); the client's ``Authorization`` is
+not passed to replicas. Request bodies held at once, and the time a client may take to send
 its headers and body, are bounded (:mod:`router.intake`, :mod:`router.serving`).
 
 Entry points: the ``router`` console script (:mod:`router.cli`) and

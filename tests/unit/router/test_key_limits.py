@@ -254,3 +254,69 @@ def test_every_answer_to_a_limited_key_carries_its_x_ratelimit_headers(tmp_path:
             await replica.stop()
 
     run(scenario())
+
+
+class StreamReplica(LocalServer):
+    def __init__(self) -> None:
+        super().__init__(web.post("/v1/completions", self._handle))
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "hi"}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def test_a_streamed_answer_carries_the_x_ratelimit_headers_too(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {requests_per_minute: 5}\n"
+    )
+
+    async def scenario() -> None:
+        replica = StreamReplica()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=False)
+        sent: list[dict] = []
+        body = b'{"model": "m", "stream": true}'
+        delivered = asyncio.Event()
+
+        async def receive() -> dict:
+            if not delivered.is_set():
+                delivered.set()
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # connected until the answer ends
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "query_string": b"",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"authorization", b"Bearer sk-team-0123456789"),
+            ],
+        }
+        try:
+            async with in_process_router(settings) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                await app(scope, receive, send)
+        finally:
+            await replica.stop()
+        start = sent[0]
+        assert start["status"] == 200
+        headers = dict(start["headers"])
+        assert headers[b"Content-Type"] == b"text/event-stream"
+        assert headers[b"x-ratelimit-limit-requests"] == b"5"
+        assert headers[b"x-ratelimit-remaining-requests"] == b"4"
+        assert b"[DONE]" in b"".join(m.get("body", b"") for m in sent[1:])
+
+    run(scenario())

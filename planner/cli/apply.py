@@ -68,6 +68,7 @@ from planner.spec.jobspec import (
     record_of,
     render,
     replicas_of,
+    restart_delay_of,
     scaling_of,
 )
 from planner.spec.settings import Settings
@@ -154,8 +155,16 @@ def _update_reason(new: Job, old: Job) -> str:
         return STOPPED_REASON
     if new_meta.get(JobMeta.DEFINITION_HASH) != old_meta.get(JobMeta.DEFINITION_HASH):
         return "source or profile changed"
-    in_place = [why for why in (_counts(new, old), _drain(new, old)) if why]
-    return "; ".join(in_place) or "job template or settings changed"
+    named = [why for why in (_restarts(new, old), _counts(new, old), _drain(new, old)) if why]
+    return "; ".join(named) or "job template or settings changed"
+
+
+def _restarts(new: Job, old: Job) -> str | None:
+    """How the pause between failed starts differs, or None. Unlike the drain it is in
+    the spec hash: a change rolls out (a Nomad client keeps a running task's restart
+    policy as the task started)."""
+    before, after = restart_delay_of(old), restart_delay_of(new)
+    return f"restart_delay {before / 1e9:g}s -> {after / 1e9:g}s" if before != after else None
 
 
 def _counts(new: Job, old: Job) -> str | None:

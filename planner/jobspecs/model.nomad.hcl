@@ -162,6 +162,12 @@ variable "shutdown_delay" {
   description = "How long a stopping replica, already out of Consul, keeps serving what it has before its signal (the definition's shutdown_delay)."
 }
 
+variable "restart_delay" {
+  type        = string
+  default     = "5s"
+  description = "How long Nomad waits after a failed start before starting the server again, plus up to 25 % jitter (the definition's restart_delay)."
+}
+
 variable "datacenters" {
   type    = list(string)
   default = ["*"]
@@ -203,18 +209,20 @@ job "model" {
     }
 
     # Failures must surface as Nomad events promptly, and each replica stops
-    # failing on its own: restart in place 5 s apart, and after the 5th start
-    # fail the allocation and leave it failed. So a replica that cannot start
-    # (a file missing on its node, a GPU taken) is tried exactly 5 times while
-    # the other replicas go on serving, and the planner, counting the same
-    # starts from the event stream, parks the model only when no replica of its
-    # definition is healthy (docs/architecture.md, "Failures"). The 30 m
-    # interval covers five crash-after-ready runs of up to the 2 min stability
-    # window, so Nomad gives up no sooner than the planner counts five.
+    # failing on its own: restart in place restart_delay apart (5 s unless the
+    # definition says), and after the 5th start fail the allocation and leave it
+    # failed. So a replica that cannot start (a file missing on its node, a GPU
+    # taken) is tried exactly 5 times while the other replicas go on serving, and
+    # the planner, counting the same starts from the event stream, parks the model
+    # only when no replica of its definition is healthy (docs/architecture.md,
+    # "Failures"). The 30 m interval covers four delays (restart_delay is at most
+    # 4 m, 5 m with Nomad's jitter) and five crash-after-ready runs of up to the
+    # 2 min stability window, so Nomad's count of starts and the planner's count
+    # of failures stay one count.
     restart {
       attempts = 4
       interval = "30m"
-      delay    = "5s"
+      delay    = var.restart_delay
       mode     = "fail"
     }
 

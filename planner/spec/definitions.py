@@ -25,10 +25,27 @@ One file holds one model:
     scaling: {min: 1, max: 4, target: 2}  # optional, instead of replicas: follow demand
     shutdown_delay: 30s                 # a stopping replica's drain: out of the routers'
                                         # tables at once, its signal this long after
+    restart_delay: 5s                   # Nomad's pause before starting a failed server again
 
 The definition hash covers what the server runs (source, sha256, profile) and
-not `replicas`, `on_demand`, `scaling` or `shutdown_delay`: a changed hash lifts
-parking and rolls out, a changed count, bound or drain must not.
+not `replicas`, `on_demand`, `scaling`, `shutdown_delay` or `restart_delay`: a changed
+hash lifts parking and rolls out, a changed count, bound, drain or pause must not lift
+parking.
+
+`restart_delay` is the `delay` of the job group's restart policy: how long Nomad waits
+after a start failed before it starts the server again, in place (plus up to 25 %
+jitter: client/allocrunner/taskrunner/restarts/restarts.go). A replica that cannot
+start is started 5 times, so it is stopped (and the model parked, when no replica
+serves) about 4 delays after its first start. 1s to 4m (Nomad would read 0 as 1 ns:
+five starts back to back, nothing on the node given a moment to clear), default 5s: the
+template's
+value before the field existed, so a definition that does not write it renders the job
+it always did. The bound above keeps 4 delays with their jitter and 5 runs of up to the
+2 min stability window within the restart policy's 30 m interval
+(planner/jobspecs/model.nomad.hcl), so Nomad's count of starts and the planner's count
+of failures stay one count. It is part of the rendered job (the spec hash, not the
+definition hash): a change rolls out, as a Nomad client keeps a running task's restart
+policy as it started (it never updates its restart tracker in place).
 
 `shutdown_delay` (issue 22, items 2 and 6) is Nomad's task `shutdown_delay`: when a
 replica is stopped (a scale-down, a rollout's old replicas, an idle model's last, a
@@ -224,6 +241,21 @@ def _drain_within_bounds(seconds: int) -> int:
 
 Drain = Annotated[int, BeforeValidator(parse_seconds), AfterValidator(_drain_within_bounds)]
 
+# How long Nomad waits before it starts a failed server again (`restart_delay`; see the
+# module's docstring for the bounds).
+DEFAULT_RESTART_DELAY_S = 5
+MIN_RESTART_DELAY_S = 1
+MAX_RESTART_DELAY_S = 240
+
+
+def _pause_within_bounds(seconds: int) -> int:
+    if not MIN_RESTART_DELAY_S <= seconds <= MAX_RESTART_DELAY_S:
+        raise ValueError(f"expected a duration from 1s to 4m, got {seconds} s")
+    return seconds
+
+
+Pause = Annotated[int, BeforeValidator(parse_seconds), AfterValidator(_pause_within_bounds)]
+
 
 class Scaling(BaseModel):
     """Load-based scaling (`llmgw_contract.ScalingBounds`; the decision is
@@ -267,6 +299,7 @@ class ModelDefinition(BaseModel):
     on_demand: OnDemand | None = None
     scaling: Scaling | None = None  # replicas follow demand (then replicas = max(min, 1))
     shutdown_delay: Drain = DEFAULT_SHUTDOWN_DELAY_S  # seconds a stopping replica drains
+    restart_delay: Pause = DEFAULT_RESTART_DELAY_S  # seconds between a failed start and the next
 
     @model_validator(mode="after")
     def _replicas_from_scaling(self) -> ModelDefinition:

@@ -120,6 +120,7 @@ def variables(
         # from the task's start) of up to 30 min, then its load.
         "healthy_deadline": f"{profile.load_timeout + DOWNLOAD_ALLOWANCE_S}s",
         "shutdown_delay": f"{definition.shutdown_delay}s",
+        "restart_delay": f"{definition.restart_delay}s",
         "datacenters": list(settings.datacenters),
     }
 
@@ -175,6 +176,14 @@ def drain_of(job: Job) -> dict[str, int]:
         "ShutdownDelay": int(task.get("ShutdownDelay") or 0),
         "KillTimeout": int(task.get("KillTimeout") or NOMAD_KILL_TIMEOUT_NS),
     }
+
+
+def restart_delay_of(job: Job) -> int:
+    """The pause (ns) of the job's restart policy between a failed start and the next
+    (the definition's restart_delay), from its group (a model's job has one); 0 unset."""
+    groups = job.get("TaskGroups") or []
+    policy = (groups[0].get("RestartPolicy") or {}) if groups else {}
+    return int(policy.get("Delay") or 0)
 
 
 def replicas_of(job: Job) -> int:

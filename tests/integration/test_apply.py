@@ -305,6 +305,45 @@ def test_a_drain_change_is_planned_and_updated_in_place(
     assert again["action"] == "unchanged"
 
 
+def test_a_restart_delay_change_is_planned_and_rolled_out(
+    cluster: Cluster, planner: Callable, model_files: Callable[..., Path]
+) -> None:
+    """restart_delay: unwritten, the group's restart policy is the template's of before
+    the field (4 attempts in 30 min, 5 s apart, then fail), in the group and its task;
+    1s is named in the plan and rolls out (the spec hash moves: Nomad's clients keep a
+    running task's restart policy), the definition hash does not (parking stays)."""
+    folder = model_files("pause-only", replicas=0)
+    assert planner("apply", str(folder)).returncode == 0
+    job = nomad_get(cluster, "/v1/job/pause-only")
+    [group] = job["TaskGroups"]
+    policies = [group["RestartPolicy"], group["Tasks"][0]["RestartPolicy"]]
+    expected = {"Attempts": 4, "Interval": 1800 * 10**9, "Delay": 5 * 10**9, "Mode": "fail"}
+    assert [{k: p[k] for k in expected} for p in policies] == [expected, expected]
+    model_files("pause-only", replicas=0, extra="restart_delay: 1s\n")
+
+    plan = planner("apply", str(folder), "--dry-run", "--output", "json")
+    assert plan.returncode == 0, plan.stderr
+    [planned] = [c for c in json.loads(plan.stdout)["changes"] if c["model"] == "pause-only"]
+    assert (planned["action"], planned["reason"]) == ("update", "restart_delay 5s -> 1s")
+    assert any('Delay: "5000000000" => "1000000000"' in line for line in planned["diff"]), planned
+
+    applied = planner("apply", str(folder), "--output", "json")
+    [change] = [c for c in json.loads(applied.stdout)["changes"] if c["model"] == "pause-only"]
+    assert (change["action"], change["reason"]) == ("update", "restart_delay 5s -> 1s")
+    after = nomad_get(cluster, "/v1/job/pause-only")
+    [group] = after["TaskGroups"]
+    assert [group["RestartPolicy"]["Delay"], group["Tasks"][0]["RestartPolicy"]["Delay"]] == [
+        10**9,
+        10**9,
+    ]
+    meta, before = after["Meta"], job["Meta"]
+    assert meta["llmgw_definition_hash"] == before["llmgw_definition_hash"]
+    assert meta["llmgw_spec_hash"] != before["llmgw_spec_hash"]
+    second = planner("apply", str(folder), "--output", "json")
+    [again] = [c for c in json.loads(second.stdout)["changes"] if c["model"] == "pause-only"]
+    assert again["action"] == "unchanged"
+
+
 def test_prune_deregisters_models_gone_from_git(
     cluster: Cluster, planner: Callable, model_files: Callable[..., Path], tmp_path: Path
 ) -> None:

@@ -40,7 +40,7 @@ from planner.daemon.watcher import Watcher
 from planner.errors import NomadUnavailable
 from planner.model.failures import Rules
 from tests.conftest import http_json, own_cluster, wait_for
-from tests.integration.test_parking import SMALL, starts, write_model
+from tests.integration.test_parking import QUICK_RESTARTS, SMALL, starts, write_model
 
 pytestmark = pytest.mark.integration
 
@@ -168,7 +168,11 @@ def test_a_fifth_failure_lost_from_the_event_buffer_is_still_counted_and_parks(
             "LLMGW_ENGINES": ",".join(f"{k}={v}" for k, v in engines.items()),
         }
         folder = write_model(
-            tmp_path / "m", NAME, tiny_model, profile=SMALL + "\n  engine: gate-llama.cpp"
+            tmp_path / "m",
+            NAME,
+            tiny_model,
+            profile=SMALL + "\n  engine: gate-llama.cpp",
+            extra=QUICK_RESTARTS,
         )
         applied = subprocess.run(
             [sys.executable, "-m", "planner.cli.main", "apply", str(folder)],

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devcluster.cluster import Cluster
 from tests.conftest import PlannerDaemon, forget_models, wait_for
-from tests.integration.test_parking import write_model
+from tests.integration.test_parking import QUICK_RESTARTS, write_model
 from tests.support.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def test_planner_metrics_publish_every_model_and_drop_pruned_ones(
 ) -> None:
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
     folder = write_model(tmp_path / "m", "metrics-ok", tiny_model)
-    write_model(folder, "metrics-kev", kev)
+    write_model(folder, "metrics-kev", kev, extra=QUICK_RESTARTS)
     write_model(folder, "metrics-zero", tiny_model, replicas=0)
     try:
         assert planner("apply", str(folder)).returncode == 0

@@ -44,7 +44,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.integration.test_on_demand import complete, free_memory_mb, on_demand_model
-from tests.integration.test_parking import llama_pid, starts, write_model
+from tests.integration.test_parking import QUICK_RESTARTS, llama_pid, starts, write_model
 from tests.support.engines import CRASH_AFTER_S
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.traffic import steady
@@ -340,7 +340,7 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
 ) -> None:
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
     folder = write_model(tmp_path / "m", "c16-serve", tiny_model)
-    write_model(folder, "c16-parked", kev)
+    write_model(folder, "c16-parked", kev, extra=QUICK_RESTARTS)
     assert planner("apply", str(folder)).returncode == 0
     wait_for(lambda: planner_daemon.model("c16-parked")["state"] == "parked", 90, "parked")
     wait_for(lambda: planner_daemon.model("c16-serve")["state"] == "serving", 60, "serving")

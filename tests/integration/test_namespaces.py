@@ -26,6 +26,7 @@ import pytest
 
 from devcluster.cluster import Cluster
 from tests.conftest import ADMIN_TOKEN, PlannerDaemon, http_json, own_cluster, wait_for
+from tests.integration.test_parking import QUICK_RESTARTS
 from tests.support.engines import write_engines
 from tests.support.ports import free_port
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -99,7 +100,7 @@ def ns(binaries: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nam
         kev = write_tiny_gguf(root / "kev.gguf", architecture="kev")
         tiny = write_tiny_gguf(root / "tiny.gguf")
         folder = root / "models"
-        write_model(folder, FAILING, kev)
+        write_model(folder, FAILING, kev, QUICK_RESTARTS)
         write_model(folder, ON_DEMAND, tiny, "on_demand:\n  idle_after: 15m\n")
         daemon = PlannerDaemon(env, root / "planner.log")
         daemon.start()
@@ -191,7 +192,7 @@ def test_prune_removes_in_the_namespace(ns: Namespaced, tmp_path: Path) -> None:
     there = ns.planner("apply", str(other), NOMAD_NAMESPACE="default")
     assert there.returncode == 0, there.stderr
     only_kev = tmp_path / "models"
-    write_model(only_kev, FAILING, ns.kev)
+    write_model(only_kev, FAILING, ns.kev, QUICK_RESTARTS)
     pruned = ns.planner("apply", "--prune", "--output", "json", str(only_kev))
     assert pruned.returncode == 0, pruned.stderr
     actions = {c["model"]: c["action"] for c in json.loads(pruned.stdout)["changes"]}

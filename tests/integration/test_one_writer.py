@@ -17,7 +17,7 @@ import pytest
 from devcluster.cluster import Cluster
 from tests.conftest import ADMIN_TOKEN, PlannerDaemon, forget_models, nomad_get, wait_for
 from tests.integration.test_on_demand import job_count, on_demand_model
-from tests.integration.test_parking import starts, write_model
+from tests.integration.test_parking import QUICK_RESTARTS, starts, write_model
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.traffic import steady
 
@@ -58,7 +58,7 @@ def test_steady_activations_while_a_model_fails_make_exactly_five_starts(
     forces a reschedule, so the failed allocation is never placed again (issue 19: a 6th
     start was one slow leader away)."""
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
-    folder = write_model(tmp_path / "m", "steady-kev", kev)
+    folder = write_model(tmp_path / "m", "steady-kev", kev, extra=QUICK_RESTARTS)
     started = time.monotonic()
     assert planner("apply", str(folder)).returncode == 0
     answers: list[str] = []

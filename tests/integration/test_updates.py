@@ -21,7 +21,7 @@ from planner.model.resurrect import renewed
 from planner.spec.definitions import load_definitions
 from tests.conftest import PlannerDaemon, forget_models, http_json, nomad_get, wait_for
 from tests.integration.test_on_demand import complete
-from tests.integration.test_parking import KEV_ERROR, write_model
+from tests.integration.test_parking import KEV_ERROR, QUICK_RESTARTS, write_model
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.traffic import steady
 
@@ -113,7 +113,7 @@ def test_a_bad_update_is_rolled_back_while_the_old_version_serves(
     [old] = running(cluster, "upd-bad")
     kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
     with client(router, "upd-bad") as outcomes:
-        write_model(tmp_path / "m", "upd-bad", kev)
+        write_model(tmp_path / "m", "upd-bad", kev, extra=QUICK_RESTARTS)
         bad = definition(folder, "upd-bad")
         applied = planner("apply", str(folder), "--wait", "--timeout", "240")
         assert applied.returncode == 1, applied.stderr
@@ -325,12 +325,14 @@ def failing_then_rolling_out(
 ) -> tuple[Callable[[int], str], str, str]:
     """Model `name` in tmp_path/m: definition A (a GGUF that never loads) applied and
     failing, then definition B (as broken) applied, rolling out with a canary. Returns
-    `define(seed)` (writes definition `seed` and gives its hash), A's and B's hashes."""
+    `define(seed, extra)` (writes definition `seed`, `extra` its further lines, and gives
+    its hash), A's and B's hashes. A and B keep the default pause between starts: B is
+    applied while A still restarts, and A's 5 starts end before B's."""
     folder = tmp_path / "m"
 
-    def define(seed: int) -> str:
+    def define(seed: int, extra: str = "") -> str:
         source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
-        write_model(folder, name, source)
+        write_model(folder, name, source, extra=extra)
         return definition(folder, name)
 
     a = define(0)
@@ -373,8 +375,10 @@ def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definit
     print(f"A, then B rolling out with a canary, parked: starts {before}")
     assert before[b] == 5
 
-    # D1: C lifts parking; its canary alone starts, five times, and it is parked again.
-    c = define(2)
+    # D1: C lifts parking; its canary alone starts, five times, and it is parked again
+    # (nothing acts meanwhile: the quick pause). D keeps the default: the retry right after
+    # its apply must find its rollout under way.
+    c = define(2, QUICK_RESTARTS)
     applied = json.loads(planner("apply", str(folder), "--output", "json").stdout)
     [change] = [x for x in applied["changes"] if x["model"] == name]
     assert "lifts parking" in change["reason"], change
@@ -467,7 +471,7 @@ def test_an_earlier_definition_applied_again_starts_five_times(
 
     def define(seed: int) -> str:
         source = write_tiny_gguf(tmp_path / f"kev{seed}.gguf", architecture="kev", seed=seed)
-        write_model(folder, name, source)
+        write_model(folder, name, source, extra=QUICK_RESTARTS)  # each one parked, then the next
         return definition(folder, name)
 
     a = define(0)

@@ -63,8 +63,8 @@ def test_no_drain_is_allowed(tmp_path: Path, text: str) -> None:
         (
             "shutdown_dealy: 30s\n",
             "m.yaml: shutdown_dealy: unknown field (expected one of: name, source, sha256, "
-            "profile, replicas, on_demand, scaling, shutdown_delay); did you mean "
-            "'shutdown_delay'?",
+            "profile, replicas, on_demand, scaling, shutdown_delay, restart_delay); did you "
+            "mean 'shutdown_delay'?",
         ),
     ],
 )

@@ -27,7 +27,15 @@ from tests.support.traffic import steady
 
 pytestmark = pytest.mark.integration
 
-MODELS = ("upd-context", "upd-bad", "upd-scale", "upd-parked", "upd-early", "upd-renewed")
+MODELS = (
+    "upd-context",
+    "upd-bad",
+    "upd-scale",
+    "upd-parked",
+    "upd-early",
+    "upd-renewed",
+    "upd-aba",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

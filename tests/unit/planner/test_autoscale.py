@@ -4,6 +4,7 @@ in a TICK (`planner.model.transition`), and the routers' summed load
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -245,6 +246,29 @@ def test_a_scale_up_waits_while_nomad_cannot_place_what_the_job_asks_for() -> No
     )
     [down] = transition(quiet, observed(3, load(0.0)), Event.TICK, RULES, T0).effects
     assert isinstance(down, Scale) and down.count == 1
+
+
+def test_the_log_says_a_scale_up_is_short_never_unplaceable() -> None:
+    """A scaling model with replicas placed serves what it has: the planner's log line for
+    Nomad's answer, and for its end, says so in issue 22's words."""
+    short = Unplaceable(
+        reason="2 of 3 replicas placed; memory exhausted on 1 of 1 node", placed=2, desired=3
+    )
+    document = StateDocument(name="m", definition_hash="d1")
+    answered = observed(3, None, evaluation={"ID": "e1"}, placement=short)
+    plan = transition(document, answered, Event.OBSERVED, RULES, T0)
+    assert [n.text for n in plan.notes] == [
+        "short of a scale-up: wants 3, 2 placed: memory exhausted on 1 of 1 node"
+    ]
+    placed = observed(1, None, evaluation={"ID": "e2"})
+    after = transition(plan.state, placed, Event.OBSERVED, RULES, T0)
+    assert after.state.unplaceable is None
+    assert "placed (was short of a scale-up: wants 3, 2 placed: " in after.notes[0].text
+    # A fixed model short of room is told as before.
+    fixed = observed(3, None, evaluation={"ID": "e1"}, placement=short)
+    fixed = dataclasses.replace(fixed, record=RECORD.model_copy(update={"scaling": None}))
+    texts = [n.text for n in transition(document, fixed, Event.OBSERVED, RULES, T0).notes]
+    assert texts == [f"unplaceable: {short.reason}"]
 
 
 # --- the routers' summed load --------------------------------------------------------

@@ -37,14 +37,15 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
 from llmgw_contract import ActivationAnswer, StateDocument
 from planner.errors import Rejected
 from planner.model import activate, autoscale, fold, retry
-from planner.model.effects import Effect, Park, Reason, Scale
+from planner.model.effects import Effect, Park, Reason, Register, Scale
 from planner.model.failures import Rules, due_stable, headline, stabilize
 from planner.model.observation import Observation
-from planner.vocab import ACTIVE_DEPLOYMENT, GROUP, group_count
+from planner.vocab import ACTIVE_DEPLOYMENT, GROUP, group_count, with_count
 
 
 class Event(StrEnum):
@@ -168,7 +169,13 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     if state.parked is not None:
         return plan
     count = group_count(job)
-    blocked = _blocked(observation)
+    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
+    deployment = _active_deployment(observation)
+    # A deployment of a scale-up that fits nowhere runs until room appears
+    # (progress_deadline 0: it never fails by itself), so waiting for it would hold the
+    # count for good; such a deployment does not block scaling (see below).
+    stuck = deployment is not None and short is not None and _short_of_room(deployment)
+    blocked = None if deployment is None or stuck else _deployment_words(deployment)
     failed = state.update_failed
     if blocked is None and failed is not None and failed.definition_hash == record.definition_hash:
         # Nomad serves the definition before the applied one: scaling it would follow
@@ -184,7 +191,6 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     scaled = autoscale.decide(
         state.scaling, record.scaling, count, observation.demand, blocked, now
     )
-    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
     if scaled.count is not None and scaled.count > count and short is not None:
         # Capacity is honest: what runs keeps serving; a scale-up waits until Nomad's
         # blocked evaluation places what the job already asks for.
@@ -195,27 +201,50 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     plan = dataclasses.replace(plan, state=state.model_copy(update={"scaling": scaled.state}))
     if scaled.count is None:
         return plan
-    effect = Scale(Reason.LOAD, scaled.words, group=GROUP, count=scaled.count)
+    effect: Effect = Scale(Reason.LOAD, scaled.words, group=GROUP, count=scaled.count)
+    if stuck:
+        # Nomad refuses a scale while a deployment runs ("job scaling blocked due to
+        # active deployment"); a register of the job as read with the new count is what
+        # the scale would have written, and supersedes the stuck deployment (Nomad
+        # cancels a deployment of an older job version).
+        effect = Register(Reason.LOAD, scaled.words, job=with_count(job, GROUP, scaled.count))
     return dataclasses.replace(plan, effects=(*plan.effects, effect)).note(
         f"scaling {scaled.words}"
     )
 
 
-def _blocked(observation: Observation) -> str | None:
-    """Why Nomad would refuse a scale now: a deployment of this job incarnation runs
-    (nomad/job_endpoint.go: "job scaling blocked due to active deployment")."""
+def _active_deployment(observation: Observation) -> dict[str, Any] | None:
+    """The deployment of this job incarnation that runs, if any: while it does Nomad
+    refuses a scale (nomad/job_endpoint.go: "job scaling blocked due to active
+    deployment")."""
     created = (observation.job or {}).get("CreateIndex")
     for deployment in observation.deployments:
         if (
             deployment.get("JobCreateIndex") == created
             and deployment.get("Status") in ACTIVE_DEPLOYMENT
         ):
-            return (
-                f"deployment {str(deployment.get('ID', ''))[:8]} of version "
-                f"{deployment.get('JobVersion')} is {deployment.get('Status')}; "
-                "scaling waits for it"
-            )
+            return deployment
     return None
+
+
+def _deployment_words(deployment: dict[str, Any]) -> str:
+    return (
+        f"deployment {str(deployment.get('ID', ''))[:8]} of version "
+        f"{deployment.get('JobVersion')} is {deployment.get('Status')}; "
+        "scaling waits for it"
+    )
+
+
+def _short_of_room(deployment: dict[str, Any]) -> bool:
+    """A deployment that only waits for replicas Nomad could not place: no canaries (a
+    count change, which Nomad deploys as an in-place update of the running replicas;
+    a definition's rollout has canaries), and fewer placed than it wants."""
+    groups = (deployment.get("TaskGroups") or {}).values()
+    return bool(groups) and all(
+        not g.get("DesiredCanaries")
+        and int(g.get("PlacedAllocs") or 0) < int(g.get("DesiredTotal") or 0)
+        for g in groups
+    )
 
 
 def _idle(observation: Observation) -> tuple[Effect, ...]:

@@ -1,6 +1,8 @@
 """Load-based scaling on real parts (issue 22): load through a real router scales a
 tiny model 1 -> 2, and back to min after down_after when the load ends, with no failed
-request; `planner status` shows min/desired/max and each decision with its figures.
+request; `planner status` shows min/desired/max and each decision with its figures; a
+leader SIGKILLed during scaling neither loses nor doubles a decision; a scale-up that
+fits nowhere keeps serving and says so ("capacity is honest").
 
 Short windows (a 1 s usage report, 4 s average, 3 s up, 10 s down) so the test takes
 about a minute; the rules are the same at any window (tests/unit/planner/test_autoscale.py

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import Cluster
+from planner.vocab import ACTIVE_DEPLOYMENT
 from tests.conftest import (
     PlannerDaemon,
     forget_models,
@@ -423,6 +424,22 @@ def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so(
                 on_timeout=lambda: planner_daemon.model(name),
             )
             assert isinstance(back, dict) and "wants" not in back["reason"], back
+            last = back["scaling"]["last"]
+            assert (last["before"], last["after"], last["direction"]) == (3, 1, "down"), last
+            # The scale-up's deployment, which waited for room, was superseded: no
+            # deployment is left to hold the next scale.
+            wait_for(
+                lambda: (
+                    not [
+                        d
+                        for d in nomad_get(cluster, f"/v1/job/{name}/deployments")
+                        if d["Status"] in ACTIVE_DEPLOYMENT
+                    ]
+                ),
+                60,
+                "no active deployment",
+                on_timeout=lambda: nomad_get(cluster, f"/v1/job/{name}/deployments"),
+            )
             wait_for(
                 lambda: (
                     planner_metric(planner_daemon.url, f"llmgw_model_unplaced_replicas{series}")

@@ -366,6 +366,32 @@ def test_the_book_sums_routers_averages_over_time_and_forgets_a_silent_router() 
     assert book.snapshot() == {"m": 0.0}
 
 
+def test_what_the_replicas_say_counts_when_it_is_more_never_twice() -> None:
+    """Issue 22, item 2: the replicas' own count (requests_processing + deferred, every
+    client's) is one figure, however many routers read it; the routers' in flight are
+    summed; the load is the larger, plus what waits in the routers."""
+    clock = Clock()
+    book = DemandBook(clock)
+
+    def said(router: str, inflight: int, replicas: int, waiting: int = 0) -> UsageReport:
+        load = ModelLoad(inflight=inflight, waiting=waiting, replicas=replicas)
+        return UsageReport(models=["m"], router=router, interval_s=10.0, load={"m": load})
+
+    # Both routers read the same replicas: 2 + 1 of theirs, nothing else.
+    book.report(said("r1", 2, 3))
+    book.report(said("r2", 1, 3, waiting=2))
+    assert book.demand("m", 30).now == 5.0  # 3 in flight + 2 waiting, not 3 + 3 + 2
+    assert book.snapshot() == {"m": 5.0}
+    # 4 more on the replicas that no report carries (a router whose reports fail, a
+    # client that bypasses the routers): the largest read counts.
+    book.report(said("r1", 2, 7))
+    assert book.demand("m", 30).now == 9.0
+    # A router that read nothing beyond its own says 0: the sum of in flight stands.
+    book.report(said("r1", 2, 0))
+    book.report(said("r2", 1, 0))
+    assert book.demand("m", 30).now == 3.0
+
+
 def test_a_report_without_a_router_id_carries_no_load() -> None:
     book = DemandBook(Clock())
     book.report(UsageReport(models=["m"]))

@@ -225,11 +225,15 @@ Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 class ModelLoad(Document):
     """One router's requests for one model right now: `inflight` sent to a replica and
-    not answered, `waiting` held for a free slot or a replica that is starting; each
-    within [0, MAX_LOAD]."""
+    not answered, `waiting` held for a free slot or a replica that is starting;
+    `replicas` what the model's replicas say they run and queue, every client's
+    together (llama-server's requests_processing + requests_deferred as this router
+    last read them, `router.replicaload`; 0: it read no more than its own `inflight`);
+    each within [0, MAX_LOAD]."""
 
     inflight: Count = 0
     waiting: Count = 0
+    replicas: Count = 0
 
 
 class UsageReport(Document):

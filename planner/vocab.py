@@ -29,6 +29,16 @@ def group_count(job: Job | None) -> int:
     return sum(tg.get("Count", 0) for tg in job.get("TaskGroups") or [])
 
 
+def with_count(job: Job, group: str, count: int) -> Job:
+    """A copy of `job` whose task group `group` asks for `count` replicas (what Nomad's
+    scale endpoint writes, for a register: api/jobs.go Scale)."""
+    groups = [
+        {**tg, "Count": count} if tg.get("Name") == group else tg
+        for tg in job.get("TaskGroups") or []
+    ]
+    return {**job, "TaskGroups": groups}
+
+
 @dataclass(frozen=True)
 class ServiceHealth:
     """Instances of one Consul service: how many exist, how many pass every check, and

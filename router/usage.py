@@ -14,7 +14,9 @@ the app's lifespan (:mod:`router.app`), every ``interval_s``:
   if the list is not empty.
 
 Each report also carries this router's load (:class:`llmgw_contract.UsageReport`):
-per model, the requests in flight on its endpoints and those waiting for a slot,
+per model, the requests in flight on its endpoints and those waiting for a slot, and
+what the replicas said they run and queue when that is more (every router's and any
+other client's requests: read while the model is busy, :mod:`router.replicaload`),
 with the router's id (unique per process) and its interval. The planner sums the
 latest report of every router to scale a model on load (issue 22), and forgets a
 router that stops reporting (no fresh router at all: no signal, the planner holds the
@@ -43,7 +45,7 @@ import socket
 import uuid
 
 from llmgw_contract import ModelLoad, UsageReport
-from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
+from llmgw_contract.documents import MAX_LOAD, USAGE_GOODBYE_INTERVAL_S
 from router import errors
 from router.endpoints import EndpointTable
 from router.plannerapi import PlannerAPI
@@ -79,13 +81,19 @@ class UsageReporter:
 
     def load(self) -> dict[str, ModelLoad]:
         """Requests per model now (models with none left out): in flight on its
-        endpoints, and waiting for a slot."""
+        endpoints, waiting for a slot, and what its replicas said they hold when they
+        hold more than this router's (others' requests: `router.replicaload`)."""
         loads = {}
         for entry in self.table.entries():
             inflight = sum(e.inflight for e in entry.endpoints)
             waiting = entry.slots.waiting
-            if inflight or waiting:
-                loads[entry.name] = ModelLoad(inflight=inflight, waiting=waiting)
+            others = sum(e.others for e in entry.endpoints)
+            if inflight or waiting or others:
+                loads[entry.name] = ModelLoad(
+                    inflight=inflight,
+                    waiting=waiting,
+                    replicas=min(inflight + others, MAX_LOAD) if others else 0,
+                )
         return loads
 
     async def report(self) -> list[str]:

@@ -551,6 +551,8 @@ def scaling_line(row: ModelStatus) -> str | None:
         line += " (stale: no load signal)"
     if view["at_max"]:
         line += "; at max, demand asks for more"
+    if view["shortfall"]:
+        line += f"; {view['shortfall']}"
     if view["waiting"]:
         line += f"; {view['waiting']}"
     last = view["last"]

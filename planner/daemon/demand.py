@@ -1,8 +1,15 @@
 """What the routers see of each model's load, summed: the leader's memory (issue 22).
 
 Every router reports, with its usage (`POST /v1/usage`, `llmgw_contract.UsageReport`),
-its requests in flight and waiting per model. `DemandBook.report` keeps the latest
-report of each router, and after each one the sum per model as a sample (time, value);
+its requests in flight and waiting per model, and what the model's replicas said they
+run and queue when that was more than its own (`ModelLoad.replicas`). A model's load
+is `_totals`: the requests the routers sent (summed) or what the replicas say (the
+largest read: each read counts every client's requests, so reads are not summed),
+whichever is more, plus the requests waiting in the routers. The replicas' word adds
+what no report carries (a router whose reports fail, a client that bypasses the
+routers); with every request through reporting routers the two agree.
+`DemandBook.report` keeps the latest report of each router, and after each one the
+load per model as a sample (time, value);
 `demand` gives a model's time-weighted average over a window and the sum now, as
 `planner.model.autoscale.Demand`, for its worker's observation
 (`planner.daemon.observe`).
@@ -29,11 +36,11 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from llmgw_contract import UsageReport
+from llmgw_contract import ModelLoad, UsageReport
 from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
 from planner.model.autoscale import Demand
 
@@ -47,7 +54,20 @@ PANIC_INTERVALS = 2.5
 class _Report:
     at: float  # Unix s
     interval_s: float
-    load: dict[str, float]  # model -> in flight + waiting
+    load: dict[str, ModelLoad]
+
+
+def _totals(reports: Iterable[_Report]) -> dict[str, float]:
+    """Each model's load over `reports` (see the module docstring)."""
+    sent: dict[str, float] = {}
+    said: dict[str, float] = {}
+    waiting: dict[str, float] = {}
+    for report in reports:
+        for name, load in report.load.items():
+            sent[name] = sent.get(name, 0.0) + load.inflight
+            said[name] = max(said.get(name, 0.0), float(load.replicas))
+            waiting[name] = waiting.get(name, 0.0) + load.waiting
+    return {name: max(sent[name], said[name]) + waiting[name] for name in sent}
 
 
 class DemandBook:
@@ -68,7 +88,7 @@ class DemandBook:
         if not report.router:
             return
         t = self._clock().timestamp()
-        load = {name: float(m.inflight + m.waiting) for name, m in report.load.items()}
+        load = dict(report.load)
         goodbye = not report.load and not report.models
         goodbye = goodbye and report.interval_s <= USAGE_GOODBYE_INTERVAL_S
         with self._lock:
@@ -83,10 +103,7 @@ class DemandBook:
     def _sample(self, t: float, router: str) -> None:
         """Append each model's sum over the fresh routers at `t` (lock held)."""
         fresh = self._fresh(t)
-        totals: dict[str, float] = {}
-        for r in fresh:
-            for name, value in r.load.items():
-                totals[name] = totals.get(name, 0.0) + value
+        totals = _totals(fresh)
         self._recent.append((t, router, totals))
         panic = PANIC_INTERVALS * max((r.interval_s for r in fresh), default=0.0)
         while self._recent and self._recent[0][0] < t - panic:
@@ -129,7 +146,7 @@ class DemandBook:
         t = self._clock().timestamp()
         with self._lock:
             routers = len(self._fresh(t))
-            now = sum(r.load.get(name, 0.0) for r in self._routers.values())
+            now = _totals(self._routers.values()).get(name, 0.0)
             series = list(self._samples.get(name, ()))
             since = self._since
             surge = self._surge(name, t)
@@ -155,11 +172,8 @@ class DemandBook:
         t = self._clock().timestamp()
         with self._lock:
             self._fresh(t)
-            names = set(self._samples)
-            return {
-                name: sum(r.load.get(name, 0.0) for r in self._routers.values())
-                for name in sorted(names)
-            }
+            totals = _totals(self._routers.values())
+            return {name: totals.get(name, 0.0) for name in sorted(self._samples)}
 
     def clear(self) -> None:
         """A new leader: start over (reports reach it within one interval)."""

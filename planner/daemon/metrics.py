@@ -24,7 +24,9 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_model_at_max_replicas{model}             0/1: a scaling model at max whose demand
                                                    asks for more (alert LlmgwModelAtMaxReplicas)
     llmgw_model_demand_requests{model}             requests in flight and waiting, summed over
-                                                   the routers' latest reports (leader only)
+                                                   the routers' latest reports, or what the
+                                                   replicas say when more (planner.daemon.demand;
+                                                   leader only)
     llmgw_model_scaling_decisions_total{model,direction}  scales load-based scaling made (up|down)
     llmgw_planner_leader                           1 on the leader, 0 elsewhere
     llmgw_planner_leader_changes_total
@@ -174,7 +176,8 @@ class DemandCollector(Collector):
         family = GaugeMetricFamily(
             "llmgw_model_demand_requests",
             "Requests for the model in flight and waiting, summed over every router's "
-            "latest report (what load-based scaling averages; on the leader only).",
+            "latest report, or what its replicas say they run and queue when that is "
+            "more (what load-based scaling averages; on the leader only).",
             labels=["model"],
         )
         for name, value in self._demand().items():

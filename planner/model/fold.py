@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from llmgw_contract import StateDocument
+from llmgw_contract import StateDocument, Unplaceable
 from planner import engines
 from planner.model.effects import Effect, Park, Reason, Revert
 from planner.model.failures import (
@@ -59,6 +59,7 @@ from planner.model.failures import (
 )
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
+from planner.model.placement import scale_shortfall
 from planner.model.rollout import (
     definition_of,
     record_rollback,
@@ -356,14 +357,23 @@ def _placement(
     if state.unplaceable is not None and all_running(observation):
         state = state.model_copy(update={"unplaceable": None})
     if before is not None and state.unplaceable is None:
-        notes.append((logging.INFO, f"placed (was unplaceable: {before.reason})"))
+        notes.append((logging.INFO, f"placed (was {_unplaced_words(before, observation)})"))
     elif (
         state.unplaceable is not None
         and not state.unplaceable.provisional
         and (before is None or before.reason != state.unplaceable.reason)
     ):
-        notes.append((logging.WARNING, f"unplaceable: {state.unplaceable.reason}"))
+        notes.append((logging.WARNING, _unplaced_words(state.unplaceable, observation)))
     return state
+
+
+def _unplaced_words(short: Unplaceable, observation: Observation) -> str:
+    """The log's words for a placement answer: a scaling model with replicas placed is
+    short of a scale-up, not unplaceable (issue 22: it serves what it has)."""
+    record = observation.record
+    if record is not None and record.scaling is not None and short.placed > 0:
+        return f"short of a scale-up: {scale_shortfall(short.reason, short.placed, short.desired)}"
+    return f"unplaceable: {short.reason}"
 
 
 def _park(

@@ -175,8 +175,23 @@ def evaluation_shortfall(
     reason = "; ".join(reasons)
     placed = desired - unplaced
     if placed:
-        reason = f"{placed} of {desired} replicas placed; {reason}"
+        reason = f"{_partly_placed(placed, desired)}{reason}"
     return Shortfall(reason=reason, placed=placed, desired=desired)
+
+
+def _partly_placed(placed: int, desired: int) -> str:
+    """The head of a partial placement's reason: "2 of 3 replicas placed; "."""
+    return f"{placed} of {desired} replicas placed; "
+
+
+def scale_shortfall(reason: str, placed: int, desired: int) -> str:
+    """A scale-up that fits nowhere, in the words of issue 22 ("capacity is honest"):
+    `evaluation_shortfall`'s "2 of 3 replicas placed; memory exhausted on 1 of 1 nodes"
+    with placed 2 and desired 3 -> "wants 3, 2 placed: memory exhausted on 1 of 1 nodes".
+    Shown by `planner status`, the admin API and the planner's log for a scaling model
+    that serves what it has."""
+    cause = reason.removeprefix(_partly_placed(placed, desired))
+    return f"wants {desired}, {placed} placed: {cause}"
 
 
 def evaluation_reason(

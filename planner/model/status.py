@@ -24,12 +24,14 @@ from llmgw_contract import (
     Parked,
     ReplicaRecord,
     StateDocument,
+    Unplaceable,
     UsageRecord,
 )
 from llmgw_contract.states import ReplicaState
 from planner.model import autoscale
 from planner.model.failures import STABLE_AFTER_S, headline, iso
 from planner.model.parking import parked_from_job
+from planner.model.placement import scale_shortfall
 from planner.vocab import Job, ServiceHealth, group_count
 
 
@@ -68,7 +70,8 @@ class ModelStatus:
     # serves on the definition before it and does not run what git says.
     update_failed: dict[str, Any] | None = None
     # A model with load-based scaling (`scaling_view`): min, desired, max, target, the
-    # saved average, at_max, why a scale waits, and the last decision.
+    # saved average, at_max, why a scale waits, what Nomad left unplaced (`shortfall`)
+    # and the last decision.
     scaling: dict[str, Any] | None = None
 
     @property
@@ -171,10 +174,13 @@ def scaling_view(
     waiting over its window) and `average_stale` (true when no scaler with a signal kept
     it: no router reports, no leader; `autoscale.average_is_fresh`), `at_max` (at max
     with more than the target per replica, on a fresh average only), why a wanted scale
-    waits, and the last decision (`llmgw_contract.ScalingDecision`)."""
+    waits, `shortfall` ("wants 3, 2 placed: memory exhausted on 1 of 1 nodes" while
+    Nomad's settled answer left replicas the job asks for unplaced, else "") and the last
+    decision (`llmgw_contract.ScalingDecision`)."""
     bounds = record.scaling
     if bounds is None:
         return None
+    short = _settled_shortfall(state)
     saved = state.scaling
     average = saved.average if saved else 0.0
     stale = not autoscale.average_is_fresh(saved, now.timestamp())
@@ -188,8 +194,16 @@ def scaling_view(
         "average_stale": stale,
         "at_max": at_max,
         "waiting": saved.waiting if saved else "",
+        "shortfall": scale_shortfall(short.reason, short.placed, short.desired) if short else "",
         "last": saved.last.model_dump() if saved and saved.last else None,
     }
+
+
+def _settled_shortfall(state: StateDocument) -> Unplaceable | None:
+    """Nomad's answer that left replicas unplaced, unless room is being made for them
+    (a provisional answer, `planner.model.unplaceable`)."""
+    short = state.unplaceable
+    return short if short is not None and not short.provisional else None
 
 
 def observe(
@@ -242,7 +256,7 @@ def observe(
         return _wants_none(record, observed.job, state, usage, now, status)
     bad = [r for r in rows if r.state in (ReplicaState.FAILING, ReplicaState.STOPPED)]
     clean = [r for r in rows if r.state == ReplicaState.SERVING]
-    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
+    short = _settled_shortfall(state)
     counts = f"{ready} of {desired} ready"
     if ready == 0:
         if short is not None and not any(r.state != ReplicaState.STOPPED for r in rows):
@@ -260,9 +274,8 @@ def observe(
     if scaled is not None and short is not None and not bad and ready >= max(scaled.min, 1):
         # Load-based scaling asked for more than fits: the model serves what it has
         # (issue 22, "capacity is honest"); `llmgw_model_unplaced_replicas` says the rest.
-        return status(
-            ModelState.SERVING, f"{counts}; wants {desired}: {short.reason}", None, short.since
-        )
+        shortfall = scale_shortfall(short.reason, short.placed, short.desired)
+        return status(ModelState.SERVING, f"{ready} ready; {shortfall}", None, short.since)
     if bad or short is not None:
         trouble = "; ".join(filter(None, [_describe(bad), short.reason if short else ""]))
         if clean:

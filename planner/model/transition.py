@@ -37,14 +37,15 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
-from llmgw_contract import ActivationAnswer, StateDocument
+from llmgw_contract import ActivationAnswer, StateDocument, Unplaceable
 from planner.errors import Rejected
 from planner.model import activate, autoscale, fold, retry
-from planner.model.effects import Effect, Park, Reason, Scale
+from planner.model.effects import Effect, Park, Reason, Register, Scale
 from planner.model.failures import Rules, due_stable, headline, stabilize
 from planner.model.observation import Observation
-from planner.vocab import ACTIVE_DEPLOYMENT, GROUP, group_count
+from planner.vocab import ACTIVE_DEPLOYMENT, GROUP, group_count, with_count
 
 
 class Event(StrEnum):
@@ -141,7 +142,7 @@ def decide(
     if event is Event.IDLE:
         if folded.effects:
             return Plan(folded.state, folded.effects, notes)
-        return Plan(folded.state, _idle(observation), notes)
+        return Plan(folded.state, _idle(observation, folded.state), notes)
     raise ValueError(f"unknown event {event!r}")
 
 
@@ -168,7 +169,13 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     if state.parked is not None:
         return plan
     count = group_count(job)
-    blocked = _blocked(observation)
+    short = _settled_shortfall(state)
+    deployment = _active_deployment(observation)
+    # A deployment of a scale-up that fits nowhere runs until room appears
+    # (progress_deadline 0: it never fails by itself), so waiting for it would hold the
+    # count for good; such a deployment does not block scaling (`_count_write`).
+    stuck = deployment is not None and _stuck_on_room(deployment, state)
+    blocked = None if deployment is None or stuck else _deployment_words(deployment)
     failed = state.update_failed
     if blocked is None and failed is not None and failed.definition_hash == record.definition_hash:
         # Nomad serves the definition before the applied one: scaling it would follow
@@ -184,7 +191,6 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     scaled = autoscale.decide(
         state.scaling, record.scaling, count, observation.demand, blocked, now
     )
-    short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
     if scaled.count is not None and scaled.count > count and short is not None:
         # Capacity is honest: what runs keeps serving; a scale-up waits until Nomad's
         # blocked evaluation places what the job already asks for.
@@ -195,31 +201,72 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     plan = dataclasses.replace(plan, state=state.model_copy(update={"scaling": scaled.state}))
     if scaled.count is None:
         return plan
-    effect = Scale(Reason.LOAD, scaled.words, group=GROUP, count=scaled.count)
+    effect = _count_write(observation, state, Reason.LOAD, scaled.words, scaled.count)
     return dataclasses.replace(plan, effects=(*plan.effects, effect)).note(
         f"scaling {scaled.words}"
     )
 
 
-def _blocked(observation: Observation) -> str | None:
-    """Why Nomad would refuse a scale now: a deployment of this job incarnation runs
-    (nomad/job_endpoint.go: "job scaling blocked due to active deployment")."""
+def _active_deployment(observation: Observation) -> dict[str, Any] | None:
+    """The deployment of this job incarnation that runs, if any: while it does Nomad
+    refuses a scale (nomad/job_endpoint.go: "job scaling blocked due to active
+    deployment")."""
     created = (observation.job or {}).get("CreateIndex")
     for deployment in observation.deployments:
         if (
             deployment.get("JobCreateIndex") == created
             and deployment.get("Status") in ACTIVE_DEPLOYMENT
         ):
-            return (
-                f"deployment {str(deployment.get('ID', ''))[:8]} of version "
-                f"{deployment.get('JobVersion')} is {deployment.get('Status')}; "
-                "scaling waits for it"
-            )
+            return deployment
     return None
 
 
-def _idle(observation: Observation) -> tuple[Effect, ...]:
-    """Scale an on-demand model's running job to 0 (the idle rule is `planner.daemon.idle`)."""
+def _deployment_words(deployment: dict[str, Any]) -> str:
+    return (
+        f"deployment {str(deployment.get('ID', ''))[:8]} of version "
+        f"{deployment.get('JobVersion')} is {deployment.get('Status')}; "
+        "scaling waits for it"
+    )
+
+
+def _settled_shortfall(state: StateDocument) -> Unplaceable | None:
+    """Nomad's answer that left replicas unplaced, unless room is being made for them."""
+    short = state.unplaceable
+    return short if short is not None and not short.provisional else None
+
+
+def _count_write(
+    observation: Observation, state: StateDocument, reason: Reason, words: str, count: int
+) -> Effect:
+    """The write that sets the job's count: a Scale, or over a deployment stuck on room
+    (`_stuck_on_room`) a Register of the job as read with the new count. Nomad refuses a
+    scale while a deployment runs ("job scaling blocked due to active deployment"); the
+    register writes what the scale would have, and supersedes the stuck deployment
+    (Nomad cancels a deployment of an older job version)."""
+    deployment = _active_deployment(observation)
+    if observation.job and deployment is not None and _stuck_on_room(deployment, state):
+        return Register(reason, words, job=with_count(observation.job, GROUP, count))
+    return Scale(reason, words, group=GROUP, count=count)
+
+
+def _stuck_on_room(deployment: dict[str, Any], state: StateDocument) -> bool:
+    """A deployment that only waits for replicas Nomad could not place: Nomad's settled
+    answer left some unplaced, and it has no canaries (a count change, which Nomad
+    deploys as an in-place update of the running replicas; a definition's rollout has
+    canaries) and fewer placed than it wants."""
+    if _settled_shortfall(state) is None:
+        return False
+    groups = (deployment.get("TaskGroups") or {}).values()
+    return bool(groups) and all(
+        not g.get("DesiredCanaries")
+        and int(g.get("PlacedAllocs") or 0) < int(g.get("DesiredTotal") or 0)
+        for g in groups
+    )
+
+
+def _idle(observation: Observation, state: StateDocument) -> tuple[Effect, ...]:
+    """Scale an on-demand model's running job to 0 (the idle rule is `planner.daemon.idle`);
+    over an activation's deployment stuck on room too (`_count_write`)."""
     record, job = observation.record, observation.job
     if (
         record is None
@@ -229,6 +276,5 @@ def _idle(observation: Observation) -> tuple[Effect, ...]:
         or group_count(job) == 0
     ):
         return ()
-    return (
-        Scale(Reason.IDLE, f"idle: no request for {record.idle_after} s", group=GROUP, count=0),
-    )
+    words = f"idle: no request for {record.idle_after} s"
+    return (_count_write(observation, state, Reason.IDLE, words, 0),)

@@ -1,6 +1,8 @@
 """Load-based scaling on real parts (issue 22): load through a real router scales a
 tiny model 1 -> 2, and back to min after down_after when the load ends, with no failed
-request; `planner status` shows min/desired/max and each decision with its figures.
+request; `planner status` shows min/desired/max and each decision with its figures; a
+leader SIGKILLed during scaling neither loses nor doubles a decision; a scale-up that
+fits nowhere keeps serving and says so ("capacity is honest").
 
 Short windows (a 1 s usage report, 4 s average, 3 s up, 10 s down) so the test takes
 about a minute; the rules are the same at any window (tests/unit/planner/test_autoscale.py
@@ -13,12 +15,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 
 from devcluster.cluster import Cluster
+from planner.vocab import ACTIVE_DEPLOYMENT
 from tests.conftest import (
     PlannerDaemon,
     forget_models,
@@ -29,17 +32,27 @@ from tests.conftest import (
     run_router,
 )
 from tests.conftest import wait_for as wait_until
+from tests.integration.test_on_demand import free_memory_mb
 
 pytestmark = pytest.mark.integration
 
-SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
+
+def small(memory_mb: int = 256) -> str:
+    return f'context: 512\n  cpu: 100\n  memory: {memory_mb}MiB\n  args: ["--threads", "1"]'
 
 
-def scaling_model(folder: Path, name: str, source: str, down_after: str = "10s") -> Path:
+def scaling_model(
+    folder: Path,
+    name: str,
+    source: str,
+    down_after: str = "10s",
+    most: int = 2,
+    memory_mb: int = 256,
+) -> Path:
     folder.mkdir(exist_ok=True)
     (folder / f"{name}.yaml").write_text(
-        f"name: {name}\nsource: {source}\nprofile:\n  {SMALL}\n"
-        f"scaling: {{min: 1, max: 2, target: 1, window: 4s, up_after: 3s, "
+        f"name: {name}\nsource: {source}\nprofile:\n  {small(memory_mb)}\n"
+        f"scaling: {{min: 1, max: {most}, target: 1, window: 4s, up_after: 3s, "
         f"down_after: {down_after}}}\n"
     )
     return folder
@@ -197,14 +210,25 @@ def test_load_scales_up_and_back_to_min_with_no_failed_request(
         forget_models(cluster, name)
 
 
-def demand_seen(planner_url: str, name: str) -> float:
-    """The leader's `llmgw_model_demand_requests` of model `name` (0 when absent)."""
+def planner_metric(planner_url: str, series: str) -> float:
+    """The value of one series of the planner's /metrics, written as Prometheus does:
+    `llmgw_model_unplaced_replicas{model="m"}` (0 when absent)."""
     with urllib.request.urlopen(f"{planner_url}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     for line in text.splitlines():
-        if line.startswith(f'llmgw_model_demand_requests{{model="{name}"}}'):
+        if line.startswith(f"{series} "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def model_metrics(planner_url: str, name: str, names: Iterable[str]) -> dict[str, float]:
+    """{metric: value} of model `name`'s series of the planner's /metrics."""
+    return {metric: planner_metric(planner_url, f'{metric}{{model="{name}"}}') for metric in names}
+
+
+def demand_seen(planner_url: str, name: str) -> float:
+    """The leader's `llmgw_model_demand_requests` of model `name` (0 when absent)."""
+    return planner_metric(planner_url, f'llmgw_model_demand_requests{{model="{name}"}}')
 
 
 def load_scales(cluster: Cluster, name: str) -> list[tuple[int, int]]:
@@ -273,4 +297,168 @@ def test_a_leader_sigkilled_during_scaling_neither_loses_nor_doubles_a_decision(
         assert load_scales(cluster, name) == [(1, 2), (2, 1)]
     finally:
         lead_again(planner_daemon, standby, 30)
+        forget_models(cluster, name)
+
+
+class StateSamples:
+    """The states and reasons the admin API's model view showed, every `every` seconds
+    until stopped: a record of what an operator polling it would have seen (it
+    synchronises nothing)."""
+
+    def __init__(self, daemon: PlannerDaemon, name: str, every: float = 0.5) -> None:
+        self.daemon, self.name, self.every = daemon, name, every
+        self.seen: list[tuple[str, str, float]] = []  # state, reason, llmgw_model_unplaceable
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                model = self.daemon.model(self.name)
+                flag = planner_metric(
+                    self.daemon.url, f'llmgw_model_unplaceable{{model="{self.name}"}}'
+                )
+                seen = (model["state"], model["reason"], flag)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                seen = ("unread", repr(exc), 0.0)
+            if not self.seen or self.seen[-1] != seen:
+                self.seen.append(seen)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> StateSamples:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Issue 22, "capacity is honest": replicas of 2/5 of the node's free memory, so two
+    fit and a third does not. Load asks for max 3; Nomad places 2. The model serves on
+    them (every request answered, never `unplaceable`), and status, its JSON, the admin
+    API, the log and the metrics say `wants 3, 2 placed: memory exhausted on 1 of 1
+    node`; when the load ends it goes back to min and the shortfall clears."""
+    name = "scale-short"
+    nodes = len(nomad_get(cluster, "/v1/nodes"))
+    memory_mb = free_memory_mb(cluster) * 2 // 5
+    folder = scaling_model(
+        tmp_path / "m", name, f"file://{tiny_model}", most=3, memory_mb=memory_mb
+    )
+    said = f"wants 3, 2 placed: memory exhausted on {nodes} of {nodes} node{'s' * (nodes != 1)}"
+    series = f'{{model="{name}"}}'
+    try:
+        assert planner("apply", str(folder)).returncode == 0
+        wait_for(lambda: len(passing_endpoints(cluster, f"llmgw-{name}")) == 1, 120, "1 ready")
+        with (
+            run_router(cluster, planner_daemon.url, LLMGW_USAGE_INTERVAL="1") as router,
+            StateSamples(planner_daemon, name) as samples,
+        ):
+            with Load(router, name, clients=6) as load:
+                wait_for(
+                    lambda: job_count(cluster, name) == 3,
+                    90,
+                    "a scale up to max 3",
+                    on_timeout=lambda: scaling_row(planner, name)["scaling"],
+                )
+                model = wait_for(
+                    lambda: (
+                        (m := planner_daemon.model(name))["ready"] == 2
+                        and m["scaling"]["shortfall"]
+                        and m
+                    ),
+                    120,
+                    "2 replicas serving and the shortfall told",
+                    on_timeout=lambda: planner_daemon.model(name),
+                )
+                assert isinstance(model, dict)
+                assert (model["state"], model["reason"]) == ("serving", f"2 ready; {said}")
+                assert model["scaling"]["shortfall"] == said
+                assert model["scaling"]["at_max"], model["scaling"]
+                status = planner("status")
+                assert f"{name}: scaling 1/3/3 (min/desired/max)" in status.stdout
+                assert said in status.stdout, status.stdout
+                [row] = [
+                    r
+                    for r in json.loads(planner("status", "--output", "json").stdout)
+                    if r["name"] == name
+                ]
+                assert (row["state"], row["scaling"]["shortfall"]) == ("serving", said)
+                expected = {
+                    "llmgw_model_unplaced_replicas": 1,
+                    "llmgw_model_unplaceable": 0,
+                    "llmgw_model_desired_replicas": 3,
+                    "llmgw_model_ready_replicas": 2,
+                    "llmgw_model_at_max_replicas": 1,
+                }
+                # The leader's status book refreshes the row when the watcher marks it.
+                wait_for(
+                    lambda: model_metrics(planner_daemon.url, name, expected) == expected,
+                    30,
+                    f"the metrics {expected}",
+                    on_timeout=lambda: model_metrics(planner_daemon.url, name, expected),
+                )
+                served = load.ok
+                wait_for(lambda: load.ok >= served + 20, 60, "requests served on 2 of 3")
+            wait_for(
+                lambda: job_count(cluster, name) == 1,
+                90,
+                "back to min after down_after",
+                on_timeout=lambda: scaling_row(planner, name)["scaling"],
+            )
+            back = wait_for(
+                lambda: (
+                    (m := planner_daemon.model(name))["state"] == "serving"
+                    and not m["scaling"]["shortfall"]
+                    and m
+                ),
+                60,
+                "the shortfall cleared",
+                on_timeout=lambda: planner_daemon.model(name),
+            )
+            assert isinstance(back, dict) and "wants" not in back["reason"], back
+            last = back["scaling"]["last"]
+            assert (last["before"], last["after"], last["direction"]) == (3, 1, "down"), last
+            # The scale-up's deployment, which waited for room, was superseded: no
+            # deployment is left to hold the next scale.
+            wait_for(
+                lambda: (
+                    not [
+                        d
+                        for d in nomad_get(cluster, f"/v1/job/{name}/deployments")
+                        if d["Status"] in ACTIVE_DEPLOYMENT
+                    ]
+                ),
+                60,
+                "no active deployment",
+                on_timeout=lambda: nomad_get(cluster, f"/v1/job/{name}/deployments"),
+            )
+            wait_for(
+                lambda: (
+                    planner_metric(planner_daemon.url, f"llmgw_model_unplaced_replicas{series}")
+                    == 0
+                ),
+                30,
+                "llmgw_model_unplaced_replicas 0",
+            )
+        print(f"{load.ok} requests, {len(load.failures)} failed; states seen: {samples.seen}")
+        assert load.failures == [], load.failures[:5]
+        assert all(s != "unplaceable" and not flag for s, _, flag in samples.seen), samples.seen
+        assert all(s != "unread" for s, _, _ in samples.seen), samples.seen
+        assert any(reason == f"2 ready; {said}" for _, reason, _ in samples.seen), samples.seen
+        log = [
+            line
+            for line in planner_daemon.log.read_text().splitlines()
+            if f"model {name}: " in line
+        ]
+        assert not [line for line in log if f"model {name}: unplaceable" in line], log
+        assert any(f"model {name}: short of a scale-up: {said}" in line for line in log), log
+    finally:
         forget_models(cluster, name)

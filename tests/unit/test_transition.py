@@ -756,6 +756,35 @@ def test_idle_scales_an_on_demand_model_to_zero() -> None:
     )
 
 
+def test_idle_over_an_activation_stuck_on_room_registers_the_count() -> None:
+    """An activation that placed 1 of 2 leaves its deployment running until room appears
+    (progress_deadline 0), and Nomad refuses a scale while it runs: the idle scale-down
+    is a register of the job as read with count 0, which supersedes it."""
+    short = Unplaceable(
+        reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node", placed=1, desired=2
+    )
+    stuck = {
+        "ID": "dep1",
+        "JobCreateIndex": 5,
+        "JobVersion": 1,
+        "Status": "running",
+        "TaskGroups": {"server": {"DesiredCanaries": 0, "DesiredTotal": 2, "PlacedAllocs": 1}},
+    }
+    seen = observe(
+        alloc("a1", event("Started", 1)),
+        the_job=job(count=2, CreateIndex=5),
+        record=ON_DEMAND,
+        deployments=(stuck,),
+    )
+    short_doc = STORED.model_copy(update={"unplaceable": short})
+    [register] = decide(short_doc, seen, Event.IDLE, RULES, NOW).effects
+    assert isinstance(register, Register) and register.reason is Reason.IDLE
+    assert [tg["Count"] for tg in register.job["TaskGroups"]] == [0]
+    # Without a shortfall it is Nomad's to answer (a deployment that progresses).
+    [scale] = decide(STORED, seen, Event.IDLE, RULES, NOW).effects
+    assert isinstance(scale, Scale) and scale.count == 0
+
+
 def test_documents_stay_readable_with_records_of_any_kind() -> None:
     seeded = StateDocument(name="m", replicas=(ReplicaRecord(alloc_id="a1"),), counting_from_ns=5)
     assert observed(seeded, observe(alloc("a1", event("Started", 1)))).state.replicas[0].name

@@ -416,10 +416,13 @@ def check(sim: SimNomad, event_: Event, plan: Plan, observation: Observation) ->
             assert event_ is Event.RETRY, f"a forced reschedule from {event_}"
             stale = stale_failed(observation)
             assert not stale, f"a forced reschedule would place {stale} at an old version"
-        if isinstance(effect, Scale) and effect.reason is Reason.LOAD:
+        if isinstance(effect, Scale | Register) and effect.reason is Reason.LOAD:
+            # A load scale is a Scale, or over a scale-up's deployment stuck on room a
+            # Register of the job as read with the new count.
             bounds = sim.record.scaling if sim.record else None
             assert event_ is Event.TICK and bounds is not None, f"a load scale from {event_}"
-            assert max(bounds.min, 1) <= effect.count <= bounds.max, f"scaled to {effect.count}"
+            count = effect.count if isinstance(effect, Scale) else group_count(effect.job)
+            assert max(bounds.min, 1) <= count <= bounds.max, f"scaled to {count}"
 
 
 def check_starts(sim: SimNomad) -> None:

@@ -21,6 +21,8 @@ from llmgw_contract.documents import (
     [
         {"models": [], "load": {"m": {"inflight": -1}}},  # cancelled other routers' load
         {"models": [], "load": {"m": {"waiting": MAX_LOAD + 1}}},  # a surge to max
+        {"models": [], "load": {"m": {"replicas": MAX_LOAD + 1}}},
+        {"models": [], "load": {"m": {"replicas": -1}}},
         {"models": [], "interval_s": float("nan")},  # never expired
         {"models": [], "interval_s": float("inf")},
         {"models": [], "interval_s": MAX_USAGE_INTERVAL_S + 1},  # hours-old load
@@ -43,8 +45,12 @@ def test_a_report_within_bounds_is_taken_and_an_old_routers_too() -> None:
             "models": ["m"],
             "router": "r-1",
             "interval_s": MAX_USAGE_INTERVAL_S,
-            "load": {"m": {"inflight": MAX_LOAD, "waiting": 0}},
+            "load": {"m": {"inflight": MAX_LOAD, "waiting": 0, "replicas": MAX_LOAD}},
         },
     )
-    assert report.load["m"].inflight == MAX_LOAD
+    assert report.load["m"].inflight == MAX_LOAD == report.load["m"].replicas
+    # A router older than the replicas' figure sends none: 0, the routers' sum stands.
+    assert (
+        decode(UsageReport, {"models": [], "load": {"m": {"inflight": 1}}}).load["m"].replicas == 0
+    )
     assert decode(UsageReport, {"models": ["m"]}).interval_s == 10.0

@@ -4,6 +4,7 @@ in a TICK (`planner.model.transition`), and the routers' summed load
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -22,12 +23,13 @@ from llmgw_contract import (
 from llmgw_contract.documents import USAGE_GOODBYE_INTERVAL_S
 from planner.daemon.demand import DemandBook
 from planner.model.autoscale import SAVE_EVERY_S, Demand, decide, wanted
-from planner.model.effects import Reason, Scale
+from planner.model.effects import Reason, Register, Scale
 from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.status import scaling_view
 from planner.model.transition import Event
 from planner.model.transition import decide as transition
+from planner.vocab import group_count
 from tests.support.nomad_mock import job
 
 T0 = datetime(2026, 12, 2, 4, 0, tzinfo=UTC)
@@ -247,6 +249,77 @@ def test_a_scale_up_waits_while_nomad_cannot_place_what_the_job_asks_for() -> No
     assert isinstance(down, Scale) and down.count == 1
 
 
+def stuck_deployment(canaries: int = 0, placed: int = 2) -> dict:
+    """The deployment of a count change to 3 (Nomad's shape: /v1/job/:id/deployments)."""
+    group = {"DesiredCanaries": canaries, "DesiredTotal": 3, "PlacedAllocs": placed}
+    return {
+        "ID": "dep12345678",
+        "JobCreateIndex": 5,
+        "JobVersion": 1,
+        "Status": "running",
+        "TaskGroups": {"server": group},
+    }
+
+
+def test_a_scale_up_that_fits_nowhere_does_not_hold_the_scale_down_for_good() -> None:
+    """The deployment of a scale-up Nomad could not finish runs until room appears
+    (progress_deadline 0), and Nomad refuses a scale while it runs: the scale-down is a
+    register of the job as read with the new count, which supersedes it (found on real
+    agents: the load ended and the count stayed 3, 'wants 1: deployment ... is running')."""
+    short = Unplaceable(
+        reason="2 of 3 replicas placed; memory exhausted on 1 of 1 node", placed=2, desired=3
+    )
+    quiet = StateDocument(
+        name="m",
+        definition_hash="d1",
+        unplaceable=short,
+        scaling=ScalingState(
+            below_since=(T0 - timedelta(hours=1)).timestamp(),
+            average_at=(T0 - timedelta(seconds=2)).timestamp(),
+        ),
+    )
+    seen = observed(3, load(0.0), deployments=(stuck_deployment(),))
+    [down] = transition(quiet, seen, Event.TICK, RULES, T0).effects
+    assert isinstance(down, Register) and down.reason is Reason.LOAD
+    assert [tg["Count"] for tg in down.job["TaskGroups"]] == [1]
+    assert down.words.startswith("3 -> 1: ")
+    assert seen.job is not None and group_count(seen.job) == 3  # the observation is kept
+    # Without a shortfall the deployment is progressing: wait for it, as before.
+    placed = quiet.model_copy(update={"unplaceable": None})
+    held = transition(placed, seen, Event.TICK, RULES, T0)
+    assert held.effects == () and held.state.scaling is not None
+    assert "deployment dep12345 of version 1 is running" in held.state.scaling.waiting
+    # A rollout (canaries) short of room is no scale's deployment: it waits too.
+    rollout = observed(3, load(0.0), deployments=(stuck_deployment(canaries=3),))
+    assert transition(quiet, rollout, Event.TICK, RULES, T0).effects == ()
+    # So does one that placed every replica it wants.
+    done = observed(3, load(0.0), deployments=(stuck_deployment(placed=3),))
+    assert transition(quiet, done, Event.TICK, RULES, T0).effects == ()
+
+
+def test_the_log_says_a_scale_up_is_short_never_unplaceable() -> None:
+    """A scaling model with replicas placed serves what it has: the planner's log line for
+    Nomad's answer, and for its end, says so in issue 22's words."""
+    short = Unplaceable(
+        reason="2 of 3 replicas placed; memory exhausted on 1 of 1 node", placed=2, desired=3
+    )
+    document = StateDocument(name="m", definition_hash="d1")
+    answered = observed(3, None, evaluation={"ID": "e1"}, placement=short)
+    plan = transition(document, answered, Event.OBSERVED, RULES, T0)
+    assert [n.text for n in plan.notes] == [
+        "short of a scale-up: wants 3, 2 placed: memory exhausted on 1 of 1 node"
+    ]
+    placed = observed(1, None, evaluation={"ID": "e2"})
+    after = transition(plan.state, placed, Event.OBSERVED, RULES, T0)
+    assert after.state.unplaceable is None
+    assert "placed (was short of a scale-up: wants 3, 2 placed: " in after.notes[0].text
+    # A fixed model short of room is told as before.
+    fixed = observed(3, None, evaluation={"ID": "e1"}, placement=short)
+    fixed = dataclasses.replace(fixed, record=RECORD.model_copy(update={"scaling": None}))
+    texts = [n.text for n in transition(document, fixed, Event.OBSERVED, RULES, T0).notes]
+    assert texts == [f"unplaceable: {short.reason}"]
+
+
 # --- the routers' summed load --------------------------------------------------------
 
 
@@ -291,6 +364,32 @@ def test_the_book_sums_routers_averages_over_time_and_forgets_a_silent_router() 
     demand = book.demand("m", 30)
     assert (demand.now, demand.routers) == (0.0, 1)
     assert book.snapshot() == {"m": 0.0}
+
+
+def test_what_the_replicas_say_counts_when_it_is_more_never_twice() -> None:
+    """Issue 22, item 2: the replicas' own count (requests_processing + deferred, every
+    client's) is one figure, however many routers read it; the routers' in flight are
+    summed; the load is the larger, plus what waits in the routers."""
+    clock = Clock()
+    book = DemandBook(clock)
+
+    def said(router: str, inflight: int, replicas: int, waiting: int = 0) -> UsageReport:
+        load = ModelLoad(inflight=inflight, waiting=waiting, replicas=replicas)
+        return UsageReport(models=["m"], router=router, interval_s=10.0, load={"m": load})
+
+    # Both routers read the same replicas: 2 + 1 of theirs, nothing else.
+    book.report(said("r1", 2, 3))
+    book.report(said("r2", 1, 3, waiting=2))
+    assert book.demand("m", 30).now == 5.0  # 3 in flight + 2 waiting, not 3 + 3 + 2
+    assert book.snapshot() == {"m": 5.0}
+    # 4 more on the replicas that no report carries (a router whose reports fail, a
+    # client that bypasses the routers): the largest read counts.
+    book.report(said("r1", 2, 7))
+    assert book.demand("m", 30).now == 9.0
+    # A router that read nothing beyond its own says 0: the sum of in flight stands.
+    book.report(said("r1", 2, 0))
+    book.report(said("r2", 1, 0))
+    assert book.demand("m", 30).now == 3.0
 
 
 def test_a_report_without_a_router_id_carries_no_load() -> None:

@@ -21,6 +21,7 @@ from planner.model.placement import (
     evaluation_reason,
     evaluation_shortfall,
     gpu_inventory,
+    scale_shortfall,
     should_warn,
 )
 
@@ -360,6 +361,21 @@ def test_partial_placement_says_how_many_replicas_were_placed() -> None:
     metric = exhausted(3, {"memory": 3}, CoalescedFailures=1)
     assert evaluation_shortfall(evaluation(metric), 3) == Shortfall(
         reason="1 of 3 replicas placed; memory exhausted on 3 of 3 nodes", placed=1, desired=3
+    )
+
+
+def test_a_scale_up_short_of_room_reads_wants_n_m_placed() -> None:
+    """Issue 22's words for a scaling model serving short of its scale-up."""
+    metric = exhausted(2, {"memory": 2})
+    short = evaluation_shortfall(evaluation(metric), 3)
+    assert short is not None
+    assert scale_shortfall(short.reason, short.placed, short.desired) == (
+        "wants 3, 2 placed: memory exhausted on 2 of 2 nodes"
+    )
+    nothing = evaluation_shortfall(evaluation(exhausted(1, {"memory": 1})), 1)
+    assert nothing is not None
+    assert scale_shortfall(nothing.reason, nothing.placed, nothing.desired) == (
+        "wants 1, 0 placed: memory exhausted on 1 of 1 node"
     )
 
 

@@ -129,11 +129,16 @@ def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so() -> None:
     scaling = RECORD.model_copy(update={"scaling": ScalingBounds(min=1, max=4, target=2)})
     status = see([A, B], health("a1", "b1"), doc(unplaceable=short), record=scaling, count=3)
     assert status.state == ModelState.SERVING
-    assert status.reason == (
-        "2 of 3 ready; wants 3: 2 of 3 replicas placed; memory exhausted on 2 of 2 nodes"
-    )
+    assert status.reason == "2 ready; wants 3, 2 placed: memory exhausted on 2 of 2 nodes"
     assert status.scaling is not None
     assert (status.scaling["min"], status.scaling["desired"], status.scaling["max"]) == (1, 3, 4)
+    assert status.scaling["shortfall"] == "wants 3, 2 placed: memory exhausted on 2 of 2 nodes"
+    # Room being made is not a shortfall, and none is none.
+    room = short.model_copy(update={"provisional": True})
+    making = see([A, B], health("a1", "b1"), doc(unplaceable=room), record=scaling, count=3)
+    assert making.scaling is not None and making.scaling["shortfall"] == ""
+    placed = see([A, B], health("a1", "b1"), doc(), record=scaling, count=2)
+    assert placed.scaling is not None and placed.scaling["shortfall"] == ""
     # Below its floor it is short of what it must have: degraded, as a fixed model.
     floor = scaling.model_copy(update={"scaling": ScalingBounds(min=3, max=4, target=2)})
     below = see([A, B], health("a1", "b1"), doc(unplaceable=short), record=floor, count=3)

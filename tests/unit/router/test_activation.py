@@ -556,13 +556,20 @@ def test_usage_reports_carry_the_load_and_say_once_when_it_ended() -> None:
             h.table.get("m").endpoints[0].inflight += 2
             assert await reporter.report() == ["m"]
             report = h.stub.reports[-1]
-            assert report["load"] == {"m": {"inflight": 2, "waiting": 0}}
+            assert report["load"] == {"m": {"inflight": 2, "waiting": 0, "replicas": 0}}
             assert report["router"] == reporter.router_id and report["interval_s"] == 0.1
+            # The replica said it holds 3 more than ours (router.replicaload): reported
+            # as what the replicas hold, ours included.
+            h.table.get("m").endpoints[0].others = 3
+            assert await reporter.report() == ["m"]
+            replicas = {"inflight": 2, "waiting": 0, "replicas": 5}
+            assert h.stub.reports[-1]["load"] == {"m": replicas}
+            h.table.get("m").endpoints[0].others = 0
             h.table.get("m").endpoints[0].inflight -= 2
             assert await reporter.report() == []  # nothing used, but the load ended:
-            assert h.stub.reports[-1]["load"] == {} and len(h.stub.reports) == 2
+            assert h.stub.reports[-1]["load"] == {} and len(h.stub.reports) == 3
             assert await reporter.report() == []
-            assert len(h.stub.reports) == 2  # then silence
+            assert len(h.stub.reports) == 3  # then silence
             # A model with scaling: every interval, used or not ("no load" is a signal).
             record = h.table.get("m").record
             assert record is not None
@@ -576,7 +583,7 @@ def test_usage_reports_carry_the_load_and_say_once_when_it_ended() -> None:
             )
             await reporter.report()
             await reporter.report()
-            assert len(h.stub.reports) == 4 and h.stub.reports[-1]["load"] == {}
+            assert len(h.stub.reports) == 5 and h.stub.reports[-1]["load"] == {}
 
     run(scenario())
 

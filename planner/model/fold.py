@@ -141,7 +141,7 @@ def fold(document: StateDocument, observation: Observation, rules: Rules, now: d
     current = current_definition(observation)
     state = _for_definition(state, current)
     if observation.state_index == 0:
-        state = _seed(state, observation, rules)
+        state = _seed(state, observation, allocs, rules)
     for info in allocs.values():
         state = track(state, info)
     state = healthy_runs(state, observation.passing)
@@ -262,16 +262,43 @@ def _failures(
     return sorted(found, key=lambda f: (f.at_ns, f.key))
 
 
-def _seed(state: StateDocument, observation: Observation, rules: Rules) -> StateDocument:
+def _seed(
+    state: StateDocument, observation: Observation, allocs: Mapping[str, AllocInfo], rules: Rules
+) -> StateDocument:
     """A document not stored (new, or lost from KV): what Nomad shows failed already is
     history, taken as counted, and so are the failures it no longer shows; the replicas
-    passing now start their healthy runs."""
+    passing now start their healthy runs.
+
+    Except when Nomad already gave up on the current definition (`all_stopped`): then
+    nothing will fail again to be counted, and taking its failures as history left the
+    model `failing` with 0 counted for good, never parked (issue 19's fourth QA: Consul
+    restarted, or `llmgw/` deleted, between a replica's 4th and 5th failed start). Those
+    replicas' failures are counted instead; none of them can have been forgiven, since a
+    retry that forgives places the failed replica again (`planner.model.retry`)."""
+    given_up = _given_up(state, observation, allocs)
     keys = tuple(
         f.key
         for alloc in observation.allocations
+        if alloc["ID"] not in given_up
         for f in (*start_failures(alloc), *unseen_failures(alloc, (), rules.stable_after_ns))
     )
     return state.model_copy(update={"counted": tuple(dict.fromkeys((*state.counted, *keys)))})
+
+
+def _given_up(
+    state: StateDocument, observation: Observation, allocs: Mapping[str, AllocInfo]
+) -> frozenset[str]:
+    """The failed replicas of the current definition Nomad placed nothing after, when
+    Nomad stopped every replica of it (`all_stopped`); empty otherwise."""
+    if not all_stopped(state, allocs.values(), _rollout_failed(observation)):
+        return frozenset()
+    return frozenset(
+        a.alloc_id
+        for a in allocs.values()
+        if a.definition_hash == state.definition_hash
+        and not a.replaced
+        and a.client_status == "failed"
+    )
 
 
 def healthy_runs(state: StateDocument, passing_since: Mapping[str, int]) -> StateDocument:

@@ -425,8 +425,30 @@ def test_failures_nomad_no_longer_shows_are_counted_once() -> None:
 
 
 def test_a_recreated_document_takes_unseen_failures_as_history_too() -> None:
-    seeded = observed(STORED, observe(crash_looped(30), state_index=0))
-    assert seeded.state.consecutive_failures == 0 and len(seeded.state.counted) == 5
+    # A replica still restarting: the failures Nomad shows (its last events) are history.
+    restarting = crash_looped(30)
+    restarting["ClientStatus"] = "running"
+    seeded = observed(STORED, observe(restarting, state_index=0))
+    assert seeded.state.consecutive_failures == 0 and len(seeded.state.counted) == 3
+
+
+def test_a_recreated_document_counts_what_nomad_gave_up_on_and_parks() -> None:
+    """Issue 19's fourth QA: Consul restarted (or `llmgw/` deleted) between a replica's
+    4th and 5th failed start; the document written again took all five as history and
+    the model stayed `failing` with 0 counted for good (9.5 min watched), since nothing
+    would ever fail again to be counted. Nomad stopped every replica: they count."""
+    seeded = observed(StateDocument(name="m"), observe(crash_looped(30), state_index=0))
+    [park] = seeded.effects
+    assert isinstance(park, Park) and park.parked.reason == "5 consecutive start failures"
+    assert seeded.state.consecutive_failures == 5
+    shown = observed(StateDocument(name="m"), observe(failing(), state_index=0))
+    assert shown.state.parked is not None and shown.state.consecutive_failures == 5
+    # A failed replica Nomad placed again (a retry) is not given up on: history.
+    replaced = failing(NextAllocation="a2")
+    again = observed(
+        StateDocument(name="m"), observe(replaced, failing("a2", 2), state_index=0)
+    )
+    assert again.state.consecutive_failures == 0 and again.effects == ()
 
 
 # --- RETRY --------------------------------------------------------------------------------
@@ -725,8 +747,11 @@ def test_activation_parks_at_once_when_nomad_stopped_every_replica() -> None:
     assert isinstance(park, Park) and plan.state.parked == park.parked
     assert any(n.text.startswith("parked (") for n in plan.notes)
     assert plan.answer is not None and plan.answer.status is ActivationStatus.PARKED
-    # Even with failures never counted (a lost document): parked, not started again.
-    lost = observed(StateDocument(name="m"), observe(failing(), state_index=0)).state
+    # Even with failures never counted (taken as history while the replica still
+    # restarted): parked, not started again.
+    restarting = failing(client="running")
+    lost = observed(StateDocument(name="m"), observe(restarting, state_index=0)).state
+    assert lost.consecutive_failures == 0 and lost.parked is None
     plan = activated(lost, observe(failing()))
     [park] = plan.effects
     assert isinstance(park, Park) and park.reason is Reason.ALL_STOPPED

@@ -107,7 +107,8 @@ class Unplaceable(Document):
 
     `placed` of `desired` replicas were placed (0 of N: nothing runs). A
     `provisional` answer was given while allocations on the cluster were
-    stopping (room being made): the router waits instead of refusing.
+    stopping (room being made): the router waits instead of refusing. So it
+    does for a model with replicas placed (`refuses`).
     """
 
     reason: str
@@ -116,6 +117,16 @@ class Unplaceable(Document):
     placed: int = 0
     desired: int = 0
     provisional: bool = False
+
+    @property
+    def refuses(self) -> bool:
+        """Requests are refused on this answer (503 `model_unplaceable`): it is settled
+        (not provisional) and no replica was placed. A model with a replica placed,
+        starting or running, serves with what it has and says what is short in status,
+        metrics and the log (issue 22, "capacity is honest": never `unplaceable` for a
+        model that serves). The planner (activation, status) and the router (its
+        refusals, an activation's wait) all decide by this."""
+        return not self.provisional and self.placed == 0
 
 
 class ReplicaRecord(Document):

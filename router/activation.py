@@ -34,10 +34,12 @@ the model was removed (404); parked (503 ``model_parked`` at once, not at the
 end of the window); a passing endpoint (forward); an unplaceable record
 other than the one the router held when the planner answered (503: that is
 Nomad's answer to the fresh attempt; the one held before may be the stale
-record the planner has just cleared, not yet seen by the watch). A
-*provisional* unplaceable record (allocations on the cluster are stopping:
-room is being made, and Nomad's blocked evaluation places the model when they
-end) is never refused on: the request waits on, as for ``loading``.
+record the planner has just cleared, not yet seen by the watch). Only a record
+that refuses (:attr:`llmgw_contract.Unplaceable.refuses`) is refused on: a
+*provisional* one (allocations on the cluster are stopping: room is being
+made, and Nomad's blocked evaluation places the model when they end), or one
+that placed some replicas (placed in part: they start and will serve), keeps
+the request waiting, as for ``loading``.
 
 A window that runs out is 503 ``model_loading`` with ``Retry-After``; its
 message says for how long the model has been loading, measured from this
@@ -162,7 +164,7 @@ class Activator:
             if entry.endpoints:
                 return
             fresh = entry.unplaceable
-            if fresh is not None and not fresh.provisional and fresh != held_unplaceable:
+            if fresh is not None and fresh.refuses and fresh != held_unplaceable:
                 raise refusals.unplaceable(entry.name, fresh)
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -7,9 +7,11 @@ call per request):
   (503 ``model_parked``). The proxy inlines it (checks ``entry.parked``, then
   calls :func:`parked`) so a model that is fine pays one attribute read.
 - :func:`when_no_endpoint`: a defined model with no passing endpoint is
-  **unplaceable** (503 ``model_unplaceable``, with Nomad's reason), **loading**
-  while room is being made for it (a provisional unplaceable record: 503
-  ``model_loading`` with ``Retry-After``), or **not ready** (503
+  **unplaceable** (503 ``model_unplaceable``, with Nomad's reason) only when
+  Nomad placed none of its replicas (:attr:`llmgw_contract.Unplaceable.refuses`);
+  **loading** while room is being made for it (a provisional unplaceable
+  record) or while the replicas placed in part start (503 ``model_loading``
+  with ``Retry-After``), or **not ready** (503
   ``model_not_ready`` with ``Retry-After``; for a model remembered after Consul
   lost its record, :func:`forgotten`, the message says so).
 
@@ -136,6 +138,19 @@ def room_message(model: str, unplaceable: Unplaceable) -> str:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def partly_placed_message(model: str, unplaceable: Unplaceable) -> str:
+    """Why ``model`` has no passing endpoint although Nomad placed some of its
+    replicas: they are starting, and the rest fit nowhere for now."""
+    return _clip(
+        f"The model `{model}` is starting on the replicas placed: {unplaceable.placed} of "
+        f"{unplaceable.desired}, the rest fit on no node for now (scheduler: "
+        f"{_clip(unplaceable.reason, _LINE_LIMIT)}); it serves with what it has once one "
+        f"passes its health check.",
+        MESSAGE_LIMIT,
+    )
+
+
 def stopped_message(model: str, reason: str) -> str:
     """Why ``model`` is refused although it is defined, in the planner's words."""
     why = _clip(reason, _LINE_LIMIT) if reason else "the planner runs no replica of it"
@@ -171,6 +186,13 @@ def room_being_made(
     return errors.ModelLoading(model, message, retry_after_s)
 
 
+def partly_placed(model: str, record: Unplaceable, retry_after_s: int) -> errors.ModelLoading:
+    """The 503 ``model_loading`` for a model Nomad placed in part (``record.placed`` > 0,
+    not provisional): never ``model_unplaceable`` for a model that will serve."""
+    message = f"{partly_placed_message(model, record)} Retry in {retry_after_s} s."
+    return errors.ModelLoading(model, message, retry_after_s)
+
+
 def forgotten(entry: ModelEntry, planner: str = "") -> errors.ModelNotReady:
     """The retryable 503 ``model_not_ready`` for a model the table remembers after
     Consul lost its record (``entry.forgotten``, :class:`router.endpoints.EndpointTable`),
@@ -198,8 +220,10 @@ def when_no_endpoint(entry: ModelEntry) -> errors.ModelUnavailable:
         return refusal
     if entry.unplaceable is not None and entry.unplaceable.provisional:
         return room_being_made(entry.name, entry.unplaceable, NOT_READY_RETRY_AFTER_S)
-    if entry.unplaceable is not None:
+    if entry.unplaceable is not None and entry.unplaceable.refuses:
         return unplaceable(entry.name, entry.unplaceable)
+    if entry.unplaceable is not None:
+        return partly_placed(entry.name, entry.unplaceable, NOT_READY_RETRY_AFTER_S)
     if entry.forgotten is not None:
         return forgotten(entry)
     replicas = entry.replicas

@@ -13,8 +13,11 @@ writes nothing to Nomad. Answers are the contract's `ActivationAnswer`:
   evaluation; never a forced reschedule: an allocation Nomad stopped after its
   restart attempts is `planner retry`'s alone, issue 19)
                -> wait for the evaluation the applier's answer names (at most
-                  `EVAL_WAIT`) and answer "unplaceable" with Nomad's reason, or
-                  "loading" (placed, or room is being made: `planner.model.unplaceable`).
+                  `EVAL_WAIT`) and answer "unplaceable" with Nomad's reason when it
+                  placed no replica, or "loading" (placed; placed in part, the placed
+                  replicas starting: "the replicas placed are starting; wants 2, 1
+                  placed: memory exhausted on 1 of 1 node", never a refusal of a model
+                  that will serve; or room is being made: `planner.model.unplaceable`).
                   The model is then marked, so its next pass records the answer.
 
 Concurrent activations of one model share one attempt (single flight):
@@ -48,6 +51,7 @@ from planner.daemon.observe import read_record
 from planner.daemon.usage import UsageBook
 from planner.daemon.workers import Guard, Outcome
 from planner.errors import NotLeader, Rejected, Unavailable
+from planner.model.placement import scale_shortfall
 from planner.model.transition import Event
 
 log = logging.getLogger("planner.daemon.activation")
@@ -157,7 +161,7 @@ class Activator:
         if answer is not None and before is not None and before.reason == answer.reason:
             answer = answer.model_copy(update={"since": before.since})
         self.mark(name)  # its next pass records this evaluation's answer
-        return _answer(name, answer, eval_id)
+        return activation_answer(name, answer, eval_id)
 
     def _wait(self, eval_id: str | None) -> dict[str, Any] | None:
         """Poll the evaluation until the scheduler is done with it, at most eval_wait s."""
@@ -171,7 +175,12 @@ class Activator:
             time.sleep(0.05)
 
 
-def _answer(name: str, unplaceable: Unplaceable | None, eval_id: str | None) -> ActivationAnswer:
+def activation_answer(
+    name: str, unplaceable: Unplaceable | None, eval_id: str | None
+) -> ActivationAnswer:
+    """The answer to an activation from its evaluation's placement answer (None: every
+    replica placed): "unplaceable" only when it refuses (`Unplaceable.refuses`: settled,
+    no replica placed), else "loading" with what is short."""
     if unplaceable is None:
         return ActivationAnswer(
             name=name,
@@ -184,6 +193,17 @@ def _answer(name: str, unplaceable: Unplaceable | None, eval_id: str | None) -> 
             name=name,
             status=ActivationStatus.LOADING,
             reason=unplaceable.reason,
+            since=unplaceable.since,
+            eval_id=eval_id,
+        )
+    if not unplaceable.refuses:
+        # Placed in part: the placed replicas start and will serve, so the request
+        # waits for them; what is short stays in the state document (status, metrics).
+        short = scale_shortfall(unplaceable.reason, unplaceable.placed, unplaceable.desired)
+        return ActivationAnswer(
+            name=name,
+            status=ActivationStatus.LOADING,
+            reason=f"the replicas placed are starting; {short}",
             since=unplaceable.since,
             eval_id=eval_id,
         )
@@ -201,6 +221,9 @@ def answers_for_every_status() -> list[ActivationAnswer]:
     router's reader)."""
     room = Unplaceable(reason="waiting for room", provisional=True)
     short = Unplaceable(reason="memory exhausted on 1 of 1 node")
+    part = Unplaceable(
+        reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node", placed=1, desired=2
+    )
     return [
         ActivationAnswer(
             name="m",
@@ -214,7 +237,8 @@ def answers_for_every_status() -> list[ActivationAnswer]:
         ActivationAnswer(
             name="m", status=ActivationStatus.LOADING, reason="an instance is starting"
         ),
-        _answer("m", None, "e1"),
-        _answer("m", room, "e2"),
-        _answer("m", short, "e3"),
+        activation_answer("m", None, "e1"),
+        activation_answer("m", room, "e2"),
+        activation_answer("m", short, "e3"),
+        activation_answer("m", part, "e4"),
     ]

@@ -259,7 +259,13 @@ def observe(
     short = _settled_shortfall(state)
     counts = f"{ready} of {desired} ready"
     if ready == 0:
-        if short is not None and not any(r.state != ReplicaState.STOPPED for r in rows):
+        # A shortfall that placed a replica is no refusal (`Unplaceable.refuses`): the
+        # placed one is loading, or what went wrong with it is told below.
+        if (
+            short is not None
+            and short.refuses
+            and not any(r.state != ReplicaState.STOPPED for r in rows)
+        ):
             return status(ModelState.UNPLACEABLE, short.reason, state.last_error, short.since)
         if bad or state.consecutive_failures:
             return status(

@@ -184,7 +184,16 @@ def test_fake_gpus_are_fingerprinted_as_the_real_plugin_reports_them(gpu_cluster
 def test_gpu_memory_24gib_places_on_the_80gib_node_only(
     gpu_cluster: Cluster, gpu_planner: PlannerDaemon, apply: Callable
 ) -> None:
-    apply("gpu-24g", gpu_profile(1, "24GiB"), replicas=2)
+    """A fixed model of 2 replicas that places 1: a request sent as it is applied is
+    served by the one placed (never model_unplaceable for a model that serves), and the
+    status tells the other's reason."""
+    with run_router(gpu_cluster, gpu_planner.url) as router:
+        apply("gpu-24g", gpu_profile(1, "24GiB"), replicas=2)
+        try:
+            answer = complete(router, "gpu-24g")
+        except urllib.error.HTTPError as exc:
+            pytest.fail(f"gpu-24g refused: {exc.code} {exc.read().decode()}")
+        assert answer["usage"]["completion_tokens"] > 0
     model = wait_for(
         lambda: (m := gpu_planner.model("gpu-24g"))["state"] == "degraded" and m,
         60,

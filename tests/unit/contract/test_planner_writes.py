@@ -54,11 +54,18 @@ def planner_states() -> list[StateDocument]:
     parked = decide_parking(state, {"a1": info}, frozenset(), T0, Rules())
     room = Unplaceable(reason="waiting for room", since=T0.isoformat(), provisional=True)
     short = Unplaceable(reason="memory exhausted on 1 of 1 node", since=T0.isoformat())
+    part = Unplaceable(
+        reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node",
+        since=T0.isoformat(),
+        placed=1,
+        desired=2,
+    )
     return [
         parked,
         set_parked(parked, parked.parked, 42),
         with_unplaceable(state, room),
         with_unplaceable(state, short),
+        with_unplaceable(state, part),
     ]
 
 

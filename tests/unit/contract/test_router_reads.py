@@ -205,6 +205,10 @@ NO_ROOM = Unplaceable(
     reason="memory exhausted on 1 of 1 nodes", since="s", eval_id="e", placed=0, desired=1
 )
 ROOM_BEING_MADE = NO_ROOM.model_copy(update={"provisional": True})
+# Nomad placed 1 of 2: the one placed starts and will serve (never a refusal).
+PLACED_IN_PART = NO_ROOM.model_copy(
+    update={"reason": f"1 of 2 replicas placed; {NO_ROOM.reason}", "placed": 1, "desired": 2}
+)
 
 
 def table_from_kv(*documents: StateDocument) -> EndpointTable:
@@ -253,17 +257,21 @@ def test_parked_is_refused_even_while_an_endpoint_passes() -> None:
     assert PARKED.reason in refusal.message and "unknown model" in refusal.message
 
 
-def test_unplaceable_is_refused_but_room_being_made_is_not() -> None:
+def test_unplaceable_is_refused_but_room_being_made_and_placed_in_part_are_not() -> None:
     table = table_from_kv(
-        full_state("u", unplaceable=NO_ROOM), full_state("r", unplaceable=ROOM_BEING_MADE)
+        full_state("u", unplaceable=NO_ROOM),
+        full_state("r", unplaceable=ROOM_BEING_MADE),
+        full_state("p", unplaceable=PLACED_IN_PART),
     )
     assert isinstance(when_no_endpoint(table.get("u")), errors.ModelUnplaceable)
-    loading = when_no_endpoint(table.get("r"))
-    assert isinstance(loading, errors.ModelLoading) and loading.retry_after_s is not None
+    for name in ("r", "p"):
+        loading = when_no_endpoint(table.get(name))
+        assert isinstance(loading, errors.ModelLoading) and loading.retry_after_s is not None
 
 
 @pytest.mark.parametrize(
-    ("unplaceable", "outcome"), [(NO_ROOM, "model_unplaceable"), (ROOM_BEING_MADE, None)]
+    ("unplaceable", "outcome"),
+    [(NO_ROOM, "model_unplaceable"), (ROOM_BEING_MADE, None), (PLACED_IN_PART, None)],
 )
 def test_an_activation_wait_acts_on_the_state_written_meanwhile(
     unplaceable: Unplaceable, outcome: str | None, monkeypatch: pytest.MonkeyPatch
@@ -283,7 +291,7 @@ def test_an_activation_wait_acts_on_the_state_written_meanwhile(
                 assert request.done() and waits["m"] == 1
                 assert (await request)[2]["error"]["code"] == outcome
                 return
-            assert not request.done()  # room being made: it waits on
+            assert not request.done()  # room being made, or placed in part: it waits on
             app.state.table.set_endpoints("m", [ServiceAddress("127.0.0.1", planner.port)])
             assert (await asyncio.wait_for(request, 10))[0] == 200
 

@@ -118,6 +118,9 @@ def test_partly_placed_keeps_its_reason() -> None:
     assert status.state == ModelState.DEGRADED and short.reason in status.reason
     none = see([], health(), doc(unplaceable=short.model_copy(update={"placed": 0})))
     assert none.state == ModelState.UNPLACEABLE
+    # A replica placed (its allocation not read yet) is loading, never unplaceable.
+    placed = see([], health(), doc(unplaceable=short))
+    assert placed.state == ModelState.LOADING and placed.reason == short.reason
 
 
 def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so() -> None:

@@ -1,11 +1,13 @@
-"""Whether a shortfall waits for room being made (planner.model.unplaceable)."""
+"""Whether a shortfall waits for room being made (planner.model.unplaceable), and the
+activation's answer from it (planner.daemon.activation)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
 
-from llmgw_contract import ModelRecord
+from llmgw_contract import ActivationStatus, ModelRecord, Unplaceable
+from planner.daemon.activation import activation_answer
 from planner.daemon.placement_answer import answer
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -68,3 +70,47 @@ def test_a_node_filtered_out_never_waits_for_room() -> None:
     )
     assert found is not None and not found.provisional
     assert "waiting for room" not in found.reason
+
+
+def test_an_activation_placed_in_part_is_loading_never_unplaceable() -> None:
+    """Nomad placed 1 of 2: the one placed starts and will serve, so the activation
+    answers "loading" with what is short; placing none is refused with the reason."""
+    part = Unplaceable(
+        reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node",
+        since="2026-11-30T12:00:00+00:00",
+        placed=1,
+        desired=2,
+    )
+    answered = activation_answer("m", part, "e1")
+    assert answered.status == ActivationStatus.LOADING
+    assert answered.reason == (
+        "the replicas placed are starting; wants 2, 1 placed: memory exhausted on 1 of 1 node"
+    )
+    assert (answered.since, answered.eval_id) == (part.since, "e1")
+    none = activation_answer("m", part.model_copy(update={"placed": 0}), "e2")
+    assert none.status == ActivationStatus.UNPLACEABLE and none.reason == part.reason
+    room = activation_answer("m", part.model_copy(update={"provisional": True}), "e3")
+    assert room.status == ActivationStatus.LOADING
+    assert activation_answer("m", None, "e4").status == ActivationStatus.LOADING
+
+
+def test_the_placement_answer_of_a_part_placed_job_counts_what_was_placed() -> None:
+    """A job asking for 2 whose evaluation left 1 unplaced: placed 1 of 2, settled when
+    nothing is stopping (the answer the activation and the state document carry)."""
+
+    class Settled(Nomad):
+        def stopping_allocations(self, since_index: int = 0) -> list[dict[str, Any]]:
+            return []
+
+    job = {"TaskGroups": [{"Name": "server", "Count": 2}]}
+    found = answer(
+        Settled(),
+        record(),
+        job,
+        evaluation(NodesExhausted=1, DimensionExhausted={"memory": 1}),
+        ("*",),
+        NOW,
+    )
+    assert found is not None and not found.provisional
+    assert (found.placed, found.desired, found.refuses) == (1, 2, False)
+    assert found.reason.startswith("1 of 2 replicas placed; ")

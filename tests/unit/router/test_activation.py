@@ -370,6 +370,32 @@ def test_room_being_made_is_waited_for_never_refused(monkeypatch: pytest.MonkeyP
     run(scenario())
 
 
+def test_a_model_placed_in_part_is_waited_for_and_served_never_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nomad placed 1 of 2 replicas: the one placed starts and will serve, so the
+    shortfall the state document records is no refusal (`Unplaceable.refuses`)."""
+    _, waits = count_activation_steps(monkeypatch)
+
+    async def scenario() -> None:
+        part = unplaceable_state(
+            "m", f"1 of 2 replicas placed; {MEMORY}", "2026-11-29T21:00Z", placed=1, desired=2
+        )
+        starting = {"status": "loading", "reason": "the replicas placed are starting"}
+        async with harness({"m": [starting]}, window_s=30) as h:
+            request = asyncio.ensure_future(h.post())
+            await until(lambda: waits["m"] == 1, what="the request waits for an endpoint")
+            h.table.set_states({"m": part})  # the planner records Nomad's answer
+            await until(lambda: request.done() or waits["m"] == 2, what="acted on the change")
+            assert not request.done()  # not refused on it
+            h.pass_endpoint()  # the placed replica passes; the record stays
+            status, _, _ = await asyncio.wait_for(request, 2)
+            assert status == 200
+            assert h.metric("llmgw_router_refusals_total", model="m", reason="unplaceable") == 0
+
+    run(scenario())
+
+
 def test_room_being_made_past_the_window_is_loading_and_says_so() -> None:
     async def scenario() -> None:
         provisional = unplaceable_state("m", MEMORY, provisional=True)

@@ -235,6 +235,20 @@ def test_decisions() -> None:
         asyncio.run(refuse_at_once(u))
 
 
+def test_a_model_placed_in_part_is_loading_never_unplaceable() -> None:
+    """1 of 2 replicas placed, none passing yet: the placed one is starting and will
+    serve (issue 22, "never unplaceable for a model that serves")."""
+    part = Unplaceable(reason=f"1 of 2 replicas placed; {MEMORY}", placed=1, desired=2)
+    table = table_with(s=state("s", unplaceable=part))
+    refusal = when_no_endpoint(table.get("s"))
+    assert isinstance(refusal, errors.ModelLoading) and refusal.retry_after_s == 5
+    assert "starting on the replicas placed: 1 of 2" in refusal.message
+    assert MEMORY in refusal.message
+    # Nothing placed is refused with the reason, as before.
+    none = state("n", unplaceable=part.model_copy(update={"placed": 0}))
+    assert isinstance(when_no_endpoint(table_with(n=none).get("n")), errors.ModelUnplaceable)
+
+
 def test_a_model_known_only_from_its_service_is_not_ready_with_retry() -> None:
     table = EndpointTable(RouterMetrics())
     table.set_models({})

@@ -445,9 +445,7 @@ def test_a_recreated_document_counts_what_nomad_gave_up_on_and_parks() -> None:
     assert shown.state.parked is not None and shown.state.consecutive_failures == 5
     # A failed replica Nomad placed again (a retry) is not given up on: history.
     replaced = failing(NextAllocation="a2")
-    again = observed(
-        StateDocument(name="m"), observe(replaced, failing("a2", 2), state_index=0)
-    )
+    again = observed(StateDocument(name="m"), observe(replaced, failing("a2", 2), state_index=0))
     assert again.state.consecutive_failures == 0 and again.effects == ()
 
 

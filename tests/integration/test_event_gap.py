@@ -41,6 +41,7 @@ from planner.errors import NomadUnavailable
 from planner.model.failures import Rules
 from tests.conftest import http_json, own_cluster, wait_for
 from tests.integration.test_parking import QUICK_RESTARTS, SMALL, starts, write_model
+from tests.support.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.integration
 
@@ -231,3 +232,50 @@ def test_a_fifth_failure_lost_from_the_event_buffer_is_still_counted_and_parks(
             f"event gap: parked {took:.1f} s after the watcher started; gaps seen "
             f"{watcher.gaps}, resets {watcher.resets}"
         )
+
+
+def test_a_document_lost_after_nomad_gave_up_still_parks_after_exactly_five_starts(
+    binaries: Path, tmp_path: Path
+) -> None:
+    """Issue 19's fourth QA: with no planner watching, Nomad fails a model's 5th start and
+    its state document is lost (Consul restarted, `llmgw/` deleted); the planner that
+    comes up then wrote a new document taking every failure Nomad shows as history, and
+    the model stayed `failing` with 0 counted for good (9.5 min watched), since nothing
+    would ever fail again. Now it counts the failures of the replicas Nomad gave up on
+    and parks: 5 counted, 5 starts, no 6th."""
+    name = "lost-kev"
+    with own_cluster(tmp_path / "cluster") as cluster:
+        env = {
+            **os.environ,
+            **cluster.env,
+            "LLMGW_ENGINES": f"llama.cpp={binaries / 'llama-server'}",
+        }
+        kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
+        folder = write_model(tmp_path / "m", name, kev, extra=QUICK_RESTARTS)
+        applied = subprocess.run(
+            [sys.executable, "-m", "planner.cli.main", "apply", str(folder)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert applied.returncode == 0, applied.stderr
+        nomad = NomadClient(cluster.nomad_addr)
+        wait_for(
+            lambda: [a["ClientStatus"] for a in nomad.allocations(name)] == ["failed"],
+            120,
+            "Nomad to give up on the model after its 5th start, no planner watching",
+        )
+        consul = ConsulClient(cluster.consul_addr)
+        consul.delete_key(f"llmgw/state/{name}")
+        watcher = Watcher(nomad, consul, Rules(stable_after_ns=20 * 10**9), reconcile_every=3600)
+        with running(watcher):
+            wait_for(
+                lambda: (nomad.job(name) or {}).get("Stop") is True,
+                60,
+                "the model parked by the planner that found its document gone",
+            )
+        state = kv_state(cluster, name)
+        assert state.parked is not None and state.consecutive_failures == 5, state
+        assert state.parked.reason == "5 consecutive start failures"
+        assert starts(cluster, name) == 5

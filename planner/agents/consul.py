@@ -242,6 +242,11 @@ class ConsulClient:
 
         return bool(self._call(CONSUL_KV_WRITE, f"write {key}", put))
 
+    def lock_holder(self, lock_key: str) -> str | None:
+        """The session holding the lock on `lock_key` now, or None when nobody does."""
+        _, item = self._call(CONSUL_KV_READ, f"read {lock_key}", lambda: self._api.kv.get(lock_key))
+        return str(item["Session"]) if item and item.get("Session") else None
+
     def holds(self, lock_key: str, session: str) -> bool:
         """Whether `session` holds the lock on `lock_key` now."""
         _, item = self._call(CONSUL_KV_READ, f"read {lock_key}", lambda: self._api.kv.get(lock_key))

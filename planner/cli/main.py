@@ -37,7 +37,7 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
-from llmgw_contract import ModelState
+from llmgw_contract import LEADER_KEY, ModelState
 from llmgw_contract.acl import Permission
 from llmgw_contract.leadership import parse_admin_url
 from llmgw_contract.states import ReplicaState
@@ -450,14 +450,32 @@ def _rollout(row: ModelStatus) -> str:
     )
 
 
-def _rows(output: Output | ReportOutput) -> tuple[list[ModelStatus], list[str]]:
-    """Every applied model's status, and the model jobs Nomad has without a record
-    (`unrecorded_models`); or exit with the agents' error."""
+def _rows(output: Output | ReportOutput) -> tuple[list[ModelStatus], list[str], bool]:
+    """Every applied model's status, the model jobs Nomad has without a record
+    (`unrecorded_models`), and whether a planner leads (`_led`); or exit with the agents'
+    error."""
     _, nomad, consul = _clients(access.STATUS, output)
     try:
-        return gather(nomad, consul), unrecorded_models(nomad, consul)
+        return gather(nomad, consul), unrecorded_models(nomad, consul), _led(consul)
     except PlannerError as exc:
         raise _fail(exc, output) from exc
+
+
+NO_LEADER_MESSAGE = (
+    f"no planner leads now ({LEADER_KEY} is not held): the states above are as a leader "
+    "last wrote them, and nothing counts failures or parks until `planner serve` runs"
+)
+
+
+def _led(consul: ConsulClient) -> bool:
+    """Whether a planner holds the leader lock now; True when that cannot be read (the
+    rows were read: saying more would guess). Found by issue 19's fourth QA: with no
+    planner serving, `status` showed a model Nomad had given up on as `failing`, 0
+    failures, and nothing said the document was stale."""
+    try:
+        return consul.lock_holder(LEADER_KEY) is not None
+    except PlannerError:
+        return True
 
 
 def unrecorded_message(names: list[str], rows: int) -> str:
@@ -487,7 +505,7 @@ def status(
     if nodes:
         _status_nodes(output)
         return
-    rows, unrecorded = _rows(output)
+    rows, unrecorded, led = _rows(output)
     if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     elif output == ReportOutput.markdown:
@@ -496,6 +514,8 @@ def status(
         _print_status(rows, quiet=bool(unrecorded))
     if unrecorded:
         err.print(unrecorded_message(unrecorded, len(rows)))
+    if rows and not led:
+        err.print(NO_LEADER_MESSAGE)
     if unrecorded or not all(r.satisfied for r in rows):
         raise typer.Exit(1)
 
@@ -678,9 +698,11 @@ def _wait_installed(engines: set[str], output: Output, timeout: float) -> None:
 @app.command()
 def models(output: OutputOption = Output.table) -> None:
     """The applied models with their state, failures, reason and last error (always exit 0)."""
-    rows, unrecorded = _rows(output)
+    rows, unrecorded, led = _rows(output)
     if unrecorded:
         err.print(unrecorded_message(unrecorded, len(rows)))
+    if rows and not led:
+        err.print(NO_LEADER_MESSAGE)
     if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return

@@ -151,7 +151,11 @@ def _with_no_planner(
     cluster: Cluster, daemon: PlannerDaemon, router: str, planner: Callable
 ) -> None:
     """The gap held open: Consul restarted while no planner runs."""
+    assert "no planner leads" not in planner("status").stderr
     daemon.stop()
+    # Issue 19's fourth QA: with no planner, `status` showed documents as if current.
+    idle = planner("status")
+    assert "no planner leads now (llmgw/leader is not held)" in idle.stderr, idle.stderr
     client = Client(router, SERVED)
     client.start()
     restart_consul(cluster)

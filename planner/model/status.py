@@ -298,6 +298,10 @@ def observe(
             state.last_error,
             state.last_error_at,
         )
+    if ready < desired and scaled is not None and ready >= max(scaled.min, 1):
+        # Load-based scaling adding replicas: the model serves at least its floor, and a
+        # pipeline's `planner status` must not fail because load rose (issue 22's QA).
+        return status(ModelState.SERVING, f"{counts}; scaling up")
     if ready < desired:
         return status(ModelState.LOADING, counts)
     return status(ModelState.SERVING, counts)

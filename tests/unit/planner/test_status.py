@@ -182,3 +182,18 @@ def test_wants_none() -> None:
         T0,
     )
     assert (asked.state, asked.reason) == (ModelState.LOADING, "asked for 3 s ago; no instance yet")
+
+
+def test_a_scale_up_under_way_serves_and_satisfies_status() -> None:
+    """Issue 22's QA: while load-based scaling adds replicas (1 of 3 ready, the others
+    starting), the model showed `loading` and `planner status` exited 1, failing a
+    pipeline because load rose. At or over its floor it serves; below it, it loads."""
+    scaling = RECORD.model_copy(update={"scaling": ScalingBounds(min=1, max=4, target=2)})
+    up = see([A, B], health("a1"), doc(), record=scaling, count=3)
+    assert (up.state, up.reason) == (ModelState.SERVING, "1 of 3 ready; scaling up")
+    assert up.satisfied
+    floor = scaling.model_copy(update={"scaling": ScalingBounds(min=2, max=4, target=2)})
+    below = see([A, B], health("a1"), doc(), record=floor, count=3)
+    assert below.state == ModelState.LOADING
+    fixed = see([A, B], health("a1"), doc(), count=3)
+    assert fixed.state == ModelState.LOADING

@@ -165,11 +165,16 @@ class StreamMeter:
     usage event is dropped and an unfinished event is held until it ends.
     """
 
-    __slots__ = ("_rest", "_timed", "first_at", "strip", "usage")
+    __slots__ = ("_rest", "_timed", "events", "first_at", "strip", "usage")
 
     def __init__(self, strip: bool = False) -> None:
         self.strip = strip
         self.usage: Usage | None = None
+        # Whole events passed to the client: the completion tokens it got, at most one
+        # off, when no usage came (a client that left before the last event: issue 23's
+        # QA spent 312 tokens of a 100-token budget that way). llama-server sends one
+        # token per event.
+        self.events = 0
         # usage came from timings, so a later usage object replaces it.
         self._timed = False
         # perf_counter() when the first byte of the stream arrived.
@@ -194,6 +199,7 @@ class StreamMeter:
                 self._rest = b""
                 return self._strip(whole) + rest if self.strip else chunk
             self._rest = rest
+        self.events += whole.count(_DATA)
         if not self.strip:
             if _USAGE_KEY in whole or _TIMINGS_KEY in whole:
                 for event in whole.split(_EVENT_END):

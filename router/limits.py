@@ -181,6 +181,9 @@ class Admission:
     # admission (corrected by the answer's usage).
     minute_tokens: Lease | None = None
     estimated: int = 0
+    # The prompt's estimate from the body, kept for any key whose tokens are charged:
+    # an answer without usage is charged it plus what the client got (`unread`).
+    prompt_estimate: int = 0
 
     @property
     def counts_tokens(self) -> bool:
@@ -280,10 +283,20 @@ class KeyLimits:
     def estimate(self, admission: Admission, body_bytes: int) -> None:
         """Charge the prompt's estimate (:data:`BYTES_PER_TOKEN`) to the key's tokens per
         minute once the body is read; :meth:`charge` corrects it by the answer's usage."""
+        admission.prompt_estimate = max(1, body_bytes // BYTES_PER_TOKEN)
         if admission.minute_tokens is None:
             return
-        admission.estimated = max(1, body_bytes // BYTES_PER_TOKEN)
+        admission.estimated = admission.prompt_estimate
         admission.minute_tokens.charge(admission.estimated)
+
+    def unread(self, admission: Admission, delivered: int) -> None:
+        """The answer carried no usage the router read (the client left a stream before
+        its last event, which holds the usage): charge the prompt's estimate and the
+        ``delivered`` completion tokens the client got, so leaving early is never a way
+        around a budget (issue 23's QA: 312 tokens through a 100-token budget). Nothing
+        when nothing was delivered: the client got no answer to spend."""
+        if delivered > 0:
+            self.charge(admission, admission.prompt_estimate + delivered)
 
     def charge(self, admission: Admission, tokens: int) -> None:
         """The request used ``tokens`` (prompt and completion): taken from its budget

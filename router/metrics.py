@@ -60,9 +60,11 @@ from the keys file keeps its series until then, or until the router restarts):
   ``upstream_error`` (the replica's or the upstream's 4xx / 5xx),
   ``client_closed`` (499); the outcomes of a pair are published at 0
 - ``llmgw_router_unmetered_requests_total{model}``: successful answers on a
-  metered route (:data:`METERED_ROUTES`) that carried no usage the router could
-  read (a stream the client left, a body too large to parse on the loop):
-  their tokens are missing from ``llmgw_router_tokens_total``
+  metered route (:data:`METERED_ROUTES`), and requests the client left (499),
+  that carried no usage the router could read (a stream the client left, a body
+  too large to parse on the loop): their tokens are missing from
+  ``llmgw_router_tokens_total`` (a key's limits charge an estimate instead,
+  :mod:`router.limits`)
 - ``llmgw_router_time_to_first_token_seconds{model}``: streams only, from the
   request received to the first byte of the replica's stream (a non-streaming
   answer's first byte is its last)
@@ -216,13 +218,14 @@ class RequestMetrics:
         account = self._accounts.get(key)
         if account is None:
             account = self._accounts[key] = KeyAccount(self._owner, self.model, key)
-        account.outcomes[outcome(status, refused)].inc()
+        kind = outcome(status, refused)
+        account.outcomes[kind].inc()
         if usage is not None:
             account.prompt.inc(usage.prompt)
             if usage.cached:
                 account.cached_prompt.inc(usage.cached)
             account.completion.inc(usage.completion)
-        elif metered and status < 400 and self.unmetered is not None:
+        elif metered and kind in (OK, CLIENT_CLOSED) and self.unmetered is not None:
             self.unmetered.inc()
         if first_s is not None and self.ttft is not None:
             self.ttft.observe(first_s)
@@ -379,8 +382,8 @@ class RouterMetrics:
         )
         self.unmetered = Counter(
             "llmgw_router_unmetered_requests_total",
-            "Successful answers on a route that reports usage whose usage the router "
-            "could not read (their tokens are not counted).",
+            "Successful answers, and requests the client left, on a route that reports "
+            "usage whose usage the router could not read (their tokens are not counted).",
             ("model",),
             registry=self.registry,
         )

@@ -371,6 +371,8 @@ class Proxy:
                 self.limits.release(limited)
                 if limited.counts_tokens and (usage := meter.used()) is not None:
                     self.limits.charge(limited, usage.prompt + usage.completion)
+                elif limited.counts_tokens and meter.stream is not None:
+                    self.limits.unread(limited, meter.stream.events)
 
     async def _forward(
         self,

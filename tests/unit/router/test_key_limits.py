@@ -5,6 +5,7 @@ OpenAI's headers and error body."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -318,5 +319,79 @@ def test_a_streamed_answer_carries_the_x_ratelimit_headers_too(tmp_path: Path) -
         assert headers[b"x-ratelimit-limit-requests"] == b"5"
         assert headers[b"x-ratelimit-remaining-requests"] == b"4"
         assert b"[DONE]" in b"".join(m.get("body", b"") for m in sent[1:])
+
+    run(scenario())
+
+
+class EndlessStreamReplica(LocalServer):
+    """A stream of one-token events that ends only when its client is gone: the usage
+    a replica sends in its last event never comes."""
+
+    def __init__(self) -> None:
+        super().__init__(web.post("/v1/completions", self._handle))
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if b'"stream": true' not in await request.read():
+            return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                await asyncio.sleep(0.01)
+        return response
+
+
+def test_leaving_a_stream_before_its_usage_still_spends_the_budget(tmp_path: Path) -> None:
+    """Issue 23's QA: a client that closed each stream just before its last event (the
+    one with the usage) got 312 tokens through a budget of 100 a day, and
+    `llmgw_router_unmetered_requests_total` stayed 0. Now what the client got (one token
+    an event) and the prompt's estimate are charged, and the request counts unmetered."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {tokens_per_day: 20}\n"
+    )
+    auth = (b"authorization", b"Bearer sk-team-0123456789")
+
+    async def leave_after(app: object, events: int) -> None:
+        body = b'{"model": "m", "stream": true, "prompt": "hi"}'
+        read = asyncio.Event()
+        got: list[bytes] = []
+
+        async def receive() -> dict:
+            if not read.is_set():
+                read.set()
+                return {"type": "http.request", "body": body, "more_body": False}
+            while sum(chunk.count(b"data:") for chunk in got) < events:
+                await asyncio.sleep(0.005)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            got.append(message.get("body", b""))
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), auth],
+        }
+        await app(scope, receive, send)  # type: ignore[operator]
+
+    async def scenario() -> None:
+        replica = EndlessStreamReplica()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=False)
+        try:
+            async with in_process_router(settings) as app:
+                router = RouterUnderTest(app, replica)
+                router.pass_endpoint()
+                await leave_after(app, 25)  # 25 tokens and the prompt: over 20
+                assert router.metric("llmgw_router_unmetered_requests_total", model="m") == 1
+                status, _, body = await asgi_post(app, {"model": "m"}, headers=[auth])
+                assert status == 429 and body["error"]["code"] == "insufficient_quota"
+        finally:
+            await replica.stop()
 
     run(scenario())

@@ -9,8 +9,8 @@ the same loader, and writes it only if nobody wrote in between: in Consul with a
 check-and-set on the ``ModifyIndex`` read (``PUT /v1/kv/...?cas=``), in a file by
 comparing its content's SHA-256 just before an atomic rename (a temporary file
 in the same folder, then ``os.replace``: the router never reads half a file; two
-operators renaming in the same microsecond is the one race left, the file having
-no index). A lost race reads again and applies the change again
+``router keys`` take turns under a lock on the folder, :func:`_folder_lock`). A
+lost race reads again and applies the change again
 (:data:`MAX_ATTEMPTS`), so two operators never overwrite each other.
 
 Comments: PyYAML, the project's YAML library, drops comments when it rewrites a
@@ -27,10 +27,11 @@ ends with (listed in ``router keys --help``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -151,15 +152,31 @@ class FileStore:
                 file.flush()
                 os.fsync(file.fileno())
             os.chmod(temporary, mode)
-            if self.read().version != version:
-                return False
-            os.replace(temporary, self.path)
+            with _folder_lock(folder):
+                if self.read().version != version:
+                    return False
+                os.replace(temporary, self.path)
         except OSError as exc:
             raise InvalidInput(f"{self.where}: cannot be written ({exc.strerror})") from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
         return True
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str) -> Iterator[None]:
+    """An exclusive advisory lock (flock) on the keys file's folder while its content is
+    compared and replaced: two `router keys` writing at once take turns, so the second
+    sees the first's file and applies its change again (issue 23's QA: two `add` of one
+    name in the same instant both printed a secret, one of which was lost). The folder,
+    not the file: the rename replaces the file's inode. Hand edits take no lock."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 class ConsulStore:

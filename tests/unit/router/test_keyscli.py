@@ -7,6 +7,7 @@ tests/integration/test_keys_cli.py."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,52 @@ def test_an_edit_that_lost_a_race_is_applied_again_on_what_the_other_wrote(
         edit(store, lambda e: [*e, {"name": "late", "sha256": digest("late")}])
     assert "late" not in ApiKeys.load(str(path)).by_name()
     assert Conflict.exit_code == 1
+
+
+class ComparedFile(FileStore):
+    """The keys file, with another `router keys` writing while this one compares the
+    file's content before its rename (the compare is the read inside ``write``)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.writing = False
+        self.other: threading.Thread | None = None
+        self.others: list[bool] = []
+
+    def write(self, document: bytes, version: str | int) -> bool:
+        self.writing = True
+        return super().write(document, version)
+
+    def read(self) -> Stored:
+        if self.writing and self.other is None:
+            stored = FileStore(self.path).read()
+            other = b"keys:\n  - name: other\n    sha256: " + digest("o").encode() + b"\n"
+            self.other = threading.Thread(
+                target=lambda: self.others.append(FileStore(self.path).write(other, stored.version))
+            )
+            self.other.start()
+            # Without the folder's lock the other's rename lands now, inside this
+            # compare; with it, the other waits for this write to end (the bound only
+            # lets a broken lock show: a correct one passes however long this takes).
+            self.other.join(0.5)
+        return super().read()
+
+
+def test_two_writers_of_the_file_take_turns(tmp_path: Path) -> None:
+    """Issue 23's QA: two `router keys add` of one name in the same instant both
+    printed a secret, and only one was stored: a rename landed between the other's
+    compare and its rename. Under the folder's lock the second writer sees the first's
+    file and loses its compare (then `edit` applies its change again)."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys: []\n")
+    store = ComparedFile(str(path))
+    version = store.read().version
+    assert store.write(b"keys:\n  - name: mine\n    sha256: " + digest("m").encode() + b"\n",
+                       version)  # fmt: skip
+    assert store.other is not None
+    store.other.join(10)
+    assert store.others == [False]
+    assert list(ApiKeys.load(str(path)).by_name()) == ["mine"]
 
 
 def test_file_store_versions() -> None:

@@ -3,7 +3,7 @@
 Off unless ``LLMGW_API_KEYS_FILE`` (``--api-keys-file``) names a YAML file::
 
     keys:
-      - name: team-a                 # shown in logs and errors, never the key
+      - name: team-a                 # in logs and errors, never the key; 1-128 chars, one line
         sha256: 9f86d081884c7d65...  # printf %s "$KEY" | sha256sum
         models: ["gemma-3-270m", "team-a-*"]   # optional: shell patterns; default every model
       - name: ops
@@ -124,6 +124,8 @@ LIMIT_FIELDS = (
 # NAME_PATTERN: [a-z0-9-]) and fnmatch's * ? [ ] !.
 _PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+$")
 
+# The longest key name, in characters.
+MAX_NAME_CHARS = 128
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # How often the keys file is read for a change.
 RELOAD_INTERVAL_S = 5.0
@@ -151,7 +153,9 @@ class _Limits(BaseModel):
 class _KeyEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
+    # A name is shown in logs, errors and metric labels: bounded, one printable line
+    # (issue 23's QA: a name holding a newline was accepted, and would forge log lines).
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
     sha256: str
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
     limits: _Limits = Field(default_factory=_Limits)

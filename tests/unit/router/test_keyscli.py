@@ -281,3 +281,15 @@ def test_usage_rows_from_the_shared_tallies() -> None:
     assert (day["window"], day["used"], day["shared"]) == ("2025-12-02", 0, False)
     assert rows["concurrent_requests"]["used"] is None
     assert usage_of(ApiKey("free", ("*",)), {}, wall) == []
+
+
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "x" * 129])
+def test_a_name_that_is_not_one_printable_line_of_128_characters_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    path = tmp_path / "keys.yaml"
+    runner = CliRunner()
+    answer = runner.invoke(cli, ["keys", "add", name, "--file", str(path)])
+    assert answer.exit_code == 2, answer.output
+    assert not path.exists()
+    assert ApiKeys.parse(b"keys:\n  - name: 'a b/c'\n    sha256: " + digest("x").encode(), "t")

@@ -514,7 +514,7 @@ def status(
         _print_status(rows, quiet=bool(unrecorded))
     if unrecorded:
         err.print(unrecorded_message(unrecorded, len(rows)))
-    if rows and not led:
+    if (rows or unrecorded) and not led:
         err.print(NO_LEADER_MESSAGE)
     if unrecorded or not all(r.satisfied for r in rows):
         raise typer.Exit(1)
@@ -701,7 +701,7 @@ def models(output: OutputOption = Output.table) -> None:
     rows, unrecorded, led = _rows(output)
     if unrecorded:
         err.print(unrecorded_message(unrecorded, len(rows)))
-    if rows and not led:
+    if (rows or unrecorded) and not led:
         err.print(NO_LEADER_MESSAGE)
     if output == Output.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))

@@ -24,7 +24,6 @@ from llmgw_contract import (
     Parked,
     ReplicaRecord,
     StateDocument,
-    Unplaceable,
     UsageRecord,
 )
 from llmgw_contract.states import ReplicaState
@@ -32,6 +31,7 @@ from planner.model import autoscale
 from planner.model.failures import STABLE_AFTER_S, headline, iso
 from planner.model.parking import parked_from_job
 from planner.model.placement import scale_shortfall
+from planner.model.unplaceable import settled_shortfall
 from planner.vocab import Job, ServiceHealth, group_count
 
 
@@ -180,7 +180,7 @@ def scaling_view(
     bounds = record.scaling
     if bounds is None:
         return None
-    short = _settled_shortfall(state)
+    short = settled_shortfall(state)
     saved = state.scaling
     average = saved.average if saved else 0.0
     stale = not autoscale.average_is_fresh(saved, now.timestamp())
@@ -197,13 +197,6 @@ def scaling_view(
         "shortfall": scale_shortfall(short.reason, short.placed, short.desired) if short else "",
         "last": saved.last.model_dump() if saved and saved.last else None,
     }
-
-
-def _settled_shortfall(state: StateDocument) -> Unplaceable | None:
-    """Nomad's answer that left replicas unplaced, unless room is being made for them
-    (a provisional answer, `planner.model.unplaceable`)."""
-    short = state.unplaceable
-    return short if short is not None and not short.provisional else None
 
 
 def observe(
@@ -256,7 +249,7 @@ def observe(
         return _wants_none(record, observed.job, state, usage, now, status)
     bad = [r for r in rows if r.state in (ReplicaState.FAILING, ReplicaState.STOPPED)]
     clean = [r for r in rows if r.state == ReplicaState.SERVING]
-    short = _settled_shortfall(state)
+    short = settled_shortfall(state)
     counts = f"{ready} of {desired} ready"
     if ready == 0:
         # A shortfall that placed a replica is no refusal (`Unplaceable.refuses`): the

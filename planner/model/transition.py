@@ -39,12 +39,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from llmgw_contract import ActivationAnswer, StateDocument, Unplaceable
+from llmgw_contract import ActivationAnswer, StateDocument
 from planner.errors import Rejected
 from planner.model import activate, autoscale, fold, retry
 from planner.model.effects import Effect, Park, Reason, Register, Scale
 from planner.model.failures import Rules, due_stable, headline, stabilize
 from planner.model.observation import Observation
+from planner.model.unplaceable import settled_shortfall
 from planner.vocab import ACTIVE_DEPLOYMENT, GROUP, group_count, with_count
 
 
@@ -169,7 +170,7 @@ def _autoscale(plan: Plan, observation: Observation, now: datetime) -> Plan:
     if state.parked is not None:
         return plan
     count = group_count(job)
-    short = _settled_shortfall(state)
+    short = settled_shortfall(state)
     deployment = _active_deployment(observation)
     # A deployment of a scale-up that fits nowhere runs until room appears
     # (progress_deadline 0: it never fails by itself), so waiting for it would hold the
@@ -229,12 +230,6 @@ def _deployment_words(deployment: dict[str, Any]) -> str:
     )
 
 
-def _settled_shortfall(state: StateDocument) -> Unplaceable | None:
-    """Nomad's answer that left replicas unplaced, unless room is being made for them."""
-    short = state.unplaceable
-    return short if short is not None and not short.provisional else None
-
-
 def _count_write(
     observation: Observation, state: StateDocument, reason: Reason, words: str, count: int
 ) -> Effect:
@@ -254,7 +249,7 @@ def _stuck_on_room(deployment: dict[str, Any], state: StateDocument) -> bool:
     answer left some unplaced, and it has no canaries (a count change, which Nomad
     deploys as an in-place update of the running replicas; a definition's rollout has
     canaries) and fewer placed than it wants."""
-    if _settled_shortfall(state) is None:
+    if settled_shortfall(state) is None:
         return False
     groups = (deployment.get("TaskGroups") or {}).values()
     return bool(groups) and all(

@@ -75,3 +75,10 @@ def with_unplaceable(state: StateDocument, unplaceable: Unplaceable | None) -> S
     if unplaceable is not None and old is not None and old.reason == unplaceable.reason:
         unplaceable = unplaceable.model_copy(update={"since": old.since})
     return state.model_copy(update={"unplaceable": unplaceable})
+
+
+def settled_shortfall(state: StateDocument) -> Unplaceable | None:
+    """Nomad's answer that left replicas unplaced, unless room is being made for them
+    (a provisional answer: requests wait for Nomad to place the model)."""
+    short = state.unplaceable
+    return short if short is not None and not short.provisional else None

@@ -10,20 +10,10 @@ from typing import Any
 import pytest
 
 from planner.cli.apply import Action, decide
-from planner.spec.definitions import ModelDefinition, parse_file
 from planner.spec.jobspec import restart_delay_of, spec_hash, variable_file, variables
 from planner.spec.settings import Settings
 from tests.support.nomad_mock import job
-
-BASE = "name: m\nsource: hf://org/repo/m.gguf\nprofile: {memory: 1GiB}\n"
-S = 1_000_000_000  # Nomad's durations are nanoseconds
-
-
-def parsed(tmp_path: Path, text: str) -> tuple[ModelDefinition | None, list[str]]:
-    path = tmp_path / "m.yaml"
-    path.write_text(BASE + text)
-    definition, problems = parse_file(path)
-    return definition, [f"{p.file.name}: {p.field}: {p.message}" for p in problems]
+from tests.unit.planner.test_drain_definition import S, parsed
 
 
 def test_the_default_is_the_templates_old_5s_and_the_pause_leaves_the_definition_hash(

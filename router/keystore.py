@@ -26,6 +26,7 @@ ends with (listed in ``router keys --help``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -281,13 +282,25 @@ def entries_of(stored: Stored, where: str, force: bool = False) -> list[Entry]:
 
 
 def has_comments(document: bytes) -> bool:
-    """Whether ``document`` has a comment line or a trailing comment that is not
-    :data:`HEADER`'s. Coarse: a ``#`` after a space counts even inside a quoted
-    value, which then asks for --force needlessly, never loses a comment."""
+    """Whether ``document`` has a comment that is not :data:`HEADER`'s: a ``#`` that
+    YAML's own scanner does not read as part of a value (a key named ``a #b`` is
+    written quoted and is no comment: issue 23's QA, where such a name made every
+    later edit ask for --force). A document YAML cannot scan is left to the loader."""
     text = document.decode("utf-8", "replace").removeprefix(HEADER)
-    return any(
-        line.lstrip().startswith("#") or " #" in line or "\t#" in line for line in text.splitlines()
-    )
+    try:
+        spans = [(t.start_mark.index, t.end_mark.index) for t in yaml.scan(text)]
+    except yaml.YAMLError:
+        return False
+    spans.sort()
+    starts = [start for start, _ in spans]
+    at = text.find("#")
+    while at >= 0:
+        # The last token starting at or before the `#`: inside it, or a comment.
+        i = bisect.bisect_right(starts, at) - 1
+        if i < 0 or at >= spans[i][1]:
+            return True
+        at = text.find("#", at + 1)
+    return False
 
 
 def render(entries: list[Entry]) -> bytes:

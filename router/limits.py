@@ -279,6 +279,7 @@ class KeyLimits:
         if admission.minute_tokens is not None:
             admission.minute_tokens.adjust(-admission.estimated)
             admission.estimated = 0
+        admission.prompt_estimate = 0  # no replica read the prompt
 
     def estimate(self, admission: Admission, body_bytes: int) -> None:
         """Charge the prompt's estimate (:data:`BYTES_PER_TOKEN`) to the key's tokens per
@@ -291,12 +292,13 @@ class KeyLimits:
 
     def unread(self, admission: Admission, delivered: int) -> None:
         """The answer carried no usage the router read (the client left a stream before
-        its last event, which holds the usage): charge the prompt's estimate and the
-        ``delivered`` completion tokens the client got, so leaving early is never a way
-        around a budget (issue 23's QA: 312 tokens through a 100-token budget). Nothing
-        when nothing was delivered: the client got no answer to spend."""
-        if delivered > 0:
-            self.charge(admission, admission.prompt_estimate + delivered)
+        its last event, which holds the usage, or left before any answer): charge the
+        prompt's estimate and the ``delivered`` completion tokens the client got (one
+        per event), so leaving early is never a way around a budget (issue 23's QA: 312
+        tokens through a 100-token budget; then 10 prompts of ~525 tokens each, left
+        before the first event, charged nothing). A request the router refused itself
+        has no estimate left (:meth:`refund`)."""
+        self.charge(admission, admission.prompt_estimate + delivered)
 
     def charge(self, admission: Admission, tokens: int) -> None:
         """The request used ``tokens`` (prompt and completion): taken from its budget

@@ -371,8 +371,8 @@ class Proxy:
                 self.limits.release(limited)
                 if limited.counts_tokens and (usage := meter.used()) is not None:
                     self.limits.charge(limited, usage.prompt + usage.completion)
-                elif limited.counts_tokens and meter.stream is not None:
-                    self.limits.unread(limited, meter.stream.events)
+                elif limited.counts_tokens:
+                    self.limits.unread(limited, meter.stream.events if meter.stream else 0)
 
     async def _forward(
         self,

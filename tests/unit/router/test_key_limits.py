@@ -342,6 +342,33 @@ class EndlessStreamReplica(LocalServer):
         return response
 
 
+async def leave_stream(app: object, auth: tuple[bytes, bytes], events: int) -> None:
+    """A streaming completion whose client leaves once `events` events arrived."""
+    body = b'{"model": "m", "stream": true, "prompt": "hi"}'
+    read = asyncio.Event()
+    got: list[bytes] = []
+
+    async def receive() -> dict:
+        if not read.is_set():
+            read.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        while sum(chunk.count(b"data:") for chunk in got) < events:
+            await asyncio.sleep(0.005)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        got.append(message.get("body", b""))
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), auth],
+    }
+    await app(scope, receive, send)  # type: ignore[operator]
+
+
 def test_leaving_a_stream_before_its_usage_still_spends_the_budget(tmp_path: Path) -> None:
     """Issue 23's QA: a client that closed each stream just before its last event (the
     one with the usage) got 312 tokens through a budget of 100 a day, and
@@ -354,31 +381,6 @@ def test_leaving_a_stream_before_its_usage_still_spends_the_budget(tmp_path: Pat
     )
     auth = (b"authorization", b"Bearer sk-team-0123456789")
 
-    async def leave_after(app: object, events: int) -> None:
-        body = b'{"model": "m", "stream": true, "prompt": "hi"}'
-        read = asyncio.Event()
-        got: list[bytes] = []
-
-        async def receive() -> dict:
-            if not read.is_set():
-                read.set()
-                return {"type": "http.request", "body": body, "more_body": False}
-            while sum(chunk.count(b"data:") for chunk in got) < events:
-                await asyncio.sleep(0.005)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            got.append(message.get("body", b""))
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), auth],
-        }
-        await app(scope, receive, send)  # type: ignore[operator]
-
     async def scenario() -> None:
         replica = EndlessStreamReplica()
         await replica.start()
@@ -387,8 +389,54 @@ def test_leaving_a_stream_before_its_usage_still_spends_the_budget(tmp_path: Pat
             async with in_process_router(settings) as app:
                 router = RouterUnderTest(app, replica)
                 router.pass_endpoint()
-                await leave_after(app, 25)  # 25 tokens and the prompt: over 20
+                await leave_stream(app, auth, 25)  # 25 tokens and the prompt: over 20
                 assert router.metric("llmgw_router_unmetered_requests_total", model="m") == 1
+                status, _, body = await asgi_post(app, {"model": "m"}, headers=[auth])
+                assert status == 429 and body["error"]["code"] == "insufficient_quota"
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+class SilentStreamReplica(LocalServer):
+    """A stream that sends its headers and then only SSE comments (no event) until its
+    client is gone."""
+
+    def __init__(self) -> None:
+        super().__init__(web.post("/v1/completions", self._handle))
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if b'"stream": true' not in await request.read():
+            return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await response.write(b": still thinking\n\n")
+                await asyncio.sleep(0.01)
+        return response
+
+
+def test_leaving_before_any_event_still_spends_the_prompts_estimate(tmp_path: Path) -> None:
+    """Issue 23's second QA: streams left right after the answer's headers, before any
+    event, charged nothing (10 prompts of ~525 tokens through a 100-token budget)."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - name: team\n    sha256: {digest('sk-team-0123456789')}\n"
+        "    limits: {tokens_per_day: 20}\n"
+    )
+    auth = (b"authorization", b"Bearer sk-team-0123456789")
+
+    async def scenario() -> None:
+        replica = SilentStreamReplica()
+        await replica.start()
+        settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=False)
+        try:
+            async with in_process_router(settings) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                for _ in range(2):  # a 46-byte body: 11 tokens estimated each, 22 > 20
+                    await leave_stream(app, auth, 0)
                 status, _, body = await asgi_post(app, {"model": "m"}, headers=[auth])
                 assert status == 429 and body["error"]["code"] == "insufficient_quota"
         finally:

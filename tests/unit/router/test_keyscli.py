@@ -293,3 +293,15 @@ def test_a_name_that_is_not_one_printable_line_of_128_characters_is_refused(
     assert answer.exit_code == 2, answer.output
     assert not path.exists()
     assert ApiKeys.parse(b"keys:\n  - name: 'a b/c'\n    sha256: " + digest("x").encode(), "t")
+
+
+def test_a_name_holding_a_hash_is_no_comment(tmp_path: Path) -> None:
+    """Issue 23's second QA: after `add "a #b"` every later edit of the file asked for
+    --force ("has comments"): the quoted name's `#` was taken for one."""
+    path = tmp_path / "keys.yaml"
+    runner = CliRunner()
+    for name in ("a #b", "c"):
+        answer = runner.invoke(cli, ["keys", "add", name, "--file", str(path)])
+        assert answer.exit_code == 0, answer.output
+    assert list(ApiKeys.load(str(path)).by_name()) == ["a #b", "c"]
+    assert has_comments(b"keys: []  # a note\n")

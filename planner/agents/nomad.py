@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlparse
 
@@ -103,6 +105,11 @@ def _translated(
             ) from exc
         raise NomadUnavailable(f"{prefix}Nomad failed ({_response_text(exc)})") from exc
 
+
+# How long after an allocation ended Nomad may not have re-run a blocked evaluation on
+# the room yet (`NomadClient.stopping_allocations`): it re-runs at once, in well under a
+# second on the test cluster; 5 s leaves room for a busy evaluation broker.
+RERUN_WITHIN_S = 5.0
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.I)
 _JWT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
@@ -445,24 +452,37 @@ class NomadClient:
                 return None
             raise
 
-    def stopping_allocations(self, since_index: int = 0) -> list[dict[str, Any]]:
+    def stopping_allocations(
+        self, since_index: int = 0, within_s: float = RERUN_WITHIN_S
+    ) -> list[dict[str, Any]]:
         """Allocation stubs the scheduler told to stop whose tasks still run, or that ended
-        after Raft index `since_index`: room that is being made, or was made after a
-        scheduler looked at the cluster. A filter expression (Nomad >= 1.3) asks only for
-        allocations told to stop; its grammar has no `>`, so the index is compared here."""
+        after Raft index `since_index` less than `within_s` seconds ago by Nomad's clock
+        (the answer's `Date`): room that is being made, or was made after a scheduler
+        looked at the cluster. Nomad re-runs a blocked evaluation as soon as an allocation
+        on its nodes ends (nomad/fsm.go, `applyAllocClientUpdate` unblocks the node's
+        class); a re-run that still cannot place re-blocks it in memory only
+        (nomad/eval_endpoint.go, `Reblock`), so an older end is room Nomad already looked
+        at (found by CI: an allocation of another job that ended kept a scale-up's
+        shortfall "waiting for room" until Nomad's garbage collection). A filter
+        expression (Nomad >= 1.3) asks only for allocations told to stop; its grammar has
+        no `>`, so the index is compared here."""
         expression = 'DesiredStatus == "stop" or DesiredStatus == "evict"'
-        stubs = self._call(
-            NOMAD_READ_JOB,
-            "list stopping allocations",
-            lambda: self._api.allocations.request(
-                method="get", params={"filter": expression}
-            ).json(),
-        )
+
+        def read() -> tuple[requests.Response, list[dict[str, Any]]]:
+            response = self._api.allocations.request(method="get", params={"filter": expression})
+            return response, response.json()
+
+        response, stubs = self._call(NOMAD_READ_JOB, "list stopping allocations", read)
+        after_ns = _server_time_ns(response) - int(within_s * 1e9)
         return [
             a
             for a in stubs
             if a.get("ClientStatus") in ("running", "pending")
-            or (since_index and int(a.get("ModifyIndex", 0)) > since_index)
+            or (
+                since_index
+                and int(a.get("ModifyIndex", 0)) > since_index
+                and int(a.get("ModifyTime", 0)) >= after_ns
+            )
         ]
 
     def nodes(self) -> list[dict[str, Any]]:
@@ -575,3 +595,15 @@ class NomadClient:
 
 
 __all__ = ["Job", "NomadClient", "group_count"]
+
+
+def _server_time_ns(response: requests.Response) -> int:
+    """Nomad's clock from an answer's `Date` header (whole seconds; Go's net/http sets
+    it), rounded up so nothing ended in that second counts as older; this machine's
+    clock when it is missing. Comparing Nomad's times with Nomad's clock keeps a clock
+    skew between this machine and the servers out of the answer."""
+    date = response.headers.get("Date")
+    try:
+        return int((parsedate_to_datetime(date).timestamp() + 1) * 1e9) if date else time.time_ns()
+    except (TypeError, ValueError):
+        return time.time_ns()

@@ -54,7 +54,7 @@ from llmgw_contract import (
 )
 from planner.agents.consul import ConsulClient
 from planner.agents.events import Cursor, Verdict
-from planner.agents.nomad import NomadClient
+from planner.agents.nomad import RERUN_WITHIN_S, NomadClient
 from planner.agents.state import StateStore
 from planner.daemon import repair
 from planner.daemon.applier import Applied, Applier
@@ -188,6 +188,10 @@ class Watcher:
         self.resets = 0
         self._models: set[str] = set()  # names of the models known (records or jobs)
         self._models_lock = threading.Lock()
+        # Models whose placement answer was provisional, and when to look again
+        # (monotonic s): the room may be made without any event of theirs, and a re-run
+        # of a blocked evaluation that still cannot place leaves none (`_look_again`).
+        self._recheck: dict[str, float] = {}
         self.ready = asyncio.Event()  # set after the first reconcile
 
     def now_ns(self) -> int:
@@ -218,6 +222,7 @@ class Watcher:
             if isinstance(effect, Scale) and effect.reason is Reason.LOAD and self.metrics:
                 direction = "up" if effect.count > group_count(observation.job) else "down"
                 self.metrics.scaling_decisions.labels(name, direction).inc()
+        self._look_again(name, observation)
         if observation.record is None and observation.job is None:
             # Pruned: its record and job are gone; later events of the purged job are
             # not a model's (a worker's slot and its versions go with it).
@@ -225,6 +230,27 @@ class Watcher:
                 self._models.discard(name)
             self.versions.forget(name)
         self.changed(name)
+
+    def _look_again(self, name: str, observation: Observation) -> None:
+        """Look at a model again `RERUN_WITHIN_S` after a provisional placement answer:
+        once the room being made ends and Nomad re-ran its blocked evaluation, the answer
+        is settled (placed, or still short), and nothing else may tell this model."""
+        with self._models_lock:
+            if observation.placement is not None and observation.placement.provisional:
+                self._recheck[name] = time.monotonic() + RERUN_WITHIN_S
+            else:
+                self._recheck.pop(name, None)
+
+    def check_rechecks(self, now: float | None = None) -> None:
+        """Mark the models whose provisional answer is due a second look at `now`
+        (monotonic s; default: now)."""
+        now = time.monotonic() if now is None else now
+        with self._models_lock:
+            due = [name for name, at in self._recheck.items() if at <= now]
+            for name in due:
+                del self._recheck[name]
+        for name in due:
+            self.mark(name)
 
     def _seed(self, state: StateDocument) -> StateDocument | None:
         """A model's document was missing (lost from KV; `apply` writes new models' own):
@@ -415,6 +441,7 @@ class Watcher:
             await asyncio.sleep(1.0)
             try:
                 self.check_stable()
+                self.check_rechecks()
                 if time.monotonic() - last_scale >= self.scale_every:
                     last_scale = time.monotonic()
                     await asyncio.to_thread(self.check_scaling)

@@ -6,10 +6,14 @@ few reads these paths make."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 from typing import Any
 
+from llmgw_contract import Unplaceable
+from planner.agents.nomad import RERUN_WITHIN_S
 from planner.daemon.watcher import PassingBook, Watcher
+from planner.model.observation import Observation
 from planner.model.transition import Event
 
 S = 10**9
@@ -98,3 +102,21 @@ def test_an_index_below_the_one_seen_is_a_reset_that_reads_every_model_again() -
     w2, marks2 = watcher(latest_index=950)
     w2.index = 900
     assert w2._check_reset(899).value == "seen" and marks2.marked == []
+
+
+def test_a_provisional_placement_answer_is_looked_at_again_once() -> None:
+    """Room being made may end with no event of the model's, and Nomad's re-run of its
+    blocked evaluation leaves none when it still cannot place: the watcher looks again
+    RERUN_WITHIN_S later (found by CI: a shortfall told "waiting for room" for good)."""
+    w, marks = watcher()
+    waiting = Unplaceable(reason="waiting for room", provisional=True)
+    settled = Unplaceable(reason="memory exhausted on 1 of 1 node")
+    start = time.monotonic()
+    w._look_again("m", Observation(name="m", record=None, job=None, placement=waiting))
+    w._look_again("n", Observation(name="n", record=None, job=None, placement=waiting))
+    w._look_again("n", Observation(name="n", record=None, job=None, placement=settled))
+    w.check_rechecks(start)
+    assert marks.marked == []
+    w.check_rechecks(start + RERUN_WITHIN_S + 1)
+    w.check_rechecks(start + 2 * RERUN_WITHIN_S + 2)
+    assert marks.marked == [("m", Event.OBSERVED)]

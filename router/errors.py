@@ -181,17 +181,21 @@ class InvalidApiKey(RequestRefused):
 
 class RateLimited(RequestRefused):
     """The request's key is over one of its limits (:mod:`router.limits`). OpenAI's
-    shape: type ``requests``, code ``rate_limit_exceeded``, and its
-    ``x-ratelimit-*`` headers besides ``Retry-After``."""
+    shape: type ``requests`` (a request limit) or ``tokens`` (tokens per minute), code
+    ``rate_limit_exceeded``, and its ``x-ratelimit-*`` headers besides ``Retry-After``."""
 
     status = 429
     type = "requests"
     code = "rate_limit_exceeded"
     refusal = Refusal.RATE_LIMITED
 
-    def __init__(self, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self, message: str, headers: list[tuple[bytes, bytes]], kind: str | None = None
+    ) -> None:
         super().__init__(message)
         self._headers = headers
+        if kind is not None:
+            self.type = kind
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return self._headers

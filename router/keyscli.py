@@ -44,6 +44,7 @@ from router.keystore import (
     KeysCliError,
     KeyStore,
     NotFound,
+    Stored,
     consul_client,
     edit,
     entries_of,
@@ -56,7 +57,8 @@ EXIT_CODES = "\n".join(
     (
         "Exit codes:",
         "0  ok",
-        "1  the key named is not there (rotate, remove, usage) or already is (add), or "
+        "1  the key named, or the keys document (list, usage), is not there, or a key "
+        "already is (add), or "
         "other writers changed the keys 5 times in a row while this edit was applied",
         "2  invalid input, named: a flag, a limit, a model pattern, a keys document the "
         "router would refuse, comments a rewrite would lose (--force), or usage",
@@ -222,7 +224,7 @@ def list_keys(
     """The keys: names, models and limits (never a secret nor a digest)."""
     with _reported(output):
         store = _store(file, consul, consul_addr)
-        shown = [_shown(e) for e in entries_of(store.read(), store.where, force=True)]
+        shown = [_shown(e) for e in entries_of(_existing(store), store.where, force=True)]
         if output is Output.json:
             print(json.dumps(shown, indent=2))
             return
@@ -251,7 +253,7 @@ def usage(
     with _reported(output):
         settings = _settings(consul_addr)
         store = _store(file, consul, consul_addr, settings)
-        stored = store.read()
+        stored = _existing(store)
         entries_of(stored, store.where, force=True)  # named errors for a bad document
         keys = ApiKeys.parse(stored.document or b"keys: []", store.where).by_name()
         if name is not None and name not in keys:
@@ -270,6 +272,15 @@ def usage(
             print(json.dumps(report, indent=2))
             return
         _print_usage(report)
+
+
+def _existing(store: KeyStore) -> Stored:
+    """The document `list` and `usage` read; NotFound when there is none, so that a
+    mistyped --file is not shown as an empty set of keys (issue 23's QA)."""
+    stored = store.read()
+    if stored.document is None:
+        raise NotFound(f"{store.where}: there is none (`router keys add` writes the first key)")
+    return stored
 
 
 def usage_of(key: ApiKey, tallies: dict[str, Tally], wall: float) -> list[dict[str, Any]]:

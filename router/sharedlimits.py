@@ -218,6 +218,11 @@ class ConsulCounters:
         except CatalogUnavailable:
             self._counted(ERROR)
             raise
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except TimeoutError as exc:
+            self._counted(ERROR)
+            raise CatalogUnavailable(
+                f"{method} {path}: no answer within {self._timeout_s:g} s"
+            ) from exc
+        except (aiohttp.ClientError, ValueError) as exc:
             self._counted(ERROR)
             raise CatalogUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc

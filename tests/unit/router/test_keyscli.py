@@ -283,7 +283,9 @@ def test_usage_rows_from_the_shared_tallies() -> None:
     assert usage_of(ApiKey("free", ("*",)), {}, wall) == []
 
 
-@pytest.mark.parametrize("name", ["a\nb", "tab\there", "x" * 129])
+@pytest.mark.parametrize(
+    "name", ["a\nb", "tab\there", "x" * 129, "a\u2028b", "zero\u200bwidth", "rtl\u202e", "c1\x85"]
+)
 def test_a_name_that_is_not_one_printable_line_of_128_characters_is_refused(
     tmp_path: Path, name: str
 ) -> None:
@@ -293,6 +295,9 @@ def test_a_name_that_is_not_one_printable_line_of_128_characters_is_refused(
     assert answer.exit_code == 2, answer.output
     assert not path.exists()
     assert ApiKeys.parse(b"keys:\n  - name: 'a b/c'\n    sha256: " + digest("x").encode(), "t")
+    assert ApiKeys.parse(
+        "keys:\n  - name: 'équipe ä'\n    sha256: ".encode() + digest("x").encode(), "t"
+    )
 
 
 def test_a_name_holding_a_hash_is_no_comment(tmp_path: Path) -> None:
@@ -305,3 +310,13 @@ def test_a_name_holding_a_hash_is_no_comment(tmp_path: Path) -> None:
         assert answer.exit_code == 0, answer.output
     assert list(ApiKeys.load(str(path)).by_name()) == ["a #b", "c"]
     assert has_comments(b"keys: []  # a note\n")
+
+
+@pytest.mark.parametrize("command", ["list", "usage"])
+def test_reading_keys_where_there_are_none_says_so(tmp_path: Path, command: str) -> None:
+    """A mistyped --file is no empty set of keys: exit 1 naming the place."""
+    path = tmp_path / "typo.yaml"
+    answer = CliRunner().invoke(cli, ["keys", command, "--file", str(path)])
+    assert answer.exit_code == 1, answer.output
+    assert f"keys file {path}: there is none" in answer.output
+    assert not path.exists()

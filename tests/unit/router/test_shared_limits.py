@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 
 import pytest
 
@@ -144,6 +145,7 @@ def test_two_routers_together_serve_the_limit_and_ask_once_per_lease() -> None:
     with pytest.raises(errors.RateLimited) as raised:
         admit(a, key)
     refused = raised.value
+    assert refused.type == "requests"
     headers = dict(refused.headers())
     assert headers[b"retry-after"] == b"50" and headers[b"x-ratelimit-reset-requests"] == b"50s"
     assert headers[b"x-ratelimit-limit-requests"] == b"600"
@@ -319,6 +321,25 @@ def test_consul_unreachable_fails_open_on_each_routers_own_limit() -> None:
     assert served(limits, key, 1) == 1 and store.calls == 2  # shared again
 
 
+def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 23's QA: a stopped Consul logged "failing open" at every ask, 5 s apart."""
+    store, wall = CountingStore(), Clock(T0)
+    limits = router(store, wall)
+    clock = limits._clock = Clock(0.0)  # type: ignore[method-assign]
+    key = ApiKey("team", ("*",), requests_per_minute=600)
+    store.down = True
+    with caplog.at_level(logging.WARNING, logger="router.limits"):
+        for _ in range(4):
+            served(limits, key, 40)
+            clock.now += FAIL_OPEN_RETRY_S
+        assert store.calls == 4
+        store.down = False
+        served(limits, key, 1)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "failing open" in said[0] and "Consul answers again" in said[1]
+
+
 def test_tokens_per_minute_are_estimated_at_admission_and_corrected_by_usage() -> None:
     store, wall = CountingStore(), Clock(T0)
     a, b = router(store, wall), router(store, wall)
@@ -347,7 +368,8 @@ def test_tokens_per_minute_are_estimated_at_admission_and_corrected_by_usage() -
         with pytest.raises(errors.RateLimited) as raised:
             await a.admit(key)
         headers = dict(raised.value.headers())
-        assert raised.value.code == "rate_limit_exceeded"
+        # OpenAI's type for a TPM refusal is "tokens", for an RPM one "requests".
+        assert (raised.value.code, raised.value.type) == ("rate_limit_exceeded", "tokens")
         assert headers[b"x-ratelimit-limit-tokens"] == b"1000"
         assert headers[b"x-ratelimit-remaining-tokens"] == b"0"
         assert headers[b"retry-after"] == b"60"

@@ -121,8 +121,9 @@ LIMIT_FIELDS = (
     "tokens_per_month",
 )
 # What a model pattern may hold: a model name's characters (planner/spec/definitions.py
-# NAME_PATTERN: [a-z0-9-]) and fnmatch's * ? [ ] !.
-_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+$")
+# NAME_PATTERN: [a-z0-9-]) and fnmatch's * ?, and whole classes [...] / [!...] of them.
+# Anything else (a lone "[" or "!", fnmatch reads them as themselves) matches no model.
+_PATTERN = re.compile(r"^(?:[a-z0-9*?-]|\[!?[a-z0-9-]+\])+$")
 
 # The longest key name, in characters.
 MAX_NAME_CHARS = 128
@@ -188,7 +189,8 @@ class _KeyEntry(BaseModel):
             if not _PATTERN.match(pattern):
                 raise ValueError(
                     f"{pattern!r} can never match a model: a pattern holds a model name's "
-                    "characters (a-z, 0-9, -) and the shell wildcards * ? [ ] !"
+                    "characters (a-z, 0-9, -), the shell wildcards * and ?, and classes "
+                    "such as [a-c] or [!x]"
                 )
         return value
 

@@ -251,3 +251,9 @@ def test_keys_from_a_file_or_consul_not_both(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not both"):
         settings.validate()
     assert RouterSettings.from_env({"LLMGW_API_KEYS_CONSUL": "1"}).api_keys_consul
+
+
+def test_model_patterns_take_whole_classes() -> None:
+    for pattern in ("*", "gemma-?", "gemma-[0-9]*", "[!x]*", "a[bc]d"):
+        entry = f"keys:\n  - name: k\n    sha256: {digest('x')}\n    models: ['{pattern}']\n"
+        assert ApiKeys.parse(entry.encode(), "t"), pattern

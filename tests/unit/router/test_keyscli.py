@@ -85,6 +85,8 @@ def test_add_rotate_remove_list_and_the_router_reads_what_was_written(tmp_path: 
         (["add", "x", "--requests-per-minute", "0"], 2, "limits.requests_per_minute"),
         (["add", "x", "--concurrent-requests", "-3"], 2, "limits.concurrent_requests"),
         (["add", "x", "--models", "Gemma-*"], 2, "'Gemma-*' can never match a model"),
+        (["add", "x", "--models", "g[!"], 2, "'g[!' can never match a model"),
+        (["add", "x", "--models", "g]!"], 2, "'g]!' can never match a model"),
         (["add", "x", "--tokens-per-day", "5", "--tokens-per-month", "9"], 2, "one budget"),
         (["add", "x", "--requests-per-minute", "many"], 2, "Error"),  # typer's own
     ],

@@ -69,6 +69,9 @@ LITELLM_PROXY_NEEDS = (
 
 def _debian(packages: tuple[str, ...], log: Path) -> Path:
     """``packages`` downloaded and extracted into :data:`DEBIAN`; that root."""
+    # dpkg-deb -x creates the last directory only ("failed to create directory" on a
+    # machine where ~/.cache/llmgw/bench is not there yet).
+    DEBIAN.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         # Sandbox user root: apt's _apt user cannot write into our private temp dir.
         run(

@@ -324,11 +324,12 @@ def test_a_streamed_answer_carries_the_x_ratelimit_headers_too(tmp_path: Path) -
 
 
 class EndlessStreamReplica(LocalServer):
-    """A stream of one-token events that ends only when its client is gone: the usage
-    a replica sends in its last event never comes."""
+    """A stream that repeats `line` (default: a one-token event) until its client is
+    gone: the usage a replica sends in its last event never comes."""
 
-    def __init__(self) -> None:
+    def __init__(self, line: bytes = b'data: {"choices": [{"text": "x"}]}\n\n') -> None:
         super().__init__(web.post("/v1/completions", self._handle))
+        self.line = line
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if b'"stream": true' not in await request.read():
@@ -337,7 +338,7 @@ class EndlessStreamReplica(LocalServer):
         await response.prepare(request)
         with contextlib.suppress(ConnectionError):
             while True:
-                await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                await response.write(self.line)
                 await asyncio.sleep(0.01)
         return response
 
@@ -399,25 +400,6 @@ def test_leaving_a_stream_before_its_usage_still_spends_the_budget(tmp_path: Pat
     run(scenario())
 
 
-class SilentStreamReplica(LocalServer):
-    """A stream that sends its headers and then only SSE comments (no event) until its
-    client is gone."""
-
-    def __init__(self) -> None:
-        super().__init__(web.post("/v1/completions", self._handle))
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if b'"stream": true' not in await request.read():
-            return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        with contextlib.suppress(ConnectionError):
-            while True:
-                await response.write(b": still thinking\n\n")
-                await asyncio.sleep(0.01)
-        return response
-
-
 def test_leaving_before_any_event_still_spends_the_prompts_estimate(tmp_path: Path) -> None:
     """Issue 23's second QA: streams left right after the answer's headers, before any
     event, charged nothing (10 prompts of ~525 tokens through a 100-token budget)."""
@@ -429,7 +411,8 @@ def test_leaving_before_any_event_still_spends_the_prompts_estimate(tmp_path: Pa
     auth = (b"authorization", b"Bearer sk-team-0123456789")
 
     async def scenario() -> None:
-        replica = SilentStreamReplica()
+        # Headers, then only SSE comments (no event).
+        replica = EndlessStreamReplica(b": still thinking\n\n")
         await replica.start()
         settings = RouterSettings(activation=False, api_keys_file=str(keys), shared_limits=False)
         try:

@@ -168,7 +168,7 @@ def _port_taken(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Running, and not a zombie (an agent this process started and has not reaped)."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
@@ -184,7 +184,7 @@ def _running_pid(cluster: Cluster, agent: str) -> int | None:
         pid = int(cluster.pidfile(agent).read_text())
     except (OSError, ValueError):
         return None
-    return pid if _alive(pid) else None
+    return pid if alive(pid) else None
 
 
 def _start(
@@ -419,13 +419,13 @@ def _stop_agents(cluster: Cluster, agents: list[str], timeout: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGINT)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        _alive(pid)  # reap it if it is our child
+        alive(pid)  # reap it if it is our child
     for agent in agents:
         cluster.pidfile(agent).unlink(missing_ok=True)
 

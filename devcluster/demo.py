@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from devcluster.bootstrap import BIN, REPO
-from devcluster.cluster import Cluster, up
+from devcluster.cluster import Cluster, alive, up
 
 # What a Nomad built without its web UI answers on /ui/ (command/agent/stub_asset.go).
 NO_UI_TEXT = "Nomad UI is not available in this binary"
@@ -80,8 +80,9 @@ def planner_env(cluster: Cluster) -> dict[str, str]:
 def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None:
     """Start a long-running llmgw process in the background (once) and wait for its /health."""
     pidfile = cluster.root / f"{name}.pid"
-    if pidfile.exists() and Path(f"/proc/{pidfile.read_text().strip()}").exists():
-        say(f"{name} already running (pid {pidfile.read_text().strip()})")
+    running = _running(pidfile, argv)
+    if running is not None:
+        say(f"{name} already running (pid {running})")
         return
     with (cluster.root / f"{name}.log").open("ab") as log:
         proc = subprocess.Popen(
@@ -105,6 +106,22 @@ def start(cluster: Cluster, name: str, argv: list[str], health_url: str) -> None
                 ) from exc
             time.sleep(0.3)
     say(f"{name} started (pid {proc.pid}, log {cluster.root / f'{name}.log'})")
+
+
+def _running(pidfile: Path, argv: list[str]) -> int | None:
+    """The pid in `pidfile` while that process still runs `argv`. A process killed a
+    moment ago is a zombie until it is reaped, and its pid can go to another program
+    later: either is not running (found by a new user: `kill -9` of the planner, then
+    `make demo` at once said "planner already running" and started none)."""
+    try:
+        pid = int(pidfile.read_text())
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (OSError, ValueError):
+        return None
+    # A script runs as `<interpreter> <script> <args>`: its path and arguments end the line.
+    args = [a for a in args if a]
+    ours = len(args) >= len(argv) and args[len(args) - len(argv) :] == argv
+    return pid if ours and alive(pid) else None
 
 
 def complete(model: str, timeout: float = 120.0) -> dict:

@@ -180,6 +180,10 @@ class _KeyEntry(BaseModel):
             raise ValueError(
                 f"expected printable characters on one line; U+{ord(odd):04X} is not one"
             )
+        if value != value.strip():
+            # ' ops' and 'ops' would list alike and be told apart by no one (issue 22's
+            # fourth QA found a leading space accepted).
+            raise ValueError("expected no space at its start or end")
         return value
 
     @field_validator("models")

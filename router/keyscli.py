@@ -187,6 +187,7 @@ def rotate(
 
     with _reported(output):
         store = _store(file, consul, consul_addr)
+        _existing(store)  # a missing file is named as such, not as a missing key
         edit(store, change, force)
         _told_once(output, "rotated", rotated, secret, store)
 
@@ -208,6 +209,7 @@ def remove(
 
     with _reported(output):
         store = _store(file, consul, consul_addr)
+        _existing(store)  # a missing file is named as such, not as a missing key
         edit(store, change, force)
         if output is Output.json:
             print(json.dumps({"name": name, "removed": True, "store": store.where}, indent=2))
@@ -275,8 +277,9 @@ def usage(
 
 
 def _existing(store: KeyStore) -> Stored:
-    """The document `list` and `usage` read; NotFound when there is none, so that a
-    mistyped --file is not shown as an empty set of keys (issue 23's QA)."""
+    """The document `list`, `usage`, `rotate` and `remove` read; NotFound when there is
+    none, so that a mistyped --file is not shown as an empty set of keys, nor as a
+    missing key (issue 23's QA)."""
     stored = store.read()
     if stored.document is None:
         raise NotFound(f"{store.where}: there is none (`router keys add` writes the first key)")

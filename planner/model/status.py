@@ -294,7 +294,10 @@ def observe(
     if ready < desired and scaled is not None and ready >= max(scaled.min, 1):
         # Load-based scaling adding replicas: the model serves at least its floor, and a
         # pipeline's `planner status` must not fail because load rose (issue 22's QA).
-        return status(ModelState.SERVING, f"{counts}; scaling up")
+        # Room being made for the new replica is told, not hidden (issue 22's fourth QA:
+        # "scaling up" with no word of the stopping allocation it waits for).
+        waiting = state.unplaceable.reason if state.unplaceable else ""
+        return status(ModelState.SERVING, "; ".join(filter(None, [counts, "scaling up", waiting])))
     if ready < desired:
         return status(ModelState.LOADING, counts)
     return status(ModelState.SERVING, counts)

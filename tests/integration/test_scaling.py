@@ -462,3 +462,76 @@ def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so(
         assert any(f"model {name}: short of a scale-up: {said}" in line for line in log), log
     finally:
         forget_models(cluster, name)
+
+
+def test_a_scale_up_short_of_room_stays_told_after_another_model_stops(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Issue 22's fourth QA: a scaling model scaled up beyond what fits; then another
+    model's job was stopped (`nomad job stop -detach`) and the model turned `serving`
+    "1 of 2 ready; scaling up", `llmgw_model_unplaced_replicas` 0 and no shortfall, for
+    minutes after the other allocation ended, while Nomad still held the replica queued.
+    Once the room the stop made ended and Nomad looked again (still short: a replica
+    needs more than the stopped one held), the shortfall is told again, and stays."""
+    name, other = "scale-room", "room-maker"
+    free = free_memory_mb(cluster)
+    nodes = len(nomad_get(cluster, "/v1/nodes"))
+    folder = scaling_model(tmp_path / "m", name, f"file://{tiny_model}", memory_mb=free * 11 // 20)
+    (folder / f"{other}.yaml").write_text(
+        f"name: {other}\nsource: file://{tiny_model}\nprofile:\n  {small(free // 10)}\n"
+    )
+    said = f"wants 2, 1 placed: memory exhausted on {nodes} of {nodes} node{'s' * (nodes != 1)}"
+    try:
+        assert planner("apply", str(folder), "--wait", "--timeout", "120").returncode == 0
+        with (
+            run_router(cluster, planner_daemon.url, LLMGW_USAGE_INTERVAL="1") as router,
+            Load(router, name, clients=6) as load,
+        ):
+            wait_for(
+                lambda: planner_daemon.model(name)["scaling"]["shortfall"] == said,
+                120,
+                "a scale-up short of memory, told",
+                on_timeout=lambda: planner_daemon.model(name),
+            )
+            [ended] = [
+                a["ID"]
+                for a in nomad_get(cluster, f"/v1/job/{other}/allocations")
+                if a["ClientStatus"] == "running"
+            ]
+            stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/{other}", method="DELETE")
+            urllib.request.urlopen(stop, timeout=10).close()
+            wait_for(
+                lambda: (
+                    nomad_get(cluster, f"/v1/allocation/{ended}")["ClientStatus"]
+                    not in ("pending", "running")
+                ),
+                90,
+                f"{other}'s allocation ended",
+            )
+            with StateSamples(planner_daemon, name) as samples:
+                # Within RERUN_WITHIN_S (5 s) of the end Nomad may still be looking
+                # again; after it the answer is settled, and stays so.
+                wait_for(
+                    lambda: planner_daemon.model(name)["scaling"]["shortfall"] == said,
+                    20,
+                    "the shortfall told again",
+                    on_timeout=lambda: (
+                        planner_daemon.model(name),
+                        nomad_get(cluster, f"/v1/job/{name}/evaluations"),
+                    ),
+                )
+                time.sleep(15)
+            metrics = model_metrics(planner_daemon.url, name, ["llmgw_model_unplaced_replicas"])
+        print(f"{load.ok} requests; states seen after the end: {samples.seen}")
+        first = next(i for i, seen in enumerate(samples.seen) if said in seen[1])
+        assert all(seen[:2] == ("serving", f"1 ready; {said}") for seen in samples.seen[first:]), (
+            samples.seen
+        )
+        assert metrics == {"llmgw_model_unplaced_replicas": 1}, metrics
+        assert load.failures == [], load.failures[:5]
+    finally:
+        forget_models(cluster, name, other)

@@ -197,3 +197,17 @@ def test_a_scale_up_under_way_serves_and_satisfies_status() -> None:
     assert below.state == ModelState.LOADING
     fixed = see([A, B], health("a1"), doc(), count=3)
     assert fixed.state == ModelState.LOADING
+
+
+def test_a_scale_up_waiting_for_room_says_so() -> None:
+    """Issue 22's fourth QA: while another model's allocation stopped, a scale-up short of
+    memory showed "1 of 2 ready; scaling up" and nothing of the room it waited for."""
+    scaling = RECORD.model_copy(update={"scaling": ScalingBounds(min=1, max=2, target=1)})
+    room = Unplaceable(
+        reason="waiting for room: 1 allocation(s) stopping or stopped on n1",
+        placed=1,
+        desired=2,
+        provisional=True,
+    )
+    up = see([A], health("a1"), doc(unplaceable=room), record=scaling, count=2)
+    assert (up.state, up.reason) == (ModelState.SERVING, f"1 of 2 ready; scaling up; {room.reason}")

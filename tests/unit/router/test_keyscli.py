@@ -286,7 +286,18 @@ def test_usage_rows_from_the_shared_tallies() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["a\nb", "tab\there", "x" * 129, "a\u2028b", "zero\u200bwidth", "rtl\u202e", "c1\x85"]
+    "name",
+    [
+        "a\nb",
+        "tab\there",
+        "x" * 129,
+        "a\u2028b",
+        "zero\u200bwidth",
+        "rtl\u202e",
+        "c1\x85",
+        " ops",
+        "ops ",
+    ],
 )
 def test_a_name_that_is_not_one_printable_line_of_128_characters_is_refused(
     tmp_path: Path, name: str
@@ -314,11 +325,12 @@ def test_a_name_holding_a_hash_is_no_comment(tmp_path: Path) -> None:
     assert has_comments(b"keys: []  # a note\n")
 
 
-@pytest.mark.parametrize("command", ["list", "usage"])
-def test_reading_keys_where_there_are_none_says_so(tmp_path: Path, command: str) -> None:
-    """A mistyped --file is no empty set of keys: exit 1 naming the place."""
+@pytest.mark.parametrize("command", [["list"], ["usage"], ["remove", "ops"], ["rotate", "ops"]])
+def test_reading_keys_where_there_are_none_says_so(tmp_path: Path, command: list[str]) -> None:
+    """A mistyped --file is no empty set of keys, nor a missing key: exit 1 naming the
+    place."""
     path = tmp_path / "typo.yaml"
-    answer = CliRunner().invoke(cli, ["keys", command, "--file", str(path)])
+    answer = CliRunner().invoke(cli, ["keys", *command, "--file", str(path)])
     assert answer.exit_code == 1, answer.output
     assert f"keys file {path}: there is none" in answer.output
     assert not path.exists()

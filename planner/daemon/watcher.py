@@ -222,7 +222,7 @@ class Watcher:
             if isinstance(effect, Scale) and effect.reason is Reason.LOAD and self.metrics:
                 direction = "up" if effect.count > group_count(observation.job) else "down"
                 self.metrics.scaling_decisions.labels(name, direction).inc()
-        self._look_again(name, observation)
+        self._look_again(name, outcome.applied.state)
         if observation.record is None and observation.job is None:
             # Pruned: its record and job are gone; later events of the purged job are
             # not a model's (a worker's slot and its versions go with it).
@@ -231,13 +231,20 @@ class Watcher:
             self.versions.forget(name)
         self.changed(name)
 
-    def _look_again(self, name: str, observation: Observation) -> None:
-        """Look at a model again `RERUN_WITHIN_S` after a provisional placement answer:
-        once the room being made ends and Nomad re-ran its blocked evaluation, the answer
-        is settled (placed, or still short), and nothing else may tell this model."""
+    def _look_again(self, name: str, written: StateDocument) -> None:
+        """Look at a model again `RERUN_WITHIN_S` after its document took a provisional
+        placement answer: once the room being made ends and Nomad re-ran its blocked
+        evaluation, the answer is settled (placed, or still short), and nothing else may
+        tell this model. Judged by the document the pass wrote, not by what it observed:
+        a TICK pass (stability windows, load-based scaling) observes the model but keeps
+        the document's answer, and judged by its observation it called off the look
+        that would have settled the answer (issue 22's fourth QA: a scale-up short of
+        memory told "waiting for room" for minutes after the room ended)."""
+        short = written.unplaceable
         with self._models_lock:
-            if observation.placement is not None and observation.placement.provisional:
-                self._recheck[name] = time.monotonic() + RERUN_WITHIN_S
+            if short is not None and short.provisional:
+                # The first due time stands: passes every 2 s (TICKs) must not push it on.
+                self._recheck.setdefault(name, time.monotonic() + RERUN_WITHIN_S)
             else:
                 self._recheck.pop(name, None)
 

@@ -517,7 +517,7 @@ def test_a_scale_up_short_of_room_stays_told_after_another_model_stops(
                 # again; after it the answer is settled, and stays so.
                 wait_for(
                     lambda: planner_daemon.model(name)["scaling"]["shortfall"] == said,
-                    20,
+                    30,
                     "the shortfall told again",
                     on_timeout=lambda: (
                         planner_daemon.model(name),

@@ -10,10 +10,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from llmgw_contract import Unplaceable
+from llmgw_contract import StateDocument, Unplaceable
 from planner.agents.nomad import RERUN_WITHIN_S
 from planner.daemon.watcher import PassingBook, Watcher
-from planner.model.observation import Observation
 from planner.model.transition import Event
 
 S = 10**9
@@ -109,14 +108,35 @@ def test_a_provisional_placement_answer_is_looked_at_again_once() -> None:
     blocked evaluation leaves none when it still cannot place: the watcher looks again
     RERUN_WITHIN_S later (found by CI: a shortfall told "waiting for room" for good)."""
     w, marks = watcher()
-    waiting = Unplaceable(reason="waiting for room", provisional=True)
-    settled = Unplaceable(reason="memory exhausted on 1 of 1 node")
+    waiting = StateDocument(
+        name="m", unplaceable=Unplaceable(reason="waiting for room", provisional=True)
+    )
+    settled = StateDocument(
+        name="n", unplaceable=Unplaceable(reason="memory exhausted on 1 of 1 node")
+    )
     start = time.monotonic()
-    w._look_again("m", Observation(name="m", record=None, job=None, placement=waiting))
-    w._look_again("n", Observation(name="n", record=None, job=None, placement=waiting))
-    w._look_again("n", Observation(name="n", record=None, job=None, placement=settled))
+    w._look_again("m", waiting)
+    w._look_again("n", waiting.model_copy(update={"name": "n"}))
+    w._look_again("n", settled)
     w.check_rechecks(start)
     assert marks.marked == []
     w.check_rechecks(start + RERUN_WITHIN_S + 1)
     w.check_rechecks(start + 2 * RERUN_WITHIN_S + 2)
+    assert marks.marked == [("m", Event.OBSERVED)]
+
+
+def test_passes_that_keep_a_provisional_answer_neither_call_off_nor_delay_the_look() -> None:
+    """Issue 22's fourth QA: a scaling model's TICK passes (every 2 s) observe the model
+    but keep the document's answer; judged by what they observed (settled) they called off
+    the look that would have settled the document, and it said "waiting for room" for
+    minutes. Judged by what they wrote, and without pushing the first due time on."""
+    w, marks = watcher()
+    waiting = StateDocument(
+        name="m", unplaceable=Unplaceable(reason="waiting for room", provisional=True)
+    )
+    start = time.monotonic()
+    w._look_again("m", waiting)
+    for _ in range(3):
+        w._look_again("m", waiting)  # a TICK pass: the document's answer, unchanged
+    w.check_rechecks(start + RERUN_WITHIN_S + 0.5)
     assert marks.marked == [("m", Event.OBSERVED)]

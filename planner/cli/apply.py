@@ -174,7 +174,7 @@ def _counts(new: Job, old: Job) -> str | None:
         return f"replicas {replicas_of(old)} -> {replicas_of(new)}"
     bounds = scaling_of(new)
     if bounds != scaling_of(old):
-        return f"scaling {_bounds(scaling_of(old))} -> {_bounds(bounds)}"
+        return _bounds_change(scaling_of(old), bounds)
     if bounds is not None:
         # The scaler's count: changed only when it leaves the bounds (`_keep_count`).
         old_count = sum(tg.get("Count", 0) for tg in old.get("TaskGroups") or [])
@@ -268,6 +268,24 @@ def _engine_refused(name: str, need: EngineNeed) -> Change:
 
 def _bounds(bounds: ScalingBounds | None) -> str:
     return f"{bounds.min}..{bounds.max} (target {bounds.target:g})" if bounds else "none"
+
+
+def _bounds_change(old: ScalingBounds | None, new: ScalingBounds | None) -> str:
+    """ "scaling max 4 -> 8, down_after 60s -> 61s": the fields that differ, each named
+    (a change of a window alone read "1..2 (target 1) -> 1..2 (target 1)": issue 22's
+    fourth QA); "scaling none -> 1..3 (target 2)" when scaling starts or ends."""
+    if old is None or new is None:
+        return f"scaling {_bounds(old)} -> {_bounds(new)}"
+    changed = [
+        f"{field} {_bound(field, getattr(old, field))} -> {_bound(field, getattr(new, field))}"
+        for field in ScalingBounds.model_fields
+        if getattr(old, field) != getattr(new, field)
+    ]
+    return f"scaling {', '.join(changed)}"
+
+
+def _bound(field: str, value: float) -> str:
+    return f"{value:g}" if field in ("min", "max", "target") else f"{value:g}s"
 
 
 def _within(count: int, bounds: ScalingBounds, job: Job) -> int:

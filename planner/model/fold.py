@@ -384,7 +384,7 @@ def _placement(
     if state.unplaceable is not None and all_running(observation):
         state = state.model_copy(update={"unplaceable": None})
     if before is not None and state.unplaceable is None:
-        notes.append((logging.INFO, f"placed (was {_unplaced_words(before, observation)})"))
+        notes.append((logging.INFO, _shortfall_ended(before, observation)))
     elif (
         state.unplaceable is not None
         and not state.unplaceable.provisional
@@ -392,6 +392,16 @@ def _placement(
     ):
         notes.append((logging.WARNING, _unplaced_words(state.unplaceable, observation)))
     return state
+
+
+def _shortfall_ended(before: Unplaceable, observation: Observation) -> str:
+    """The log's words when a shortfall ends: placed, or no longer asked for (a
+    scale-down to what was placed read "placed (was short ...)": issue 22's fourth QA)."""
+    was = _unplaced_words(before, observation)
+    count = group_count(observation.job)
+    if before.desired and count <= before.placed:
+        return f"no longer short: the job asks for {count} (was {was})"
+    return f"placed (was {was})"
 
 
 def _unplaced_words(short: Unplaceable, observation: Observation) -> str:

@@ -309,10 +309,16 @@ def test_the_log_says_a_scale_up_is_short_never_unplaceable() -> None:
     assert [n.text for n in plan.notes] == [
         "short of a scale-up: wants 3, 2 placed: memory exhausted on 1 of 1 node"
     ]
-    placed = observed(1, None, evaluation={"ID": "e2"})
+    placed = observed(3, None, evaluation={"ID": "e2"})
     after = transition(plan.state, placed, Event.OBSERVED, RULES, T0)
     assert after.state.unplaceable is None
     assert "placed (was short of a scale-up: wants 3, 2 placed: " in after.notes[0].text
+    # Scaled down to what was placed: nothing was placed (issue 22's fourth QA).
+    down = observed(1, None, evaluation={"ID": "e2"})
+    after = transition(plan.state, down, Event.OBSERVED, RULES, T0)
+    assert after.notes[0].text.startswith(
+        "no longer short: the job asks for 1 (was short of a scale-up: wants 3, 2 placed: "
+    ), after.notes[0].text
     # A fixed model short of room is told as before.
     fixed = observed(3, None, evaluation={"ID": "e1"}, placement=short)
     fixed = dataclasses.replace(fixed, record=RECORD.model_copy(update={"scaling": None}))

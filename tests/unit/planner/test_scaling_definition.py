@@ -139,7 +139,14 @@ def test_a_change_of_bounds_is_an_update_in_place_that_keeps_the_scalers_count()
     wider = B14.model_copy(update={"max": 8, "target": 3})
     [change] = decide({"m": scaled(wider, 1)}, {"m": registered}, prune=False)
     assert change.action is Action.UPDATE
-    assert change.reason == "scaling 1..4 (target 2) -> 1..8 (target 3)"
+    assert change.reason == "scaling max 4 -> 8, target 2 -> 3"
+    # A window alone is named too (issue 22's fourth QA: "1..2 (target 1) -> 1..2 (target
+    # 1)" told nothing).
+    slower = B14.model_copy(update={"down_after": B14.down_after + 1})
+    [window] = decide({"m": scaled(slower, 1)}, {"m": registered}, prune=False)
+    assert window.reason == f"scaling down_after {B14.down_after}s -> {B14.down_after + 1}s"
+    [fixed] = decide({"m": scaled(None, 1)}, {"m": registered}, prune=False)
+    assert fixed.reason.startswith("scaling 1..4 (target 2) -> none"), fixed.reason
     assert change.job is not None
     assert change.job["TaskGroups"][0]["Count"] == 3
     # The definition hash (job meta) is the same: no canaries are asked for a new one.

@@ -3,7 +3,8 @@
 Ported from `planner.daemon.activation.Activator._activate`; the order of answers:
 
   parked                      -> PARKED, with the reason (no attempt)
-  passing somewhere           -> SERVING
+  passing somewhere           -> SERVING (while the job asks for a replica: an idle
+                                 scale-down's draining replica serves no new request)
   job missing or stopped      -> STOPPED ("run `planner apply` (or `planner retry`)")
   replicas: 0, always on      -> STOPPED
   every wanted replica of the current definition stopped by Nomad after its restart
@@ -12,8 +13,8 @@ Ported from `planner.daemon.activation.Activator._activate`; the order of answer
                                  `planner retry`'s alone (issue 19: a 6th start). Decided
                                  from what Nomad shows, not from whether the daemon has
                                  counted the last failure yet.
-  starting already            -> LOADING (an allocation pending or running, and no
-                                 standing shortfall)
+  starting already            -> LOADING (an allocation pending or running, the job
+                                 asking for a replica, and no standing shortfall)
   otherwise                   -> an attempt: the old placement answer cleared, then
                                  `Scale(GROUP, target)` when the job wants fewer than the
                                  target, else `Evaluate(force_reschedule=False)`; no
@@ -89,7 +90,13 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
                 since=parked.since,
             ),
         )
-    if observation.passing:
+    # A job that asks for no replica (an idle scale-down just written) serves nothing
+    # whatever still passes or runs: its replica is being stopped, and only a scale up
+    # keeps the one this request asks for (found by CI: an activation right after an
+    # idle scale-down was answered "serving" from a draining replica, and the model
+    # stayed at 0).
+    wanted = group_count(job) > 0 if job is not None and not job.get("Stop") else False
+    if observation.passing and wanted:
         return Activated(
             state,
             answer=ActivationAnswer(
@@ -121,7 +128,7 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
     if fold.stopped_by_nomad(state, observation):
         return _park_stopped(state, now)
     short = state.unplaceable if state.unplaceable and not state.unplaceable.provisional else None
-    if _starting(observation.allocations) and short is None:
+    if wanted and _starting(observation.allocations) and short is None:
         return Activated(
             state,
             answer=ActivationAnswer(

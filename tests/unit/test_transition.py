@@ -715,6 +715,22 @@ def test_activation_scales_an_idle_on_demand_model_up() -> None:
     assert plan.answer is None and plan.state.unplaceable is None
 
 
+def test_an_activation_right_after_an_idle_scale_down_scales_up_again() -> None:
+    """Found by CI (the idle race): the idle pass wrote count 0; the next activation saw
+    the draining replica still passing (or still running, before Nomad's evaluation told
+    it to stop) and answered serving or loading, and the replica it asked for went."""
+    idle = job(count=0)
+    for seen in (
+        observe(
+            alloc("a1", event("Started", 1)), the_job=idle, record=ON_DEMAND, passing={"a1": S}
+        ),
+        observe(alloc("a1", event("Started", 1)), the_job=idle, record=ON_DEMAND),
+    ):
+        plan = activated(STORED, seen)
+        assert plan.effects == (Scale(Reason.ACTIVATION, "activation", group="server", count=1),)
+        assert plan.answer is None
+
+
 def test_activation_never_forces_a_reschedule() -> None:
     # A replica Nomad stopped after its restarts beside one still loading, with a
     # standing shortfall: a fresh, non-forced evaluation, never one that starts the

@@ -95,7 +95,7 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
     # keeps the one this request asks for (found by CI: an activation right after an
     # idle scale-down was answered "serving" from a draining replica, and the model
     # stayed at 0).
-    wanted = group_count(job) > 0 if job is not None and not job.get("Stop") else False
+    wanted = job is not None and not job.get("Stop") and group_count(job) > 0
     if observation.passing and wanted:
         return Activated(
             state,

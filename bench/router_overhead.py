@@ -234,6 +234,21 @@ Load = tuple[float, int, list[float]]
 """(seconds run, requests done, latencies in seconds or [p99] from wrk)."""
 
 
+def use_wrk() -> None:
+    """Set WRK: wrk on PATH, else its Debian package (bench/tools.py); where neither
+    is there, say so on stderr and leave it None (the Python generator)."""
+    global WRK
+    found = shutil.which("wrk")
+    if found:
+        WRK = ([found], dict(os.environ))
+        return
+    got = tools.wrk()
+    if isinstance(got, str):
+        print(f"no wrk ({got}): a Python load generator instead", file=sys.stderr)
+    else:
+        WRK = got
+
+
 def rps_wrk(port: int, connections: int, duration: float, workdir: str) -> Load:
     assert WRK is not None
     seconds, done, _, p99 = wrk_load(
@@ -414,16 +429,7 @@ def main() -> None:
     if args.serve_stub:
         serve_stub(args.serve_stub)
         return
-    global WRK
-    found = shutil.which("wrk")
-    if found:
-        WRK = ([found], dict(os.environ))
-    else:
-        got = tools.wrk()
-        if isinstance(got, str):
-            print(f"no wrk ({got}): a Python load generator instead", file=sys.stderr)
-        else:
-            WRK = got
+    use_wrk()
     result = measure(args)
     report(result, args.output, print_table)
 

@@ -17,7 +17,7 @@ that rewrites every state document once a second (``/v1/txn``, 20 documents a
 transaction, evenly spread; each rewrite moves a failure count, and one model in
 ten turns unplaceable or placeable again, so the router's entries really change).
 Each phase measures p99 at ``--connections`` direct to the stub and through the
-router (wrk when on PATH, else Python; bench/router_overhead.py's generators);
+router (wrk, on PATH or its Debian package, else Python; bench/router_overhead.py's generators);
 added p99 = router p99 - direct p99 of the same phase; then the same at one
 connection, back to back (a light client: less contention in the figure). Target: the churning added
 p99 within 1 ms of the quiet one (median over the rounds).
@@ -46,7 +46,6 @@ import base64
 import json
 import math
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -57,6 +56,7 @@ import time
 from http.client import HTTPConnection
 from pathlib import Path
 
+import router_overhead
 from _support import (
     REPO,
     Children,
@@ -382,7 +382,8 @@ def measure(args: argparse.Namespace) -> dict:
             except Exception as exc:
                 print(f"setup failed: {exc}\n{json.dumps(cluster.logs(), indent=1)}")
                 sys.exit(2)
-            generator = "wrk" if shutil.which("wrk") else "python-aiohttp"
+            router_overhead.use_wrk()
+            generator = "wrk" if router_overhead.WRK is not None else "python-aiohttp"
             result: dict = {
                 "cpus": os.cpu_count(),
                 "models": args.models,

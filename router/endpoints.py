@@ -62,6 +62,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable, service_name
+from router import collector
 from router.admission import Slots
 from router.catalog import ServiceAddress
 from router.endpoint import Endpoint
@@ -448,6 +449,9 @@ class EndpointTable:
             entry.record = record
         for name, entry in self._models.items():
             entry.forgotten = self._forgot_cause if name in self._remembered else None
+        if diff.added or diff.removed:
+            # Their long-lived objects (series, slots) out of the collector's walks.
+            collector.settle()
         return diff
 
 

@@ -70,9 +70,8 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from llmgw_contract import LEADER_KEY, PLANNER_SERVICE, ROUTER_API_KEYS_KEY, KVPrefix
-from router import collector
 from router.catalog import REFRESH_CONCURRENCY, CheckState, ConsulCatalog
-from router.endpoints import EndpointTable, ModelsDiff
+from router.endpoints import EndpointTable
 from router.errors import CatalogError
 from router.keys import ConsulKeys
 from router.planners import PlannerCandidates
@@ -221,7 +220,7 @@ class ConsulWatcher:
             return returned, (records, mark.went_back(returned))
 
         def apply(value: Any) -> None:
-            _settle(self._table.set_models(value[0], consul_reset=value[1]))
+            self._table.set_models(value[0], consul_reset=value[1])
 
         await self._forever(f"Consul KV {KVPrefix.MODELS}", read, apply)
 
@@ -229,10 +228,7 @@ class ConsulWatcher:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
             return self._catalog.services(index, self._wait_s)
 
-        def apply(services: Any) -> None:
-            _settle(self._table.set_services(services))
-
-        await self._forever("Consul catalog services", read, apply)
+        await self._forever("Consul catalog services", read, self._table.set_services)
 
     async def _watch_health(self) -> None:
         def read(index: int) -> Awaitable[tuple[int, Any]]:
@@ -359,10 +355,3 @@ def _report_unexpected_end(task: asyncio.Task[None]) -> None:
         return
     exc = task.exception()
     log.error("watch task %s ended, which it never should: %r", task.get_name(), exc)
-
-
-def _settle(diff: ModelsDiff) -> None:
-    """A model added or removed: its long-lived objects out of the collector's walks
-    (:func:`router.collector.settle`)."""
-    if diff.added or diff.removed:
-        collector.settle()

@@ -7,7 +7,8 @@ Starts, all on 127.0.0.1 and all stopped at exit (SIGTERM and Ctrl-C included):
 - the router (``python -m router serve``), after writing the model
   ``parked-bench`` to ``llmgw/models/`` and a parked record with a real
   llama-server "unknown model architecture" stderr tail to ``llmgw/state/``
-  (the planner's shape). A passing endpoint is registered too, one that would
+  (the planner's shape), with its routing document (``llmgw/routing/``, what the
+  router reads). A passing endpoint is registered too, one that would
   refuse connections: parked must win without the router trying it.
 
 Then it sends ``POST /v1/completions`` for the parked model over keep-alive
@@ -35,6 +36,7 @@ import tempfile
 import threading
 
 from _support import (
+    REPO,
     Children,
     RawClient,
     cpu_seconds,
@@ -45,6 +47,9 @@ from _support import (
     percentile,
     wait_for,
 )
+
+sys.path.insert(0, str(REPO))
+from llmgw_contract import StateDocument, encode, routing_of
 
 MODEL = "parked-bench"
 TARGET_P99_MS = 20.0
@@ -88,6 +93,9 @@ def setup(children: Children) -> tuple[int, int]:
         "unplaceable": None,
     }
     http("PUT", f"{consul}/v1/kv/llmgw/state/{MODEL}", json.dumps(state).encode())
+    # What the router reads, written beside it as the planner does.
+    routing = routing_of(StateDocument.model_validate(state))
+    http("PUT", f"{consul}/v1/kv/llmgw/routing/{MODEL}", encode(routing).encode())
     service = {
         "ID": "llmgw-parked-bench-1",
         "Name": f"llmgw-{MODEL}",

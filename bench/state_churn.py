@@ -6,7 +6,10 @@ Starts, all on 127.0.0.1 and all stopped at exit (bench/_support.py):
 - a Consul dev agent, holding 1,000 model records and 1,000 state documents of
   about 12 KiB each (a 15-16 MiB answer to a read of ``llmgw/state/``, the size
   issue 21 measured), written as the planner shapes them: failure keys, two
-  replica records with long errors, one model in ten unplaceable;
+  replica records with long errors, one model in ten unplaceable; and beside
+  each, in the same transaction, its routing document (``llmgw/routing/``, what
+  the router reads), written as the planner writes it: only when the model
+  becomes unplaceable, parked or neither (``llmgw_contract.routing_of``);
 - the stub upstream of bench/router_overhead.py (imported, not copied), serving
   the model ``bench``, whose own state never changes;
 - the router (``python -m router serve``).
@@ -15,16 +18,18 @@ Then, in ``--rounds`` rounds, quiet and churning in alternating order (so a burs
 of load from elsewhere hits both alike): a churning phase runs a writer process
 that rewrites every state document once a second (``/v1/txn``, 20 documents a
 transaction, evenly spread; each rewrite moves a failure count, and one model in
-ten turns unplaceable or placeable again, so the router's entries really change).
+ten turns unplaceable or placeable again, so the router's entries really change:
+100 routing documents a second).
 Each phase measures p99 at ``--connections`` direct to the stub and through the
 router (wrk, on PATH or its Debian package, else Python; bench/router_overhead.py's generators);
 added p99 = router p99 - direct p99 of the same phase; then the same at one
 connection, back to back (a light client: less contention in the figure). Target: the churning added
 p99 within 1 ms of the quiet one (median over the rounds).
 
-First, in this process (no other load in the figure), one read of that answer by
-the router's state view, all documents new, none changed, all changed: its work
-and the longest the event loop waited meanwhile, against the old parse. Then,
+First, in this process (no other load in the figure), one read of the routing
+answer by the router's state view, all documents new, none changed, all changed:
+its work and the longest the event loop waited meanwhile, against one parse of
+the whole state answer (what the router read before routing documents). Then,
 with no request at all, the router's CPU share quiet and while churning: the
 cost of the state watch alone, which the machine's other load does not bend.
 
@@ -72,6 +77,8 @@ from _support import (
 )
 from router_overhead import MODEL, REQUEST_BODY, STUB_BODY, rps_python, rps_wrk
 
+sys.path.insert(0, str(REPO))  # llmgw_contract and router, imported where used
+
 TARGET_MS = 1.0
 TXN_DOCS = 20  # documents a transaction: Consul 1.8 takes 64 operations, 512 KiB
 ERROR = ("llama_model_load: error loading model: " + "x" * 60 + " ") * 30
@@ -102,20 +109,39 @@ def state_document(i: int, generation: int) -> dict:
     }
 
 
-def state_ops(models: range, generation: int) -> bytes:
-    """The ``/v1/txn`` body that writes the state documents of ``models``."""
+def routing_document(i: int, generation: int) -> dict:
+    """Model ``m<i>``'s routing document at ``generation``, as the planner derives it."""
+    from llmgw_contract import StateDocument, routing_of
+
+    state = StateDocument.model_validate(state_document(i, generation))
+    return routing_of(state).model_dump(mode="json")
+
+
+def _b64json(document: dict) -> str:
+    return base64.b64encode(json.dumps(document, separators=(",", ":")).encode()).decode()
+
+
+def state_ops(models: range, generation: int, every_routing: bool = False) -> bytes:
+    """The ``/v1/txn`` body that writes the state documents of ``models`` and, as the
+    planner does, the routing documents of those whose routing part changes from the
+    generation before (one in ten: unplaceable flips); ``every_routing``: all of them
+    (the first write)."""
     ops = [
         {
             "KV": {
                 "Verb": "set",
                 "Key": f"llmgw/state/m{i}",
-                "Value": base64.b64encode(
-                    json.dumps(state_document(i, generation), separators=(",", ":")).encode()
-                ).decode(),
+                "Value": _b64json(state_document(i, generation)),
             }
         }
         for i in models
     ]
+    ops += [
+        {"KV": {"Verb": "set", "Key": f"llmgw/routing/m{i}",
+                "Value": _b64json(routing_document(i, generation))}}
+        for i in models
+        if every_routing or i % 10 == 0
+    ]  # fmt: skip
     return json.dumps(ops).encode()
 
 
@@ -193,7 +219,7 @@ class Cluster(Children):
                 for i in batch
             ]
             txn(conn, json.dumps(ops).encode())
-            txn(conn, state_ops(batch, 0))
+            txn(conn, state_ops(batch, 0, every_routing=True))
         # No planner here: a model without replicas is refused, not activated.
         os.environ["LLMGW_ACTIVATION"] = "0"
         self.router = self.router_process(self.router_port, self.consul_port)
@@ -203,8 +229,9 @@ class Cluster(Children):
         body = json.dumps({"model": "m0", "prompt": "x"}).encode()
         wait_for(lambda: _refusal(url, body) == "model_unplaceable", 60, "states read")
 
-    def state_bytes(self) -> int:
-        return len(http("GET", f"http://127.0.0.1:{self.consul_port}/v1/kv/llmgw/state/?recurse"))
+    def answer_bytes(self, prefix: str) -> int:
+        """The size of Consul's answer to a read of ``prefix`` (recursive)."""
+        return len(http("GET", f"http://127.0.0.1:{self.consul_port}/v1/kv/{prefix}?recurse"))
 
 
 def _refusal(url: str, body: bytes) -> str | None:
@@ -257,14 +284,13 @@ def idle_cpu(cluster: Cluster, args: argparse.Namespace, workdir: str, churning:
             time.sleep(3)  # the router's last reads of the churn (see phase)
 
 
-def kv_answer(models: int, generation: int) -> bytes:
-    """Consul's answer to a read of ``llmgw/state/`` at ``generation`` (its shape)."""
+def kv_answer(models: int, generation: int, kind: str = "routing") -> bytes:
+    """Consul's answer to a read of ``llmgw/<kind>/`` at ``generation`` (its shape)."""
+    document = routing_document if kind == "routing" else state_document
     entries = [
         {
-            "LockIndex": 0, "Key": f"llmgw/state/m{i}", "Flags": 0,
-            "Value": base64.b64encode(
-                json.dumps(state_document(i, generation), separators=(",", ":")).encode()
-            ).decode(),
+            "LockIndex": 0, "Key": f"llmgw/{kind}/m{i}", "Flags": 0,
+            "Value": _b64json(document(i, generation)),
             "CreateIndex": 1, "ModifyIndex": 10 + generation * models + i,
         }
         for i in range(models)
@@ -273,12 +299,12 @@ def kv_answer(models: int, generation: int) -> bytes:
 
 
 def loop_gaps(models: int) -> dict:
-    """In this process, no other load in the figure: the work of one read of the state
+    """In this process, no other load in the figure: the work of one read of the routing
     answer by the router's :class:`router.states.StateView` (all new, none changed,
-    all changed) and the longest the event loop waited meanwhile, against the old
-    parse (``json.loads`` + :func:`router.catalog.parse_states`, one block)."""
-    sys.path.insert(0, str(REPO))
-    from router.catalog import parse_states
+    all changed: every model turned parked or unplaceable at once, the worst case) and
+    the longest the event loop waited meanwhile, against the parse of the whole state
+    answer in one block that the router did before both (``json.loads``, base64, pydantic)."""
+    from llmgw_contract import StateDocument, decode
     from router.states import StateView, pieces_of
 
     first, second = kv_answer(models, 1), kv_answer(models, 2)
@@ -307,8 +333,10 @@ def loop_gaps(models: int) -> dict:
         await task
 
     asyncio.run(run())
+    whole = kv_answer(models, 2, "state")
     started = time.perf_counter()
-    parse_states(json.loads(second))
+    for entry in json.loads(whole):
+        decode(StateDocument, base64.b64decode(entry["Value"]))
     result["old_parse_block_ms"] = (time.perf_counter() - started) * 1000
     return result
 
@@ -387,7 +415,8 @@ def measure(args: argparse.Namespace) -> dict:
             result: dict = {
                 "cpus": os.cpu_count(),
                 "models": args.models,
-                "state_answer_mib": cluster.state_bytes() / 2**20,
+                "state_answer_mib": cluster.answer_bytes("llmgw/state/") / 2**20,
+                "routing_answer_kib": cluster.answer_bytes("llmgw/routing/") / 2**10,
                 "connections": args.connections,
                 "duration_s": args.duration,
                 "load_generator": generator,
@@ -424,11 +453,11 @@ def measure(args: argparse.Namespace) -> dict:
 def print_table(r: dict) -> None:
     lo = r["loop"]
     print(
-        f"one read of the state answer, in process: all new {lo['all_new_work_ms']:.0f} ms "
-        f"of work, none changed {lo['none_changed_work_ms']:.0f} ms, all changed "
-        f"{lo['all_changed_work_ms']:.0f} ms; the loop waited at most "
-        f"{max(lo[k] for k in lo if k.endswith('gap_ms')):.2f} ms at a time (the old "
-        f"parse: one block of {lo['old_parse_block_ms']:.0f} ms, at every read)"
+        f"one read of the routing answer, in process: all new {lo['all_new_work_ms']:.1f} ms "
+        f"of work, none changed {lo['none_changed_work_ms']:.1f} ms, all changed "
+        f"{lo['all_changed_work_ms']:.1f} ms; the loop waited at most "
+        f"{max(lo[k] for k in lo if k.endswith('gap_ms')):.2f} ms at a time (a parse of "
+        f"the whole state answer: one block of {lo['old_parse_block_ms']:.0f} ms)"
     )
     print(
         f"{'phase':<8} {'direct p99':>11} {'router p99':>11} {'added p99':>10} {'router CPU':>11}"
@@ -458,7 +487,8 @@ def print_table(r: dict) -> None:
         f"(target <= {r['target_ms']:g} ms: {ok})"
     )
     print(
-        f"({r['models']} models, a {r['state_answer_mib']:.1f} MiB state answer, "
+        f"({r['models']} models, a {r['state_answer_mib']:.1f} MiB state answer and a "
+        f"{r['routing_answer_kib']:.0f} KiB routing answer, "
         f"{r['churn_writes_per_s']:.0f} state writes/s while churning; {r['connections']} "
         f"connections, {r['duration_s']:g} s a phase, {len(r['rounds'])} rounds in "
         f"alternating order; {r['load_generator']}; {r['cpus']} CPUs shared by client, "

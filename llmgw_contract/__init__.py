@@ -38,6 +38,7 @@ from llmgw_contract.documents import (
     ModelRecord,
     Parked,
     ReplicaRecord,
+    RoutingDocument,
     ScalingBounds,
     ScalingDecision,
     ScalingState,
@@ -48,6 +49,7 @@ from llmgw_contract.documents import (
     UsageReport,
     decode,
     encode,
+    routing_of,
 )
 from llmgw_contract.keys import (
     LEADER_KEY,
@@ -94,6 +96,7 @@ __all__ = [
     "Parked",
     "ReplicaRecord",
     "ReplicaState",
+    "RoutingDocument",
     "ScalingBounds",
     "ScalingDecision",
     "ScalingState",
@@ -109,5 +112,6 @@ __all__ = [
     "model_from_key",
     "model_from_service",
     "reserved_name",
+    "routing_of",
     "service_name",
 ]

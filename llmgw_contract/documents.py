@@ -213,6 +213,39 @@ class StateDocument(Document):
         return next((r for r in self.replicas if r.alloc_id == alloc_id), None)
 
 
+class RoutingDocument(Document):
+    """What the router acts on of one model's state (llmgw/routing/<name>): whether it
+    is parked or unplaceable, and why. The planner writes it beside the state document,
+    in the same Consul transaction, only when this part changes (:func:`routing_of`).
+
+    Why a key of its own (issue 21, item 4): Consul's KV has no "changes since" read,
+    so a router watching ``llmgw/state/`` read and decoded every model's document
+    (12-16 KiB each, failure keys and replica errors it never uses) at every failure
+    counted anywhere: with 1,000 models churning, 150 ms of router work and a 16 MiB
+    answer for Consul to encode, about once a second. A failure counted wakes no
+    router now; only a model becoming parked, unplaceable or neither does.
+    """
+
+    name: str
+    parked: Parked | None = None
+    unplaceable: Unplaceable | None = None
+
+    @property
+    def refuses(self) -> bool:
+        """Parked or unplaceable: the router has something to say about the model."""
+        return self.parked is not None or self.unplaceable is not None
+
+
+def routing_of(state: StateDocument) -> RoutingDocument:
+    """The router's part of ``state``. A parked record without its own ``last_error``
+    borrows the document's (the planner's last start error is the best "why" there
+    is)."""
+    parked = state.parked
+    if parked is not None and parked.last_error is None and state.last_error:
+        parked = parked.model_copy(update={"last_error": state.last_error})
+    return RoutingDocument(name=state.name, parked=parked, unplaceable=state.unplaceable)
+
+
 class UsageRecord(Document):
     """When a model was last asked for (llmgw/usage/<name>), kept coarsely by the leader."""
 

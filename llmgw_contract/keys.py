@@ -54,6 +54,7 @@ ROUTER_LIMITS_PREFIX = "llmgw-router/limits/"
 class KVPrefix(StrEnum):
     MODELS = "llmgw/models/"
     STATE = "llmgw/state/"
+    ROUTING = "llmgw/routing/"  # documents.RoutingDocument: the router's part of STATE
     USAGE = "llmgw/usage/"
     ENGINES = "llmgw/engines/"
 

@@ -5,11 +5,12 @@ unplaceable state and their passing endpoints, fed by Consul blocking-query
 watches (:mod:`router.watch`): a model is defined while it has a record under
 Consul KV ``llmgw/models/`` or an ``llmgw-<model>`` service in Consul's
 catalog, so wiping KV never turns a serving model into a 404; its state comes
-from ``llmgw/state/`` (decoded only where a document changed:
-:mod:`router.states`), its endpoints from the health of its service, all
-with a fixed number of queries however many models there are. The
-shapes of all of these (key and service names, documents, activation
-answers) are the shared contract, :mod:`llmgw_contract`.
+from ``llmgw/routing/``, the part of the planner's state it acts on
+(decoded only where a document changed: :mod:`router.states`), its
+endpoints from the health of its service, all with a fixed number of
+queries however many models there are. The shapes of all of these (key
+and service names, documents, activation answers) are the shared
+contract, :mod:`llmgw_contract`.
 
 It forwards every model-addressed ``POST`` (OpenAI's and llama-server's model
 routes, exactly as listed in :mod:`router.routes`; nothing else reaches a

@@ -5,9 +5,11 @@ Six kinds of blocking query, and plain reads, nothing else:
 
 - the KV prefix ``llmgw/models/`` (one :class:`llmgw_contract.ModelRecord` per
   model, written by ``planner apply``);
-- the KV prefix ``llmgw/state/`` (one :class:`llmgw_contract.StateDocument` per
-  model; the router keeps those that are parked or unplaceable), scanned as it
-  arrives and decoded only where a key's ``ModifyIndex`` moved (:mod:`router.states`);
+- the KV prefix ``llmgw/routing/`` (one :class:`llmgw_contract.RoutingDocument`
+  per model, the part of its state the router acts on, rewritten by the planner
+  only when that part changes; the router keeps those that are parked or
+  unplaceable), scanned as it arrives and decoded only where a key's
+  ``ModifyIndex`` moved (:mod:`router.states`);
 - ``/v1/catalog/services`` (every service and its tags): the models whose
   ``llmgw-<model>`` service has an instance registered, so a model that serves
   stays known when its KV record vanishes (an operator's
@@ -85,7 +87,7 @@ from llmgw_contract import (
     SERVICE_PREFIX,
     KVPrefix,
     ModelRecord,
-    StateDocument,
+    RoutingDocument,
     decode,
     model_from_key,
     model_from_service,
@@ -192,15 +194,14 @@ def parse_models(entries: list[dict[str, Any]] | None) -> dict[str, ModelRecord]
     return models
 
 
-def parse_states(entries: list[dict[str, Any]] | None) -> dict[str, StateDocument]:
-    """The state documents under ``llmgw/state/`` that are parked or unplaceable.
+def parse_states(entries: list[dict[str, Any]] | None) -> dict[str, RoutingDocument]:
+    """The routing documents under ``llmgw/routing/`` that are parked or unplaceable.
 
     Those are all the router acts on, so the table holds nothing for a model
-    that is fine. A parked record without its own ``last_error`` borrows the
-    document's (the planner's last start error is the best "why" there is).
+    that is fine.
     """
-    states: dict[str, StateDocument] = {}
-    for name, doc in parse_documents(KVPrefix.STATE, StateDocument, entries).items():
+    states: dict[str, RoutingDocument] = {}
+    for name, doc in parse_documents(KVPrefix.ROUTING, RoutingDocument, entries).items():
         kept = routed(doc)
         if kept is not None:
             states[name] = kept
@@ -324,12 +325,12 @@ class ConsulCatalog:
         index, body = await self._kv(KVPrefix.MODELS, index, wait_s)
         return index, parse_models(body)
 
-    async def states(self, index: int, wait_s: float) -> tuple[int, dict[str, StateDocument]]:
+    async def states(self, index: int, wait_s: float) -> tuple[int, dict[str, RoutingDocument]]:
         """Blocking read of every parked or unplaceable model's state (``{name: document}``),
         decoding only the keys that changed since the last read (:mod:`router.states`:
         unchanged documents are the same objects)."""
         return await self._get(
-            f"/v1/kv/{KVPrefix.STATE}", {"recurse": "true"}, index, wait_s, self.state_view.read
+            f"/v1/kv/{KVPrefix.ROUTING}", {"recurse": "true"}, index, wait_s, self.state_view.read
         )
 
     async def services(self, index: int, wait_s: float) -> tuple[int, frozenset[str]]:

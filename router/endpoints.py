@@ -44,7 +44,7 @@ next change of endpoints or planner state, so nobody polls the table.
 Requests waiting for a free slot are in the model's
 :class:`~router.admission.Slots`, which the table tells when endpoints change.
 
-The planner's parked / unplaceable state (:class:`llmgw_contract.StateDocument`,
+The planner's parked / unplaceable state (:class:`llmgw_contract.RoutingDocument`,
 read by :func:`router.catalog.parse_states`) is hung on each
 :class:`ModelEntry` as two attributes, so the proxy's check for a model that
 is fine is one attribute read. States and passing addresses of models not
@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable, service_name
+from llmgw_contract import ModelRecord, Parked, RoutingDocument, Unplaceable, service_name
 from router import collector
 from router.admission import Slots
 from router.catalog import ServiceAddress
@@ -142,7 +142,7 @@ class ModelEntry:
         name: str,
         record: ModelRecord | None,
         metrics: ModelMetrics,
-        state: StateDocument | None = None,
+        state: RoutingDocument | None = None,
     ) -> None:
         self.name = name
         self.record = record
@@ -190,7 +190,7 @@ class ModelEntry:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _set_state(self, state: StateDocument | None) -> None:
+    def _set_state(self, state: RoutingDocument | None) -> None:
         parked = None if state is None else state.parked
         unplaceable = None if state is None else state.unplaceable
         if parked != self.parked:
@@ -253,13 +253,13 @@ class EndpointTable:
         self._models: dict[str, ModelEntry] = {}
         self._records: dict[str, ModelRecord] = {}
         self._services: frozenset[str] = frozenset()
-        self._states: dict[str, StateDocument] = {}
+        self._states: dict[str, RoutingDocument] = {}
         # Every model's passing addresses as last read, defined or not (empty: absent).
         self._addresses: dict[str, tuple[ServiceAddress, ...]] = {}
         self._models_read = self._services_read = self._states_read = False
         # What a Consul reset dropped, kept until it is back or REMEMBER_S passed.
         self._remembered: dict[str, ModelRecord] = {}
-        self._kept_states: dict[str, StateDocument] = {}
+        self._kept_states: dict[str, RoutingDocument] = {}
         self._remember_until = 0.0
         self._forgot_cause = ""
 
@@ -351,7 +351,7 @@ class EndpointTable:
 
     def set_states(
         self,
-        states: Mapping[str, StateDocument],
+        states: Mapping[str, RoutingDocument],
         consul_reset: bool = False,
         present: Collection[str] = (),
     ) -> None:

@@ -1,12 +1,18 @@
-"""The planner's state documents as the router keeps them: a read of ``llmgw/state/``
-costs what changed, not what is there.
+"""The planner's routing documents as the router keeps them: a read of
+``llmgw/routing/`` costs what changed, not what is there.
 
 Called by :meth:`router.catalog.ConsulCatalog.states` on every answer of the
 state watch (:mod:`router.watch`). Consul's KV has no "changes since" query: a
 blocking read of the prefix answers every key, with its value, whenever any of
-them changed. Measured before this module (issue 21): 1,000 documents, a 15.7 MiB
-answer, about 100 ms of parsing on the event loop for every write, so every
-request in flight waited behind each one. Now:
+them changed. Measured (issue 21): when the router read the whole state
+documents (``llmgw/state/``), 1,000 of them made a 15.7 MiB answer, about 100 ms
+of parsing on the event loop for every write, so every request in flight waited
+behind each one. Two defences since:
+
+- **The planner writes what the router acts on apart**
+  (:class:`llmgw_contract.RoutingDocument`, a few hundred bytes, rewritten in the
+  state's transaction only when the model becomes parked, unplaceable or neither):
+  a failure counted anywhere wakes no router.
 
 - **Only changed keys are decoded.** Each key's ``ModifyIndex`` is kept with what
   its document said; a key whose index did not move keeps its object (no base64,
@@ -19,9 +25,10 @@ request in flight waited behind each one. Now:
   and the scan yields to the event loop after each :data:`SLICE_S` of work, so a
   request waits at most about that long behind it. Slices on the loop rather than
   a thread: ``json``, ``base64`` and pydantic hold the GIL for a whole call, so a
-  thread would stall the loop as long (measured in bench/state_churn.py: one read
-  of 16 MiB, 121-155 ms of work when every document changed, the loop waiting at
-  most 1.4-3.4 ms at a time on the loaded 2-core machine).
+  thread would stall the loop as long (measured in bench/state_churn.py on whole
+  state documents: one read of 16 MiB, 121-155 ms of work when every document
+  changed, the loop waiting at most 1.4-3.4 ms at a time on the loaded 2-core
+  machine).
 - **An index that went back** (a Consul that lost its state) decodes everything
   again: in another timeline the same ``ModifyIndex`` may hold another document.
 - **Bounded documents.** KV is writable by whoever holds a token for it: a value
@@ -45,32 +52,24 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-from llmgw_contract import KVPrefix, StateDocument, decode, model_from_key
+from llmgw_contract import KVPrefix, RoutingDocument, decode, model_from_key
 
 log = logging.getLogger(__name__)
 
-Known = tuple[int, StateDocument | None]
+Known = tuple[int, RoutingDocument | None]
 """A key's ``ModifyIndex`` and what the router keeps of its document."""
 
-# The largest state document read, decoded. The planner's documents are bounded by
-# what Nomad shows (llmgw_contract.documents: allocations Nomad lists, a replica
-# record per replica, 8 healthy entries each): a few tens of KiB with long errors.
+# The largest routing document read, decoded: a parked record's last error (a start
+# error's stderr tail, llmgw_contract.lasterror) is most of one; far below this.
 MAX_DOCUMENT_BYTES = 256 * 1024
 # Work done on the event loop between two yields while an answer is scanned.
 SLICE_S = 0.001
 
 
-def routed(doc: StateDocument) -> StateDocument | None:
-    """What the router keeps of a state document: ``None`` unless it is parked or
-    unplaceable (all the router acts on). A parked record without its own
-    ``last_error`` borrows the document's (the planner's last start error is the
-    best "why" there is)."""
-    if doc.parked is None and doc.unplaceable is None:
-        return None
-    if doc.parked is not None and doc.parked.last_error is None and doc.last_error:
-        parked = doc.parked.model_copy(update={"last_error": doc.last_error})
-        doc = doc.model_copy(update={"parked": parked})
-    return doc
+def routed(doc: RoutingDocument) -> RoutingDocument | None:
+    """What the router keeps of a routing document: ``None`` unless it is parked or
+    unplaceable (all the router acts on)."""
+    return doc if doc.refuses else None
 
 
 class EntryScanner:
@@ -138,7 +137,7 @@ class EntryScanner:
 
 
 class StateView:
-    """Every ``llmgw/state/`` key as last read: its ``ModifyIndex`` and what the
+    """Every ``llmgw/routing/`` key as last read: its ``ModifyIndex`` and what the
     router keeps of its document (:func:`routed`)."""
 
     def __init__(self, max_bytes: int = MAX_DOCUMENT_BYTES, slice_s: float = SLICE_S) -> None:
@@ -156,7 +155,7 @@ class StateView:
 
     async def read(
         self, pieces: AsyncIterable[bytes] | None, index: int = 0
-    ) -> dict[str, StateDocument]:
+    ) -> dict[str, RoutingDocument]:
         """``{model: document}`` of the parked and unplaceable models in one KV answer
         (``pieces`` of its body; ``None``: a 404, no key; ``index``: its
         ``X-Consul-Index``). Unchanged documents are the objects of the previous
@@ -169,7 +168,7 @@ class StateView:
         # partway (a reset mid-answer) must not pair the new index with old documents.
         known = self._known if index >= self._index else {}
         fresh: dict[str, Known] = {}
-        states: dict[str, StateDocument] = {}
+        states: dict[str, RoutingDocument] = {}
         self.decoded = 0
         self.cost_s = 0.0
         if pieces is not None:
@@ -191,7 +190,7 @@ class StateView:
         self._index = index
         self._known = fresh
         self.present = frozenset(
-            name for key in fresh if (name := model_from_key(KVPrefix.STATE, key)) is not None
+            name for key in fresh if (name := model_from_key(KVPrefix.ROUTING, key)) is not None
         )
         return states
 
@@ -200,7 +199,7 @@ class StateView:
         entry: Any,
         known: dict[str, Known],
         fresh: dict[str, Known],
-        states: dict[str, StateDocument],
+        states: dict[str, RoutingDocument],
     ) -> None:
         if not isinstance(entry, dict):
             raise ValueError("an entry of Consul's KV answer is not an object")
@@ -208,7 +207,7 @@ class StateView:
         index = entry.get("ModifyIndex")
         if not isinstance(key, str) or not isinstance(index, int):
             raise ValueError("an entry of Consul's KV answer has no Key or ModifyIndex")
-        name = model_from_key(KVPrefix.STATE, key)
+        name = model_from_key(KVPrefix.ROUTING, key)
         if name is None:
             return
         before = known.get(key)
@@ -222,7 +221,7 @@ class StateView:
         if state is not None:
             states[name] = state
 
-    def _decode(self, key: str, name: str, value: object) -> StateDocument | None:
+    def _decode(self, key: str, name: str, value: object) -> RoutingDocument | None:
         self.decoded += 1
         if value is None:
             return None
@@ -232,7 +231,7 @@ class StateView:
         # base64: 4 characters for every 3 bytes.
         if len(value) // 4 * 3 > self.max_bytes:
             log.warning(
-                "skipping Consul KV key %s: about %d bytes, more than a state document may "
+                "skipping Consul KV key %s: about %d bytes, more than a routing document may "
                 "hold (%d)",
                 key,
                 len(value) // 4 * 3,
@@ -240,7 +239,7 @@ class StateView:
             )
             return None
         try:
-            doc = decode(StateDocument, base64.b64decode(value))
+            doc = decode(RoutingDocument, base64.b64decode(value))
         except (binascii.Error, ValueError) as exc:
             log.warning("skipping Consul KV key %s: %s", key, exc)
             return None

@@ -7,7 +7,7 @@
 # Give the token's secret to the router as CONSUL_HTTP_TOKEN. What each rule is for:
 #
 #   key_prefix "llmgw/" read      model records (llmgw/models/), the parked and
-#                                 unplaceable states (llmgw/state/), the leading planner
+#                                 unplaceable states (llmgw/routing/), the leading planner
 #                                 (llmgw/leader)
 #   service_prefix "llmgw-" read  the passing replicas of llmgw-<model>, the passing
 #                                 planners (llmgw-planner), the catalog's service list

@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -87,6 +87,11 @@ def _translated(
                 prefix + no_answer("Consul", "CONSUL_HTTP_ADDR", address, exc)
             ) from exc
         raise ConsulUnavailable(f"{prefix}Consul failed ({exc})") from exc
+
+
+def _b64(text: str) -> str:
+    """A KV value as ``/v1/txn`` takes it."""
+    return base64.b64encode(text.encode()).decode()
 
 
 def _failed_ops(exc: Exception) -> set[int] | None:
@@ -186,6 +191,17 @@ class ConsulClient:
         value = item["Value"]
         return int(item["ModifyIndex"]), value.decode() if value else None
 
+    def get_indexed_texts(self, prefix: str) -> dict[str, tuple[int, str]]:
+        """Every non-empty value under `prefix` and its ModifyIndex: {key: (index, text)}."""
+        _, items = self._call(
+            CONSUL_KV_READ, f"read {prefix}", lambda: self._api.kv.get(prefix, recurse=True)
+        )
+        return {
+            item["Key"]: (int(item["ModifyIndex"]), item["Value"].decode())
+            for item in items or []
+            if item["Value"]
+        }
+
     def get_texts(self, prefix: str) -> dict[str, str]:
         """Every non-empty value under `prefix`: {key: text}."""
         _, items = self._call(
@@ -205,22 +221,34 @@ class ConsulClient:
             )
         )
 
-    def fenced_cas_put(self, key: str, text: str, index: int, lock_key: str, session: str) -> bool:
-        """`cas_put`, in one transaction with a check that `session` still holds the lock
-        on `lock_key` (Consul's `check-session` verb): a deposed leader's write fails
-        whatever it believes. False on a check-and-set conflict; raises NotLeader when
-        the session does not hold the lock."""
-        ops = [
-            {"KV": {"Verb": "check-session", "Key": lock_key, "Session": session}},
-            {
-                "KV": {
-                    "Verb": "cas",
-                    "Key": key,
-                    "Index": index,
-                    "Value": base64.b64encode(text.encode()).decode(),
-                }
-            },
-        ]
+    def cas_put_with(
+        self,
+        key: str,
+        text: str | None,
+        index: int,
+        *,
+        also: Mapping[str, str | None] | None = None,
+        fence: tuple[str, str] | None = None,
+    ) -> bool:
+        """One transaction (``/v1/txn``): `key` set to `text` only if its ModifyIndex is
+        still `index` (0: only if absent; `text` None: only checked, not written), every
+        key of `also` set to its text (None: deleted) with it, and, with `fence` (lock
+        key, session), a check that the session still holds that lock (Consul's
+        `check-session` verb): a deposed leader's write fails whatever it believes. All
+        or nothing. False on a check-and-set conflict; raises NotLeader when the session
+        does not hold the lock."""
+        ops: list[dict[str, Any]] = []
+        if fence is not None:
+            ops.append({"KV": {"Verb": "check-session", "Key": fence[0], "Session": fence[1]}})
+        if text is None:
+            ops.append({"KV": {"Verb": "check-index", "Key": key, "Index": index}})
+        else:
+            ops.append({"KV": {"Verb": "cas", "Key": key, "Index": index, "Value": _b64(text)}})
+        for other, value in (also or {}).items():
+            op = {"Verb": "delete", "Key": other} if value is None else {
+                "Verb": "set", "Key": other, "Value": _b64(value)
+            }  # fmt: skip
+            ops.append({"KV": op})
 
         def put() -> bool:
             try:
@@ -233,9 +261,9 @@ class ConsulClient:
                 failed = _failed_ops(exc)
                 if failed is None:
                     raise
-                if 0 in failed:
+                if fence is not None and 0 in failed:
                     raise NotLeader(
-                        f"write {key}: this planner's session no longer holds {lock_key}"
+                        f"write {key}: this planner's session no longer holds {fence[0]}"
                     ) from None
                 return False
             return True
@@ -254,6 +282,17 @@ class ConsulClient:
 
     def delete_key(self, key: str) -> None:
         self._call(CONSUL_KV_WRITE, f"delete {key}", lambda: self._api.kv.delete(key))
+
+    def delete_keys(self, *keys: str) -> None:
+        """Delete every key of `keys` in one transaction (all or none)."""
+        ops = [{"KV": {"Verb": "delete", "Key": key}} for key in keys]
+
+        def delete() -> None:
+            self._api.http.put(
+                CB.json(), "/v1/txn", data=json.dumps(ops), headers=self._api.prepare_headers()
+            )
+
+        self._call(CONSUL_KV_WRITE, f"delete {', '.join(keys)}", delete)
 
     # --- model records ---------------------------------------------------------------
 

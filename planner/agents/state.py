@@ -3,7 +3,8 @@
 Called by the watcher (failures, parking, placement), `apply` and `retry`
 (parking), activation (placement answers) and the status views (reads). The
 document is `llmgw_contract.StateDocument` at `llmgw/state/<name>`; the
-router reads the same document.
+router reads its part of it, `llmgw_contract.RoutingDocument` at
+`llmgw/routing/<name>`, written in the same transaction when that part changes.
 
 Every change goes through `StateStore.update(name, change)`: read the
 document and its ModifyIndex, compute `change(document)` (a pure function: it
@@ -31,6 +32,7 @@ from llmgw_contract import (
     encode,
     kv_key,
     model_from_key,
+    routing_of,
 )
 from planner.agents.consul import ConsulClient
 from planner.errors import ConsulUnavailable, NotLeader
@@ -95,13 +97,30 @@ class StateStore:
         self._absent = absent
         self._fence = fence
 
-    def _put(self, key: str, text: str, index: int) -> bool:
-        if self._fence is None:
-            return self._consul.cas_put(key, text, index)
-        session = self._fence()
-        if session is None:
-            raise NotLeader(f"write {key}: this planner is not the leader")
-        return self._consul.fenced_cas_put(key, text, index, LEADER_KEY, session)
+    def _put(
+        self, key: str, text: str | None, index: int, also: dict[str, str | None] | None = None
+    ) -> bool:
+        """One check-and-set of `key` (`text` None: only checked) with the writes of
+        `also`, in one fenced transaction (`ConsulClient.cas_put_with`)."""
+        fence = None
+        if self._fence is not None:
+            session = self._fence()
+            if session is None:
+                raise NotLeader(f"write {key}: this planner is not the leader")
+            fence = (LEADER_KEY, session)
+        return self._consul.cas_put_with(key, text, index, also=also, fence=fence)
+
+    def _put_state(
+        self, name: str, after: StateDocument, index: int, before: StateDocument | None
+    ) -> bool:
+        """Write `after` at `index`, and its routing document in the same transaction
+        when that part changed from `before` (None: not known, written), or the document
+        is new: a failure counted writes one key and wakes no router."""
+        routing = routing_of(after)
+        also = None
+        if index == 0 or before is None or routing_of(before) != routing:
+            also = {kv_key(KVPrefix.ROUTING, name): encode(routing)}
+        return self._put(kv_key(KVPrefix.STATE, name), encode(after), index, also)
 
     def assert_leading(self) -> None:
         """Raise NotLeader unless the fence's session holds the lock now (before acting
@@ -126,10 +145,18 @@ class StateStore:
             document = self._absent(document) or document
         return index, document
 
-    def write(self, name: str, document: StateDocument, index: int) -> bool:
+    def write(
+        self,
+        name: str,
+        document: StateDocument,
+        index: int,
+        before: StateDocument | None = None,
+    ) -> bool:
         """One check-and-set of `document` at `index` (0: only if it has none), fenced
-        like every write of this store; False when another writer got there first."""
-        return self._put(kv_key(KVPrefix.STATE, name), encode(document), index)
+        like every write of this store; False when another writer got there first.
+        `before`: the document read at `index`, when known (its routing document is
+        then written only if that part changed)."""
+        return self._put_state(name, document, index, before)
 
     def load_all(self) -> dict[str, StateDocument]:
         """Every model's document: {name: document}."""
@@ -163,7 +190,7 @@ class StateStore:
                     after = change(before)
                     if after == before and index != 0:
                         return Updated(before, after)
-                    if not self._put(key, encode(after), index):
+                    if not self._put_state(name, after, index, before):
                         raise CasConflict(key)
                     return Updated(before, after)
         except CasConflict:
@@ -180,7 +207,43 @@ class StateStore:
     def create(self, name: str) -> bool:
         """Write a new model's document (counting failures from now) unless it has one;
         whether it wrote one."""
-        return self._consul.cas_put(kv_key(KVPrefix.STATE, name), encode(_document(name, None)), 0)
+        document = _document(name, None)
+        routing = {kv_key(KVPrefix.ROUTING, name): encode(routing_of(document))}
+        return self._consul.cas_put_with(
+            kv_key(KVPrefix.STATE, name), encode(document), 0, also=routing
+        )
 
     def delete(self, name: str) -> None:
-        self._consul.delete_key(kv_key(KVPrefix.STATE, name))
+        """Delete the model's state and routing documents (one transaction)."""
+        self._consul.delete_keys(kv_key(KVPrefix.STATE, name), kv_key(KVPrefix.ROUTING, name))
+
+    def sync_routing(self) -> list[str]:
+        """Make every routing document say what its state document says, and delete the
+        routing documents of models with none. Written by `_put_state` beside every
+        change, so this finds work only after a planner of an older version, an
+        operator's edit, or a restored snapshot. Each write is checked against the state
+        document's index (one that changed meanwhile wrote its own). Returns the models
+        whose routing document it wrote or deleted."""
+        # Routing first: a model created between the two reads has both keys in the
+        # second, so it is never taken for an orphan.
+        routing = self._consul.get_indexed_texts(KVPrefix.ROUTING)
+        states = self._consul.get_indexed_texts(KVPrefix.STATE)
+        fixed = []
+        for key, (index, text) in sorted(states.items()):
+            name = model_from_key(KVPrefix.STATE, key)
+            if name is None:
+                continue
+            want = encode(routing_of(_document(name, text)))
+            if routing.get(kv_key(KVPrefix.ROUTING, name), (0, None))[1] == want:
+                continue
+            if self._put(key, None, index, {kv_key(KVPrefix.ROUTING, name): want}):
+                fixed.append(name)
+        for key, (index, _) in sorted(routing.items()):
+            name = model_from_key(KVPrefix.ROUTING, key)
+            if name is None or kv_key(KVPrefix.STATE, name) in states:
+                continue
+            if self._put(key, None, index, {key: None}):  # unless it changed meanwhile
+                fixed.append(name)
+        if fixed:
+            log.warning("routing documents out of step with the state, rewritten: %s", fixed)
+        return fixed

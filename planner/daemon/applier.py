@@ -113,7 +113,7 @@ class Applier:
                 update={"parked": before.parked, "job_index": before.job_index}
             )
             if counted != before:
-                if not store.write(name, counted, state_index):
+                if not store.write(name, counted, state_index, before):
                     raise Stale(f"model {name}: its state document changed meanwhile")
                 state_index, stored = store.read(name)
                 if stored != counted:  # another writer came between: decide again
@@ -125,7 +125,7 @@ class Applier:
         if parks or any(isinstance(e, Unpark) for e in plan.effects):
             # The parking the document caches is the job's as of this write.
             applied.state = applied.state.model_copy(update={"job_index": index})
-        if applied.state != before and not store.write(name, applied.state, state_index):
+        if applied.state != before and not store.write(name, applied.state, state_index, before):
             raise Stale(
                 f"model {name}: its state document changed meanwhile",
                 plan if plan.effects else None,

@@ -513,10 +513,12 @@ class Watcher:
             self.mark(payload[topic].get("JobID", ""))
 
     def repair(self) -> None:
-        """Restore what a wiped `llmgw/` lost (`planner.daemon.repair`), and mark the models
+        """Restore what a wiped `llmgw/` lost (`planner.daemon.repair`), mark the models
         whose state document is gone (their worker seeds one from what Nomad shows,
-        with no old failure counted twice)."""
+        with no old failure counted twice), and bring routing documents in step with
+        their state (`StateStore.sync_routing`: after an upgrade, an edit, a snapshot)."""
         repair.restore(self.nomad, self.consul, self.store)
+        self.store.sync_routing()
         documents = self.consul.get_texts(KVPrefix.STATE)
         for name in sorted(self.consul.model_records()):
             with self._models_lock:

@@ -23,7 +23,15 @@ import pytest
 
 from devcluster.bootstrap import GEMMA_FILE, NODE_MODELS
 from devcluster.cluster import Cluster
-from llmgw_contract import LEADER_KEY, LeaderRecord, Parked, StateDocument, Unplaceable, decode
+from llmgw_contract import (
+    LEADER_KEY,
+    LeaderRecord,
+    Parked,
+    RoutingDocument,
+    StateDocument,
+    Unplaceable,
+    decode,
+)
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
@@ -731,3 +739,46 @@ def test_a_deposed_leaders_writes_are_fenced_off(
         store.assert_leading()
     assert consul.get_indexed("llmgw/state/fence-test") == (0, None)
     consul.destroy_session(stale)
+
+
+def test_the_routing_document_changes_only_with_what_the_router_acts_on(
+    cluster: Cluster,
+) -> None:
+    """Issue 21, item 4: a failure counted rewrites the state document alone (no router
+    wakes); parking rewrites the routing document in the same transaction; one out of
+    step (an older planner, an edit) or orphaned is set right by `sync_routing`."""
+    consul = ConsulClient(cluster.consul_addr)
+    store = StateStore(consul)
+    state_key, routing_key = "llmgw/state/routing-test", "llmgw/routing/routing-test"
+    try:
+        assert store.create("routing-test")
+        routing_index, text = consul.get_indexed(routing_key)
+        assert decode(RoutingDocument, text or "") == RoutingDocument(name="routing-test")
+
+        store.update("routing-test", lambda s: s.model_copy(update={"consecutive_failures": 1}))
+        assert decode(StateDocument, consul.get_indexed(state_key)[1] or "").consecutive_failures
+        assert consul.get_indexed(routing_key)[0] == routing_index  # not written
+
+        parked = Parked(reason="5 consecutive start failures")
+        store.update(
+            "routing-test",
+            lambda s: s.model_copy(update={"parked": parked, "last_error": "boom"}),
+        )
+        routing_index, text = consul.get_indexed(routing_key)
+        routing = decode(RoutingDocument, text or "")
+        assert routing.parked == parked.model_copy(update={"last_error": "boom"})  # borrowed
+
+        consul.delete_key(routing_key)  # as after a planner of an older version
+        consul.put_text("llmgw/routing/orphan-test", '{"name": "orphan-test"}')
+        # The leading planner's repair (every 30 s) may do it first: the outcome is
+        # checked, not who wrote it.
+        store.sync_routing()
+        routing_index, text = consul.get_indexed(routing_key)
+        assert decode(RoutingDocument, text or "") == routing
+        assert consul.get_indexed("llmgw/routing/orphan-test") == (0, None)
+        store.sync_routing()
+        assert consul.get_indexed(routing_key)[0] == routing_index  # in step: not written
+    finally:
+        store.delete("routing-test")
+        consul.delete_key("llmgw/routing/orphan-test")
+    assert consul.get_indexed(state_key) == consul.get_indexed(routing_key) == (0, None)

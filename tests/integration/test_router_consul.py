@@ -17,6 +17,7 @@ is tested in test_on_demand.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
 import json
 import os
@@ -36,6 +37,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from llmgw_contract import StateDocument, encode, routing_of
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
@@ -137,11 +139,23 @@ class Consul:
         assert request("DELETE", f"{self.url}/v1/kv/llmgw/models/{name}")[0] == 200
 
     def set_state(self, name: str, doc: dict) -> None:
-        """Write the planner's per-model state (``llmgw/state/<name>``)."""
-        assert request("PUT", f"{self.url}/v1/kv/llmgw/state/{name}", doc)[0] == 200
+        """Write the planner's per-model state (``llmgw/state/<name>``) and, in the same
+        transaction, its routing document (``llmgw/routing/<name>``) as the planner
+        does (`llmgw_contract.routing_of`)."""
+        routing = routing_of(StateDocument.model_validate(doc))
+        values = {f"llmgw/state/{name}": json.dumps(doc), f"llmgw/routing/{name}": encode(routing)}
+        ops = [
+            {"KV": {"Verb": "set", "Key": key, "Value": base64.b64encode(text.encode()).decode()}}
+            for key, text in values.items()
+        ]
+        assert request("PUT", f"{self.url}/v1/txn", ops)[0] == 200
 
     def clear_state(self, name: str) -> None:
-        assert request("DELETE", f"{self.url}/v1/kv/llmgw/state/{name}")[0] == 200
+        ops = [
+            {"KV": {"Verb": "delete", "Key": f"llmgw/{kind}/{name}"}}
+            for kind in ("state", "routing")
+        ]
+        assert request("PUT", f"{self.url}/v1/txn", ops)[0] == 200
 
     def register(self, model: str, instance: str, port: int, passing: bool = True) -> str:
         service_id = f"llmgw-{model}-{instance}"
@@ -818,7 +832,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_cleanly(cluster, tmp_path: P
         assert f"shutdown: {step}" in log, log
 
 
-# --- parked and unplaceable models (planner state in llmgw/state/) ----------
+# --- parked and unplaceable models (the router reads llmgw/routing/) ---------
 
 KEV_LINE = "llama_model_load: error loading model: unknown model architecture: 'kev'"
 KEV_ERROR = "\n".join(

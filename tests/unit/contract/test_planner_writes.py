@@ -16,6 +16,7 @@ from llmgw_contract import (
     decode,
     encode,
     kv_key,
+    routing_of,
 )
 from planner.daemon.activation import answers_for_every_status
 from planner.model.failures import AllocInfo, Rules, decide_parking, for_definition, judge, track
@@ -39,9 +40,10 @@ def test_the_planner_gives_every_activation_status_and_only_those() -> None:
 
 
 def kv_entry(state: StateDocument) -> dict:
+    """The routing document the planner writes beside `state`, as Consul lists it."""
     return {
-        "Key": kv_key(KVPrefix.STATE, state.name),
-        "Value": base64.b64encode(encode(state).encode()).decode(),
+        "Key": kv_key(KVPrefix.ROUTING, state.name),
+        "Value": base64.b64encode(encode(routing_of(state)).encode()).decode(),
     }
 
 

@@ -39,6 +39,7 @@ from llmgw_contract import (
     decode,
     encode,
     kv_key,
+    routing_of,
 )
 from router import errors
 from router.catalog import ServiceAddress, parse_models, parse_states
@@ -164,7 +165,10 @@ def test_every_activation_answer_is_understood_and_acted_on(
 
 
 def kv_entry(prefix: KVPrefix, name: str, document: StateDocument | ModelRecord) -> dict:
-    """One key as Consul's recursive KV read returns it."""
+    """One key as Consul's recursive KV read returns it; for a state document, the
+    routing document the planner writes beside it (what the router reads)."""
+    if isinstance(document, StateDocument):
+        prefix, document = KVPrefix.ROUTING, routing_of(document)
     value = base64.b64encode(encode(document).encode()).decode()
     return {"Key": kv_key(prefix, name), "Value": value, "ModifyIndex": 7}
 
@@ -240,7 +244,7 @@ def test_a_document_nested_too_deep_is_skipped_and_hides_no_other_key() -> None:
     """10 KB of `[` is RecursionError in json, not ValueError: it was let out of
     decode, and the router's watch stopped reading every other key (review)."""
     nested = base64.b64encode(b"[" * 5000 + b"]" * 5000).decode()
-    bad = {"Key": kv_key(KVPrefix.STATE, "x"), "Value": nested, "ModifyIndex": 8}
+    bad = {"Key": kv_key(KVPrefix.ROUTING, "x"), "Value": nested, "ModifyIndex": 8}
     entries = [kv_entry(KVPrefix.STATE, "p", full_state("p", parked=PARKED)), bad]
     with pytest.raises(ValueError, match="not a StateDocument"):
         decode(StateDocument, base64.b64decode(nested))

@@ -10,7 +10,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable
+from llmgw_contract import ModelRecord, Parked, StateDocument, Unplaceable, encode, routing_of
 from router import errors
 from router.app import create_app
 from router.catalog import ServiceAddress, parse_states
@@ -61,6 +61,11 @@ def kv(key: str, value: object) -> dict:
     return {"Key": key, "Value": base64.b64encode(raw).decode()}
 
 
+def routing(state: dict) -> dict:
+    """The routing document the planner writes beside the state document ``state``."""
+    return json.loads(encode(routing_of(StateDocument.model_validate(state))))
+
+
 def state_doc(name: str, parked: bool = False, unplaceable: bool = False) -> dict:
     """The planner's JSON, with the keys the router ignores."""
     return {
@@ -99,12 +104,12 @@ def state_doc(name: str, parked: bool = False, unplaceable: bool = False) -> dic
 def test_parse_states_keeps_parked_and_unplaceable_only() -> None:
     states = parse_states(
         [
-            kv("llmgw/state/p", state_doc("p", parked=True)),
-            kv("llmgw/state/u", state_doc("u", unplaceable=True)),
-            kv("llmgw/state/fine", state_doc("fine")),
-            kv("llmgw/state/broken", b"{nope"),
-            kv("llmgw/state/wrong", {"parked": "yes"}),
-            kv("llmgw/state/p/deeper", state_doc("x", parked=True)),
+            kv("llmgw/routing/p", routing(state_doc("p", parked=True))),
+            kv("llmgw/routing/u", routing(state_doc("u", unplaceable=True))),
+            kv("llmgw/routing/fine", routing(state_doc("fine"))),
+            kv("llmgw/routing/broken", b"{nope"),
+            kv("llmgw/routing/wrong", {"parked": "yes"}),
+            kv("llmgw/routing/p/deeper", routing(state_doc("x", parked=True))),
         ]
     )
     assert sorted(states) == ["p", "u"]
@@ -124,7 +129,7 @@ def test_parse_states_keeps_parked_and_unplaceable_only() -> None:
 def test_parked_without_its_own_error_borrows_the_documents() -> None:
     doc = state_doc("p", parked=True)
     doc["parked"]["last_error"] = None
-    (state,) = parse_states([kv("llmgw/state/p", doc)]).values()
+    (state,) = parse_states([kv("llmgw/routing/p", routing(doc))]).values()
     assert state.parked is not None and state.parked.last_error == KEV_ERROR
 
 

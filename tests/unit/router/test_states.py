@@ -1,4 +1,4 @@
-"""router.states: a read of llmgw/state/ decodes only the keys whose ModifyIndex moved,
+"""router.states: a read of llmgw/routing/ decodes only the keys whose ModifyIndex moved,
 keeps the objects of the others, scans Consul's answer in pieces cut anywhere, and
 skips documents too large or invalid (issue 21, item 4)."""
 
@@ -10,16 +10,25 @@ import json
 
 import pytest
 
-from llmgw_contract import Parked, StateDocument, Unplaceable, encode
+from llmgw_contract import (
+    Parked,
+    RoutingDocument,
+    StateDocument,
+    Unplaceable,
+    encode,
+    routing_of,
+)
 from router.catalog import parse_states
 from router.states import EntryScanner, StateView, pieces_of, routed
-from router.watch import STATE_LOOP_SHARE, state_interval
+from router.watch import STATE_LOOP_SHARE, STATE_MIN_INTERVAL_S, state_interval
 
 
 def entry(name: str, doc: StateDocument | bytes, index: int) -> dict[str, object]:
-    raw = doc if isinstance(doc, bytes) else encode(doc).encode()
+    """Consul's KV entry of ``name``'s routing document, as the planner writes it for
+    the state ``doc`` (bytes: written as they are)."""
+    raw = doc if isinstance(doc, bytes) else encode(routing_of(doc)).encode()
     return {
-        "LockIndex": 0, "Key": f"llmgw/state/{name}", "Flags": 0,
+        "LockIndex": 0, "Key": f"llmgw/routing/{name}", "Flags": 0,
         "Value": base64.b64encode(raw).decode(), "CreateIndex": 1, "ModifyIndex": index,
     }  # fmt: skip
 
@@ -30,7 +39,7 @@ def body(*entries: dict[str, object]) -> bytes:
 
 def read(
     view: StateView, data: bytes | None, piece: int = 7, index: int = 100
-) -> dict[str, StateDocument]:
+) -> dict[str, RoutingDocument]:
     return asyncio.run(view.read(None if data is None else pieces_of(data, piece), index))
 
 
@@ -91,14 +100,14 @@ def test_too_large_and_invalid_documents_are_skipped_others_kept(
         view,
         body(
             entry("huge", huge, 5), entry("junk", b"{not json", 6), entry("a", PARKED, 7),
-            {"LockIndex": 0, "Key": "llmgw/state/nothing", "Flags": 0, "Value": None,
+            {"LockIndex": 0, "Key": "llmgw/routing/nothing", "Flags": 0, "Value": None,
              "CreateIndex": 1, "ModifyIndex": 8},
             entry("deeper/x", PARKED, 9),
         ),
     )  # fmt: skip
     assert set(found) == {"a"}
-    assert "llmgw/state/huge" in caplog.text and "more than a state document" in caplog.text
-    assert "llmgw/state/junk" in caplog.text
+    assert "llmgw/routing/huge" in caplog.text and "more than a routing document" in caplog.text
+    assert "llmgw/routing/junk" in caplog.text
     caplog.clear()
     read(view, body(entry("huge", huge, 5), entry("junk", b"{not json", 6), entry("a", PARKED, 7)))
     assert caplog.text == ""  # warned once per write, not once per read
@@ -107,7 +116,7 @@ def test_too_large_and_invalid_documents_are_skipped_others_kept(
 def test_it_agrees_with_parse_states() -> None:
     entries = [entry("a", PARKED, 1), entry("b", UNPLACEABLE, 2), entry("c", FINE, 3)]
     assert read(StateView(), body(*entries)) == parse_states(entries)
-    assert routed(FINE) is None
+    assert routed(routing_of(FINE)) is None
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 64, 1 << 20])
@@ -165,7 +174,7 @@ def test_the_scan_yields_to_the_loop_and_the_reads_are_spaced_by_their_cost() ->
     asyncio.run(scenario())
     assert ticks >= 50
     assert view.cost_s > 0
-    assert state_interval(0.0) == 0.05
+    assert state_interval(0.0) == STATE_MIN_INTERVAL_S
     assert state_interval(0.2) == pytest.approx(0.2 / STATE_LOOP_SHARE)
 
 

@@ -7,6 +7,9 @@ KV layout (all JSON, see `llmgw_contract.documents`):
     llmgw/state/<name>    StateDocument   written by the planner (every write a
                                           check-and-set); a cache of what Nomad's job
                                           meta holds durably
+    llmgw/routing/<name>  RoutingDocument the router's part of the state (parked,
+                                          unplaceable): written in the state's
+                                          transaction only when that part changes
     llmgw/usage/<name>    UsageRecord     the leader's coarse copy of when the model
                                           was last asked for (routers report to it)
     llmgw/engines/<name>  EngineRecord    written by `planner engines apply`: the engines
@@ -18,9 +21,9 @@ KV layout (all JSON, see `llmgw_contract.documents`):
                                           forward writes to it, routers send it
                                           activations and usage reports
 
-The router watches `llmgw/models/` and `llmgw/state/`, never `llmgw/usage/` nor
-`llmgw/engines/`: a usage heartbeat must not wake every router, and engines are the
-planner's alone.
+The router watches `llmgw/models/` and `llmgw/routing/`, never `llmgw/state/`,
+`llmgw/usage/` nor `llmgw/engines/`: a failure counted or a usage heartbeat must not
+wake every router, and engines are the planner's alone.
 
 Outside `llmgw/`, written by operators only:
 

@@ -128,7 +128,7 @@ REFRESH_CONCURRENCY = 8
 # silently (the starvation issue 10 found).
 MAX_CONSUL_CONNECTIONS = 32
 
-# Pieces in which a streamed answer (the state documents) is handed on as it arrives.
+# Pieces in which a streamed answer (the routing documents) is handed on as it arrives.
 _PIECE_BYTES = 64 * 1024
 
 Consume = Callable[[AsyncIterable[bytes] | None, int], Awaitable[Any]]

@@ -357,14 +357,14 @@ class EndpointTable:
     ) -> None:
         """Replace every model's planner state (models absent from ``states`` have none).
         ``consul_reset``: as for :meth:`set_models`; the states this read drops are kept
-        until the model's record or state key is back. ``present``: the models with a
-        state key in the read (:attr:`router.states.StateView.present`), parked or not;
+        until the model's record or routing key is back. ``present``: the models with a
+        routing key in the read (:attr:`router.states.StateView.present`), parked or not;
         a key back ends what a reset kept whatever its document says (a model the
         planner un-parked meanwhile is not refused as parked)."""
         if consul_reset:
             dropped = {n: d for n, d in self._states.items() if n not in states}
             if dropped:
-                self._remember("Consul lost its state document (its state was reset)")
+                self._remember("Consul lost its routing document (its state was reset)")
                 self._kept_states.update(dropped)
         # Only the entries whose state changed are touched: the catalog hands back
         # the same object for a document that did not change (router.states).

@@ -217,13 +217,14 @@ class StateStore:
         """Delete the model's state and routing documents (one transaction)."""
         self._consul.delete_keys(kv_key(KVPrefix.STATE, name), kv_key(KVPrefix.ROUTING, name))
 
-    def sync_routing(self) -> list[str]:
+    def sync_routing(self) -> frozenset[str]:
         """Make every routing document say what its state document says, and delete the
         routing documents of models with none. Written by `_put_state` beside every
         change, so this finds work only after a planner of an older version, an
         operator's edit, or a restored snapshot. Each write is checked against the state
         document's index (one that changed meanwhile wrote its own). Returns the models
-        whose routing document it wrote or deleted."""
+        that have a state document (read once for both: 12-16 MiB with 1,000 models);
+        those whose routing document it wrote or deleted are logged."""
         # Routing first: a model created between the two reads has both keys in the
         # second, so it is never taken for an orphan.
         routing = self._consul.get_indexed_texts(KVPrefix.ROUTING)
@@ -246,4 +247,6 @@ class StateStore:
                 fixed.append(name)
         if fixed:
             log.warning("routing documents out of step with the state, rewritten: %s", fixed)
-        return fixed
+        return frozenset(
+            name for key in states if (name := model_from_key(KVPrefix.STATE, key)) is not None
+        )

@@ -4,10 +4,10 @@ Routers report the models they served every 10 s (`POST /v1/usage`) and an
 activation counts as use. Those reports reach the leading planner only
 (followers forward them), which keeps them in memory: they are the
 high-frequency part of a model's state, and writing each into the state
-document would wake every router's watch of `llmgw/state/` several times a
-second. A copy goes to `llmgw/usage/<name>` at most every `PERSIST_EVERY`
-per model (and at once on activation), for `planner status` in another
-process and for the next leader.
+document would rewrite 12-16 KiB several times a second (and, before routing
+documents, woke every router's watch). A copy goes to `llmgw/usage/<name>`
+at most every `PERSIST_EVERY` per model (and at once on activation), for
+`planner status` in another process and for the next leader.
 
 Called by the admin API (reports, activation), the idle scaler (last use)
 and `planner.daemon.leader` (a new leader starts from the copies, and counts every

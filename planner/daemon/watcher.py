@@ -45,11 +45,9 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, w
 
 from llmgw_contract import (
     JobMeta,
-    KVPrefix,
     ReplicaRecord,
     StateDocument,
     alloc_from_service_id,
-    kv_key,
     model_from_service,
 )
 from planner.agents.consul import ConsulClient
@@ -481,9 +479,11 @@ class Watcher:
         return latest
 
     def reconcile_models(self) -> None:
-        """Restore a wiped `llmgw/`, learn every model (records, and model jobs), drop the
-        caches of models gone, and mark every model."""
+        """Restore a wiped `llmgw/`, bring routing documents in step with their state
+        (as `repair` does: a reconcile due resets the repair's timer), learn every model
+        (records, and model jobs), drop the caches of models gone, and mark every model."""
         repair.restore(self.nomad, self.consul, self.store)
+        self.store.sync_routing()
         names = set(self.consul.model_records())
         names |= {
             j.get("ID", "") for j in self.nomad.jobs() if JobMeta.MODEL in (j.get("Meta") or {})
@@ -518,12 +518,11 @@ class Watcher:
         with no old failure counted twice), and bring routing documents in step with
         their state (`StateStore.sync_routing`: after an upgrade, an edit, a snapshot)."""
         repair.restore(self.nomad, self.consul, self.store)
-        self.store.sync_routing()
-        documents = self.consul.get_texts(KVPrefix.STATE)
+        documents = self.store.sync_routing()
         for name in sorted(self.consul.model_records()):
             with self._models_lock:
                 self._models.add(name)
-            if kv_key(KVPrefix.STATE, name) not in documents:
+            if name not in documents:
                 self.workers.mark(name)
 
     # --- what Consul says ------------------------------------------------------------------

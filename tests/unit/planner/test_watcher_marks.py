@@ -45,7 +45,7 @@ class Stand:
 
 
 def watcher(**nomad: Any) -> tuple[Watcher, Marks]:
-    consul = Stand(model_records={"m": object(), "n": object()}, get_texts={})
+    consul = Stand(model_records={"m": object(), "n": object()}, get_texts={}, get_indexed_texts={})
     w = Watcher(Stand(**nomad), consul, clock=lambda: NOW)  # type: ignore[arg-type]
     w.workers = Marks()  # type: ignore[assignment]
     w._models = {"m", "n"}

@@ -22,12 +22,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # devcluster, llmgw_contract, router: imported where used
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from devcluster.ports import free_port  # noqa: E402  (after the path it needs)
 
 
 def consul_binary() -> str:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from devcluster.ports import free_port
 
 # Long enough that the prompt is evaluated as one batch of dozens of tokens: the
 # matrix kernels a CPU variant picks for batches (AMX, AVX-512 VNNI) run on it.
@@ -84,12 +85,6 @@ def ran_once(
     if signal_name or code not in ok_codes:
         how = f"died of {signal_name}" if signal_name else f"exited {code}"
         raise SmokeFailed(f"{name}: `{' '.join(argv)}` {how}\n{_tail(log)}\nlog: {log}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> int:

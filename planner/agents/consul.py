@@ -204,10 +204,7 @@ class ConsulClient:
 
     def get_texts(self, prefix: str) -> dict[str, str]:
         """Every non-empty value under `prefix`: {key: text}."""
-        _, items = self._call(
-            CONSUL_KV_READ, f"read {prefix}", lambda: self._api.kv.get(prefix, recurse=True)
-        )
-        return {item["Key"]: item["Value"].decode() for item in items or [] if item["Value"]}
+        return {key: text for key, (_, text) in self.get_indexed_texts(prefix).items()}
 
     def put_text(self, key: str, text: str) -> None:
         self._call(CONSUL_KV_WRITE, f"write {key}", lambda: self._api.kv.put(key, text))

@@ -207,8 +207,9 @@ class Children:
                 proc.kill()
                 proc.wait()
 
-    def consul(self, port: int) -> str:
-        """Start ``consul agent -dev`` on ``port`` (others free, DNS and gRPC off); its URL."""
+    def consul(self, port: int, name: str = "consul") -> str:
+        """Start ``consul agent -dev`` on ``port`` (others free, DNS and gRPC off), logging
+        to ``<name>.log``; its URL."""
         self.spawn(
             [
                 consul_binary(),
@@ -233,7 +234,7 @@ class Children:
                 "-log-level",
                 "warn",
             ],
-            "consul",
+            name,
         )
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: http("GET", f"{url}/v1/status/leader") != b'""', 20, "consul leader")

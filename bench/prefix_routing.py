@@ -147,10 +147,15 @@ class Run:
 
 
 def start_router(
-    children: Children, consul_port: int, strategy: str, name: str, shared: bool = True
+    children: Children,
+    consul_port: int,
+    strategy: str,
+    name: str,
+    load_interval: float | None = None,
 ) -> tuple[str, subprocess.Popen]:
-    """A router; `shared` False: balancing on its own requests only (no replica load
-    reads: LLMGW_ROUTER_SHARED_LOAD_INTERVAL=0), as before router.replicaload."""
+    """A router reading the replicas' load every `load_interval` seconds
+    (LLMGW_ROUTER_SHARED_LOAD_INTERVAL; None: the router's default; 0: balancing on
+    its own requests only, as before router.replicaload)."""
     port = free_port()
     env = {
         **os.environ,
@@ -158,8 +163,8 @@ def start_router(
         "LLMGW_ACTIVATION": "0",
         "LLMGW_ROUTING": strategy,
     }
-    if not shared:
-        env["LLMGW_ROUTER_SHARED_LOAD_INTERVAL"] = "0"
+    if load_interval is not None:
+        env["LLMGW_ROUTER_SHARED_LOAD_INTERVAL"] = f"{load_interval:g}"
     proc = children.spawn(
         [
             sys.executable,
@@ -363,35 +368,42 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-Variant = tuple[str, int, bool]
-"""(routing strategy, routers behind the round-robin front, whether they read the
-replicas' load: `--routers 3:own` is 3 routers each on its own load)."""
+Variant = tuple[str, int, float | None]
+"""(routing strategy, routers behind the round-robin front, how often each reads the
+replicas' load in seconds: None the router's default; `--routers 3:own` is 3 routers
+each on its own load (0), `--routers 2:0.1` 2 routers reading it every 0.1 s)."""
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     if args.routers:
-        chosen = []
+        chosen: list[Variant] = []
         for item in args.routers.split(","):
-            count, _, own = item.partition(":")
-            chosen.append((args.strategy, int(count), own != "own"))
+            count, _, interval = item.partition(":")
+            load = None if not interval else 0.0 if interval == "own" else float(interval)
+            chosen.append((args.strategy, int(count), load))
         return chosen
-    return [(strategy, 1, True) for strategy in STRATEGIES]
+    return [(strategy, 1, None) for strategy in STRATEGIES]
+
+
+def _load_tag(load: float | None) -> str:
+    return "" if load is None else "own" if load == 0 else f"{load:g}s"
 
 
 def label(variant: Variant, args: argparse.Namespace) -> str:
-    strategy, routers, shared = variant
-    own = "" if shared else " own load"
-    return f"{strategy} x{routers}{own}" if args.routers else strategy
+    strategy, routers, load = variant
+    tag = {"": "", "own": " own load"}.get(_load_tag(load), f" load {_load_tag(load)}")
+    return f"{strategy} x{routers}{tag}" if args.routers else strategy
 
 
 def run_variant(
     children: Children, consul: str, consul_port: int, model: Path, variant: Variant, seed: int
 ) -> tuple[str, list[str], list[subprocess.Popen], Run]:
-    strategy, routers, shared = variant
-    name = f"{strategy}-{routers}r{'' if shared else '-own'}-{seed}"
+    strategy, routers, load = variant
+    tag = _load_tag(load)
+    name = f"{strategy}-{routers}r{'-' + tag if tag else ''}-{seed}"
     run = Run(children, consul, model, name)
     started = [
-        start_router(children, consul_port, strategy, f"{name}-{i}", shared) for i in range(routers)
+        start_router(children, consul_port, strategy, f"{name}-{i}", load) for i in range(routers)
     ]
     return name, [url for url, _ in started], [proc for _, proc in started], run
 
@@ -471,7 +483,8 @@ def targets_met(result: dict, chosen: list[Variant], args: argparse.Namespace) -
             "more_cached": px["cached_tokens"] > lo["cached_tokens"],
             "lower_ttft": px["ttft_mean_s"] < lo["ttft_mean_s"],
         }
-    ones = [v for v in chosen if v[1] == 1]
+    # The reference: one router at the default interval when it ran, else the first single.
+    ones = sorted((v for v in chosen if v[1] == 1), key=lambda v: v[2] is not None)
     met: dict = {}
     if not ones:
         return met
@@ -480,7 +493,7 @@ def targets_met(result: dict, chosen: list[Variant], args: argparse.Namespace) -
         if variant[1] == 1:
             continue
         r = result[label(variant, args)]
-        tag = f"x{variant[1]}{'' if variant[2] else '_own_load'}"
+        tag = f"x{variant[1]}" + (f"_{_load_tag(variant[2])}" if variant[2] is not None else "")
         met[f"cached_{tag}"] = r["cached_fraction"] >= one["cached_fraction"] * 0.9
         met[f"balance_{tag}"] = r["busiest_share"] <= one["busiest_share"] * 1.1
     return met
@@ -493,7 +506,7 @@ def print_table(r: dict) -> None:
         f"{r['cpus']} CPUs"
     )
     columns = r["columns"]
-    print(f"{'':<48}" + "".join(f"{c:>20}" for c in columns))
+    print(f"{'':<48}" + "".join(f"{c:>22}" for c in columns))
     rows = [
         ("prompt tokens", "prompt_tokens", "{:,}"),
         ("cached prompt tokens", "cached_tokens", "{:,}"),
@@ -507,7 +520,7 @@ def print_table(r: dict) -> None:
         ("mean requests in flight", "mean_inflight", "{:.2f}"),
     ]
     for text, key, fmt in rows:
-        print(f"{text:<48}" + "".join(f"{fmt.format(r[c][key]):>20}" for c in columns))
+        print(f"{text:<48}" + "".join(f"{fmt.format(r[c][key]):>22}" for c in columns))
     print(
         "busiest replica's share, each run: "
         + "; ".join(
@@ -536,7 +549,8 @@ def main() -> None:
         "--routers",
         default="",
         help="router counts behind a round-robin front, e.g. 1,2,3 (each with "
-        "--strategy); 3:own: 3 routers balancing on their own load only, side by side",
+        "--strategy); 3:own: 3 routers balancing on their own load only; 2:0.1: 2 routers "
+        "reading the replicas' load every 0.1 s (default: the router's); side by side",
     )
     parser.add_argument("--strategy", choices=STRATEGIES, default="prefix")
     parser.add_argument("--width", type=int, default=256, help="model width")

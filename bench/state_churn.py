@@ -12,7 +12,12 @@ Starts, all on 127.0.0.1 and all stopped at exit (bench/_support.py):
   becomes unplaceable, parked or neither (``llmgw_contract.routing_of``);
 - the stub upstream of bench/router_overhead.py (imported, not copied), serving
   the model ``bench``, whose own state never changes;
-- the router (``python -m router serve``).
+- the router (``python -m router serve``);
+- a control: a second Consul dev agent holding only the model ``bench``, and a
+  second router reading it. It shares the machine, and so the writer's and
+  Consul's CPU, with everything else, but has no state to read: what the churn
+  costs it is the machine's contention alone, and the router's figure less the
+  control's is what reading the churn costs the router itself.
 
 Then, in ``--rounds`` rounds, quiet and churning in alternating order (so a burst
 of load from elsewhere hits both alike): a churning phase runs a writer process
@@ -20,11 +25,13 @@ that rewrites every state document once a second (``/v1/txn``, 20 documents a
 transaction, evenly spread; each rewrite moves a failure count, and one model in
 ten turns unplaceable or placeable again, so the router's entries really change:
 100 routing documents a second).
-Each phase measures p99 at ``--connections`` direct to the stub and through the
-router (wrk, on PATH or its Debian package, else Python; bench/router_overhead.py's generators);
+Each phase measures p99 at ``--connections`` direct to the stub, through the
+router and through the control (the two routers' order turned each round; wrk, on
+PATH or its Debian package, else Python; bench/router_overhead.py's generators);
 added p99 = router p99 - direct p99 of the same phase; then the same at one
 connection, back to back (a light client: less contention in the figure). Target: the churning added
-p99 within 1 ms of the quiet one (median over the rounds).
+p99 within 1 ms of the quiet one (median over the rounds). Beside it, the router's
+own share: its churning-less-quiet added p99 less the control's, per round (median).
 
 First, in this process (no other load in the figure), one read of the routing
 answer by the router's state view, all documents new, none changed, all changed:
@@ -183,6 +190,8 @@ class Cluster(Children):
         self.stub_port = free_port()
         self.router_port = free_port()
         self.router: subprocess.Popen | None = None
+        self.control_consul_port = free_port()
+        self.control_port = free_port()
         self.consul_pid = 0
         self.idle_consul_cpu = 0.0
 
@@ -191,6 +200,7 @@ class Cluster(Children):
         self.spawn([sys.executable, overhead, "--serve-stub", str(self.stub_port)], "stub")
         consul = self.consul(self.consul_port)
         self.consul_pid = self.procs[-1].pid
+        control = self.consul(self.control_consul_port, "control-consul")
         wait_for(lambda: socket.create_connection(("127.0.0.1", self.stub_port)), 10, "stub")
         service = {
             "ID": "llmgw-bench-1",
@@ -199,8 +209,9 @@ class Cluster(Children):
             "Port": self.stub_port,
             "Check": {"CheckID": "bench-ttl", "TTL": "1h", "Status": "passing"},
         }
-        http("PUT", f"{consul}/v1/agent/service/register", json.dumps(service).encode())
-        define_model(consul, MODEL)
+        for url in (consul, control):
+            http("PUT", f"{url}/v1/agent/service/register", json.dumps(service).encode())
+            define_model(url, MODEL)
         conn = HTTPConnection("127.0.0.1", self.consul_port, timeout=30)
         for start in range(0, self.models, TXN_DOCS):
             batch = range(start, min(start + TXN_DOCS, self.models))
@@ -223,8 +234,11 @@ class Cluster(Children):
         # No planner here: a model without replicas is refused, not activated.
         os.environ["LLMGW_ACTIVATION"] = "0"
         self.router = self.router_process(self.router_port, self.consul_port)
+        self.router_process(self.control_port, self.control_consul_port, name="control")
+        for port in (self.router_port, self.control_port):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            wait_for(lambda u=url: http("POST", u, REQUEST_BODY) == STUB_BODY, 60, "routers")
         url = f"http://127.0.0.1:{self.router_port}/v1/completions"
-        wait_for(lambda: http("POST", url, REQUEST_BODY) == STUB_BODY, 60, "router to route")
         # Every model known and its state read: m0 is unplaceable at generation 0.
         body = json.dumps({"model": "m0", "prompt": "x"}).encode()
         wait_for(lambda: _refusal(url, body) == "model_unplaceable", 60, "states read")
@@ -356,7 +370,12 @@ def p99_one_ms(port: int, seconds: float) -> float:
 
 
 def phase(
-    cluster: Cluster, args: argparse.Namespace, workdir: str, generator: str, churning: bool
+    cluster: Cluster,
+    args: argparse.Namespace,
+    workdir: str,
+    generator: str,
+    churning: bool,
+    control_first: bool = False,
 ) -> dict:
     assert cluster.router is not None
     writer = None
@@ -371,12 +390,17 @@ def phase(
     try:
         cpu = cpu_seconds(cluster.router.pid)
         started = time.monotonic()
+        routers = [cluster.router_port, cluster.control_port]
+        if control_first:
+            routers.reverse()
         direct, _ = p99_ms(cluster.stub_port, args, workdir, generator)
-        router, failed = p99_ms(cluster.router_port, args, workdir, generator)
+        many = {port: p99_ms(port, args, workdir, generator) for port in routers}
         direct_one = p99_one_ms(cluster.stub_port, args.duration / 2)
-        router_one = p99_one_ms(cluster.router_port, args.duration / 2)
+        one = {port: p99_one_ms(port, args.duration / 2) for port in routers}
         seconds = time.monotonic() - started
         cpu = cpu_seconds(cluster.router.pid) - cpu
+        router, failed = many[cluster.router_port]
+        control, _ = many[cluster.control_port]
     finally:
         if writer is not None:
             writer.terminate()
@@ -385,7 +409,9 @@ def phase(
         "direct_p99_ms": direct,
         "router_p99_ms": router,
         "added_p99_ms": router - direct,
-        "added_p99_1conn_ms": router_one - direct_one,
+        "added_p99_1conn_ms": one[cluster.router_port] - direct_one,
+        "control_added_p99_ms": control - direct,
+        "control_added_p99_1conn_ms": one[cluster.control_port] - direct_one,
         "router_cpu_share": cpu / seconds,
     }
     if failed:
@@ -431,22 +457,35 @@ def measure(args: argparse.Namespace) -> dict:
                 pair = {}
                 for churning in order:
                     name = "churn" if churning else "quiet"
-                    pair[name] = phase(cluster, args, workdir, generator, churning)
+                    pair[name] = phase(cluster, args, workdir, generator, churning, i % 2 == 1)
                 result["rounds"].append(pair)
         finally:
             cluster.close()
     for name in ("quiet", "churn"):
         for key in (
             "added_p99_ms", "router_p99_ms", "direct_p99_ms", "router_cpu_share",
-            "added_p99_1conn_ms",
+            "added_p99_1conn_ms", "control_added_p99_ms", "control_added_p99_1conn_ms",
         ):  # fmt: skip
             result[f"{name}_{key}"] = statistics.median(r[name][key] for r in result["rounds"])
+    for suffix in ("", "_1conn"):
+        # Per round: the router's churn cost less the control's (the machine's share).
+        result[f"router_share{suffix}_ms"] = statistics.median(
+            (r["churn"][f"added_p99{suffix}_ms"] - r["quiet"][f"added_p99{suffix}_ms"])
+            - (
+                r["churn"][f"control_added_p99{suffix}_ms"]
+                - r["quiet"][f"control_added_p99{suffix}_ms"]
+            )
+            for r in result["rounds"]
+        )
     result["churn_writes_per_s"] = statistics.median(
         r["churn"]["writes_per_s"] for r in result["rounds"]
     )
     result["added_p99_difference_ms"] = result["churn_added_p99_ms"] - result["quiet_added_p99_ms"]
     result["target_ms"] = TARGET_MS
-    result["met"] = {"churn_within_1ms": result["added_p99_difference_ms"] <= TARGET_MS}
+    result["met"] = {
+        "churn_within_1ms": result["added_p99_difference_ms"] <= TARGET_MS,
+        "router_share_within_1ms": result["router_share_ms"] <= TARGET_MS,
+    }
     return result
 
 
@@ -461,6 +500,7 @@ def print_table(r: dict) -> None:
     )
     print(
         f"{'phase':<8} {'direct p99':>11} {'router p99':>11} {'added p99':>10} {'router CPU':>11}"
+        f"{'added p99 1 conn':>17} {'control added p99, 16 / 1 conn':>31}"
     )
     for i, pair in enumerate(r["rounds"]):
         for name in ("quiet", "churn"):
@@ -468,7 +508,8 @@ def print_table(r: dict) -> None:
             print(
                 f"{name:<8} {p['direct_p99_ms']:>8.2f} ms {p['router_p99_ms']:>8.2f} ms "
                 f"{p['added_p99_ms']:>7.2f} ms {p['router_cpu_share'] * 100:>10.0f}%"
-                f"{p['added_p99_1conn_ms']:>15.2f} ms"
+                f"{p['added_p99_1conn_ms']:>14.2f} ms"
+                f"{p['control_added_p99_ms']:>18.2f} / {p['control_added_p99_1conn_ms']:.2f} ms"
                 + (f"  round {i + 1}" if name == "quiet" else "")
             )
     print(
@@ -481,6 +522,14 @@ def print_table(r: dict) -> None:
         f"churning {r['churn_added_p99_1conn_ms']:.2f} ms"
     )
     ok = "yes" if r["met"]["churn_within_1ms"] else "NO"
+    own = "yes" if r["met"]["router_share_within_1ms"] else "NO"
+    print(
+        f"median added p99 of the control (no state to read): quiet "
+        f"{r['quiet_control_added_p99_ms']:.2f} ms, churning {r['churn_control_added_p99_ms']:.2f}"
+        f" ms; the router's own share of the churn cost (its difference less the control's, "
+        f"per round): {r['router_share_ms']:+.2f} ms at {r['connections']} connections "
+        f"(<= {r['target_ms']:g} ms: {own}), {r['router_share_1conn_ms']:+.2f} ms at one"
+    )
     print(
         f"median added p99: quiet {r['quiet_added_p99_ms']:.2f} ms, churning "
         f"{r['churn_added_p99_ms']:.2f} ms; difference {r['added_p99_difference_ms']:+.2f} ms "

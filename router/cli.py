@@ -220,7 +220,7 @@ def serve(
         typer.Option(
             help="Seconds between reads of a busy model's replicas' /metrics, for what the "
             "other routers have in flight there; 0: balance on this router's own counts "
-            "(env LLMGW_ROUTER_SHARED_LOAD_INTERVAL, 0.25)."
+            "(env LLMGW_ROUTER_SHARED_LOAD_INTERVAL, 0.1)."
         ),
     ] = None,
     max_connections_per_replica: Annotated[

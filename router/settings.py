@@ -197,7 +197,7 @@ class RouterSettings:
     drain_timeout_s: float = 30.0
     # How often a busy model's replicas are asked what every router has in flight on
     # them (router.replicaload); 0: balance on this router's own counts only.
-    shared_load_interval_s: float = 0.25
+    shared_load_interval_s: float = 0.1
     # Processes behind the one port (router.workers); 1: this process serves.
     workers: int = 1
     access_log: bool = False

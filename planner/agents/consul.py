@@ -249,11 +249,7 @@ class ConsulClient:
 
         def put() -> bool:
             try:
-                # Not py-consul's `txn.put`: it sends no token (py-consul 1.8), so with
-                # ACLs every operation was "Permission denied" (found by test_acl.py).
-                self._api.http.put(
-                    CB.json(), "/v1/txn", data=json.dumps(ops), headers=self._api.prepare_headers()
-                )
+                self._txn(ops)
             except consul.exceptions.ClientError as exc:
                 failed = _failed_ops(exc)
                 if failed is None:
@@ -283,13 +279,16 @@ class ConsulClient:
     def delete_keys(self, *keys: str) -> None:
         """Delete every key of `keys` in one transaction (all or none)."""
         ops = [{"KV": {"Verb": "delete", "Key": key}} for key in keys]
+        self._call(CONSUL_KV_WRITE, f"delete {', '.join(keys)}", lambda: self._txn(ops))
 
-        def delete() -> None:
-            self._api.http.put(
-                CB.json(), "/v1/txn", data=json.dumps(ops), headers=self._api.prepare_headers()
-            )
-
-        self._call(CONSUL_KV_WRITE, f"delete {', '.join(keys)}", delete)
+    def _txn(self, ops: list[dict[str, Any]]) -> None:
+        """PUT `ops` to ``/v1/txn``; raises py-consul's errors (a 409 lists the failed
+        operations: :func:`_failed_ops`). Not py-consul's `txn.put`: it sends no token
+        (py-consul 1.8), so with ACLs every operation was "Permission denied" (found by
+        test_acl.py)."""
+        self._api.http.put(
+            CB.json(), "/v1/txn", data=json.dumps(ops), headers=self._api.prepare_headers()
+        )
 
     # --- model records ---------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -378,9 +379,18 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     if args.routers:
         chosen: list[Variant] = []
         for item in args.routers.split(","):
-            count, _, interval = item.partition(":")
-            load = None if not interval else 0.0 if interval == "own" else float(interval)
-            chosen.append((args.strategy, int(count), load))
+            count, _, interval = item.strip().partition(":")
+            try:
+                routers = int(count)
+                load = None if not interval else 0.0 if interval == "own" else float(interval)
+            except ValueError:
+                routers, load = 0, None
+            if routers < 1 or (load is not None and not (math.isfinite(load) and load >= 0)):
+                raise SystemExit(
+                    f"--routers: {item!r} is not COUNT, COUNT:own or COUNT:SECONDS "
+                    "(a count of 1 or more; seconds finite and >= 0)"
+                )
+            chosen.append((args.strategy, routers, load))
         return chosen
     return [(strategy, 1, None) for strategy in STRATEGIES]
 
@@ -506,7 +516,8 @@ def print_table(r: dict) -> None:
         f"{r['cpus']} CPUs"
     )
     columns = r["columns"]
-    print(f"{'':<48}" + "".join(f"{c:>22}" for c in columns))
+    width = max(20, *(len(c) + 2 for c in columns))
+    print(f"{'':<48}" + "".join(f"{c:>{width}}" for c in columns))
     rows = [
         ("prompt tokens", "prompt_tokens", "{:,}"),
         ("cached prompt tokens", "cached_tokens", "{:,}"),
@@ -520,7 +531,7 @@ def print_table(r: dict) -> None:
         ("mean requests in flight", "mean_inflight", "{:.2f}"),
     ]
     for text, key, fmt in rows:
-        print(f"{text:<48}" + "".join(f"{fmt.format(r[c][key]):>22}" for c in columns))
+        print(f"{text:<48}" + "".join(f"{fmt.format(r[c][key]):>{width}}" for c in columns))
     print(
         "busiest replica's share, each run: "
         + "; ".join(

@@ -65,8 +65,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from http.client import HTTPConnection
 from pathlib import Path
+from typing import Any
 
 import router_overhead
 from _support import (
@@ -387,20 +389,36 @@ def phase(
             "churn",
         )  # fmt: skip
         wait_for(lambda: Path(counter).exists(), 10, "the writer's first batch")
+    # The router's CPU share is taken while it is loaded (not while the control is).
+    cpu = seconds = 0.0
+
+    def timed(port: int, measure: Callable[[], Any]) -> Any:
+        nonlocal cpu, seconds
+        if port != cluster.router_port:
+            return measure()
+        assert cluster.router is not None
+        cpu_before, started = cpu_seconds(cluster.router.pid), time.monotonic()
+        try:
+            return measure()
+        finally:
+            seconds += time.monotonic() - started
+            cpu += cpu_seconds(cluster.router.pid) - cpu_before
+
     try:
-        cpu = cpu_seconds(cluster.router.pid)
-        started = time.monotonic()
         routers = [cluster.router_port, cluster.control_port]
         if control_first:
             routers.reverse()
         direct, _ = p99_ms(cluster.stub_port, args, workdir, generator)
-        many = {port: p99_ms(port, args, workdir, generator) for port in routers}
+        many = {
+            port: timed(port, lambda p=port: p99_ms(p, args, workdir, generator))
+            for port in routers
+        }
         direct_one = p99_one_ms(cluster.stub_port, args.duration / 2)
-        one = {port: p99_one_ms(port, args.duration / 2) for port in routers}
-        seconds = time.monotonic() - started
-        cpu = cpu_seconds(cluster.router.pid) - cpu
+        one = {
+            port: timed(port, lambda p=port: p99_one_ms(p, args.duration / 2)) for port in routers
+        }
         router, failed = many[cluster.router_port]
-        control, _ = many[cluster.control_port]
+        control, control_failed = many[cluster.control_port]
     finally:
         if writer is not None:
             writer.terminate()
@@ -416,6 +434,8 @@ def phase(
     }
     if failed:
         result["router_failed"] = failed
+    if control_failed:
+        result["control_failed"] = control_failed
     if writer is not None:
         written, took = Path(counter).read_text().split()
         result["writes_per_s"] = int(written) / float(took)
@@ -468,14 +488,8 @@ def measure(args: argparse.Namespace) -> dict:
         ):  # fmt: skip
             result[f"{name}_{key}"] = statistics.median(r[name][key] for r in result["rounds"])
     for suffix in ("", "_1conn"):
-        # Per round: the router's churn cost less the control's (the machine's share).
         result[f"router_share{suffix}_ms"] = statistics.median(
-            (r["churn"][f"added_p99{suffix}_ms"] - r["quiet"][f"added_p99{suffix}_ms"])
-            - (
-                r["churn"][f"control_added_p99{suffix}_ms"]
-                - r["quiet"][f"control_added_p99{suffix}_ms"]
-            )
-            for r in result["rounds"]
+            _router_share(r, suffix) for r in result["rounds"]
         )
     result["churn_writes_per_s"] = statistics.median(
         r["churn"]["writes_per_s"] for r in result["rounds"]
@@ -489,6 +503,20 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
+def _router_share(pair: dict, suffix: str) -> float:
+    """One round's churn cost to the router less the control's (the machine's share):
+    infinite, so never met, when a figure of either is not finite (a failed run)."""
+    figures = [
+        pair[phase][f"{who}added_p99{suffix}_ms"]
+        for phase in ("churn", "quiet")
+        for who in ("", "control_")
+    ]
+    if not all(math.isfinite(f) for f in figures):
+        return math.inf
+    churn, control_churn, quiet, control_quiet = figures
+    return (churn - quiet) - (control_churn - control_quiet)
+
+
 def print_table(r: dict) -> None:
     lo = r["loop"]
     print(
@@ -500,7 +528,7 @@ def print_table(r: dict) -> None:
     )
     print(
         f"{'phase':<8} {'direct p99':>11} {'router p99':>11} {'added p99':>10} {'router CPU':>11}"
-        f"{'added p99 1 conn':>17} {'control added p99, 16 / 1 conn':>31}"
+        f"{'added p99 1 conn':>17}   control added p99, {r['connections']} / 1 conn"
     )
     for i, pair in enumerate(r["rounds"]):
         for name in ("quiet", "churn"):
@@ -509,7 +537,7 @@ def print_table(r: dict) -> None:
                 f"{name:<8} {p['direct_p99_ms']:>8.2f} ms {p['router_p99_ms']:>8.2f} ms "
                 f"{p['added_p99_ms']:>7.2f} ms {p['router_cpu_share'] * 100:>10.0f}%"
                 f"{p['added_p99_1conn_ms']:>14.2f} ms"
-                f"{p['control_added_p99_ms']:>18.2f} / {p['control_added_p99_1conn_ms']:.2f} ms"
+                f"{p['control_added_p99_ms']:>15.2f} / {p['control_added_p99_1conn_ms']:.2f} ms"
                 + (f"  round {i + 1}" if name == "quiet" else "")
             )
     print(

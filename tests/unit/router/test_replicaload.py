@@ -11,6 +11,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from router import replicaload
 from router.balancer import pick
 from router.catalog import ServiceAddress
 from router.endpoint import Endpoint
@@ -99,6 +100,45 @@ def test_the_sampler_reads_busy_models_replicas_and_leaves_idle_ones_alone() -> 
     busy, idle, asked = asyncio.run(run())
     assert busy == [3, 1] and idle == [0, 0]
     assert set(asked) == {"0/metrics", "1/metrics"}
+
+
+def test_an_answer_slower_than_the_interval_still_counts(monkeypatch) -> None:
+    """The wait for /metrics is at least READ_TIMEOUT_MIN_S, not the interval: a
+    replica that answers after 30 intervals is still heard (here the floor is 5 s, so
+    only a machine stalled for seconds could miss it)."""
+    monkeypatch.setattr(replicaload, "READ_TIMEOUT_MIN_S", 5.0)
+
+    async def run() -> list[int]:
+        answered = asyncio.Event()
+
+        async def metrics(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.3)
+            answered.set()
+            return web.Response(body=METRICS % (2, 1))
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        # The second replica refuses connections: it counts nobody else's requests.
+        busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in (port, free_port()))
+        busy[0].inflight = 1
+        async with aiohttp.ClientSession() as session:
+            sampler = LoadSampler(lambda: (busy,), lambda: session, interval_s=0.01)
+            sampler.start()
+            await answered.wait()
+            # Set once the read that waited returns (bounded: a failure, not a hang).
+            for _ in range(200):
+                if busy[0].others:
+                    break
+                await asyncio.sleep(0.01)
+            await sampler.close()
+        await runner.cleanup()
+        return [e.others for e in busy]
+
+    assert asyncio.run(run()) == [2, 0]
 
 
 def test_a_prefix_s_replica_full_over_all_routers_gives_way_to_the_least_loaded() -> None:

@@ -66,8 +66,9 @@ MAX_DOCUMENT_BYTES = 256 * 1024
 # request meets a slice at each of its steps (body, upstream, answer), so a slice
 # lands on its latency several times. Measured (bench/state_churn.py, 1,000 models,
 # 16 connections): the router's added p99 while churning was 8.2-13.6 ms (median
-# 12.0, 6 rounds in 3 runs) with 1 ms slices, 8.3-9.2 ms (median 9.0, 4 rounds) with 0.2 ms,
-# and its CPU with no request 3.8-4.4 % and 3.9 %: the extra yields cost nothing seen.
+# 12.1, 6 rounds in 3 runs) with 1 ms slices, 7.9-12.1 ms (median 9.2, 8 rounds in 2
+# runs) with 0.2 ms, and its CPU with no request 3.8-4.4 % and 3.9-4.1 %: the extra
+# yields cost nothing seen.
 SLICE_S = 0.0002
 
 

@@ -401,8 +401,12 @@ def _load_tag(load: float | None) -> str:
 
 def label(variant: Variant, args: argparse.Namespace) -> str:
     strategy, routers, load = variant
-    tag = {"": "", "own": " own load"}.get(_load_tag(load), f" load {_load_tag(load)}")
-    return f"{strategy} x{routers}{tag}" if args.routers else strategy
+    if not args.routers:
+        return strategy
+    tag = _load_tag(load)
+    return f"{strategy} x{routers}" + (
+        "" if not tag else " own load" if load == 0 else f" load {tag}"
+    )
 
 
 def run_variant(

@@ -77,13 +77,14 @@ def others_on(endpoint: Endpoint, reported: int | None) -> int:
 
 class LoadSampler:
     """Keeps each busy model's endpoints' ``others`` fresh (see the module docstring).
-    ``models`` gives each model's endpoints now; ``session`` the control session."""
+    ``models`` gives each model's endpoints now; ``session`` the control session;
+    ``interval_s`` the settings' ``shared_load_interval_s`` (its default is there)."""
 
     def __init__(
         self,
         models: Callable[[], Iterable[tuple[Endpoint, ...]]],
         session: Callable[[], aiohttp.ClientSession],
-        interval_s: float = 0.1,
+        interval_s: float,
     ) -> None:
         self._models, self._session, self.interval_s = models, session, interval_s
         self._task: asyncio.Task[None] | None = None

@@ -37,6 +37,11 @@ MODELS = (
     "upd-aba",
 )
 
+# Twice the default pause between failed starts: a definition rolled out beside a replica
+# still restarting at the default ends its starts after that replica's (see
+# failing_then_rolling_out).
+SLOW_RESTARTS = "restart_delay: 10s\n"
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
@@ -334,8 +339,12 @@ def failing_then_rolling_out(
     """Model `name` in tmp_path/m: definition A (a GGUF that never loads) applied and
     failing, then definition B (as broken) applied, rolling out with a canary. Returns
     `define(seed, extra)` (writes definition `seed`, `extra` its further lines, and gives
-    its hash), A's and B's hashes. A and B keep the default pause between starts: B is
-    applied while A still restarts, and A's 5 starts end before B's."""
+    its hash), A's and B's hashes. A keeps the default pause between starts, so B is
+    applied while A still restarts; B pauses twice as long, so A's 5 starts end before
+    B's whatever Nomad's jitter (up to 25 % of each pause): A's four pauses take 20-25 s,
+    B's 40-50 s. With equal pauses the jitter could end B's first (CI, stop 31): the job
+    was parked, and so stopped, while A's replica still restarted, and it never ended
+    failed holding its place."""
     folder = tmp_path / "m"
 
     def define(seed: int, extra: str = "") -> str:
@@ -346,7 +355,7 @@ def failing_then_rolling_out(
     a = define(0)
     assert planner("apply", str(folder)).returncode == 0
     wait_for(lambda: planner_daemon.model(name)["consecutive_failures"] >= 1, 60, "A failing")
-    b = define(1)
+    b = define(1, SLOW_RESTARTS)
     assert planner("apply", str(folder)).returncode == 0
     return define, a, b
 

@@ -42,6 +42,7 @@ from planner.model import parking as actions
 from planner.model.effects import Park, Reason
 from planner.model.observation import Observation
 from planner.model.transition import Plan
+from planner.spec.definitions import DEFAULT_RESTART_DELAY_S
 from tests.conftest import (
     ADMIN_TOKEN,
     STABLE_AFTER_S,
@@ -54,7 +55,13 @@ from tests.conftest import (
     wait_for,
 )
 from tests.integration.test_on_demand import complete, free_memory_mb, on_demand_model
-from tests.integration.test_parking import QUICK_RESTARTS, llama_pid, starts, write_model
+from tests.integration.test_parking import (
+    QUICK_RESTARTS,
+    SLOW_RESTARTS,
+    llama_pid,
+    starts_after_a_pause,
+    write_model,
+)
 from tests.support.engines import CRASH_AFTER_S
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.traffic import steady
@@ -147,8 +154,7 @@ def test_c15_crash_after_ready_counts_and_parks_never_shown_serving_between_cras
     # After the first crash it is never plain "serving", though it passes between crashes.
     after_first = [state for state, count in seen if count >= 1]
     assert after_first and "serving" not in after_first, seen
-    time.sleep(6)
-    assert starts(cluster, "c15-crash") == 5
+    assert starts_after_a_pause(cluster, "c15-crash", DEFAULT_RESTART_DELAY_S) == 5
 
 
 def park(nomad: NomadClient, store: StateStore, name: str, parked: Parked) -> None:
@@ -307,7 +313,8 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
     try:
         assert http_json(f"{standby.url}/health")["role"] == "follower"
         kev = write_tiny_gguf(tmp_path / "kev.gguf", architecture="kev")
-        folder = write_model(tmp_path / "m", "failover-kev", kev)
+        # The slow pause: the failover (up to 15 s) lands mid-count (30 s remain after two).
+        folder = write_model(tmp_path / "m", "failover-kev", kev, extra=SLOW_RESTARTS)
         assert planner("apply", str(folder)).returncode == 0
         wait_for(
             lambda: planner_daemon.model("failover-kev")["consecutive_failures"] >= 2,
@@ -336,8 +343,7 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
             "failover-kev parked by the new leader",
         )
         assert parked["consecutive_failures"] == 5
-        time.sleep(6)
-        assert starts(cluster, "failover-kev") == 5
+        assert starts_after_a_pause(cluster, "failover-kev", 10) == 5
     finally:
         lead_again(planner_daemon, standby, 20)
 
@@ -374,8 +380,7 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
     assert set(codes) == {200}, codes
     assert nomad_get(cluster, "/v1/job/c16-parked")["Stop"] is True
     assert planner_daemon.model("c16-parked")["state"] == "parked"
-    time.sleep(6)
-    assert starts(cluster, "c16-parked") == 5
+    assert starts_after_a_pause(cluster, "c16-parked", 1) == 5
     # The leader restores the KV copy of parking from the job's meta.
     wait_for(
         lambda: kv_state(cluster, "c16-parked").parked is not None, 40, "parking restored in KV"

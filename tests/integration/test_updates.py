@@ -21,7 +21,12 @@ from planner.model.resurrect import renewed
 from planner.spec.definitions import load_definitions
 from tests.conftest import PlannerDaemon, forget_models, http_json, nomad_get, wait_for
 from tests.integration.test_on_demand import complete
-from tests.integration.test_parking import KEV_ERROR, QUICK_RESTARTS, write_model
+from tests.integration.test_parking import (
+    KEV_ERROR,
+    QUICK_RESTARTS,
+    SLOW_RESTARTS,
+    write_model,
+)
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.traffic import steady
 
@@ -36,11 +41,6 @@ MODELS = (
     "upd-renewed",
     "upd-aba",
 )
-
-# Twice the default pause between failed starts: a definition rolled out beside a replica
-# still restarting at the default ends its starts after that replica's (see
-# failing_then_rolling_out).
-SLOW_RESTARTS = "restart_delay: 10s\n"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -393,8 +393,9 @@ def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definit
     assert before[b] == 5
 
     # D1: C lifts parking; its canary alone starts, five times, and it is parked again
-    # (nothing acts meanwhile: the quick pause). D keeps the default: the retry right after
-    # its apply must find its rollout under way.
+    # (nothing acts meanwhile: the quick pause). D pauses slowly: the retry right after
+    # its apply must find its rollout under way, and two CLI runs on a loaded machine
+    # must fit before its 5th start (at least 40 s; at the default, 20 s).
     c = define(2, QUICK_RESTARTS)
     applied = json.loads(planner("apply", str(folder), "--output", "json").stdout)
     [change] = [x for x in applied["changes"] if x["model"] == name]
@@ -417,7 +418,7 @@ def test_a_parked_model_whose_canary_rollout_was_cut_never_starts_an_old_definit
             raise
 
     with steady(ask, interval=0.2):
-        d = define(3)
+        d = define(3, SLOW_RESTARTS)
         assert planner("apply", str(folder)).returncode == 0
         retried = planner("retry", name)
         assert retried.returncode == 0, retried.stderr

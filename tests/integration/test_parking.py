@@ -47,13 +47,13 @@ def _forget_this_modules_models(cluster: Cluster) -> Iterator[None]:
 SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 # For a model that fails every start and whose test waits for what comes after its 5th
 # (parked, rolled back): Nomad's pause between starts at its least, about 5 s to park
-# instead of 25 s. A test that acts between two starts (C06, a planner restart or a
-# retry mid-count) keeps the default pause, which is what leaves it room to.
+# instead of 25 s.
 QUICK_RESTARTS = "restart_delay: 1s\n"
-# Twice the default pause, for a test whose step must land between two starts however
-# slow the machine (C06's `planner status`), or whose two definitions fail side by side
-# and must end in order: Nomad adds up to 25 % jitter to each pause, so two counts at
-# one pause can end in either order.
+# Twice the default pause, for a test that acts between two starts (C06's `planner
+# status`, a planner restart, a failover or a retry mid-count): 30 s or more remain
+# after two failures, however slow the machine. And for two definitions failing side
+# by side that must end in order: Nomad adds up to 25 % jitter to each pause, so two
+# counts at one pause can end in either order.
 SLOW_RESTARTS = "restart_delay: 10s\n"
 
 

@@ -25,7 +25,7 @@ What it costs: one small GET per replica of a busy model per interval (0.1 s by
 default; ``LLMGW_ROUTER_SHARED_LOAD_INTERVAL``, 0 turns it off), on the control
 session, never on the request path. Why 0.1 s: the busiest replica's share of the
 requests in flight with 2 and 3 routers stayed within 10 % of one router's in 2 of 6
-measurements at 0.25 s, 3 of 4 at 0.1 s and 2 of 2 at 0.05 s, with the cache hit
+measurements at 0.25 s, 4 of 6 at 0.1 s and 2 of 2 at 0.05 s, with the cache hit
 rate and time to first token no worse at 0.1 s (``bench/prefix_routing.py
 --routers``, docs/benchmarks.md). llama-server answers ``/metrics`` from its
 queue's worker between batch steps (measured at most 18 ms into prompt steps of 5

@@ -56,7 +56,9 @@ from tests.conftest import (
 )
 from tests.integration.test_on_demand import complete, free_memory_mb, on_demand_model
 from tests.integration.test_parking import (
+    QUICK_RESTART_DELAY_S,
     QUICK_RESTARTS,
+    SLOW_RESTART_DELAY_S,
     SLOW_RESTARTS,
     llama_pid,
     starts_after_a_pause,
@@ -343,7 +345,7 @@ def test_a_leader_killed_mid_count_is_replaced_and_the_count_goes_on(
             "failover-kev parked by the new leader",
         )
         assert parked["consecutive_failures"] == 5
-        assert starts_after_a_pause(cluster, "failover-kev", 10) == 5
+        assert starts_after_a_pause(cluster, "failover-kev", SLOW_RESTART_DELAY_S) == 5
     finally:
         lead_again(planner_daemon, standby, 20)
 
@@ -380,7 +382,7 @@ def test_c16_kv_wiped_while_one_model_serves_and_another_is_parked(
     assert set(codes) == {200}, codes
     assert nomad_get(cluster, "/v1/job/c16-parked")["Stop"] is True
     assert planner_daemon.model("c16-parked")["state"] == "parked"
-    assert starts_after_a_pause(cluster, "c16-parked", 1) == 5
+    assert starts_after_a_pause(cluster, "c16-parked", QUICK_RESTART_DELAY_S) == 5
     # The leader restores the KV copy of parking from the job's meta.
     wait_for(
         lambda: kv_state(cluster, "c16-parked").parked is not None, 40, "parking restored in KV"

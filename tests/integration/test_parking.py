@@ -48,13 +48,15 @@ SMALL = 'context: 512\n  cpu: 100\n  memory: 256MiB\n  args: ["--threads", "1"]'
 # For a model that fails every start and whose test waits for what comes after its 5th
 # (parked, rolled back): Nomad's pause between starts at its least, about 5 s to park
 # instead of 25 s.
-QUICK_RESTARTS = "restart_delay: 1s\n"
+QUICK_RESTART_DELAY_S = 1
+QUICK_RESTARTS = f"restart_delay: {QUICK_RESTART_DELAY_S}s\n"
 # Twice the default pause, for a test that acts between two starts (C06's `planner
 # status`, a planner restart, a failover or a retry mid-count): 30 s or more remain
 # after two failures, however slow the machine. And for two definitions failing side
 # by side that must end in order: Nomad adds up to 25 % jitter to each pause, so two
 # counts at one pause can end in either order.
-SLOW_RESTARTS = "restart_delay: 10s\n"
+SLOW_RESTART_DELAY_S = 10
+SLOW_RESTARTS = f"restart_delay: {SLOW_RESTART_DELAY_S}s\n"
 
 
 def starts_after_a_pause(cluster: Cluster, job_id: str, restart_delay_s: float) -> int:
@@ -144,7 +146,7 @@ def test_c05_c06_kev_model_is_parked_after_exactly_five_starts(
     parked_at = time.monotonic()
     assert parked["consecutive_failures"] == 5
     assert KEV_ERROR in parked["last_error"]
-    assert starts_after_a_pause(cluster, "c05-kev", 10) == 5  # no 6th start
+    assert starts_after_a_pause(cluster, "c05-kev", SLOW_RESTART_DELAY_S) == 5  # no 6th start
     job = nomad_get(cluster, "/v1/job/c05-kev")
     assert job["Stop"] is True
     # The last Terminated is the 5th (Nomad keeps a task's last 10 events, so the
@@ -261,7 +263,7 @@ def test_planner_restart_mid_count_continues(
         "restart-kev parked",
     )
     assert parked["consecutive_failures"] == 5
-    assert starts_after_a_pause(cluster, "restart-kev", 10) == 5
+    assert starts_after_a_pause(cluster, "restart-kev", SLOW_RESTART_DELAY_S) == 5
 
 
 def llama_pid(alias: str) -> int:

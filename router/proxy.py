@@ -90,9 +90,11 @@ from router.outliers import OutlierDetector
 from router.prefix import PrefixChooser
 from router.replica_errors import error_answer
 from router.routes import model_route, upstream_query
+from router.serving import body_whole
 from router.streaming import (
     STATUS_CLIENT_CLOSED,
     DisconnectWatch,
+    DisconnectWatches,
     Message,
     Receive,
     Scope,
@@ -238,6 +240,7 @@ class Proxy:
         # delays the question whether it is alive.
         self.session: aiohttp.ClientSession | None = None
         self.control: aiohttp.ClientSession | None = None
+        self.watches = DisconnectWatches()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -277,6 +280,7 @@ class Proxy:
                 max_bytes=self.max_body_bytes,
                 timeout_s=self.body_read_timeout_s,
                 min_rate=self.body_min_rate,
+                whole=body_whole(scope),
             )
             body_read = True
             if limited is not None:
@@ -404,7 +408,7 @@ class Proxy:
             headers.append(("connection", "close"))
         if len(body) > SEND_SLICE_BYTES:
             headers.append(("content-length", str(len(body))))  # sent in slices: _payload
-        watch = DisconnectWatch(receive)
+        watch = self.watches.watch(receive)
         try:
             return await self._attempts(
                 entry, path, headers, body, receive, send, watch, affinity, heartbeat, meter

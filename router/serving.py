@@ -65,6 +65,18 @@ LINGER_S = 5.0
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
+# The ASGI scope extension (scope["extensions"]) that says the server received a
+# request's whole body before the app read any of it.
+BODY_WHOLE = "llmgw.body_whole"
+
+
+def body_whole(scope: dict[str, Any]) -> bool:
+    """Whether the server already holds the request's whole body, so the app's first
+    ``receive()`` returns it without waiting (:func:`router.intake.read_body` arms
+    no clock then). False from any other server."""
+    extensions = scope.get("extensions")
+    return extensions is not None and extensions.get(BODY_WHOLE, False)
+
 
 def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol, bounded as described above."""
@@ -232,6 +244,12 @@ class _Bounded(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._in_body = False
         super().on_message_complete()
+        cycle = self.cycle
+        if cycle is not None and not cycle.more_body and not cycle.response_complete:
+            # The proxy reads this once, before its first receive(): then the whole
+            # body waits in the cycle's buffer, and reading it needs no deadline
+            # (router.intake). A body still arriving then is read on the clock.
+            cycle.scope.setdefault("extensions", {})[BODY_WHOLE] = True  # type: ignore[typeddict-item]
 
     def on_response_complete(self) -> None:
         if self.lingering or self._refusal is not None:

@@ -182,3 +182,24 @@ def test_the_heap_is_trimmed_only_once_tuned() -> None:
 
     heap.released(1 << 30)  # not tuned (tests): nothing happens
     assert heap._libc is None and not heap._scheduled
+
+
+def test_a_body_the_server_holds_whole_is_read_with_no_clock_and_still_bounded() -> None:
+    """``whole``: no deadline is armed (a 0 s one would fire at the first await);
+    the size and budget bounds hold as on the clock, and a body that was not whole
+    after all is read on to its end."""
+    budget = BodyBudget(100)
+    reservation = Reservation(budget)
+    assert read(scripted(b"a" * 10), 10, reservation, timeout_s=0.0, whole=True) == b"a" * 10
+    assert budget.held == 10
+    with pytest.raises(errors.BodyTooLarge):
+        read(scripted(b"a" * 11), None, Reservation(budget), max_bytes=10, whole=True)
+    with pytest.raises(errors.RouterOverloaded):
+        read(scripted(b"a" * 95), None, Reservation(budget), whole=True)
+    assert read(scripted(b"ab", b"cd"), 4, Reservation(BodyBudget(100)), whole=True) == b"abcd"
+    with pytest.raises(ClientGone):
+        read(_gone, 10, Reservation(BodyBudget(100)), whole=True)
+
+
+async def _gone() -> dict:
+    return {"type": "http.disconnect"}

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from router.serving import MAX_HEADER_BYTES, _CycleTransport, protocol_class
+from router.serving import MAX_HEADER_BYTES, _CycleTransport, body_whole, protocol_class
 from tests.support.ports import free_port
 from tests.support.router_harness import run
 
@@ -274,3 +274,58 @@ async def _closing() -> None:
     assert protocol.transport.closed
     await asyncio.sleep(0)
     assert protocol.transport.calls == [(b"HEAD",)]
+
+
+class BodyApp(App):
+    """Records, per request, whether the server marked its body whole before the app
+    read it, then reads the body and answers its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.whole: list[bool] = []
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        self.whole.append(body_whole(scope))
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        answer = str(len(body)).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", str(len(answer)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+
+def test_a_body_received_with_its_headers_is_marked_whole_and_a_late_one_is_not() -> None:
+    """The proxy reads a body marked whole with no clock (router.intake): the mark
+    must never be on a body whose end has not arrived."""
+    run(_body_whole())
+
+
+async def _body_whole() -> None:
+    app = BodyApp()
+    async with served(app) as (port, _):
+        head = b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + b"abcd")  # one write: headers and body
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(1) == b"4"
+        writer.write(head + b"ab")  # the body's end comes later, on the same connection
+        await asyncio.sleep(0.2)
+        writer.write(b"cd")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(1) == b"4"
+        writer.write(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(1) == b"0"
+        writer.close()
+    assert app.whole == [True, False, True]

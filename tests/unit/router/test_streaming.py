@@ -1,0 +1,56 @@
+"""router.streaming's disconnect watches: one loop timer for all of them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from router.streaming import DisconnectWatches
+from tests.support.router_harness import run
+
+AFTER_S = 0.2
+
+
+class Client:
+    """``receive`` of a client that sent its body: the next message is its leaving."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+        self.reads = 0
+
+    async def receive(self) -> dict:
+        self.reads += 1
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+
+def test_a_fast_request_never_watches_and_a_slow_one_is_cancelled_when_its_client_leaves() -> None:
+    run(_watches())
+
+
+async def _watches() -> None:
+    loop = asyncio.get_running_loop()
+    watches = DisconnectWatches(AFTER_S)
+    fast, slow = Client(), Client()
+
+    async def request(client: Client, seconds: float) -> None:
+        watch = watches.watch(client.receive)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            watch.disarm()
+
+    await request(fast, 0.01)
+    began = loop.time()
+    task = asyncio.ensure_future(request(slow, 30))
+    while slow.reads == 0:
+        await asyncio.sleep(0.01)
+    # Never before AFTER_S (how much later depends on the machine's load: not checked).
+    assert loop.time() - began >= AFTER_S
+    slow.left.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    await asyncio.sleep(AFTER_S)
+    assert fast.reads == 0
+    assert watches._timer is None and not watches._armed  # nothing left ticking

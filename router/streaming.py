@@ -117,24 +117,29 @@ class DisconnectWatches:
     armed that long ago or more: between 1 and 1.5 times ``after_s`` after it began.
     """
 
-    __slots__ = ("_after_s", "_armed", "_timer")
+    __slots__ = ("_after_s", "_armed", "_loop", "_timer")
 
     def __init__(self, after_s: float = WATCH_AFTER_S) -> None:
         self._after_s = after_s
         # Armed at (the loop's clock), in the order armed: the oldest first.
         self._armed: dict[DisconnectWatch, float] = {}
         self._timer: asyncio.TimerHandle | None = None
+        # The loop the timer runs on: a proxy used on a later loop (tests, an
+        # embedding app) arms its own there rather than wait on a dead one.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def watch(self, receive: Receive) -> DisconnectWatch:
         """Watch the current task's client, from now; disarm it when done."""
         loop = asyncio.get_running_loop()
         watch = DisconnectWatch(receive, self._armed)
         self._armed[watch] = loop.time()
-        if self._timer is None:
+        if self._timer is None or self._loop is not loop:
+            self._loop = loop
             self._timer = loop.call_later(self._after_s / 2, self._sweep)
         return watch
 
     def _sweep(self) -> None:
+        self._timer = None  # first: whatever happens below, the next watch re-arms
         loop = asyncio.get_running_loop()
         due = loop.time() - self._after_s
         started = []

@@ -54,3 +54,25 @@ async def _watches() -> None:
     await asyncio.sleep(AFTER_S)
     assert fast.reads == 0
     assert watches._timer is None and not watches._armed  # nothing left ticking
+
+
+def test_watches_used_on_a_later_event_loop_still_start() -> None:
+    """A loop that ended with the sweep's timer pending leaves it dead: the next
+    loop arms its own (found in review: a proxy reused across loops watched no more)."""
+    watches = DisconnectWatches(AFTER_S)
+
+    async def ends_with_the_timer_pending() -> None:
+        watches.watch(Client().receive).disarm()
+        assert watches._timer is not None
+
+    async def slow_request_on_a_new_loop() -> None:
+        client = Client()
+        watch = watches.watch(client.receive)
+        try:
+            while client.reads == 0:
+                await asyncio.sleep(0.01)
+        finally:
+            watch.disarm()
+
+    run(ends_with_the_timer_pending())
+    run(slow_request_on_a_new_loop())

@@ -42,7 +42,9 @@ class App:
 
 
 @contextlib.asynccontextmanager
-async def served(app: App | None = None) -> AsyncIterator[tuple[int, uvicorn.Server]]:
+async def served(
+    app: App | None = None, keep_alive_s: float = 5
+) -> AsyncIterator[tuple[int, uvicorn.Server]]:
     port = free_port()
     config = uvicorn.Config(
         app or App(),
@@ -51,6 +53,7 @@ async def served(app: App | None = None) -> AsyncIterator[tuple[int, uvicorn.Ser
         lifespan="off",
         http=protocol_class(TIMEOUT_S),
         log_config=None,
+        timeout_keep_alive=keep_alive_s,
     )
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
@@ -329,3 +332,32 @@ async def _body_whole() -> None:
         assert await reader.readexactly(1) == b"0"
         writer.close()
     assert app.whole == [True, False, True]
+
+
+def test_each_keep_alive_request_is_bounded_and_timed_on_its_own() -> None:
+    """A request read whole in one read once counted as a next request begun: its
+    header bytes were added to the next request's (431 for two of 40 KiB) and the
+    clock ran on the idle connection (408 after the header timeout)."""
+    run(_keep_alive_requests())
+
+
+async def _keep_alive_requests() -> None:
+    # Keep-alive far above the header timeout: only the header clock could close it.
+    async with served(keep_alive_s=60) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        big = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n"
+        for _ in range(2):
+            writer.write(big)
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            assert await reader.readexactly(2) == b"ok"
+        await asyncio.sleep(TIMEOUT_S * 1.5)  # idle: no request has begun
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(2) == b"ok"
+        # A next request that begins and stops: timed from its first byte.
+        began = time.monotonic()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert status_and_error(answer) == (408, "request_timeout"), answer
+        assert time.monotonic() - began >= TIMEOUT_S
+        writer.close()

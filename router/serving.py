@@ -157,6 +157,8 @@ class _Bounded(HttpToolsProtocol):
         self._wire_bytes = 0
         self._parsed_bytes = 0
         self._tail = b""
+        # A byte other than CR or LF of the current request has been read.
+        self._line_begun = False
         self._messages = 0
         self.lingering = False
         # A refusal that waits for an earlier request's response to end first.
@@ -208,9 +210,14 @@ class _Bounded(HttpToolsProtocol):
         its end, else all), and whether that section ends in ``data``."""
         seen = self._tail + data
         start = 0
-        if not self._wire_bytes:
-            # Empty lines before a request line are skipped (RFC 9112 2.2).
-            start = len(seen) - len(seen.lstrip(b"\r\n"))
+        if not self._line_begun:
+            # Empty lines before a request line are skipped (RFC 9112 2.2), however
+            # they are split across reads: keyed on bytes counted, a blank line
+            # that ended one read and began the next was taken for the section's
+            # end, and what followed it in that read went uncounted.
+            rest = seen.lstrip(b"\r\n")
+            start = len(seen) - len(rest)
+            self._line_begun = bool(rest)
         end = seen.find(_END, start)
         if end < 0:
             return len(data), False
@@ -224,6 +231,7 @@ class _Bounded(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._messages += 1
+        self._line_begun = True
         self._parsed_bytes = _REQUEST_LINE_OVERHEAD
 
     def on_url(self, url: bytes) -> None:
@@ -239,6 +247,9 @@ class _Bounded(HttpToolsProtocol):
             self._too_large()
             raise _Refused  # the app never sees this request
         self._stop_clock()
+        # Nothing of this request is late any more (a flag left set restarted the
+        # clock at the earlier answer's end for no request: 408 on an idle connection).
+        self._late_while_busy = False
         self._in_body = True
         # This request's count ends here. (The parser's count was once kept: a request
         # read whole in one read then counted as a next one begun, which started the
@@ -246,6 +257,7 @@ class _Bounded(HttpToolsProtocol):
         # header bytes to the next request's, 431 for two of 40 KiB.)
         self._wire_bytes = self._parsed_bytes = 0
         self._tail = b""
+        self._line_begun = False
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _CycleTransport(self)  # type: ignore[assignment]

@@ -361,3 +361,52 @@ async def _keep_alive_requests() -> None:
         assert status_and_error(answer) == (408, "request_timeout"), answer
         assert time.monotonic() - began >= TIMEOUT_S
         writer.close()
+
+
+def test_a_blank_line_split_across_reads_does_not_hide_the_header_section() -> None:
+    """Found in review: keyed on bytes counted, the blank line's second half was taken
+    for the end of a header section, and 100 KB of header whitespace (which the
+    parser does not report) after it was served."""
+    padding = b"X-Pad:" + b" " * 100_000 + b"v\r\n"
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\n"
+
+    async def scenario() -> None:
+        async with served() as (port, _):
+            for first, rest in ((b"\r\n", b"\r\n"), (b"\r\n\r", b"\n")):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(first)
+                await writer.drain()
+                await asyncio.sleep(0.05)  # two reads (either order passes the fix)
+                writer.write(rest + request)
+                answer = await asyncio.wait_for(reader.read(), 10)
+                assert status_and_error(answer)[0] == 431, answer[:60]
+                writer.close()
+
+    run(scenario())
+
+
+def test_a_pipelined_request_late_while_busy_leaves_no_clock_once_its_headers_came() -> None:
+    """Found in review: the flag that a request's clock ran out during an earlier
+    answer stayed set once its headers completed, and restarted the clock at that
+    answer's end for no request: 408 on an idle keep-alive connection."""
+    run(_late_then_whole())
+
+
+async def _late_then_whole() -> None:
+    app = App()
+    async with served(app, keep_alive_s=60) as (port, server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\n")
+        while not any(c._late_while_busy for c in server.server_state.connections):
+            await asyncio.sleep(0.01)  # /b's clock ran out while /slow is answered
+        writer.write(b"Host: x\r\n\r\n")
+        while not any(c.pipeline for c in server.server_state.connections):
+            await asyncio.sleep(0.01)  # /b's headers parsed, queued behind /slow
+        app.release.set()
+        for _ in range(2):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            assert await reader.readexactly(2) == b"ok"
+        with contextlib.suppress(TimeoutError):
+            extra = await asyncio.wait_for(reader.read(), TIMEOUT_S * 2)
+            raise AssertionError(f"the idle connection got {extra[:60]!r}")
+        writer.close()

@@ -21,7 +21,10 @@ hands it over. Here, for every request on a connection, pipelined or not:
   crossed the bound and completed the headers was never counted). A request that
   begins inside a read after another request's body (pipelined) is counted from
   what the parser reports (request target and each header), and checked again
-  when its headers complete, before the app sees it.
+  when its headers complete, before the app sees it. The parser does not report
+  the whitespace around header values, so such a request's section can pass the
+  bound by what that one read held (at most 256,000 bytes, uvloop's receive
+  buffer; later reads are counted off the wire): bounded, not exact.
 
 A connection closed with a request's bytes still arriving (a refusal here, or the
 proxy's before it read the body: ``Connection: close``) is closed *lingering*, as

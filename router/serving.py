@@ -160,7 +160,8 @@ class _Bounded(HttpToolsProtocol):
         self._wire_bytes = 0
         self._parsed_bytes = 0
         self._tail = b""
-        # A byte other than CR or LF of the current request has been read.
+        # The parser began the current request (on_message_begin: its first byte
+        # other than CR or LF).
         self._line_begun = False
         self._messages = 0
         self.lingering = False
@@ -218,9 +219,7 @@ class _Bounded(HttpToolsProtocol):
             # they are split across reads: keyed on bytes counted, a blank line
             # that ended one read and began the next was taken for the section's
             # end, and what followed it in that read went uncounted.
-            rest = seen.lstrip(b"\r\n")
-            start = len(seen) - len(rest)
-            self._line_begun = bool(rest)
+            start = len(seen) - len(seen.lstrip(b"\r\n"))
         end = seen.find(_END, start)
         if end < 0:
             return len(data), False

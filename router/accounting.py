@@ -143,8 +143,11 @@ def ask_for_usage(body: bytes | bytearray, doc: dict[str, Any]) -> bytes | None:
 
     ``doc``: ``body`` parsed. Without ``stream_options`` the option is spliced in
     after the opening brace (one copy of the body, no re-serialising); with one,
-    the document is serialised again, as a duplicate key would leave the
-    client's value in force.
+    the body is parsed again by :func:`json.loads` and serialised, as a
+    duplicate key would leave the client's value in force. Again, not ``doc``:
+    it may come from orjson (:func:`router.bodies.parse_request`), which reads
+    an integer past 64 bits as a float, and what the client sent must reach
+    the replica unchanged.
     """
     options = doc.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
@@ -154,7 +157,8 @@ def ask_for_usage(body: bytes | bytearray, doc: dict[str, Any]) -> bytes | None:
         return bytes(body[:brace]) + _INCLUDE_USAGE + bytes(body[brace:])
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
-    return json.dumps({**doc, "stream_options": merged}).encode()
+    exact = json.loads(body)
+    return json.dumps({**exact, "stream_options": merged}).encode()
 
 
 class StreamMeter:

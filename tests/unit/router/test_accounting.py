@@ -21,6 +21,7 @@ from router.accounting import (
     parse_usage,
     whole_usage,
 )
+from router.bodies import parse_request
 from router.keys import digest
 from router.settings import RouterSettings
 from tests.support.router_harness import LocalServer, RouterUnderTest, in_process_router, run
@@ -112,6 +113,16 @@ def test_ask_for_usage_splices_or_merges() -> None:
     # The client asked: nothing to change, and nothing to strip.
     doc = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
     assert ask_for_usage(json.dumps(doc).encode(), doc) is None
+
+
+def test_ask_for_usage_sends_the_clients_numbers_exactly() -> None:
+    # The proxy's document comes from orjson, which reads an integer past 64 bits
+    # as a float: re-serialised from it, the seed would reach the replica changed.
+    seed = b'"seed": 123456789012345678901234567890'
+    body = b'{"model": "m", "stream": true, ' + seed + b', "stream_options": {}}'
+    asked = ask_for_usage(body, parse_request(body)[1])
+    assert asked is not None
+    assert seed in asked
 
 
 def chunked(data: bytes, size: int) -> list[bytes]:

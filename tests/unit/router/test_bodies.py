@@ -9,7 +9,7 @@ import time
 import pytest
 
 from router import errors
-from router.bodies import BodyParser, extract_model
+from router.bodies import BodyParser, extract_model, parse_request
 from router.catalog import ServiceAddress
 from router.endpoint import URL_CACHE_SIZE, Endpoint
 from tests.support.router_harness import run
@@ -87,6 +87,32 @@ def test_a_huge_body_never_stalls_the_loop() -> None:
         assert max(gaps) < 0.3, max(gaps)
 
     run(scenario(), timeout=60)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "temperature": NaN}',
+        b'{"model": "m", "prompt": "\\ud800"}',
+        b'\xef\xbb\xbf{"model": "m"}',
+        b'{"model": "m", "x": 1e400}',
+        b'{"model": "m", "model": "n"}',
+    ],
+)
+def test_the_fast_parse_accepts_what_json_accepts(body: bytes) -> None:
+    # orjson refuses these; json (and so llama-server's clients' tools) accept them.
+    model, doc = parse_request(body)
+    assert doc == json.loads(body) or "NaN" in body.decode("utf-8-sig")
+    assert model == json.loads(body)["model"]
+
+
+def test_the_fast_parse_refuses_with_jsons_words() -> None:
+    with pytest.raises(errors.InvalidRequest) as refused:
+        parse_request(b'{"model": "m",')
+    try:
+        json.loads(b'{"model": "m",')
+    except ValueError as exc:
+        assert str(exc) in refused.value.message
 
 
 def test_extract_model_is_the_inline_parse() -> None:

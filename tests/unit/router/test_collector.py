@@ -15,10 +15,12 @@ from router import collector
 def serving(monkeypatch: pytest.MonkeyPatch):
     """As in ``router serve``; the test process's collector restored after."""
     monkeypatch.setattr(collector, "_serving", False)
+    threshold = gc.get_threshold()
     try:
         yield
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 class _Cycle:
@@ -32,6 +34,12 @@ def test_freeze_moves_what_is_alive_out_of_the_collections(serving: None) -> Non
     # Only what was made since is walked: a full collection sees far fewer.
     tracked = len(gc.get_objects())
     assert tracked < frozen
+
+
+def test_freeze_raises_only_the_young_threshold(serving: None) -> None:
+    _, older, oldest = gc.get_threshold()
+    collector.freeze()
+    assert gc.get_threshold() == (collector.GEN0_THRESHOLD, older, oldest)
 
 
 def test_settle_freezes_what_was_made_since_and_keeps_no_garbage(serving: None) -> None:

@@ -60,6 +60,7 @@ MAX_HEADER_BYTES = 64 * 1024
 # header), the final CRLF. A lower bound is all the check needs.
 _REQUEST_LINE_OVERHEAD = len(b"GET  HTTP/1.1\r\n\r\n")
 _END = b"\r\n\r\n"
+_LINE_ENDS = (b"\r", b"\n")
 
 # How long a connection closed with bytes still arriving keeps reading (and
 # dropping) them so that its answer is not lost to a reset; nginx's
@@ -155,11 +156,14 @@ class _Bounded(HttpToolsProtocol):
         self._late_while_busy = False
         # Between a request's headers complete and its message complete.
         self._in_body = False
-        # The current header section's bytes: as read off the wire, and as the
-        # parser reported them; the last bytes read of it (an end split across reads).
+        # The current header section's bytes as read off the wire; the last bytes
+        # read of it (an end split across reads).
         self._wire_bytes = 0
-        self._parsed_bytes = 0
         self._tail = b""
+        # The current request began inside a read after another request's end (or
+        # while a request was split across reads): its bytes in that read are known
+        # only from what the parser reported (_reported_bytes).
+        self._uncounted = False
         # The parser began the current request (on_message_begin: its first byte
         # other than CR or LF).
         self._line_begun = False
@@ -197,10 +201,11 @@ class _Bounded(HttpToolsProtocol):
         super().data_received(data)
         if self._in_body or self._refusal is not None or self.transport.is_closing():
             return
-        if self._messages != begun:
+        if self._messages != begun and self._line_begun:
             # A request began inside this read, perhaps after another's body: its
             # bytes in it are at least what the parser reported of it.
-            self._wire_bytes = max(self._wire_bytes, self._parsed_bytes)
+            self._uncounted = True
+            self._wire_bytes = max(self._wire_bytes, self._reported_bytes())
             if self._wire_bytes > MAX_HEADER_BYTES:
                 self._too_large()
                 return
@@ -214,7 +219,7 @@ class _Bounded(HttpToolsProtocol):
         its end, else all), and whether that section ends in ``data``."""
         seen = self._tail + data
         start = 0
-        if not self._line_begun:
+        if not self._line_begun and seen[:1] in _LINE_ENDS:
             # Empty lines before a request line are skipped (RFC 9112 2.2), however
             # they are split across reads: keyed on bytes counted, a blank line
             # that ended one read and began the next was taken for the section's
@@ -234,18 +239,22 @@ class _Bounded(HttpToolsProtocol):
         super().on_message_begin()
         self._messages += 1
         self._line_begun = True
-        self._parsed_bytes = _REQUEST_LINE_OVERHEAD
 
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        self._parsed_bytes += len(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
-        self._parsed_bytes += len(name) + len(value) + 4
+    def _reported_bytes(self) -> int:
+        """A lower bound on the current request's header bytes from what the parser
+        reported of it so far: its target and each header it completed (uvicorn keeps
+        them, ``url`` and ``headers``, names lowercased: the same length). Counted when
+        needed rather than in ``on_url`` and ``on_header``: a call per header less."""
+        headers = sum(len(name) + len(value) + 4 for name, value in self.headers)
+        return _REQUEST_LINE_OVERHEAD + len(self.url) + headers
 
     def on_headers_complete(self) -> None:
-        if max(self._wire_bytes, self._parsed_bytes) > MAX_HEADER_BYTES:
+        # A section counted whole off the wire needs no parser count; one with
+        # bytes in a read that counted another request's does.
+        counted = self._wire_bytes
+        if not counted or self._uncounted:
+            counted = max(counted, self._reported_bytes())
+        if counted > MAX_HEADER_BYTES:
             self._too_large()
             raise _Refused  # the app never sees this request
         self._stop_clock()
@@ -257,9 +266,10 @@ class _Bounded(HttpToolsProtocol):
         # read whole in one read then counted as a next one begun, which started the
         # clock for an idle connection, 408 after the header timeout, and added its
         # header bytes to the next request's, 431 for two of 40 KiB.)
-        self._wire_bytes = self._parsed_bytes = 0
+        self._wire_bytes = 0
         self._tail = b""
         self._line_begun = False
+        self._uncounted = False
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _CycleTransport(self)  # type: ignore[assignment]

@@ -210,12 +210,17 @@ class FirstByteWatch:
         self._tallies: dict[Endpoint, Tally] = {}
         self._stalled_at: dict[Endpoint, Progress | None] = {}
 
-    def start(self, endpoint: Endpoint, owner: object = None) -> Attempt:
-        """Watch the current task's attempt on ``endpoint``."""
-        loop = asyncio.get_running_loop()
-        attempt = Attempt(
-            asyncio.current_task(), endpoint, owner, loop.time(), self.timeout_s, self._window_s
-        )
+    def start(
+        self, endpoint: Endpoint, owner: object = None, task: asyncio.Task[object] | None = None
+    ) -> Attempt:
+        """Watch ``task``'s attempt (the current task's when not given) on ``endpoint``.
+        The proxy passes its task: one ``current_task`` (a ``getpid`` system call on
+        Python 3.11, see :meth:`router.streaming.DisconnectWatches.watch`) a request."""
+        if task is None:
+            task = asyncio.current_task()
+            assert task is not None, "start() outside a task"
+        loop = task.get_loop()
+        attempt = Attempt(task, endpoint, owner, loop.time(), self.timeout_s, self._window_s)
         self._waiting[attempt] = None
         if self._timer is None:
             self._timer = loop.call_later(self._tick_s, self._sweep)

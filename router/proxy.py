@@ -408,7 +408,7 @@ class Proxy:
             headers.append(("connection", "close"))
         if len(body) > SEND_SLICE_BYTES:
             headers.append(("content-length", str(len(body))))  # sent in slices: _payload
-        watch = self.watches.watch(receive)
+        watch = self.watches.watch(receive, asyncio.current_task())
         try:
             return await self._attempts(
                 entry, path, headers, body, receive, send, watch, affinity, heartbeat, meter
@@ -446,7 +446,7 @@ class Proxy:
                 break
             with Held(entry.slots, endpoint):
                 assert self.session is not None, "Proxy used outside the app lifespan"
-                first_byte = first_bytes.start(endpoint, entry)
+                first_byte = first_bytes.start(endpoint, entry, watch.task)
                 try:
                     upstream = await self.session.request(
                         "POST", endpoint.url(path), data=_payload(body), headers=headers

@@ -241,6 +241,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.control: aiohttp.ClientSession | None = None
         self.watches = DisconnectWatches()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -408,7 +409,7 @@ class Proxy:
             headers.append(("connection", "close"))
         if len(body) > SEND_SLICE_BYTES:
             headers.append(("content-length", str(len(body))))  # sent in slices: _payload
-        watch = self.watches.watch(receive, asyncio.current_task())
+        watch = self.watches.watch(receive, self._current_task())
         try:
             return await self._attempts(
                 entry, path, headers, body, receive, send, watch, affinity, heartbeat, meter
@@ -510,6 +511,19 @@ class Proxy:
         if isinstance(failure, errors.UpstreamTimeout):
             raise failure
         raise self._unreachable(entry, tried, failure)
+
+    def _current_task(self) -> asyncio.Task[Any]:
+        """The request's task, found by the loop the proxy last ran on: on Python 3.11
+        ``asyncio.current_task()`` asks ``get_running_loop``, a ``getpid`` system call
+        each time (see :meth:`router.streaming.DisconnectWatches.watch`); given the
+        loop, it is a dict lookup. A loop that no longer runs has no current task, and
+        the running one is looked up and kept."""
+        task = None if self._loop is None else asyncio.current_task(self._loop)
+        if task is None:
+            task = asyncio.current_task()
+            assert task is not None, "Proxy called outside a task"
+            self._loop = task.get_loop()
+        return task
 
     def _control(self) -> aiohttp.ClientSession | None:
         return self.control

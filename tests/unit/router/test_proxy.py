@@ -9,6 +9,7 @@ listens on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -230,3 +231,16 @@ def test_headers_the_connection_header_names_are_not_forwarded() -> None:
         assert "x-hop" not in got and "x-other" not in got, got
 
     run(scenario())
+
+
+def test_the_proxy_finds_its_task_on_every_loop_it_runs_on() -> None:
+    # It keeps the loop it ran on (Python 3.11's current_task() is a getpid system
+    # call); a later loop, as in a test or an embedding app, is found again.
+    proxy = create_app(RouterSettings()).state.proxy
+
+    async def found() -> bool:
+        return proxy._current_task() is asyncio.current_task()
+
+    assert asyncio.run(found())
+    assert asyncio.run(found())
+    assert asyncio.run(found())

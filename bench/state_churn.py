@@ -180,7 +180,10 @@ def churn(consul_port: int, models: int, counter: str) -> None:
                 time.sleep(ahead)
             txn(conn, bodies[2 - generation % 2][n])
             written += len(batch)
-            Path(counter).write_text(f"{written} {time.monotonic() - started:.3f}")
+            # Replaced whole, never rewritten in place: a SIGTERM between the
+            # truncation and the write left the bench an empty count to read.
+            Path(f"{counter}.new").write_text(f"{written} {time.monotonic() - started:.3f}")
+            os.replace(f"{counter}.new", counter)
         generation += 1
 
 

@@ -155,9 +155,10 @@ def ask_for_usage(body: bytes | bytearray, doc: dict[str, Any]) -> bytes | None:
     if options is None and "stream_options" not in doc:
         brace = body.index(b"{") + 1
         return bytes(body[:brace]) + _INCLUDE_USAGE + bytes(body[brace:])
+    exact = json.loads(body)
+    options = exact.get("stream_options")
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
-    exact = json.loads(body)
     return json.dumps({**exact, "stream_options": merged}).encode()
 
 

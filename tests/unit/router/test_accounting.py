@@ -123,6 +123,12 @@ def test_ask_for_usage_sends_the_clients_numbers_exactly() -> None:
     asked = ask_for_usage(body, parse_request(body)[1])
     assert asked is not None
     assert seed in asked
+    # Inside the client's stream_options too (found in review).
+    big = b'"x": 123456789012345678901234567890'
+    body = b'{"model": "m", "stream": true, "stream_options": {' + big + b"}}"
+    asked = ask_for_usage(body, parse_request(body)[1])
+    assert asked is not None
+    assert big in asked
 
 
 def chunked(data: bytes, size: int) -> list[bytes]:

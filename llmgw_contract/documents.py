@@ -107,16 +107,42 @@ class Unplaceable(Document):
 
     `placed` of `desired` replicas were placed (0 of N: nothing runs). A
     `provisional` answer was given while allocations on the cluster were
-    stopping (room being made): the router waits instead of refusing. So it
-    does for a model with replicas placed (`refuses`).
+    stopping (room being made) or an engine was installing: the router waits
+    instead of refusing, and `waiting` says for what. So it does for a model
+    with replicas placed (`refuses`).
+
+    A provisional answer that follows a settled one is `standing`: the
+    shortfall Nomad settled on is not over until it places the replicas or
+    answers otherwise, so status, metrics and alerts keep telling it (`stands`)
+    while the router waits. Without it, any allocation ending on a full node
+    turned a told shortfall into "waiting for room" for seconds: the unplaced
+    metrics fell to 0 (resetting an alert's `for`), `since` restarted and the
+    log warned again each time (found by CI: a scale-up short of memory read
+    "waiting for room" between two reads of its status).
     """
 
-    reason: str
+    reason: str  # the scheduler's shortfall: "2 of 3 replicas placed; memory exhausted on ..."
     since: str = ""
     eval_id: str | None = None
     placed: int = 0
     desired: int = 0
     provisional: bool = False
+    # What Nomad may place it on soon (provisional answers): "waiting for room: 1
+    # allocation(s) stopping or stopped on node-a; Nomad places it again when they end".
+    waiting: str = ""
+    standing: bool = False
+
+    @property
+    def told(self) -> str:
+        """The answer in one sentence: the waiting words with the shortfall, or the
+        shortfall alone. (A planner before `waiting` wrote both into `reason`.)"""
+        return f"{self.waiting} ({self.reason})" if self.waiting else self.reason
+
+    @property
+    def stands(self) -> bool:
+        """The shortfall is told as settled: Nomad's settled answer, or a provisional
+        answer that followed one (`standing`)."""
+        return not self.provisional or self.standing
 
     @property
     def refuses(self) -> bool:

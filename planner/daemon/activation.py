@@ -192,7 +192,7 @@ def activation_answer(
         return ActivationAnswer(
             name=name,
             status=ActivationStatus.LOADING,
-            reason=unplaceable.reason,
+            reason=unplaceable.told,
             since=unplaceable.since,
             eval_id=eval_id,
         )

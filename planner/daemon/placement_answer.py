@@ -79,25 +79,26 @@ def answer(
         if room_helps(evaluation)
         else []
     )
-    reason = short.reason
+    waiting = ""
     if installing and engine is not None:
         # The node's metadata change unblocks Nomad's blocked evaluation (nomad/fsm.go,
         # a node upsert unblocks its class): it places the model when the install ends.
-        reason = (
+        waiting = (
             f"waiting for engine {engine.name} {engine.version} to install on "
-            f"{installing} node(s); Nomad places it when it is recorded ({reason})"
+            f"{installing} node(s); Nomad places it when it is recorded"
         )
     elif stopping:
         nodes = sorted({a.get("NodeName") or a.get("NodeID", "")[:8] for a in stopping})
-        reason = (
+        waiting = (
             f"waiting for room: {len(stopping)} allocation(s) stopping or stopped on "
-            f"{', '.join(nodes)}; Nomad places it again when they end ({reason})"
+            f"{', '.join(nodes)}; Nomad places it again when they end"
         )
     return Unplaceable(
-        reason=reason,
+        reason=short.reason,
         since=now.isoformat(timespec="seconds"),
         eval_id=evaluation.get("ID"),
         placed=short.placed,
         desired=short.desired,
-        provisional=bool(stopping or installing),
+        provisional=bool(waiting),
+        waiting=waiting,
     )

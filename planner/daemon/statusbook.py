@@ -35,6 +35,7 @@ from planner.agents.statusreads import observed
 from planner.daemon.usage import UsageBook
 from planner.errors import PlannerError
 from planner.model.status import ModelStatus, observe
+from planner.model.unplaceable import settled_shortfall
 
 log = logging.getLogger("planner.daemon.statusbook")
 
@@ -47,7 +48,8 @@ class Row:
 
     status: ModelStatus
     wanted: int  # replicas it should have now
-    # Nomad's last answer left replicas unplaced (not provisional), and the model does
+    # Nomad's answer left replicas unplaced and stands (settled, or a provisional
+    # answer that followed a settled one: `Unplaceable.stands`), and the model does
     # not serve on what it has: a scaling model short of its scale-up serves (issue 22,
     # "never unplaceable for a model that serves"), and says so in `unplaced` alone.
     unplaceable: bool
@@ -76,8 +78,8 @@ def row(
     last_used: datetime | None,
     now: datetime,
 ) -> Row:
-    short = state.unplaceable
-    if short is None or short.provisional or status.state == ModelState.PARKED:
+    short = settled_shortfall(state)
+    if short is None or status.state == ModelState.PARKED:
         return Row(status, wanted_replicas(record, last_used, now, status.desired), False)
     serves = record.scaling is not None and status.state == ModelState.SERVING
     return Row(

@@ -134,7 +134,7 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
             answer=ActivationAnswer(
                 name=name,
                 status=ActivationStatus.LOADING,
-                reason=state.unplaceable.reason if state.unplaceable else "an instance is starting",
+                reason=state.unplaceable.told if state.unplaceable else "an instance is starting",
             ),
         )
     target = max(record.replicas, 1) if record.idle_after is not None else count

@@ -388,7 +388,8 @@ def _placement(
     elif (
         state.unplaceable is not None
         and not state.unplaceable.provisional
-        and (before is None or before.reason != state.unplaceable.reason)
+        # Told once: a shortfall that stood while Nomad looked again is not news.
+        and (before is None or not before.stands or before.reason != state.unplaceable.reason)
     ):
         notes.append((logging.WARNING, _unplaced_words(state.unplaceable, observation)))
     return state

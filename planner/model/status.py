@@ -267,16 +267,20 @@ def observe(
                 state.last_error,
                 state.last_error_at,
             )
-        waiting = state.unplaceable.reason if state.unplaceable else counts
+        waiting = state.unplaceable.told if state.unplaceable else counts
         return status(ModelState.LOADING, waiting)
     scaled = record.scaling
     if scaled is not None and short is not None and not bad and ready >= max(scaled.min, 1):
         # Load-based scaling asked for more than fits: the model serves what it has
         # (issue 22, "capacity is honest"); `llmgw_model_unplaced_replicas` says the rest.
+        # A standing shortfall keeps its words first while Nomad looks again at room
+        # being made (`Unplaceable.standing`): told, with what it waits for after it.
         shortfall = scale_shortfall(short.reason, short.placed, short.desired)
-        return status(ModelState.SERVING, f"{ready} ready; {shortfall}", None, short.since)
+        said = "; ".join(filter(None, [f"{ready} ready", shortfall, short.waiting]))
+        return status(ModelState.SERVING, said, None, short.since)
     if bad or short is not None:
-        trouble = "; ".join(filter(None, [_describe(bad), short.reason if short else ""]))
+        words = [_describe(bad), *((short.reason, short.waiting) if short else ())]
+        trouble = "; ".join(filter(None, words))
         if clean:
             worst = bad[0] if bad else None
             return status(
@@ -296,7 +300,7 @@ def observe(
         # pipeline's `planner status` must not fail because load rose (issue 22's QA).
         # Room being made for the new replica is told, not hidden (issue 22's fourth QA:
         # "scaling up" with no word of the stopping allocation it waits for).
-        waiting = state.unplaceable.reason if state.unplaceable else ""
+        waiting = state.unplaceable.told if state.unplaceable else ""
         return status(ModelState.SERVING, "; ".join(filter(None, [counts, "scaling up", waiting])))
     if ready < desired:
         return status(ModelState.LOADING, counts)

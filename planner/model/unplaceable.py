@@ -70,15 +70,24 @@ def room_helps(evaluation: dict[str, Any]) -> bool:
 
 
 def with_unplaceable(state: StateDocument, unplaceable: Unplaceable | None) -> StateDocument:
-    """Set the placement answer, keeping `since` while the reason stays the same."""
+    """Set the placement answer, keeping `since` while the shortfall stays the same, and
+    keeping a told shortfall told (`standing`) when a provisional answer follows it:
+    room being made may end it, and until Nomad says so it stands
+    (`llmgw_contract.Unplaceable.stands`)."""
     old = state.unplaceable
-    if unplaceable is not None and old is not None and old.reason == unplaceable.reason:
-        unplaceable = unplaceable.model_copy(update={"since": old.since})
+    if unplaceable is not None and old is not None:
+        update: dict[str, object] = {}
+        if old.reason == unplaceable.reason:
+            update["since"] = old.since
+        if unplaceable.provisional and old.stands:
+            update["standing"] = True
+        unplaceable = unplaceable.model_copy(update=update)
     return state.model_copy(update={"unplaceable": unplaceable})
 
 
 def settled_shortfall(state: StateDocument) -> Unplaceable | None:
-    """Nomad's answer that left replicas unplaced, unless room is being made for them
-    (a provisional answer: requests wait for Nomad to place the model)."""
+    """Nomad's answer that left replicas unplaced, unless it is provisional on its own
+    (room being made for a shortfall not yet settled: requests wait for Nomad to place
+    the model); a standing one is still told."""
     short = state.unplaceable
-    return short if short is not None and not short.provisional else None
+    return short if short is not None and short.stands else None

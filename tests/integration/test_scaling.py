@@ -307,7 +307,8 @@ class StateSamples:
 
     def __init__(self, daemon: PlannerDaemon, name: str, every: float = 0.5) -> None:
         self.daemon, self.name, self.every = daemon, name, every
-        self.seen: list[tuple[str, str, float]] = []  # state, reason, llmgw_model_unplaceable
+        # state, reason, llmgw_model_unplaceable, llmgw_model_unplaced_replicas
+        self.seen: list[tuple[str, str, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample)
 
@@ -315,12 +316,13 @@ class StateSamples:
         while not self._stop.is_set():
             try:
                 model = self.daemon.model(self.name)
-                flag = planner_metric(
-                    self.daemon.url, f'llmgw_model_unplaceable{{model="{self.name}"}}'
+                flag, unplaced = (
+                    planner_metric(self.daemon.url, f'{series}{{model="{self.name}"}}')
+                    for series in ("llmgw_model_unplaceable", "llmgw_model_unplaced_replicas")
                 )
-                seen = (model["state"], model["reason"], flag)
+                seen = (model["state"], model["reason"], flag, unplaced)
             except (urllib.error.URLError, OSError, ValueError) as exc:
-                seen = ("unread", repr(exc), 0.0)
+                seen = ("unread", repr(exc), 0.0, 0.0)
             if not self.seen or self.seen[-1] != seen:
                 self.seen.append(seen)
             self._stop.wait(self.every)
@@ -379,7 +381,9 @@ def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so(
                     on_timeout=lambda: planner_daemon.model(name),
                 )
                 assert isinstance(model, dict)
-                assert (model["state"], model["reason"]) == ("serving", f"2 ready; {said}")
+                # Told first; words of room being made may follow while Nomad looks again.
+                assert model["state"] == "serving", model
+                assert model["reason"].startswith(f"2 ready; {said}"), model
                 assert model["scaling"]["shortfall"] == said
                 assert model["scaling"]["at_max"], model["scaling"]
                 status = planner("status")
@@ -450,9 +454,9 @@ def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so(
             )
         print(f"{load.ok} requests, {len(load.failures)} failed; states seen: {samples.seen}")
         assert load.failures == [], load.failures[:5]
-        assert all(s != "unplaceable" and not flag for s, _, flag in samples.seen), samples.seen
-        assert all(s != "unread" for s, _, _ in samples.seen), samples.seen
-        assert any(reason == f"2 ready; {said}" for _, reason, _ in samples.seen), samples.seen
+        assert all(s != "unplaceable" and not flag for s, _, flag, _ in samples.seen), samples.seen
+        assert all(s != "unread" for s, *_ in samples.seen), samples.seen
+        assert any(reason == f"2 ready; {said}" for _, reason, *_ in samples.seen), samples.seen
         log = [
             line
             for line in planner_daemon.log.read_text().splitlines()
@@ -527,10 +531,14 @@ def test_a_scale_up_short_of_room_stays_told_after_another_model_stops(
                 time.sleep(15)
             metrics = model_metrics(planner_daemon.url, name, ["llmgw_model_unplaced_replicas"])
         print(f"{load.ok} requests; states seen after the end: {samples.seen}")
+        # Once told, told in every sample (words of room being made may follow it while
+        # Nomad looks again), and the unplaced series never falls to 0 (found by CI: it
+        # did for seconds whenever an allocation ended on the node, resetting an alert).
         first = next(i for i, seen in enumerate(samples.seen) if said in seen[1])
-        assert all(seen[:2] == ("serving", f"1 ready; {said}") for seen in samples.seen[first:]), (
-            samples.seen
-        )
+        assert all(
+            (state, unplaced) == ("serving", 1) and reason.startswith(f"1 ready; {said}")
+            for state, reason, _, unplaced in samples.seen[first:]
+        ), samples.seen
         assert metrics == {"llmgw_model_unplaced_replicas": 1}, metrics
         assert load.failures == [], load.failures[:5]
     finally:

@@ -309,6 +309,16 @@ def test_the_log_says_a_scale_up_is_short_never_unplaceable() -> None:
     assert [n.text for n in plan.notes] == [
         "short of a scale-up: wants 3, 2 placed: memory exhausted on 1 of 1 node"
     ]
+    # Room made on the node and Nomad looking again, then short still: said once.
+    room = short.model_copy(update={"provisional": True, "waiting": "waiting for room: ..."})
+    looking = observed(3, None, evaluation={"ID": "e1"}, placement=room)
+    looked = transition(plan.state, looking, Event.OBSERVED, RULES, T0)
+    again = transition(looked.state, answered, Event.OBSERVED, RULES, T0)
+    assert (looked.notes, again.notes) == ((), ()), (looked.notes, again.notes)
+    # Room being made first, then settled: said when settled.
+    fresh = transition(document, looking, Event.OBSERVED, RULES, T0)
+    settled = transition(fresh.state, answered, Event.OBSERVED, RULES, T0)
+    assert (fresh.notes, [n.text for n in settled.notes]) == ((), [plan.notes[0].text])
     placed = observed(3, None, evaluation={"ID": "e2"})
     after = transition(plan.state, placed, Event.OBSERVED, RULES, T0)
     assert after.state.unplaceable is None

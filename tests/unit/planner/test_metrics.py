@@ -43,6 +43,10 @@ def test_unplaceable_series_ignores_room_being_made() -> None:
     loading = status("a", ModelState.LOADING)
     assert not row(ALWAYS, loading, room, None, T0).unplaceable
     assert row(ALWAYS, status("a", ModelState.UNPLACEABLE), short, None, T0).unplaceable
+    # Room being made after a told shortfall: it stands (an alert's `for` goes on).
+    standing = Unplaceable(reason="r", provisional=True, standing=True, desired=2)
+    looking = StateDocument(name="a", unplaceable=standing)
+    assert row(ALWAYS, loading, looking, None, T0) == Row(loading, 2, True, 2)
 
 
 def test_every_model_is_published_zeros_included_with_one_hot_states() -> None:

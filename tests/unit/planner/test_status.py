@@ -140,6 +140,13 @@ def test_a_scale_up_that_fits_nowhere_keeps_serving_and_says_so() -> None:
     room = short.model_copy(update={"provisional": True})
     making = see([A, B], health("a1", "b1"), doc(unplaceable=room), record=scaling, count=3)
     assert making.scaling is not None and making.scaling["shortfall"] == ""
+    # Unless it follows a told shortfall: that stands, first, while Nomad looks again.
+    waits = "waiting for room: 1 allocation(s) stopping or stopped on n1"
+    standing = room.model_copy(update={"standing": True, "waiting": waits})
+    stands = see([A, B], health("a1", "b1"), doc(unplaceable=standing), record=scaling, count=3)
+    assert (stands.state, stands.reason) == (ModelState.SERVING, f"{status.reason}; {waits}")
+    assert stands.scaling is not None
+    assert stands.scaling["shortfall"] == status.scaling["shortfall"]
     placed = see([A, B], health("a1", "b1"), doc(), record=scaling, count=2)
     assert placed.scaling is not None and placed.scaling["shortfall"] == ""
     # Below its floor it is short of what it must have: degraded, as a fixed model.
@@ -204,10 +211,11 @@ def test_a_scale_up_waiting_for_room_says_so() -> None:
     memory showed "1 of 2 ready; scaling up" and nothing of the room it waited for."""
     scaling = RECORD.model_copy(update={"scaling": ScalingBounds(min=1, max=2, target=1)})
     room = Unplaceable(
-        reason="waiting for room: 1 allocation(s) stopping or stopped on n1",
+        reason="1 of 2 replicas placed; memory exhausted on 1 of 1 node",
+        waiting="waiting for room: 1 allocation(s) stopping or stopped on n1",
         placed=1,
         desired=2,
         provisional=True,
     )
     up = see([A], health("a1"), doc(unplaceable=room), record=scaling, count=2)
-    assert (up.state, up.reason) == (ModelState.SERVING, f"1 of 2 ready; scaling up; {room.reason}")
+    assert (up.state, up.reason) == (ModelState.SERVING, f"1 of 2 ready; scaling up; {room.told}")

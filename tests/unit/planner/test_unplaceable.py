@@ -6,9 +6,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from llmgw_contract import ActivationStatus, ModelRecord, Unplaceable
+from llmgw_contract import ActivationStatus, ModelRecord, StateDocument, Unplaceable
 from planner.daemon.activation import activation_answer
 from planner.daemon.placement_answer import answer
+from planner.model.unplaceable import settled_shortfall, with_unplaceable
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 STOPPING = [{"ID": "a1", "NodeName": "node-a", "DesiredStatus": "stop", "ClientStatus": "running"}]
@@ -55,8 +56,13 @@ def test_exhausted_memory_waits_for_the_allocation_that_stops() -> None:
         ("*",),
         NOW,
     )
-    assert found is not None and found.provisional
-    assert found.reason.startswith("waiting for room: 1 allocation(s) stopping")
+    assert found is not None and found.provisional and not found.standing
+    assert found.reason == "memory exhausted on 1 of 1 node"
+    assert found.waiting == (
+        "waiting for room: 1 allocation(s) stopping or stopped on node-a; "
+        "Nomad places it again when they end"
+    )
+    assert found.told == f"{found.waiting} ({found.reason})"
 
 
 def test_a_node_filtered_out_never_waits_for_room() -> None:
@@ -69,7 +75,7 @@ def test_a_node_filtered_out_never_waits_for_room() -> None:
         NOW,
     )
     assert found is not None and not found.provisional
-    assert "waiting for room" not in found.reason
+    assert found.waiting == "" and found.told == found.reason
 
 
 def test_an_activation_placed_in_part_is_loading_never_unplaceable() -> None:
@@ -114,3 +120,42 @@ def test_the_placement_answer_of_a_part_placed_job_counts_what_was_placed() -> N
     assert found is not None and not found.provisional
     assert (found.placed, found.desired, found.refuses) == (1, 2, False)
     assert found.reason.startswith("1 of 2 replicas placed; ")
+
+
+def test_a_told_shortfall_stands_while_nomad_looks_again_at_room_being_made() -> None:
+    """Found by CI: a scale-up told "wants 3, 2 placed: memory exhausted" turned "waiting
+    for room" for seconds whenever any allocation ended on the full node (Nomad re-runs
+    the blocked evaluation): the unplaced metrics fell to 0, resetting an alert's `for`,
+    `since` restarted and the log warned again. A provisional answer that follows a
+    settled one stands: still told, `since` kept; one with nothing settled before is
+    provisional alone."""
+    settled = Unplaceable(
+        reason="2 of 3 replicas placed; memory exhausted on 1 of 1 node",
+        since="2026-11-30T12:00:00+00:00",
+        placed=2,
+        desired=3,
+    )
+    later = "2026-11-30T12:07:00+00:00"
+    room = settled.model_copy(
+        update={"since": later, "provisional": True, "waiting": "waiting for room: 1 ..."}
+    )
+    first = with_unplaceable(StateDocument(name="m"), settled)
+    looking = with_unplaceable(first, room)
+    assert looking.unplaceable is not None and looking.unplaceable.standing
+    assert (looking.unplaceable.since, settled_shortfall(looking)) == (
+        settled.since,
+        looking.unplaceable,
+    )
+    assert not looking.unplaceable.refuses  # the router waits for what Nomad may place
+    # Still looking: it stands; settled again: told as one shortfall since the first.
+    again = with_unplaceable(looking, room)
+    assert again.unplaceable is not None and again.unplaceable.standing
+    back = with_unplaceable(again, settled.model_copy(update={"since": later}))
+    assert back.unplaceable == settled
+    # Room being made before any settled answer is provisional alone; so it is after
+    # the shortfall ended (placed).
+    fresh = with_unplaceable(StateDocument(name="m"), room)
+    assert fresh.unplaceable is not None and not fresh.unplaceable.standing
+    assert settled_shortfall(fresh) is None
+    ended = with_unplaceable(with_unplaceable(first, None), room)
+    assert settled_shortfall(ended) is None

@@ -101,7 +101,7 @@ def test_an_install_on_its_way_makes_the_answer_provisional() -> None:
     nomad = Nomad({"a": {}, "b": {}}, {"a": "running", "b": "failed"})
     found = answer(nomad, RECORD, MODEL_JOB, evaluation(), ("*",), NOW)
     assert found is not None and found.provisional
-    assert found.reason == (
+    assert found.told == (
         "waiting for engine llama.cpp 11434 to install on 1 node(s); "
         "Nomad places it when it is recorded (engine llama.cpp 11434 is "
         "installed on 0 of 2 nodes)"

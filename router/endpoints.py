@@ -201,7 +201,7 @@ class ModelEntry:
         if unplaceable != self.unplaceable:
             if unplaceable is not None:
                 what = "room is being made" if unplaceable.provisional else "unplaceable"
-                log.warning("model %s %s: %s", self.name, what, unplaceable.reason)
+                log.warning("model %s %s: %s", self.name, what, unplaceable.told)
             else:
                 log.info("model %s no longer unplaceable", self.name)
         changed = parked != self.parked or unplaceable != self.unplaceable

@@ -128,11 +128,16 @@ def unplaceable_message(model: str, unplaceable: Unplaceable) -> str:
 
 @functools.lru_cache(maxsize=256)
 def room_message(model: str, unplaceable: Unplaceable) -> str:
-    """Why ``model`` is not placed yet although the scheduler said it does not fit:
-    allocations on the cluster are stopping, and Nomad places it when they end."""
+    """Why ``model`` is not placed yet although the scheduler said it does not fit: room
+    is being made on the cluster, or its engine is installing (``Unplaceable.told``),
+    and Nomad places it when that ends. (A planner before ``waiting`` wrote its words
+    into ``reason``: the general words stand in for them.)"""
+    waiting = unplaceable.waiting or (
+        "waiting for room being made on the cluster: allocations are stopping, and Nomad "
+        "places it when they end"
+    )
     return _clip(
-        f"The model `{model}` is waiting for room being made on the cluster: allocations "
-        f"are stopping, and Nomad places it when they end (scheduler: "
+        f"The model `{model}` is {_clip(waiting, _LINE_LIMIT)} (scheduler: "
         f"{_clip(unplaceable.reason, _LINE_LIMIT)}).",
         MESSAGE_LIMIT,
     )

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from llmgw_contract import ActivationAnswer, ActivationStatus, Parked, StateDocument
+from llmgw_contract import ActivationAnswer, ActivationStatus, Parked, StateDocument, Unplaceable
 from planner.model import fold
 from planner.model.effects import Effect, Evaluate, Park, Reason, Scale
 from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
 from planner.vocab import GROUP, group_count
+
+ASKED_AGAIN = "asked the scheduler again; waiting for its answer"
 
 __all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]
 
@@ -138,7 +140,9 @@ def activate(state: StateDocument, observation: Observation, now: datetime) -> A
             ),
         )
     target = max(record.replicas, 1) if record.idle_after is not None else count
-    state = state.model_copy(update={"unplaceable": None})
+    # An idle job (count 0) asks for nothing: an answer kept from before is history.
+    kept = _asked_again(state.unplaceable) if count > 0 else None
+    state = state.model_copy(update={"unplaceable": kept})
     if count < target:
         return Activated(
             state, (Scale(Reason.ACTIVATION, "activation", group=GROUP, count=target),)
@@ -167,4 +171,17 @@ def _park_stopped(state: StateDocument, now: datetime) -> Activated:
     state = state.model_copy(update={"parked": parked})
     return Activated(
         state, (Park(Reason.ALL_STOPPED, reason, parked=parked),), parked_answer(state)
+    )
+
+
+def _asked_again(short: Unplaceable | None) -> Unplaceable | None:
+    """The placement answer while a fresh attempt is evaluated: provisional (the router
+    waits for the new answer instead of refusing on the last), and standing when the last
+    was told, so the next answer continues it (`with_unplaceable`). Cleared instead, a
+    told shortfall restarted its `since`, dropped its series to 0 and was logged again
+    at every activation (found in review)."""
+    if short is None:
+        return None
+    return short.model_copy(
+        update={"provisional": True, "standing": short.stands, "waiting": ASKED_AGAIN}
     )

@@ -387,7 +387,7 @@ def _placement(
         notes.append((logging.INFO, _shortfall_ended(before, observation)))
     elif (
         state.unplaceable is not None
-        and not state.unplaceable.provisional
+        and state.unplaceable.stands
         # Told once: a shortfall that stood while Nomad looked again is not news.
         and (before is None or not before.stands or before.reason != state.unplaceable.reason)
     ):
@@ -410,8 +410,11 @@ def _unplaced_words(short: Unplaceable, observation: Observation) -> str:
     short of a scale-up, not unplaceable (issue 22: it serves what it has)."""
     record = observation.record
     if record is not None and record.scaling is not None and short.placed > 0:
-        return f"short of a scale-up: {scale_shortfall(short.reason, short.placed, short.desired)}"
-    return f"unplaceable: {short.reason}"
+        words = f"short of a scale-up: {scale_shortfall(short.reason, short.placed, short.desired)}"
+    else:
+        words = f"unplaceable: {short.reason}"
+    # Room words of an answer told for the first time, or ended before it stood.
+    return f"{words}; {short.waiting}" if short.waiting and not short.stands else words
 
 
 def _park(

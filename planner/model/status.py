@@ -253,13 +253,15 @@ def observe(
     counts = f"{ready} of {desired} ready"
     if ready == 0:
         # A shortfall that placed a replica is no refusal (`Unplaceable.refuses`): the
-        # placed one is loading, or what went wrong with it is told below.
+        # placed one is loading, or what went wrong with it is told below. One that
+        # stands while Nomad looks again at room being made stays told, its room after.
         if (
             short is not None
-            and short.refuses
+            and short.placed == 0
             and not any(r.state != ReplicaState.STOPPED for r in rows)
         ):
-            return status(ModelState.UNPLACEABLE, short.reason, state.last_error, short.since)
+            said = "; ".join(filter(None, [short.reason, short.waiting]))
+            return status(ModelState.UNPLACEABLE, said, state.last_error, short.since)
         if bad or state.consecutive_failures:
             return status(
                 ModelState.FAILING,

@@ -163,6 +163,7 @@ def test_a_decision_is_always_within_the_bounds(count: int, value: float) -> Non
 
 RECORD = ModelRecord(name="m", definition_hash="d1", replicas=1, scaling=BOUNDS)
 RULES = Rules(park_after=5, stable_after_ns=120 * 10**9)
+OBSERVED_AT_T0 = (Event.OBSERVED, RULES, T0)
 
 
 def observed(count: int, demand: Demand | None, **extra: object) -> Observation:
@@ -315,6 +316,14 @@ def test_the_log_says_a_scale_up_is_short_never_unplaceable() -> None:
     looked = transition(plan.state, looking, Event.OBSERVED, RULES, T0)
     again = transition(looked.state, answered, Event.OBSERVED, RULES, T0)
     assert (looked.notes, again.notes) == ((), ()), (looked.notes, again.notes)
+    # Another shortfall while Nomad looks again stands at once: said once, then not again.
+    other = room.model_copy(update={"reason": "2 of 3 replicas placed; cpu exhausted"})
+    moved = transition(plan.state, dataclasses.replace(looking, placement=other), *OBSERVED_AT_T0)
+    settles = dataclasses.replace(answered, placement=other.model_copy(update={"waiting": ""}))
+    settled_again = transition(moved.state, settles, *OBSERVED_AT_T0)
+    assert [n.text for n in moved.notes] == [
+        "short of a scale-up: wants 3, 2 placed: cpu exhausted"
+    ] and settled_again.notes == ()
     # Room being made first, then settled: said when settled.
     fresh = transition(document, looking, Event.OBSERVED, RULES, T0)
     settled = transition(fresh.state, answered, Event.OBSERVED, RULES, T0)

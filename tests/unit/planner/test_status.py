@@ -159,6 +159,17 @@ def test_room_being_made_is_loading_not_unplaceable() -> None:
     room = Unplaceable(reason="waiting for room: 1 allocation(s) stopping", provisional=True)
     status = see([], health(), doc(unplaceable=room))
     assert (status.state, status.reason) == (ModelState.LOADING, room.reason)
+    # Room being made after a told shortfall: it stands, room words after it.
+    short = Unplaceable(reason="memory exhausted", since="2026-11-30T11:00:00")
+    standing = short.model_copy(
+        update={"provisional": True, "standing": True, "waiting": "waiting for room: 1 ..."}
+    )
+    stands = see([], health(), doc(unplaceable=standing))
+    assert (stands.state, stands.reason, stands.since) == (
+        ModelState.UNPLACEABLE,
+        "memory exhausted; waiting for room: 1 ...",
+        short.since,
+    )
 
 
 def test_parked_is_read_from_the_job_meta_first() -> None:

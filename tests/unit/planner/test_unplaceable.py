@@ -3,15 +3,22 @@ activation's answer from it (planner.daemon.activation)."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
 from llmgw_contract import ActivationStatus, ModelRecord, StateDocument, Unplaceable
 from planner.daemon.activation import activation_answer
 from planner.daemon.placement_answer import answer
+from planner.model.failures import Rules
+from planner.model.observation import Observation
+from planner.model.transition import Event
+from planner.model.transition import decide as transition
 from planner.model.unplaceable import settled_shortfall, with_unplaceable
+from tests.support.nomad_mock import job as nomad_job
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+RULES = Rules(park_after=5, stable_after_ns=120 * 10**9)
 STOPPING = [{"ID": "a1", "NodeName": "node-a", "DesiredStatus": "stop", "ClientStatus": "running"}]
 
 
@@ -159,3 +166,30 @@ def test_a_told_shortfall_stands_while_nomad_looks_again_at_room_being_made() ->
     assert settled_shortfall(fresh) is None
     ended = with_unplaceable(with_unplaceable(first, None), room)
     assert settled_shortfall(ended) is None
+
+
+def test_an_activation_asks_again_without_ending_a_told_shortfall() -> None:
+    """Found in review: an activation (a request for a model with no replica passing)
+    cleared the document's answer before its fresh placement attempt, so the next answer,
+    the same shortfall, restarted `since`, dropped the unplaced series to 0 and was
+    logged again, at every activation. It stays told (provisional: the router waits for
+    the new answer rather than refusing on the last) until Nomad answers."""
+    settled = Unplaceable(reason="memory exhausted on 1 of 1 node", since="2026-11-30T11:00:00")
+    fixed = ModelRecord(name="m", definition_hash="d1", replicas=1, profile={})
+    the_job = nomad_job(count=1, CreateIndex=5)
+    observation = Observation(
+        name="m", record=fixed, job=the_job, versions=(the_job,), state_index=7
+    )
+    document = StateDocument(name="m", definition_hash="d1", unplaceable=settled)
+    asked = transition(document, observation, Event.ACTIVATE, RULES, NOW)
+    assert [type(e).__name__ for e in asked.effects] == ["Evaluate"]
+    kept = asked.state.unplaceable
+    assert kept is not None and (kept.provisional, kept.standing) == (True, True)
+    assert (kept.reason, kept.since, kept.refuses) == (settled.reason, settled.since, False)
+    assert settled_shortfall(asked.state) == kept
+    # The attempt's answer, the same shortfall: one shortfall since the first, not news.
+    answered = dataclasses.replace(
+        observation, evaluation={"ID": "e2"}, placement=settled.model_copy(update={"since": ""})
+    )
+    after = transition(asked.state, answered, Event.OBSERVED, RULES, NOW)
+    assert after.state.unplaceable == settled and after.notes == ()

@@ -240,6 +240,23 @@ def test_decisions() -> None:
         asyncio.run(refuse_at_once(u))
 
 
+def test_what_a_provisional_answer_waits_for_is_told_room_or_engine() -> None:
+    """The planner's words of what Nomad may place the model on soon (`waiting`): room
+    being made, or an engine installing, never "allocations are stopping" for both; a
+    standing shortfall (told before) is waited for the same way, never refused."""
+    engine = "waiting for engine llama.cpp 11434 to install on 1 node(s)"
+    installing = Unplaceable(
+        reason="engine llama.cpp 11434 is installed on 0 of 2 nodes",
+        provisional=True,
+        waiting=engine,
+        standing=True,
+    )
+    refusal = when_no_endpoint(table_with(e=state("e", unplaceable=installing)).get("e"))
+    assert isinstance(refusal, errors.ModelLoading), refusal
+    assert refusal.message.startswith(f"The model `e` is {engine} (scheduler: engine llama")
+    assert "allocations are stopping" not in refusal.message
+
+
 def test_a_model_placed_in_part_is_loading_never_unplaceable() -> None:
     """1 of 2 replicas placed, none passing yet: the placed one is starting and will
     serve (issue 22, "never unplaceable for a model that serves")."""

@@ -200,7 +200,7 @@ class ModelEntry:
                 log.info("model %s no longer parked", self.name)
         if unplaceable != self.unplaceable:
             if unplaceable is not None:
-                what = "room is being made" if unplaceable.provisional else "unplaceable"
+                what = "waiting for Nomad" if unplaceable.provisional else "unplaceable"
                 log.warning("model %s %s: %s", self.name, what, unplaceable.told)
             else:
                 log.info("model %s no longer unplaceable", self.name)

@@ -63,6 +63,9 @@ EVAL_WAIT = 2.0
 # one other of the same model: a Nomad slower than this is answered as unavailable.
 PASS_WAIT = 20.0
 EVAL_DONE = frozenset({"complete", "failed", "canceled", "blocked"})
+# Evaluations whose FailedTGAllocs are the scheduler's answer (a failed or cancelled
+# one was never scheduled: it has none, and says nothing of room).
+ANSWERED = frozenset({"complete", "blocked"})
 GROUP = "server"  # the task group in planner/jobspecs/model.nomad.hcl
 
 Submit = Callable[[str, Event, Guard | None], "concurrent.futures.Future[Outcome]"]
@@ -154,10 +157,13 @@ class Activator:
                 reason="placed; the server is starting",
                 eval_id=eval_id,
             )
+        before = outcome.document.unplaceable
+        if evaluation.get("Status") not in ANSWERED:
+            self.mark(name)
+            return unanswered(name, evaluation, before)
         answer = unplaced.answer(
             self.nomad, record, self.nomad.job(name), evaluation, self.datacenters, self.clock()
         )
-        before = outcome.document.unplaceable
         if answer is not None and before is not None and before.reason == answer.reason:
             answer = answer.model_copy(update={"since": before.since})
         self.mark(name)  # its next pass records this evaluation's answer
@@ -173,6 +179,28 @@ class Activator:
             if evaluation.get("Status") in EVAL_DONE or time.monotonic() > deadline:
                 return evaluation
             time.sleep(0.05)
+
+
+def unanswered(name: str, evaluation: dict[str, Any], kept: Unplaceable | None) -> ActivationAnswer:
+    """The answer when the fresh attempt's evaluation gave no placement answer: it
+    failed, was cancelled, or is still pending after `eval_wait`. A shortfall told
+    before it (kept standing by the activation) answers as it stood, so an unplaceable
+    model is still refused at once; else "loading", never "placed" (found in review: a
+    failed evaluation has no FailedTGAllocs, and was answered "placed; the server is
+    starting")."""
+    eval_id = evaluation.get("ID")
+    if kept is not None and kept.stands:
+        told = kept.model_copy(update={"provisional": False, "standing": False, "waiting": ""})
+        if evaluation.get("Status") in EVAL_DONE:
+            return activation_answer(name, told, eval_id)
+    status = evaluation.get("Status") or "pending"
+    state = f"ended {status}" if status in EVAL_DONE else f"is still {status}"
+    return ActivationAnswer(
+        name=name,
+        status=ActivationStatus.LOADING,
+        reason=f"the scheduler's evaluation {(eval_id or '')[:8]} {state}; the planner looks again",
+        eval_id=eval_id,
+    )
 
 
 def activation_answer(

@@ -35,7 +35,7 @@ from planner.model.observation import Observation
 from planner.model.parking import parked_from_job
 from planner.vocab import GROUP, group_count
 
-ASKED_AGAIN = "asked the scheduler again; waiting for its answer"
+ASKED_AGAIN = "waiting for the scheduler's answer to a fresh placement attempt"
 
 __all__ = ["GROUP", "Activated", "Reason", "activate", "parked_answer", "reverting"]
 

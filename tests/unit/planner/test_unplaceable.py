@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from llmgw_contract import ActivationStatus, ModelRecord, StateDocument, Unplaceable
-from planner.daemon.activation import activation_answer
+from planner.daemon.activation import activation_answer, unanswered
 from planner.daemon.placement_answer import answer
 from planner.model.failures import Rules
 from planner.model.observation import Observation
@@ -193,3 +193,26 @@ def test_an_activation_asks_again_without_ending_a_told_shortfall() -> None:
     )
     after = transition(asked.state, answered, Event.OBSERVED, RULES, NOW)
     assert after.state.unplaceable == settled and after.notes == ()
+
+
+def test_an_attempt_the_scheduler_did_not_answer_is_never_placed() -> None:
+    """Found in review: a fresh attempt's evaluation that failed (or was cancelled) has
+    no FailedTGAllocs and was answered "placed; the server is starting". A shortfall told
+    before it answers as it stood (an unplaceable model is refused at once); else, and
+    while the evaluation is still pending, "loading" with the evaluation's status."""
+    told = Unplaceable(reason="memory exhausted on 1 of 1 node", since="2026-11-30T11:00:00")
+    kept = told.model_copy(update={"provisional": True, "standing": True, "waiting": "w"})
+    failed = {"ID": "e2345678", "Status": "failed"}
+    refused = unanswered("m", failed, kept)
+    assert (refused.status, refused.reason, refused.since) == (
+        ActivationStatus.UNPLACEABLE,
+        told.reason,
+        told.since,
+    )
+    fresh = unanswered("m", failed, None)
+    assert (fresh.status, fresh.reason) == (
+        ActivationStatus.LOADING,
+        "the scheduler's evaluation e2345678 ended failed; the planner looks again",
+    )
+    pending = unanswered("m", {"ID": "e2345678", "Status": "pending"}, kept)
+    assert pending.status == ActivationStatus.LOADING and "is still pending" in pending.reason

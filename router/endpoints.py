@@ -129,6 +129,14 @@ def diff_endpoints(
     return EndpointDiff(kept=kept, joined=joined, left=left)
 
 
+def _told(answer: Unplaceable | None) -> tuple[str, bool, bool] | None:
+    """What a placement answer tells a reader of the log: its shortfall, whether it
+    stands and whether it refuses. A new evaluation of the same shortfall, or Nomad
+    looking again at room while it stands, is not news (found in an audit: every
+    router logged each such flip and back)."""
+    return None if answer is None else (answer.reason, answer.stands, answer.refuses)
+
+
 class ModelEntry:
     """A defined model as the request path sees it."""
 
@@ -198,7 +206,7 @@ class ModelEntry:
                 log.warning("model %s parked: %s", self.name, parked.reason)
             else:
                 log.info("model %s no longer parked", self.name)
-        if unplaceable != self.unplaceable:
+        if _told(unplaceable) != _told(self.unplaceable):
             if unplaceable is not None:
                 what = "waiting for Nomad" if unplaceable.provisional else "unplaceable"
                 log.warning("model %s %s: %s", self.name, what, unplaceable.told)

@@ -20,8 +20,9 @@ from tests.support.tiny_gguf import write_tiny_gguf
 pytestmark = pytest.mark.integration
 
 NOT_READY = (
-    'max by (model) (llmgw_model_desired_replicas{job="llmgw-planner"}) > 0 and '
-    'max by (model) (llmgw_model_ready_replicas{job="llmgw-planner"}) == 0'
+    'max by (model) (last_over_time(llmgw_model_desired_replicas{job="llmgw-planner"}[2m])) > 0'
+    ' and max by (model) (last_over_time(llmgw_model_ready_replicas{job="llmgw-planner"}[2m]))'
+    " == 0"
 )
 
 

@@ -359,3 +359,28 @@ def test_refusals_are_counted_by_reason(app) -> None:
 def test_removed_model_drops_its_refusal_series(app) -> None:
     app.state.table.set_models({})
     assert 'model="p"' not in app.state.metrics.exposition()[0].decode()
+
+
+def test_the_log_tells_a_shortfall_once_not_each_look_of_nomad(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found in an audit: every router logged a warning for each new evaluation of the
+    same shortfall and for each look of Nomad at room while it stood, and again on the
+    way back. Logged: a new shortfall, and a change of what the router does (refuse or
+    wait)."""
+    short = Unplaceable(reason=f"1 of 2 replicas placed; {MEMORY}", placed=1, desired=2)
+    table = table_with(s=state("s", unplaceable=short))
+    looking = short.model_copy(
+        update={"provisional": True, "standing": True, "waiting": "waiting for room: 1 ..."}
+    )
+    caplog.clear()
+    with caplog.at_level("INFO", logger="router.endpoints"):
+        for answer in (looking, short.model_copy(update={"eval_id": "e2"}), short):
+            table.set_states({"s": state("s", unplaceable=answer)})
+        assert not caplog.records, caplog.text
+        table.set_states({"s": state("s", unplaceable=short.model_copy(update={"reason": "cpu"}))})
+        table.set_states({"s": state("s")})
+    assert [r.getMessage() for r in caplog.records] == [
+        "model s unplaceable: cpu",
+        "model s no longer unplaceable",
+    ]

@@ -122,14 +122,21 @@ class Activator:
         # planner before its first request is served.
         entry.used = True
         held_unplaceable = entry.unplaceable
+        # What the table knew when the planner was asked: the record may come back while
+        # the question is in flight, and the answer is then from before it.
+        forgotten = entry.forgotten
         try:
             answer = await self._ask(entry)
         except (errors.PlannerUnavailable, errors.ModelNotFound) as exc:
-            if entry.forgotten is None:
+            cause = entry.forgotten or forgotten
+            if cause is None:
                 raise
             # Consul lost the model's record: the planner may not lead yet, or lead and
-            # not have rewritten it; neither means the model is gone (issue 20).
-            raise refusals.forgotten(entry, exc.message) from None
+            # not have rewritten it; neither means the model is gone (issue 20). Judged
+            # by the table as it was asked too (found by CI: the new leader's planner
+            # answered "never applied" just before it restored the record, and the
+            # answer, arriving just after, was a 404 for a model being served).
+            raise refusals.forgotten(entry, exc.message, cause) from None
         refusal = refusal_for(entry.name, answer)
         if refusal is not None:
             entry.loading_since = None

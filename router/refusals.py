@@ -198,14 +198,17 @@ def partly_placed(model: str, record: Unplaceable, retry_after_s: int) -> errors
     return errors.ModelLoading(model, message, retry_after_s)
 
 
-def forgotten(entry: ModelEntry, planner: str = "") -> errors.ModelNotReady:
+def forgotten(
+    entry: ModelEntry, planner: str = "", cause: str | None = None
+) -> errors.ModelNotReady:
     """The retryable 503 ``model_not_ready`` for a model the table remembers after
     Consul lost its record (``entry.forgotten``, :class:`router.endpoints.EndpointTable`),
     and no endpoint passes: never "does not exist" for a model served a moment ago.
-    ``planner`` adds what the planner answered, if it was asked."""
+    ``planner`` adds what the planner answered, if it was asked; ``cause`` is the
+    forgetting it was asked under (default: ``entry.forgotten``)."""
     asked = f" (the planner: {_clip(planner, _LINE_LIMIT)})" if planner else ""
     what = (
-        f"{entry.forgotten}; the leading planner writes it again from its Nomad job's "
+        f"{cause or entry.forgotten}; the leading planner writes it again from its Nomad job's "
         f"meta, and this router keeps what it knew until then{asked}"
     )
     return errors.ModelNotReady(

@@ -689,3 +689,28 @@ def test_a_model_consul_forgot_is_a_retryable_503_naming_the_cause_never_404() -
                 assert "the leading planner writes it again" in error["message"]
 
     run(scenario())
+
+
+def test_a_not_found_asked_while_forgotten_is_a_503_even_if_the_record_is_back() -> None:
+    """Found by CI (issue 20's case): the new leader answered "never applied" just before
+    it restored the record; the router saw the record back first and then the answer,
+    and sent a 404 for a model it was serving. An answer is judged by the table as it
+    stood when the planner was asked."""
+
+    async def scenario() -> None:
+        async with harness({}) as h:
+            records = dict(h.table._records)
+            h.table.set_models({}, consul_reset=True)
+            h.stub.hold = asyncio.Event()
+            request = asyncio.create_task(h.post())
+            while not h.stub.activations:
+                await asyncio.sleep(0.01)
+            h.table.set_models(records)  # the record is back while the question is out
+            assert h.table.remembered == set()
+            h.stub.hold.set()
+            status, headers, body = await request
+            assert status == 503 and headers["retry-after"] == "5", body
+            assert body["error"]["code"] == "model_not_ready"
+            assert "Consul lost its record" in body["error"]["message"]
+
+    run(scenario())

@@ -31,6 +31,7 @@ docs/architecture.md explains the states.
 """
 
 from llmgw_contract.documents import (
+    ROOM_IDS_KEPT,
     ActivationAnswer,
     EngineRecord,
     LeaderRecord,
@@ -78,6 +79,7 @@ __all__ = [
     "PARKED_META",
     "PLANNER_JOB",
     "PLANNER_SERVICE",
+    "ROOM_IDS_KEPT",
     "ROUTER_API_KEYS_KEY",
     "ROUTER_JOB",
     "ROUTER_LIMITS_PREFIX",

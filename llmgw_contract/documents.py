@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmgw_contract.states import ActivationStatus
 
@@ -34,6 +34,9 @@ from llmgw_contract.states import ActivationStatus
 # the keys of allocations Nomad still lists, `replicas` at most the definition's
 # replicas, never dropping a live one (`planner.model.fold`).
 MAX_HEALTHY_ENTRIES = 8
+# A placement answer keeps the IDs of this many of the allocations it waits for (sorted):
+# all of them ended says Nomad looked at room made, whatever the rest (`Unplaceable.room`).
+ROOM_IDS_KEPT = 16
 
 
 class Document(BaseModel):
@@ -131,6 +134,18 @@ class Unplaceable(Document):
     # allocation(s) stopping or stopped on node-a; Nomad places it again when they end".
     waiting: str = ""
     standing: bool = False
+    # The allocations (IDs, at most ROOM_IDS_KEPT) whose end a provisional answer first
+    # waited for, kept while any of them is still stopping: once all have ended and the
+    # answer is still short, Nomad looked at the room they made and could not place the
+    # model, so the shortfall stands (`planner.model.unplaceable.with_unplaceable`).
+    room: tuple[str, ...] = ()
+
+    @field_validator("room", mode="before")
+    @classmethod
+    def _bounded_room(cls, value: object) -> object:
+        """At most ROOM_IDS_KEPT IDs: a longer list (a document is untrusted input, or a
+        later planner keeps more) is cut, not a reason to reject the whole document."""
+        return tuple(value)[:ROOM_IDS_KEPT] if isinstance(value, list | tuple) else value
 
     @property
     def told(self) -> str:
@@ -269,7 +284,12 @@ def routing_of(state: StateDocument) -> RoutingDocument:
     parked = state.parked
     if parked is not None and parked.last_error is None and state.last_error:
         parked = parked.model_copy(update={"last_error": state.last_error})
-    return RoutingDocument(name=state.name, parked=parked, unplaceable=state.unplaceable)
+    unplaceable = state.unplaceable
+    if unplaceable is not None and unplaceable.room:
+        # The planner's own bookkeeping: the router never reads it, and a change of it
+        # alone must not rewrite the key every router watches.
+        unplaceable = unplaceable.model_copy(update={"room": ()})
+    return RoutingDocument(name=state.name, parked=parked, unplaceable=unplaceable)
 
 
 class UsageRecord(Document):

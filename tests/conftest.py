@@ -302,9 +302,13 @@ class PlannerDaemon:
 def lead_again(daemon: PlannerDaemon, standby: PlannerDaemon, within_s: float) -> None:
     """Give the lead back to the session's `daemon` after a test made `standby` lead:
     `daemon` starts (a follower), `standby` stops (releasing its session: the lead
-    passes at once), and `daemon` leads within `within_s`."""
-    daemon.start()
-    standby.stop()
+    passes at once), and `daemon` leads within `within_s`. `standby` stops even when
+    `daemon` fails to start: left leading, it took the lead from every later test's
+    planner (seen after a planner that could not start)."""
+    try:
+        daemon.start()
+    finally:
+        standby.stop()
     wait_for(
         lambda: http_json(f"{daemon.url}/health", timeout=2)["role"] == "leader",
         within_s,

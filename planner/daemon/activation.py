@@ -53,6 +53,7 @@ from planner.daemon.workers import Guard, Outcome
 from planner.errors import NotLeader, Rejected, Unavailable
 from planner.model.placement import scale_shortfall
 from planner.model.transition import Event
+from planner.model.unplaceable import waited_for, with_unplaceable
 
 log = logging.getLogger("planner.daemon.activation")
 
@@ -161,11 +162,13 @@ class Activator:
         if evaluation.get("Status") not in ANSWERED:
             self.mark(name)
             return unanswered(name, evaluation, before)
+        job = self.nomad.job(name)
+        waited = waited_for(outcome.document)
         answer = unplaced.answer(
-            self.nomad, record, self.nomad.job(name), evaluation, self.datacenters, self.clock()
+            self.nomad, record, job, evaluation, self.datacenters, self.clock(), waited
         )
-        if answer is not None and before is not None and before.reason == answer.reason:
-            answer = answer.model_copy(update={"since": before.since})
+        # As the next pass will record it (`since` kept for the same shortfall).
+        answer = with_unplaceable(outcome.document, answer).unplaceable
         self.mark(name)  # its next pass records this evaluation's answer
         return activation_answer(name, answer, eval_id)
 

@@ -13,9 +13,10 @@ followers publish only the planner's own series (with `llmgw_planner_leader`
     llmgw_model_consecutive_start_failures{model}
     llmgw_model_start_failures_total{model}
     llmgw_model_parked{model}                      0/1
-    llmgw_model_unplaceable{model}                 0/1 (not while room is being made, nor
-                                                   for a scaling model serving short of a
-                                                   scale-up: see unplaced_replicas)
+    llmgw_model_unplaceable{model}                 0/1 (not while the room first being made
+                                                   for it is still coming, nor for a scaling
+                                                   model serving short of a scale-up: see
+                                                   unplaced_replicas)
     llmgw_model_unplaced_replicas{model}           replicas the job asks for that Nomad left
                                                    unplaced (a scale-up that fits nowhere)
     llmgw_model_update_failed{model}               0/1: its update was rolled back
@@ -128,14 +129,16 @@ class ModelCollector(Collector):
         yield gauge(
             "llmgw_model_unplaceable",
             "1 while Nomad's last answer left replicas "
-            "of the model unplaced (not while room is being made for it, nor for a "
+            "of the model unplaced (not while the room first being made for it is still "
+            "coming, nor for a "
             "scaling model serving short of a scale-up).",
             lambda r: float(r.unplaceable),
         )
         yield gauge(
             "llmgw_model_unplaced_replicas",
             "Replicas the model's job asks for that Nomad's last answer left unplaced "
-            "(not while room is being made); with llmgw_model_unplaceable 0, a scaling "
+            "(not while the room first being made for it is still coming); with "
+            "llmgw_model_unplaceable 0, a scaling "
             "model serving what it has.",
             lambda r: float(r.unplaced),
         )

@@ -49,6 +49,7 @@ from planner.model.failures import start_failures
 from planner.model.observation import Observation
 from planner.model.resurrect import unknown_failed
 from planner.model.rollout import definition_of
+from planner.model.unplaceable import waited_for
 
 log = logging.getLogger("planner.observe")
 
@@ -232,7 +233,9 @@ class Observer:
         by_version = {int(v.get("Version") or 0): definition_of(v) for v in versions}
         evaluation = latest_evaluation(self.nomad.evaluations(name))
         placement = (
-            unplaced.answer(self.nomad, record, job, evaluation, self.datacenters, now)
+            unplaced.answer(
+                self.nomad, record, job, evaluation, self.datacenters, now, waited_for(document)
+            )
             if evaluation is not None and record
             else None
         )

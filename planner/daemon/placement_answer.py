@@ -15,7 +15,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from llmgw_contract import ModelRecord, Unplaceable
+from llmgw_contract import ROOM_IDS_KEPT, ModelRecord, Unplaceable
 from planner.agents.nomad import NomadClient
 from planner.daemon.engine_install import progress
 from planner.model.placement import EngineNeed, Shortfall, evaluation_shortfall, gpu_inventory
@@ -65,9 +65,13 @@ def answer(
     evaluation: dict[str, Any],
     datacenters: tuple[str, ...],
     now: datetime,
+    waited: tuple[str, ...] = (),
 ) -> Unplaceable | None:
     """The Unplaceable record an evaluation calls for, provisional while allocations
-    stop somewhere; None when it placed every replica."""
+    stop somewhere; None when it placed every replica. `waited`: the allocations the
+    model's last answer waited for (`Unplaceable.room`); its `room` is those of them
+    still stopping, else (none is) the first ROOM_IDS_KEPT of what stops now, sorted
+    (`planner.model.unplaceable.with_unplaceable` reads it)."""
     if not evaluation.get("FailedTGAllocs"):
         return None
     engine, installing = _engine_coming(nomad, job, evaluation, datacenters)
@@ -80,6 +84,7 @@ def answer(
         else []
     )
     waiting = ""
+    room: tuple[str, ...] = ()
     if installing and engine is not None:
         # The node's metadata change unblocks Nomad's blocked evaluation (nomad/fsm.go,
         # a node upsert unblocks its class): it places the model when the install ends.
@@ -93,6 +98,11 @@ def answer(
             f"waiting for room: {len(stopping)} allocation(s) stopping or stopped on "
             f"{', '.join(nodes)}; Nomad places it again when they end"
         )
+        ids = sorted(str(a.get("ID", "")) for a in stopping)
+        # Checked against the whole list, never a cut of it: other allocations that
+        # start stopping must not push out the ones still awaited (found in review).
+        still = set(ids).intersection(waited)
+        room = tuple(i for i in waited if i in still) or tuple(ids[:ROOM_IDS_KEPT])
     return Unplaceable(
         reason=short.reason,
         since=now.isoformat(timespec="seconds"),
@@ -101,4 +111,5 @@ def answer(
         desired=short.desired,
         provisional=bool(waiting),
         waiting=waiting,
+        room=room,
     )

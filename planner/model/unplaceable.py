@@ -18,6 +18,7 @@ an answer that is already stale or seconds from being so.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from llmgw_contract import ModelRecord, StateDocument, Unplaceable
@@ -26,7 +27,15 @@ from planner.model.placement import (
     EngineNeed,
     GpuNeed,
 )
+from planner.spec.definitions import MAX_SHUTDOWN_DELAY_S
 from planner.vocab import Job
+
+# The longest an allocation may take to stop: the longest drain a definition may ask for
+# (shutdown_delay) and Nomad's client cap on kill_timeout (max_kill_timeout, 30 s by
+# default), with as much again to spare. A shortfall still waiting for the room it first
+# waited for after this stands: a stop that never ends (a hung driver, a node that keeps
+# reporting a killed task running) is no room being made.
+ROOM_WAIT_MAX_S = MAX_SHUTDOWN_DELAY_S + 2 * 30
 
 
 def gpu_need(record: ModelRecord) -> GpuNeed | None:
@@ -71,18 +80,55 @@ def room_helps(evaluation: dict[str, Any]) -> bool:
 
 def with_unplaceable(state: StateDocument, unplaceable: Unplaceable | None) -> StateDocument:
     """Set the placement answer, keeping `since` while the shortfall stays the same, and
-    keeping a told shortfall told (`standing`) when a provisional answer follows it:
-    room being made may end it, and until Nomad says so it stands
-    (`llmgw_contract.Unplaceable.stands`)."""
+    telling a provisional answer as the shortfall it is (`standing`) when it follows a
+    told one, or when the room it first waited for was made and it is still short.
+
+    A told shortfall stays told while Nomad looks again at room being made: until Nomad
+    says so, it stands (`llmgw_contract.Unplaceable.stands`). Room that was made and
+    left the model short ends the waiting: the allocations a provisional answer first
+    waited for (`room`) are carried while any of them is still stopping; once none is,
+    Nomad has re-run its evaluation on that room (`NomadClient.stopping_allocations`
+    keeps an ended one for `RERUN_WITHIN_S`, the re-run's window) and still did not place
+    the model. Without it, a cluster where some allocation is always stopping (other
+    jobs' scale-downs, rollouts, batch work) kept a new shortfall provisional, so never
+    in status, metrics or alerts (found in an audit: the "no placement, and no one knew"
+    failure of docs/architecture.md, by another road)."""
     old = state.unplaceable
     if unplaceable is not None and old is not None:
         update: dict[str, object] = {}
         if old.reason == unplaceable.reason:
             update["since"] = old.since
-        if unplaceable.provisional and old.stands:
-            update["standing"] = True
+        if unplaceable.provisional:
+            update.update(_waited(old, unplaceable))
         unplaceable = unplaceable.model_copy(update=update)
     return state.model_copy(update={"unplaceable": unplaceable})
+
+
+def _waited(old: Unplaceable, new: Unplaceable) -> dict[str, object]:
+    """How a provisional answer continues the one before it: standing (its room no
+    longer kept), or still waiting for the room it first waited for."""
+    if old.stands:
+        return {"standing": True, "room": ()}
+    if not (old.room and new.room):
+        return {}
+    if set(old.room) & set(new.room) and _waited_s(old, new) < ROOM_WAIT_MAX_S:
+        return {"room": old.room}
+    return {"standing": True, "room": ()}
+
+
+def _waited_s(old: Unplaceable, new: Unplaceable) -> float:
+    """Seconds from the first answer of this shortfall to this one (0 when unknown)."""
+    try:
+        return (
+            datetime.fromisoformat(new.since) - datetime.fromisoformat(old.since)
+        ).total_seconds()
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def waited_for(state: StateDocument) -> tuple[str, ...]:
+    """The allocations the model's placement answer waits for (`Unplaceable.room`)."""
+    return state.unplaceable.room if state.unplaceable is not None else ()
 
 
 def settled_shortfall(state: StateDocument) -> Unplaceable | None:

@@ -64,6 +64,7 @@ from tests.integration.test_parking import (
     starts_after_a_pause,
     write_model,
 )
+from tests.integration.test_scaling import planner_metric
 from tests.support.engines import CRASH_AFTER_S
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.traffic import steady
@@ -85,6 +86,9 @@ MODELS = (
     "partly",
     "room-seen",
     "room-taker",
+    "room-churn",
+    "churn-a",
+    "churn-b",
     "restart-stopped",
     "wipe-history",
 )
@@ -607,6 +611,81 @@ def test_room_that_ended_before_nomad_looked_again_is_no_reason_to_wait(
         30,
         "the leader's view",
     )
+
+
+def running_alloc(cluster: Cluster, job: str) -> str:
+    [alloc] = [
+        a["ID"]
+        for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
+        if a["ClientStatus"] == "running"
+    ]
+    return alloc
+
+
+def stop_job(cluster: Cluster, job: str) -> None:
+    """`nomad job stop -detach`: its allocations drain their shutdown_delay, then end."""
+    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/{job}", method="DELETE")
+    urllib.request.urlopen(stop, timeout=10).close()
+
+
+def test_a_shortfall_is_told_while_other_room_keeps_coming(
+    cluster: Cluster,
+    planner: Callable,
+    planner_daemon: PlannerDaemon,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Found in an audit: a shortfall first answered while an allocation was stopping
+    was provisional ("waiting for room") at every later look as long as some other
+    allocation was stopping, so on a busy cluster it was never told (status, metrics,
+    alerts). Here one job drains 30 s, then another 120 s; the model, short whatever
+    they free, is told unplaceable once the first room was made and Nomad still could
+    not place it, while the second still drains."""
+    folder = tmp_path / "makers"
+    write_model(folder, "churn-a", tiny_model, extra="shutdown_delay: 30s\n")
+    write_model(folder, "churn-b", tiny_model, extra="shutdown_delay: 120s\n")
+    assert planner("apply", str(folder), "--wait", "--timeout", "90").returncode == 0
+    short_by = 1024  # MiB: more than the two makers' 256 MiB each give back
+    memory = free_memory_mb(cluster) + short_by
+    profile = f'context: 512\n  cpu: 100\n  memory: {memory}MiB\n  args: ["--threads", "1"]'
+    first, second = running_alloc(cluster, "churn-a"), running_alloc(cluster, "churn-b")
+    try:
+        stop_job(cluster, "churn-a")
+        model = write_model(tmp_path / "m", "room-churn", tiny_model, profile=profile)
+        assert planner("apply", str(model)).returncode == 0
+        waiting = wait_for(
+            lambda: (u := kv_state(cluster, "room-churn").unplaceable) is not None and u,
+            30,
+            "the first answer",
+        )
+        assert waiting.provisional and first in waiting.room, waiting
+        stop_job(cluster, "churn-b")
+        told = wait_for(
+            lambda: (m := planner_daemon.model("room-churn"))["state"] == "unplaceable" and m,
+            90,
+            f"the shortfall told while churn-b drains (first answer: {waiting})",
+        )
+        still = nomad_get(cluster, f"/v1/allocation/{second}")
+        # Draining its shutdown_delay, Nomad 1.6 shows it `pending`: it has not ended.
+        assert still["ClientStatus"] in ("pending", "running"), (
+            "told only after all room was made",
+            {t: [e["Type"] for e in st["Events"]] for t, st in still["TaskStates"].items()},
+        )
+        assert "memory exhausted" in told["reason"], told
+        document = kv_state(cluster, "room-churn").unplaceable
+        assert document is not None and document.stands and document.since == waiting.since
+        assert (
+            planner_metric(planner_daemon.url, 'llmgw_model_unplaceable{model="room-churn"}') == 1
+        )
+    finally:
+        # End churn-b's drain at once, so the next test finds no room being made.
+        signal_url = f"{cluster.nomad_addr}/v1/client/allocation/{second}/signal"
+        body = json.dumps({"Signal": "SIGKILL", "Task": "llama-server"}).encode()
+        with contextlib.suppress(urllib.error.URLError):
+            urllib.request.urlopen(
+                urllib.request.Request(signal_url, body, method="POST"), timeout=10
+            ).close()
+        forget_models(cluster, "room-churn", "churn-a", "churn-b")
 
 
 def live_replicas(cluster: Cluster, name: str) -> set[str]:

@@ -7,14 +7,21 @@ import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
-from llmgw_contract import ActivationStatus, ModelRecord, StateDocument, Unplaceable
+from llmgw_contract import (
+    ROOM_IDS_KEPT,
+    ActivationStatus,
+    ModelRecord,
+    StateDocument,
+    Unplaceable,
+    routing_of,
+)
 from planner.daemon.activation import activation_answer, unanswered
 from planner.daemon.placement_answer import answer
 from planner.model.failures import Rules
 from planner.model.observation import Observation
 from planner.model.transition import Event
 from planner.model.transition import decide as transition
-from planner.model.unplaceable import settled_shortfall, with_unplaceable
+from planner.model.unplaceable import ROOM_WAIT_MAX_S, settled_shortfall, with_unplaceable
 from tests.support.nomad_mock import job as nomad_job
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -70,6 +77,7 @@ def test_exhausted_memory_waits_for_the_allocation_that_stops() -> None:
         "Nomad places it again when they end"
     )
     assert found.told == f"{found.waiting} ({found.reason})"
+    assert found.room == ("a1",)
 
 
 def test_a_node_filtered_out_never_waits_for_room() -> None:
@@ -166,6 +174,78 @@ def test_a_told_shortfall_stands_while_nomad_looks_again_at_room_being_made() ->
     assert settled_shortfall(fresh) is None
     ended = with_unplaceable(with_unplaceable(first, None), room)
     assert settled_shortfall(ended) is None
+
+
+def test_a_shortfall_the_room_it_waited_for_did_not_end_stands() -> None:
+    """Found in an audit: on a cluster where some allocation is always stopping, a new
+    shortfall was provisional at every look (each answer waited for the next room), so
+    never in status, metrics or alerts. An answer waits for the allocations it first
+    waited for while any of them is still stopping; once all have ended and Nomad still
+    answers short, the shortfall stands (told, `since` kept), though the router still
+    waits for the room that is coming."""
+    short = Unplaceable(
+        reason="memory exhausted on 1 of 1 node",
+        since="2026-11-30T12:00:00+00:00",
+        provisional=True,
+        waiting="waiting for room: 1 ...",
+        room=("a1",),
+    )
+    first = with_unplaceable(StateDocument(name="m"), short)
+    assert settled_shortfall(first) is None
+    # a1 still stopping, b1 too: still waiting for a1's room.
+    both = short.model_copy(update={"since": "2026-11-30T12:00:05+00:00", "room": ("a1", "b1")})
+    waiting = with_unplaceable(first, both)
+    assert waiting.unplaceable is not None and not waiting.unplaceable.standing
+    assert (waiting.unplaceable.room, settled_shortfall(waiting)) == (("a1",), None)
+    # a1 ended, Nomad looked at its room and the model is still short: it stands.
+    later = short.model_copy(update={"since": "2026-11-30T12:00:10+00:00", "room": ("b1",)})
+    told = with_unplaceable(waiting, later)
+    assert told.unplaceable is not None and told.unplaceable.standing
+    assert (settled_shortfall(told), told.unplaceable.since) == (told.unplaceable, short.since)
+    assert not told.unplaceable.refuses
+    assert told.unplaceable.room == ()  # told: nothing to wait for, nothing to rewrite
+    # And stays told while other room comes and goes.
+    again = with_unplaceable(told, later.model_copy(update={"room": ("c1",)}))
+    assert again.unplaceable is not None and again.unplaceable.standing
+    assert routing_of(again).unplaceable == again.unplaceable  # room is not the router's
+    # A stop that never ends is no room being made: past ROOM_WAIT_MAX_S it stands.
+    hung = short.model_copy(update={"since": "2026-11-30T12:11:01+00:00"})
+    assert ROOM_WAIT_MAX_S <= 660
+    stuck = with_unplaceable(first, hung)
+    assert stuck.unplaceable is not None and stuck.unplaceable.standing
+    # Waiting for an engine's install is not room: it never stands by this rule.
+    engine = short.model_copy(update={"room": (), "waiting": "waiting for engine ..."})
+    installing = with_unplaceable(with_unplaceable(StateDocument(name="m"), engine), engine)
+    assert settled_shortfall(installing) is None
+
+
+def test_the_room_awaited_is_found_in_the_whole_list_of_what_stops() -> None:
+    """Found in review: each answer's room was the first 16 IDs of what stopped, so 16
+    allocations with lower IDs that started stopping pushed out the one still awaited,
+    and the shortfall stood while its room was still coming."""
+    awaited = "ffff-awaited"
+    many = [
+        {"ID": f"{i:04x}", "NodeName": "node-a", "DesiredStatus": "stop", "ClientStatus": "running"}
+        for i in range(20)
+    ] + [{"ID": awaited, "NodeName": "node-a", "DesiredStatus": "stop", "ClientStatus": "running"}]
+
+    class Busy(Nomad):
+        def stopping_allocations(self, since_index: int = 0) -> list[dict[str, Any]]:
+            return many
+
+    exhausted = evaluation(NodesExhausted=1, DimensionExhausted={"memory": 1})
+    fresh = answer(Busy(), record(), None, exhausted, ("*",), NOW)
+    assert fresh is not None and fresh.room == tuple(f"{i:04x}" for i in range(16))
+    found = answer(Busy(), record(), None, exhausted, ("*",), NOW, (awaited, "gone"))
+    assert found is not None and found.room == (awaited,)
+    before = StateDocument(
+        name="m", unplaceable=found.model_copy(update={"room": (awaited, "gone")})
+    )
+    still = with_unplaceable(before, found)
+    assert still.unplaceable is not None and not still.unplaceable.stands
+    # A document's longer list is cut, never a reason to reject the document.
+    long = Unplaceable.model_validate({"reason": "r", "room": [str(i) for i in range(40)]})
+    assert len(long.room) == ROOM_IDS_KEPT
 
 
 def test_an_activation_asks_again_without_ending_a_told_shortfall() -> None:

@@ -32,6 +32,20 @@ def usable(endpoint: Endpoint, exclude: Collection[Endpoint] = ()) -> bool:
     return endpoint.inflight < endpoint.limit and not (exclude and endpoint in exclude)
 
 
+def preferable(endpoint: Endpoint) -> bool:
+    """A prefix's replica is taken only while every router's requests there leave it a
+    slot: past that, least loaded over all routers (its cache is worth less than a
+    wait in its queue); alone, a router's own limit says the same. With other routers'
+    requests there, one slot more stays free: their count is up to an interval old
+    (:mod:`router.replicaload`), and the last slot is the one two routers take at once,
+    one of them to wait in the replica's queue. Measured (``bench/prefix_routing.py
+    --routers``, 8 rounds, the same texts): the busiest replica's share with 3 routers
+    58 % without the spare slot, 55-56 % with it, against one router's 51-53 %
+    (docs/benchmarks.md)."""
+    spare = 1 if endpoint.others else 0
+    return endpoint.inflight + endpoint.others < endpoint.limit - spare
+
+
 def pick(
     endpoints: Sequence[Endpoint],
     start: int,
@@ -55,12 +69,7 @@ def pick(
     endpoints = not_ejected(endpoints, exclude)
     if affinity is not None:
         chooser, key = affinity
-        # The preferred replica only while every router's requests there leave it a
-        # slot: past that, least loaded over all routers (its cache is worth less
-        # than a wait in its queue). Alone, a router's own limit says the same.
-        chosen = chooser.choose(
-            endpoints, key, lambda e: usable(e, exclude) and e.inflight + e.others < e.limit
-        )
+        chosen = chooser.choose(endpoints, key, lambda e: usable(e, exclude) and preferable(e))
         if chosen is not None:
             return chosen
     n = len(endpoints)

@@ -147,7 +147,14 @@ def test_a_prefix_s_replica_full_over_all_routers_gives_way_to_the_least_loaded(
     key = next(
         k for k in (f"chat {i}" for i in range(100)) if pick([a, b], 0, (), (chooser, k)) is a
     )
-    a.others = 2  # 3 of its 4 slots taken: still preferred
+    a.others = 1  # 2 of its 4 slots taken: still preferred
     assert pick([a, b], 0, (), (chooser, key)) is a
-    a.others = 3  # every slot taken, by this router and others: the least loaded instead
+    # 3 of 4 taken, some by other routers whose count may be an interval old: the last
+    # slot is kept spare, the least loaded instead.
+    a.others = 2
     assert pick([a, b], 0, (), (chooser, key)) is b
+    a.others = 3  # every slot taken, by this router and others
+    assert pick([a, b], 0, (), (chooser, key)) is b
+    # Alone on it, this router's own count is exact: every slot is used.
+    a.inflight, a.others = 3, 0
+    assert pick([a, b], 0, (), (chooser, key)) is a

@@ -33,16 +33,19 @@ def usable(endpoint: Endpoint, exclude: Collection[Endpoint] = ()) -> bool:
 
 
 def preferable(endpoint: Endpoint) -> bool:
-    """A prefix's replica is taken only while every router's requests there leave it a
-    slot: past that, least loaded over all routers (its cache is worth less than a
-    wait in its queue); alone, a router's own limit says the same. With other routers'
-    requests there, one slot more stays free: their count is up to an interval old
-    (:mod:`router.replicaload`), and the last slot is the one two routers take at once,
-    one of them to wait in the replica's queue. Measured (``bench/prefix_routing.py
-    --routers``, 8 rounds, the same texts): the busiest replica's share with 3 routers
-    58 % without the spare slot, 55-56 % with it, against one router's 51-53 %
-    (docs/benchmarks.md)."""
-    spare = 1 if endpoint.others else 0
+    """Whether a prefix's replica may be preferred for this request: every router's
+    requests there leave it a free slot, and, with other routers' requests there and
+    more than 2 slots, a second one. Their count is as the replica last reported it
+    (:mod:`router.replicaload`: an interval old, plus the time it took to answer), and
+    the last slot is the one two routers take at once, one of them then waiting in the
+    replica's queue. When it is not preferable, the next replica on the ring is asked,
+    then least-outstanding decides (which may still fill that slot): its cache is worth
+    less than a wait in its queue. A replica of 1 or 2 slots spares none (it would lose
+    its affinity whenever another router had a request there). Measured
+    (``bench/prefix_routing.py --routers``, 8 rounds, the same texts): the busiest
+    replica's share with 3 routers 58 % without the spare slot, 54-56 % with it,
+    against one router's 51-53 % (docs/benchmarks.md)."""
+    spare = 1 if endpoint.others and endpoint.limit > 2 else 0
     return endpoint.inflight + endpoint.others < endpoint.limit - spare
 
 

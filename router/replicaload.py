@@ -11,10 +11,11 @@ three routers, 56 % with one). The replica knows the sum: llama-server's
 requests it runs and queues, every router's together. So while a model has
 requests in flight (on this router, or on others as last read), :class:`LoadSampler`
 reads every one of its replicas' gauges each ``interval_s`` and sets each
-endpoint's ``others``: that sum less this router's own in flight there (never
-below 0). :func:`router.balancer.pick` and the prefix chooser's load bound order
-replicas by ``inflight + others``; the admission limit stays this router's own
-(``inflight < limit``), as before. Admitting on the sum instead would hold a
+endpoint's ``others``: that sum less this router's own in flight there (the
+larger of its counts when it asked and when answered; never below 0).
+:func:`router.balancer.pick` and the prefix chooser's load bound order replicas by
+``inflight + others``; the admission limit stays this router's own (``inflight <
+limit``), as before. Admitting on the sum instead would hold a
 router's requests in its queue on a read up to ``interval_s`` old while the other
 routers, which see their own releases at once, refill every slot that frees: under
 overload a router that held no slots (just started, or its load just rose) would
@@ -70,9 +71,16 @@ def reported_load(text: bytes) -> int | None:
     return int(total) if seen else None
 
 
-def others_on(endpoint: Endpoint, reported: int | None) -> int:
-    """The requests in flight on ``endpoint`` that are not this router's."""
-    return max(0, reported - endpoint.inflight) if reported is not None else 0
+def others_on(endpoint: Endpoint, reported: int | None, asked_at: int | None = None) -> int:
+    """The requests in flight on ``endpoint`` that are not this router's. ``asked_at``:
+    this router's own count there when it asked. The replica counted at some moment
+    between the question and the answer, so the larger of the two own counts is taken
+    off: a request of this router's that ended meanwhile is not read as another
+    router's (found in review: a lone router saw phantom others)."""
+    if reported is None:
+        return 0
+    own = max(endpoint.inflight, asked_at if asked_at is not None else 0)
+    return max(0, reported - own)
 
 
 class LoadSampler:
@@ -108,6 +116,7 @@ class LoadSampler:
 
     async def _read(self, endpoint: Endpoint) -> None:
         reported: int | None = None
+        asked_at = endpoint.inflight
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.interval_s, READ_TIMEOUT_MIN_S))
             async with self._session().get(endpoint.url(METRICS_PATH), timeout=timeout) as response:
@@ -115,7 +124,7 @@ class LoadSampler:
                     reported = reported_load(await response.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("no load read from %s: %r", endpoint.base_url, exc)
-        endpoint.others = others_on(endpoint, reported)
+        endpoint.others = others_on(endpoint, reported, asked_at)
 
 
 def _busy(endpoints: tuple[Endpoint, ...]) -> bool:

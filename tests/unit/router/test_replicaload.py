@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from router import replicaload
-from router.balancer import pick
+from router.balancer import pick, preferable
 from router.catalog import ServiceAddress
 from router.endpoint import Endpoint
 from router.prefix import PrefixChooser
@@ -46,6 +46,8 @@ def test_the_replica_s_gauges_give_every_router_s_requests_less_this_one_s() -> 
     assert others_on(mine, 5) == 3
     assert others_on(mine, 1) == 0  # this router's request not yet counted there
     assert others_on(mine, None) == 0  # no gauges: this router's own counts only
+    # One of its own ended while it asked: counted there or not, not another router's.
+    assert others_on(mine, 3, asked_at=3) == 0
 
 
 def test_pick_orders_by_every_router_s_load_and_admits_on_its_own_limit() -> None:
@@ -158,3 +160,19 @@ def test_a_prefix_s_replica_full_over_all_routers_gives_way_to_the_least_loaded(
     # Alone on it, this router's own count is exact: every slot is used.
     a.inflight, a.others = 3, 0
     assert pick([a, b], 0, (), (chooser, key)) is a
+
+
+def test_a_replica_of_one_or_two_slots_spares_none() -> None:
+    """Found in review: sparing a slot of 1 or 2 lost a small replica its prefix
+    affinity whenever another router had a request there."""
+    for limit in (1, 2):
+        replica = endpoints(0, limit=limit)[0]
+        replica.others = limit - 1
+        assert preferable(replica)
+        replica.others = limit
+        assert not preferable(replica)
+    three = endpoints(0, limit=3)[0]
+    three.others = 1
+    assert preferable(three)
+    three.others = 2
+    assert not preferable(three)

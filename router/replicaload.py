@@ -71,7 +71,7 @@ def reported_load(text: bytes) -> int | None:
     return int(total) if seen else None
 
 
-def others_on(endpoint: Endpoint, reported: int | None, asked_at: int | None = None) -> int:
+def others_on(endpoint: Endpoint, reported: int | None, asked_at: int = 0) -> int:
     """The requests in flight on ``endpoint`` that are not this router's. ``asked_at``:
     this router's own count there when it asked. The replica counted at some moment
     between the question and the answer, so the larger of the two own counts is taken
@@ -79,8 +79,7 @@ def others_on(endpoint: Endpoint, reported: int | None, asked_at: int | None = N
     router's (found in review: a lone router saw phantom others)."""
     if reported is None:
         return 0
-    own = max(endpoint.inflight, asked_at if asked_at is not None else 0)
-    return max(0, reported - own)
+    return max(0, reported - max(endpoint.inflight, asked_at))
 
 
 class LoadSampler:

@@ -230,6 +230,22 @@ def nomad_get(cluster: Cluster, path: str) -> Any:
     return http_json(f"{cluster.nomad_addr}{path}")
 
 
+def stop_job(cluster: Cluster, job: str) -> None:
+    """`nomad job stop -detach`: its allocations drain their shutdown_delay, then end."""
+    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/{job}", method="DELETE")
+    urllib.request.urlopen(stop, timeout=10).close()
+
+
+def running_alloc(cluster: Cluster, job: str) -> str:
+    """The ID of the job's one running allocation (fails when there is not exactly one)."""
+    [alloc] = [
+        a["ID"]
+        for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
+        if a["ClientStatus"] == "running"
+    ]
+    return alloc
+
+
 def passing_endpoints(cluster: Cluster, service: str) -> list[str]:
     nodes = http_json(f"{cluster.consul_addr}/v1/health/service/{service}?passing=true")
     return [

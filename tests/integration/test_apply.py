@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import Cluster
-from tests.conftest import http_json, nomad_get
+from tests.conftest import http_json, nomad_get, stop_job
 
 pytestmark = pytest.mark.integration
 
@@ -361,8 +361,7 @@ def test_prune_deregisters_models_gone_from_git(
     model_files("prune-stopped", replicas=0)
     assert planner("apply", str(folder)).returncode == 0
     (folder / "prune-stopped.yaml").unlink()
-    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/prune-stopped", method="DELETE")
-    urllib.request.urlopen(stop, timeout=10).close()
+    stop_job(cluster, "prune-stopped")
     listed = planner("apply", str(folder), "--output", "json")
     assert actions(listed, "prune-stopped") == ["orphaned"]
 

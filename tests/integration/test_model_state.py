@@ -52,6 +52,8 @@ from tests.conftest import (
     lead_again,
     nomad_get,
     passing_endpoints,
+    running_alloc,
+    stop_job,
     wait_for,
 )
 from tests.integration.test_on_demand import complete, free_memory_mb, on_demand_model
@@ -613,21 +615,6 @@ def test_room_that_ended_before_nomad_looked_again_is_no_reason_to_wait(
     )
 
 
-def running_alloc(cluster: Cluster, job: str) -> str:
-    [alloc] = [
-        a["ID"]
-        for a in nomad_get(cluster, f"/v1/job/{job}/allocations")
-        if a["ClientStatus"] == "running"
-    ]
-    return alloc
-
-
-def stop_job(cluster: Cluster, job: str) -> None:
-    """`nomad job stop -detach`: its allocations drain their shutdown_delay, then end."""
-    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/{job}", method="DELETE")
-    urllib.request.urlopen(stop, timeout=10).close()
-
-
 def test_a_shortfall_is_told_while_other_room_keeps_coming(
     cluster: Cluster,
     planner: Callable,
@@ -721,8 +708,7 @@ def test_a_replica_nomad_stopped_starts_again_after_the_job_is_stopped_and_appli
         90,
         "server[1] stopped by Nomad after 5 failed starts",
     )
-    stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/restart-stopped", method="DELETE")
-    urllib.request.urlopen(stop, timeout=10).close()  # `nomad job stop`
+    stop_job(cluster, "restart-stopped")
     wait_for(lambda: not live_replicas(cluster, "restart-stopped"), 30, "the job stopped")
     applied = json.loads(planner("apply", str(folder), "--output", "json").stdout)
     assert [c["reason"] for c in applied["changes"] if c["model"] == "restart-stopped"] == [
@@ -737,7 +723,7 @@ def test_a_replica_nomad_stopped_starts_again_after_the_job_is_stopped_and_appli
         "both replicas started again",
     )
     # And `planner retry` of a stopped job does the same.
-    urllib.request.urlopen(stop, timeout=10).close()
+    stop_job(cluster, "restart-stopped")
     wait_for(lambda: not live_replicas(cluster, "restart-stopped"), 30, "the job stopped")
     assert planner("retry", "restart-stopped").returncode == 0
     wait_for(

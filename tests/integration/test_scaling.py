@@ -30,6 +30,8 @@ from tests.conftest import (
     nomad_get,
     passing_endpoints,
     run_router,
+    running_alloc,
+    stop_job,
 )
 from tests.conftest import wait_for as wait_until
 from tests.integration.test_on_demand import free_memory_mb
@@ -501,13 +503,8 @@ def test_a_scale_up_short_of_room_stays_told_after_another_model_stops(
                 "a scale-up short of memory, told",
                 on_timeout=lambda: planner_daemon.model(name),
             )
-            [ended] = [
-                a["ID"]
-                for a in nomad_get(cluster, f"/v1/job/{other}/allocations")
-                if a["ClientStatus"] == "running"
-            ]
-            stop = urllib.request.Request(f"{cluster.nomad_addr}/v1/job/{other}", method="DELETE")
-            urllib.request.urlopen(stop, timeout=10).close()
+            ended = running_alloc(cluster, other)
+            stop_job(cluster, other)
             wait_for(
                 lambda: (
                     nomad_get(cluster, f"/v1/allocation/{ended}")["ClientStatus"]

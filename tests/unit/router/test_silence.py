@@ -1,0 +1,187 @@
+"""The silence timeout (``upstream_read_timeout_s``, ``LLMGW_ROUTER_UPSTREAM_READ_TIMEOUT``):
+a replica that sends nothing for that long, before its headers, inside a whole
+answer or between two events of a stream, ends the request; the request is
+never sent again (it may have run there) and the replica's connection is
+dropped, not pooled.
+
+The replicas are aiohttp servers on 127.0.0.1 that FAKE a llama-server going
+silent at a chosen point (a real one cannot be made to stop mid-answer on
+demand); ``/health`` answers at once, as llama-server's HTTP thread does while
+its inference loop is busy, so the first-byte watch keeps the request
+(router.firstbyte) and only the silence timeout ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+from router.settings import RouterSettings
+from tests.support.router_harness import (
+    LocalServer,
+    RouterUnderTest,
+    asgi_post,
+    in_process_router,
+    run,
+    until,
+)
+
+SILENCE_S = 1.5
+
+
+class SilentReplica(LocalServer):
+    """Goes silent ``after`` its ``headers`` (nothing sent), in the middle of a
+    ``whole`` answer (half its declared length sent) or after one event of a
+    ``stream``; counts completions asked and connections that closed while silent."""
+
+    def __init__(self, after: str) -> None:
+        self.after = after
+        self.completions = 0
+        self.dropped = asyncio.Event()
+        self.stopping = False
+        super().__init__(
+            web.post("/v1/completions", self._complete), web.get("/health", self._health)
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.completions += 1
+        if self.after == "headers":
+            await self._silent(request)
+        if self.after == "whole":
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            response.content_length = 100
+            await response.prepare(request)
+            await response.write(b'{"object": "text_completion", ')
+        else:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"content": "one"}\n\n')
+        await self._silent(request)
+        return response
+
+    async def _silent(self, request: web.Request) -> None:
+        """Send nothing until the router closes the connection (aiohttp does not
+        cancel a handler whose client left: its transport says so) or the test ends."""
+        while not self.stopping:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                self.dropped.set()
+                return
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await super().stop()
+
+
+def settings() -> RouterSettings:
+    return RouterSettings(
+        activation=False,
+        replica_concurrency=4,
+        first_byte_timeout_s=0.5,
+        upstream_read_timeout_s=SILENCE_S,
+    )
+
+
+def test_a_replica_silent_before_its_headers_ends_the_request_once_and_keeps_it_there() -> None:
+    async def scenario() -> None:
+        replica = SilentReplica(after="headers")
+        await replica.start()
+        try:
+            async with in_process_router(settings()) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                started = time.monotonic()
+                status, _, body = await asgi_post(app, {"model": "m"})
+                waited = time.monotonic() - started
+                assert status == 504, body
+                assert body["error"]["code"] == "upstream_timeout", body
+                assert f"sent nothing for {SILENCE_S}s" in body["error"]["message"], body
+                # Alive on /health all along: neither given up early nor sent again.
+                assert waited >= SILENCE_S, waited
+                assert replica.completions == 1
+                await until(replica.dropped.is_set, what="the replica's connection dropped")
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def test_a_whole_answer_that_stops_halfway_is_a_504_and_its_connection_dropped() -> None:
+    async def scenario() -> None:
+        replica = SilentReplica(after="whole")
+        await replica.start()
+        try:
+            async with in_process_router(settings()) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                status, _, body = await asgi_post(app, {"model": "m"})
+                assert status == 504, body
+                assert body["error"]["code"] == "upstream_timeout", body
+                assert "stopped sending" in body["error"]["message"], body
+                assert replica.completions == 1
+                await until(replica.dropped.is_set, what="the replica's connection dropped")
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def test_a_stream_that_goes_silent_is_cut_after_what_it_sent_and_its_connection_dropped() -> None:
+    async def scenario() -> None:
+        replica = SilentReplica(after="stream")
+        await replica.start()
+        try:
+            async with in_process_router(settings()) as app:
+                RouterUnderTest(app, replica).pass_endpoint()
+                sent = await stream(app)
+                assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+                relayed = b"".join(m.get("body", b"") for m in sent[1:])
+                assert relayed == b'data: {"content": "one"}\n\n', sent
+                # No final empty body: the server drops the connection, so the client
+                # sees a truncated stream, not a clean end.
+                assert all(m.get("more_body") for m in sent[1:]), sent
+                assert replica.completions == 1
+                await until(replica.dropped.is_set, what="the replica's connection dropped")
+                code = RouterUnderTest(app, replica).metric(
+                    "llmgw_router_requests_total", model="m", code="502"
+                )
+                assert code == 1, code
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+async def stream(app: object) -> list[dict]:
+    """POST a streaming completion over ASGI, the client staying connected; the
+    messages the app sent once it returned."""
+    sent: list[dict] = []
+    payload = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # connected until cancelled
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await app(scope, receive, send)  # type: ignore[operator]
+    return sent

@@ -480,7 +480,7 @@ def _model_object(entry: ModelEntry) -> dict[str, object]:
     }
 
 
-def _openai_error(status: int, message: str, type_: str, code: str | None) -> JSONResponse:
+def _openai_error(status: int, message: str, type_: str, code: str) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": type_, "param": None, "code": code}},
         status_code=status,
@@ -490,7 +490,7 @@ def _openai_error(status: int, message: str, type_: str, code: str | None) -> JS
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         message = f"{request.method} {request.url.path}: {exc.detail}"
         response = _openai_error(exc.status_code, message, "invalid_request_error", code)
         if exc.headers:
@@ -507,4 +507,5 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _openai_error(500, "The router failed unexpectedly.", "server_error", None)
+        message = "The router failed unexpectedly."
+        return _openai_error(500, message, "server_error", "internal_error")

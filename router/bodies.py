@@ -94,12 +94,10 @@ def _checked(found: str, body: bytes) -> str:
     if not found.startswith("\0"):
         return found
     if found.startswith(_NOT_JSON):
-        raise errors.InvalidRequest(
-            f"The request body is not valid JSON: {found[len(_NOT_JSON) :]}"
-        )
+        raise errors.InvalidJson(f"The request body is not valid JSON: {found[len(_NOT_JSON) :]}")
     if found == _NOT_OBJECT:
-        raise errors.InvalidRequest("The request body must be a JSON object.")
-    raise errors.InvalidRequest(
+        raise errors.InvalidJson("The request body must be a JSON object.")
+    raise errors.MissingModel(
         "You must provide a model parameter (a non-empty string).", param="model"
     )
 

@@ -4,7 +4,9 @@ The tree, split by what the caller can do::
 
     RouterError                    anything the router answers itself
     ├── RequestRefused             told no: fix the request, do not retry as-is
-    │   ├── InvalidRequest         400 invalid_request_error (bad JSON, no model)
+    │   ├── InvalidRequest         400 invalid_request (a query string no URL may carry)
+    │   │   ├── InvalidJson        400 invalid_json (not JSON, or not a JSON object)
+    │   │   └── MissingModel       400 missing_required_parameter (no ``model`` string)
     │   ├── BodyTooLarge           413 request_too_large (over the body limit, or over
     │   │                          the bytes all bodies may hold at once)
     │   ├── RequestTimeout         408 request_timeout (headers or body not received
@@ -53,6 +55,11 @@ and :mod:`router.activation`; rendered by
 :func:`error_body` in the proxy and the app's exception handlers. aiohttp
 errors are translated where they are caught, so nothing above the
 proxy or the catalog sees a library's exception types.
+
+Every error has a string ``code`` (issue 21: one error shape, ``code`` a string
+for every answer, the router's or a replica's): the first word an SDK user
+branches on. A class that is not raised itself still has one, so a new
+subclass without its own code says at least what kind it is.
 
 Errors the router answers instead of a model carry a :class:`Refusal`
 (``refusal``), the ``reason`` label of ``llmgw_router_refusals_total``.
@@ -105,7 +112,7 @@ class RouterError(Exception):
 
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
-    code: ClassVar[str | None] = None
+    code: ClassVar[str] = "internal_error"
     # Set on the errors that refuse a model (counted in llmgw_router_refusals_total).
     refusal: ClassVar[Refusal | None] = None
 
@@ -122,10 +129,23 @@ class RouterError(Exception):
 class RequestRefused(RouterError):
     status = 400
     type = "invalid_request_error"
+    code = "invalid_request"
 
 
 class InvalidRequest(RequestRefused):
     status = 400
+
+
+class InvalidJson(InvalidRequest):
+    """The body is not JSON, or not a JSON object (:mod:`router.bodies`)."""
+
+    code = "invalid_json"
+
+
+class MissingModel(InvalidRequest):
+    """The body names no model (``model`` missing, not a string, or empty)."""
+
+    code = "missing_required_parameter"
 
 
 class BodyTooLarge(RequestRefused):
@@ -142,7 +162,8 @@ class RequestTimeout(RequestRefused):
 
 
 class HeadersTooLarge(RequestRefused):
-    """The request line and headers exceed :data:`router.serving.MAX_HEADER_BYTES`."""
+    """The request line and headers exceed :data:`router.serving.MAX_HEADER_BYTES`, or
+    hold a line or a count of lines a replica would refuse (:mod:`router.proxy`)."""
 
     status = 431
     code = "request_header_fields_too_large"
@@ -228,6 +249,7 @@ class ModelUnavailable(RouterError):
 
     status = 503
     type = "server_error"
+    code = "model_unavailable"
 
     def __init__(
         self, message: str, *, retry_after_s: int | None = None, param: str | None = None
@@ -374,6 +396,7 @@ class RouterUnavailable(RouterError):
 
     status = 503
     type = "server_error"
+    code = "router_unavailable"
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
@@ -401,6 +424,7 @@ class RouterOverloaded(RouterUnavailable):
 class UpstreamError(RouterError):
     status = 502
     type = "server_error"
+    code = "upstream_error"
 
 
 class UpstreamUnavailable(UpstreamError):
@@ -430,7 +454,7 @@ def error_body(
     message: str,
     *,
     type: str,
-    code: str | None = None,
+    code: str,
     param: str | None = None,
 ) -> bytes:
     """Render ``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""

@@ -31,9 +31,13 @@ import json
 
 from router.streaming import Send
 
+# What llama-server's own streams carry (server.cpp: Cache-Control no-cache,
+# X-Accel-Buffering no), so an nginx in front passes the loading comments at once
+# rather than buffering them away (found in review).
 HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
 ]
 
 

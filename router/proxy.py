@@ -132,6 +132,18 @@ _DROP_REQUEST = frozenset(
         "origin",
     }
 )
+# llama-server's HTTP server (cpp-httplib, httplib.h CPPHTTPLIB_HEADER_MAX_LENGTH and
+# CPPHTTPLIB_HEADER_MAX_COUNT, left at their defaults by llama.cpp) refuses a header
+# line over 8,192 bytes (CRLF included) and a 101st header with an empty 400; the
+# router, whose own bound is 64 KiB in all (router.serving), answers what the replica
+# would refuse with its own 431 (found in review: a 20 KiB header, or 5,000 small
+# ones, came back as "replica answered 400: (no body)"). aiohttp and the router add
+# up to 7 lines of their own (host, accept, accept-encoding, user-agent,
+# content-type, content-length, connection).
+REPLICA_LINE_MAX = 8192
+REPLICA_HEADER_MAX_BYTES = REPLICA_LINE_MAX - len(": \r\n")
+REPLICA_HEADERS_MAX = 100
+REPLICA_HEADERS_FORWARDED_MAX = REPLICA_HEADERS_MAX - 7
 # The only failures after which the request provably never reached a replica:
 # no connection could be made (refused, unreachable, name or TLS failure:
 # ClientConnectorError and its subclasses) or making it timed out. aiohttp
@@ -398,8 +410,12 @@ class Proxy:
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.decode("latin-1")
             if name not in drop:
+                if len(raw_name) + len(raw_value) > REPLICA_HEADER_MAX_BYTES:
+                    raise _replica_refuses(f"a header line of at most {REPLICA_LINE_MAX} bytes")
                 headers.append((name, raw_value.decode("latin-1")))
                 has_accept_encoding = has_accept_encoding or name == "accept-encoding"
+        if len(headers) > REPLICA_HEADERS_FORWARDED_MAX:
+            raise _replica_refuses(f"at most {REPLICA_HEADERS_MAX} header lines")
         if not has_accept_encoding:
             # Else aiohttp adds "gzip, deflate" and the replica may compress a
             # body the client never asked to decompress. Setting it here rather
@@ -712,6 +728,12 @@ def _payload(body: bytes | bytearray) -> bytes | bytearray | AsyncIterator[memor
 async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
     for start in range(0, len(view), SEND_SLICE_BYTES):
         yield view[start : start + SEND_SLICE_BYTES]
+
+
+def _replica_refuses(limit: str) -> errors.HeadersTooLarge:
+    return errors.HeadersTooLarge(
+        f"The request's headers exceed what a model's server (llama-server) accepts: {limit}."
+    )
 
 
 def _target(scope: Scope) -> str:

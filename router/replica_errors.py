@@ -31,17 +31,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# llama-server's error type -> (OpenAI's type, OpenAI-style code).
-TYPES: dict[str, tuple[str, str | None]] = {
-    "invalid_request_error": ("invalid_request_error", None),
+# llama-server's error type -> (OpenAI's type, OpenAI-style code). Every code is a
+# string (issue 21: one error shape): an SDK user branches on it.
+TYPES: dict[str, tuple[str, str]] = {
+    "invalid_request_error": ("invalid_request_error", "invalid_request"),
     "exceed_context_size_error": ("invalid_request_error", "context_length_exceeded"),
     "authentication_error": ("invalid_request_error", "invalid_api_key"),
     "permission_error": ("invalid_request_error", "permission_denied"),
     "not_found_error": ("invalid_request_error", "not_found"),
     "not_supported_error": ("invalid_request_error", "not_supported"),
     "unavailable_error": ("server_error", "replica_unavailable"),
-    "server_error": ("server_error", None),
+    "server_error": ("server_error", "replica_error"),
 }
+
+# OpenAI's two types: under them a string code an error carries is kept.
+_GENERIC_TYPES = frozenset({"invalid_request_error", "server_error"})
 
 # The start of an error event in llama-server's stream (format_oai_sse).
 _ERROR_EVENT = b'data: {"error"'
@@ -56,21 +60,23 @@ def _type_for(status: int) -> str:
 
 def translate(error: dict[str, Any], status: int) -> dict[str, Any]:
     """``error`` (the inside of ``{"error": ...}``) in OpenAI's shape: ``message``,
-    ``type``, ``param``, ``code`` (a string or ``None``) first, then llama-server's
-    other fields unchanged. ``status`` decides the type of an error without one.
-    An error already in OpenAI's shape (a string or null ``code``) is kept as is."""
+    ``type``, ``param``, ``code`` (always a string) first, then llama-server's other
+    fields unchanged. ``status`` decides the type of an error without one. An error
+    already in OpenAI's shape (a type of its own, a string or null ``code``) keeps its
+    type, and a null code becomes the type's name; one with neither a known type nor
+    a string code gets :data:`TYPES`' code for the type its status gives."""
     code = error.get("code")
     kind = error.get("type")
     if (code is None or isinstance(code, str)) and isinstance(kind, str) and kind not in TYPES:
-        return error
-    openai_type, openai_code = TYPES.get(kind, (None, None)) if isinstance(kind, str) else (
-        None, None,
-    )  # fmt: skip
-    if openai_type is None:
+        return error if isinstance(code, str) else {**error, "code": kind}
+    known = TYPES.get(kind) if isinstance(kind, str) else None
+    if known is None:
         openai_type = _type_for(status)
-        openai_code = kind if isinstance(kind, str) else None
-    if openai_code is None and isinstance(code, str):
-        openai_code = code
+        openai_code = kind if isinstance(kind, str) else TYPES[openai_type][1]
+    else:
+        openai_type, openai_code = known
+    if isinstance(code, str) and kind in _GENERIC_TYPES:
+        openai_code = code  # a generic type's own string code says more
     message = error.get("message")
     out: dict[str, Any] = {
         "message": message if isinstance(message, str) else json.dumps(error),

@@ -18,12 +18,15 @@ llama-server stops generating and frees its slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import aiohttp
 
+from router import errors
 from router.accounting import StreamMeter
 from router.replica_errors import StreamErrors
 
@@ -181,9 +184,11 @@ async def relay_stream(
     ``started``: the client's response began already (a loading heartbeat,
     :mod:`router.heartbeat`), so only the events are sent. Returns the status to
     record: the replica's, :data:`STATUS_CLIENT_CLOSED` when the client left
-    first, 502 when the replica broke mid-stream. ``meter`` reads the stream's
-    usage (and may strip the usage event the router asked for,
-    :mod:`router.accounting`). On either failure the upstream
+    first; when the replica broke off mid-stream, 504 (silent for the upstream read
+    timeout) or 502 (its connection broke), after an error event in OpenAI's shape
+    (code ``upstream_timeout`` or ``upstream_unavailable``), and the stream then ends
+    unfinished. ``meter`` reads the stream's usage (and may strip the usage event the
+    router asked for, :mod:`router.accounting`). On either failure the upstream
     connection is closed, not pooled.
     """
     if not started:
@@ -210,12 +215,32 @@ async def relay_stream(
     exc = pump.exception()
     if exc is not None:
         upstream.close()
-        # Bytes already went out, so no error response is possible. Ending
-        # without the final empty chunk makes uvicorn drop the connection: the
-        # client sees a truncated stream, not a clean end.
+        told = _broken(model, exc)
         log.warning("model %s: upstream stream broke: %r", model, exc)
-        return 502
+        # Bytes already went out, so no error response is possible: the client is
+        # told in the stream, as llama-server tells its own failures (an SDK raises
+        # it), then the stream ends without its final empty chunk, so uvicorn drops
+        # the connection and a client that reads no events sees a truncated stream,
+        # not a clean end. The blank line first ends any event the replica left
+        # half-sent (an empty one is ignored, WHATWG HTML 9.2.6).
+        event = b"\n\ndata: " + json.dumps({"error": errors.error_object(told)}).encode()
+        with contextlib.suppress(Exception):  # the client may be gone as well
+            await send({"type": "http.response.body", "body": event + b"\n\n", "more_body": True})
+        return told.status
     return upstream.status
+
+
+def _broken(model: str, exc: BaseException) -> errors.UpstreamError:
+    """What a client is told of a stream the replica broke off: its silence timeout
+    (aiohttp's ``sock_read``, ``upstream_read_timeout_s``) or a broken connection."""
+    if isinstance(exc, TimeoutError):
+        return errors.UpstreamTimeout(
+            f"The model `{model}` replica went silent mid-stream (nothing for the "
+            "router's upstream read timeout); the stream was cut."
+        )
+    return errors.UpstreamUnavailable(
+        f"The model `{model}` replica's stream broke ({type(exc).__name__}); the stream was cut."
+    )
 
 
 async def _pump(

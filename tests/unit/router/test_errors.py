@@ -46,20 +46,32 @@ def test_model_with_zero_replicas_gets_no_retry_after() -> None:
 @pytest.mark.parametrize(
     ("exc", "status", "code"),
     [
-        (errors.InvalidRequest("bad"), 400, None),
         (errors.BodyTooLarge("big"), 413, "request_too_large"),
         (errors.UpstreamUnavailable("down"), 502, "upstream_unavailable"),
         (errors.UpstreamTimeout("slow"), 504, "upstream_timeout"),
         (errors.ModelStopped("m", "stopped"), 503, "model_stopped"),
         (errors.ReplicasBusy("m", "busy", retry_after_s=2), 503, "replicas_busy"),
-        (errors.RouterError("bug"), 500, None),
+        (errors.RouterError("bug"), 500, "internal_error"),
+        (errors.InvalidRequest("bad"), 400, "invalid_request"),
+        (errors.InvalidJson("bad"), 400, "invalid_json"),
+        (errors.MissingModel("none", param="model"), 400, "missing_required_parameter"),
     ],
 )
-def test_status_and_code(exc: errors.RouterError, status: int, code: str | None) -> None:
+def test_status_and_code(exc: errors.RouterError, status: int, code: str) -> None:
     got_status, _, body = parsed(exc)
     assert got_status == status
     assert body["error"]["code"] == code
     assert body["error"]["message"] == exc.message
+
+
+def test_every_error_class_has_a_string_code() -> None:
+    """Issue 21: one error shape, ``code`` a string in every answer (found in review:
+    the router's own 400s for bad JSON or no model had a null code)."""
+    pending = [errors.RouterError]
+    while pending:
+        cls = pending.pop()
+        assert isinstance(cls.code, str) and cls.code, cls
+        pending.extend(cls.__subclasses__())
 
 
 def test_retry_headers_say_whether_waiting_helps() -> None:

@@ -110,6 +110,8 @@ def test_a_waiting_stream_gets_comments_then_its_answer() -> None:
                 assert [m["status"] for m in client.starts()] == [200]
                 headers = dict(client.starts()[0]["headers"])
                 assert headers[b"content-type"] == b"text/event-stream"
+                # As llama-server's own streams: an nginx in front must not buffer them.
+                assert headers[b"x-accel-buffering"] == b"no", headers
                 app.state.table.set_endpoints("m", [address])
                 await asyncio.wait_for(client.task, 10)
                 assert len(client.starts()) == 1
@@ -162,7 +164,7 @@ def test_a_replica_error_after_the_wait_is_an_error_event_in_openai_shape() -> N
                 error = json.loads(last)["error"]
                 assert error == {
                     "message": "bad max_tokens", "type": "invalid_request_error",
-                    "param": None, "code": None,
+                    "param": None, "code": "invalid_request",
                 }  # fmt: skip
         finally:
             await replica.stop()

@@ -22,7 +22,7 @@ from llmgw_contract import ModelRecord
 from router import errors
 from router.app import create_app
 from router.catalog import ServiceAddress
-from router.proxy import extract_model
+from router.proxy import REPLICA_HEADER_MAX_BYTES, REPLICA_HEADERS_FORWARDED_MAX, extract_model
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -229,6 +229,42 @@ def test_headers_the_connection_header_names_are_not_forwarded() -> None:
         got = replica.headers[0]
         assert got["x-end-to-end"] == "3"
         assert "x-hop" not in got and "x-other" not in got, got
+
+    run(scenario())
+
+
+def test_headers_a_replica_would_refuse_get_the_router_s_431() -> None:
+    """llama-server (cpp-httplib) refuses a header line over 8 KiB and more than 100
+    lines with an empty 400 (found in review: the client got "replica answered 400:
+    (no body)"); the router answers 431 itself and the replica is never asked."""
+
+    async def scenario() -> None:
+        replica = HeaderReplica()
+        address = await replica.start()
+        # asgi_post sends content-type: one forwarded line besides these.
+        many = REPLICA_HEADERS_FORWARDED_MAX - 1
+        cases = [
+            ([(b"x-big", b"a" * (REPLICA_HEADER_MAX_BYTES - 5))], 200),
+            ([(b"x-big", b"a" * (REPLICA_HEADER_MAX_BYTES - 4))], 431),
+            ([(b"x-h%d" % i, b"v") for i in range(many)], 200),
+            ([(b"x-h%d" % i, b"v") for i in range(many + 1)], 431),
+            # Lines the router drops are not the replica's to count.
+            ([(b"host", b"a" * 9000), *((b"x-h%d" % i, b"v") for i in range(many))], 200),
+        ]
+        try:
+            async with in_process_router(
+                RouterSettings(activation=False, replica_concurrency=4)
+            ) as app:
+                app.state.table.set_endpoints("m", [address])
+                for headers, expected in cases:
+                    status, _, body = await asgi_post(app, {"model": "m"}, headers=headers)
+                    assert status == expected, (len(headers), body)
+                    if expected == 431:
+                        assert body["error"]["code"] == "request_header_fields_too_large"
+                        assert "llama-server" in body["error"]["message"], body
+        finally:
+            await replica.stop()
+        assert len(replica.headers) == 3
 
     run(scenario())
 

@@ -40,7 +40,7 @@ def test_a_llama_server_error_gets_openai_fields_and_keeps_its_extras() -> None:
     assert list(out)[:4] == ["message", "type", "param", "code"]
 
 
-def test_every_type_gets_a_string_or_null_code_and_an_openai_type() -> None:
+def test_every_type_gets_a_string_code_and_an_openai_type() -> None:
     for kind, status in (
         ("invalid_request_error", 400), ("authentication_error", 401),
         ("not_found_error", 404), ("server_error", 500), ("permission_error", 403),
@@ -48,10 +48,25 @@ def test_every_type_gets_a_string_or_null_code_and_an_openai_type() -> None:
         ("new_error", 502),
     ):  # fmt: skip
         out = translate({"code": status, "message": "m", "type": kind}, status)
-        assert out["code"] is None or isinstance(out["code"], str), out
+        assert isinstance(out["code"], str) and out["code"], out
         assert out["type"] in {"invalid_request_error", "server_error"}, out
     unknown = translate({"code": 502, "message": "m", "type": "new_error"}, 502)
     assert (unknown["type"], unknown["code"]) == ("server_error", "new_error")
+    # llama-server's two generic types (a bad parameter, a failed decode), and an error
+    # with no type at all: a string code each (found in review: both were null).
+    bad = translate({"code": 400, "message": "m", "type": "invalid_request_error"}, 400)
+    assert (bad["type"], bad["code"]) == ("invalid_request_error", "invalid_request")
+    failed = translate({"code": 500, "message": "m", "type": "server_error"}, 500)
+    assert (failed["type"], failed["code"]) == ("server_error", "replica_error")
+    typeless = translate({"code": 503, "message": "m"}, 503)
+    assert (typeless["type"], typeless["code"]) == ("server_error", "replica_error")
+
+
+def test_an_openai_shaped_error_with_a_null_code_gets_its_type_as_the_code() -> None:
+    error = {"message": "m", "type": "rate_limit_error", "param": None, "code": None}
+    assert translate(error, 429) == {**error, "code": "rate_limit_error"}
+    generic = {"message": "m", "type": "server_error", "param": None, "code": None}
+    assert translate(generic, 500)["code"] == "replica_error"
 
 
 def test_an_error_already_in_openai_shape_is_kept() -> None:
@@ -79,7 +94,14 @@ def test_error_events_in_a_stream_are_rewritten_wherever_the_chunks_split() -> N
     expected = STREAM.replace(
         b'{"error":{"code":500,"message":"boom","type":"server_error"}}',
         json.dumps(
-            {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+            {
+                "error": {
+                    "message": "boom",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "replica_error",
+                }
+            }
         ).encode(),
     )
     for cut in range(len(STREAM) + 1):
@@ -141,7 +163,7 @@ def test_the_proxy_translates_plain_and_streamed_errors() -> None:
                 data = b"".join(m.get("body", b"") for m in sent[1:])
                 last = data.rstrip().split(b"\n\n")[-1]
                 error = json.loads(last.removeprefix(b"data: "))["error"]
-                assert error["type"] == "server_error" and error["code"] is None
+                assert error["type"] == "server_error" and error["code"] == "replica_error"
                 assert "code" in error and error["message"] == "boom"
         finally:
             await replica.stop()

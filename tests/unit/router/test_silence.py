@@ -52,6 +52,13 @@ class SilentReplica(LocalServer):
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.completions += 1
+        if self.after == "reset":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"content": "one"}\n\ndata: {"cont')
+            assert request.transport is not None
+            request.transport.close()  # mid-event, no last chunk
+            return response
         if self.after == "headers":
             await self._silent(request)
         if self.after == "whole":
@@ -142,15 +149,46 @@ def test_a_stream_that_goes_silent_is_cut_after_what_it_sent_and_its_connection_
                 sent = await stream(app)
                 assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
                 relayed = b"".join(m.get("body", b"") for m in sent[1:])
-                assert relayed == b'data: {"content": "one"}\n\n', sent
-                # No final empty body: the server drops the connection, so the client
-                # sees a truncated stream, not a clean end.
+                first, told = relayed.split(b"\n\n\n\n")
+                assert first == b'data: {"content": "one"}', relayed
+                # Told in the stream (found in review: the stream was cut with no
+                # word, an SDK raised a connection error) ...
+                error = json.loads(told.removeprefix(b"data: ").removesuffix(b"\n\n"))["error"]
+                assert error["code"] == "upstream_timeout", error
+                assert error["type"] == "server_error" and "silent" in error["message"]
+                # ... and no final empty body: the server drops the connection, so a
+                # client that reads no events sees a truncated stream, not a clean end.
                 assert all(m.get("more_body") for m in sent[1:]), sent
                 assert replica.completions == 1
                 await until(replica.dropped.is_set, what="the replica's connection dropped")
                 code = RouterUnderTest(app, replica).metric(
-                    "llmgw_router_requests_total", model="m", code="502"
+                    "llmgw_router_requests_total", model="m", code="504"
                 )
+                assert code == 1, code
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def test_a_stream_whose_replica_breaks_its_connection_is_told_so_in_the_stream() -> None:
+    async def scenario() -> None:
+        replica = SilentReplica(after="reset")
+        await replica.start()
+        try:
+            async with in_process_router(settings()) as app:
+                router = RouterUnderTest(app, replica)
+                router.pass_endpoint()
+                sent = await stream(app)
+                relayed = b"".join(m.get("body", b"") for m in sent[1:])
+                # The half-sent event is ended by the blank line before the error's.
+                events = [e for e in relayed.split(b"\n\n") if e]
+                assert events[0] == b'data: {"content": "one"}', relayed
+                error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+                assert error["code"] == "upstream_unavailable", error
+                assert all(m.get("more_body") for m in sent[1:]), sent
+                assert replica.completions == 1
+                code = router.metric("llmgw_router_requests_total", model="m", code="502")
                 assert code == 1, code
         finally:
             await replica.stop()

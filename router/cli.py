@@ -204,8 +204,9 @@ def serve(
     stall_timeout: Annotated[
         float | None,
         typer.Option(
-            help="Seconds a replica with requests waiting may leave GET /slots unanswered "
-            "before it is ejected as stalled (env LLMGW_ROUTER_STALL_TIMEOUT, 300)."
+            help="Seconds a replica with requests waiting may keep its work counters "
+            "(GET /metrics) still before it is ejected as stalled "
+            "(env LLMGW_ROUTER_STALL_TIMEOUT, 300)."
         ),
     ] = None,
     loading_heartbeat: Annotated[

@@ -12,6 +12,8 @@ The tree, split by what the caller can do::
     │   ├── RequestTimeout         408 request_timeout (headers or body not received
     │   │                          in time: router.intake, router.serving)
     │   ├── HeadersTooLarge        431 request_header_fields_too_large (router.serving)
+    │   ├── InvalidHttpRequest     400 invalid_http_request (not HTTP/1.1 the parser can
+    │   │                          read: request line, headers, chunk sizes; router.serving)
     │   ├── InvalidApiKey          401 invalid_api_key (router keys on: none, or unknown)
     │   ├── RateLimited            429 rate_limit_exceeded (the key's requests per minute
     │   │                          or concurrent requests, router.limits; Retry-After)
@@ -167,6 +169,15 @@ class HeadersTooLarge(RequestRefused):
 
     status = 431
     code = "request_header_fields_too_large"
+
+
+class InvalidHttpRequest(RequestRefused):
+    """The bytes are not an HTTP/1.1 request the parser can read: a bad request line,
+    header or chunk size, a ``Content-Length`` beside a ``Transfer-Encoding``, the
+    HTTP/2 preface (:mod:`router.serving`). The message is the parser's reason."""
+
+    status = 400
+    code = "invalid_http_request"
 
 
 class ModelNotFound(RequestRefused):

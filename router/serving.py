@@ -26,6 +26,13 @@ hands it over. Here, for every request on a connection, pipelined or not:
   bound by what that one read held (at most 256,000 bytes, uvloop's receive
   buffer; later reads are counted off the wire): bounded, not exact.
 
+Bytes the parser cannot read as HTTP/1.1 (a bad request line, header or chunk
+size, a ``Content-Length`` beside a ``Transfer-Encoding``, the HTTP/2 preface) get
+400 ``invalid_http_request`` with the parser's reason, closed, where uvicorn would
+answer ``text/plain``. A request whose body is the part not readable gets that
+answer instead of its own (its app sees a disconnect); one queued behind an
+answer in progress gets it when that answer ends.
+
 A connection closed with a request's bytes still arriving (a refusal here, or the
 proxy's before it read the body: ``Connection: close``) is closed *lingering*, as
 nginx's ``lingering_close``: the answer, then a FIN, then what the client still
@@ -42,9 +49,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router import errors
@@ -67,7 +76,17 @@ _LINE_ENDS = (b"\r", b"\n")
 # lingering_timeout is 5 s.
 LINGER_S = 5.0
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+}
+
+# The parser's reason is a fixed text of llhttp's, except a callback's error,
+# which can quote the request (httptools' "invalid url b'...'"): cut to this.
+_MAX_REASON_CHARS = 200
+# What llhttp says of the HTTP/2 connection preface (PRI * HTTP/2.0): said plainly.
+_H2_PREFACE = "Pause on PRI/Upgrade"
 
 # The ASGI scope extension (scope["extensions"]) that says the server received a
 # request's whole body before the app read any of it.
@@ -171,6 +190,7 @@ class _Bounded(HttpToolsProtocol):
         self.lingering = False
         # A refusal that waits for an earlier request's response to end first.
         self._refusal: errors.RouterError | None = None
+        self._refusal_logged = False
         self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -231,9 +251,52 @@ class _Bounded(HttpToolsProtocol):
         return end + len(_END) - len(self._tail), True
 
     def send_400_response(self, msg: str) -> None:
-        if self._refusal is None and not self.lingering and not self.transport.is_closing():
-            # else already refused (_Refused)
-            super().send_400_response(msg)
+        """uvicorn's answer to bytes the parser refused (``msg`` is its fixed text):
+        400 ``invalid_http_request`` here, in the error shape every answer has.
+
+        Called only from the ``except httptools.HttpParserError`` of uvicorn's
+        ``data_received``, after its warning is logged: the parser's exception is
+        read from there (``sys.exc_info``) rather than caught in an override of
+        ``data_received``, which would put a second ``try`` on every read.
+        """
+        if self._refusal is not None or self.lingering or self.transport.is_closing():
+            return  # already refused (_Refused), or closing: nothing more is said
+        refused = errors.InvalidHttpRequest(_parser_reason(sys.exc_info()[1], msg))
+        cycle = self.cycle
+        in_body = self._in_body
+        self._in_body = False
+        if not in_body or cycle is None or cycle.scope is not self.scope:
+            # In the request line or headers, or in uvicorn's on_headers_complete
+            # before it made this request's cycle (a CONNECT target it cannot parse):
+            # no app has this request.
+            self._refuse(refused, logged=True)
+            return
+        # The request's headers were read (its cycle exists) and its body was not
+        # readable (a chunk size): this answer replaces its own.
+        if cycle.response_started:
+            # Its app answered before reading the body: that answer is not cut (it
+            # ends, then this one).
+            self._refuse(refused, logged=True)
+            return
+        # Its app gets a disconnect (its sends are dropped), and never starts if
+        # it waits behind an earlier request's answer.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        queued = [entry for entry in self.pipeline if entry[0] is cycle]
+        for entry in queued:
+            self.pipeline.remove(entry)
+        if queued:
+            # That earlier answer is in progress: this one when it ends.
+            self._defer(refused, logged=True)
+        else:
+            self._answer(refused, logged=True)
+
+    def _should_upgrade(self) -> bool:
+        # The router serves no WebSocket; uvicorn would hand an upgrade request to
+        # its websockets protocol, whose refusal is text/plain (403, or 500). Not
+        # upgraded, it reaches the app as the plain request it also is, and is
+        # answered as one (uvicorn logs "Unsupported upgrade request.").
+        return False
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -285,10 +348,17 @@ class _Bounded(HttpToolsProtocol):
             cycle.scope.setdefault("extensions", {})[BODY_WHOLE] = True  # type: ignore[typeddict-item]
 
     def on_response_complete(self) -> None:
-        if self.lingering or self._refusal is not None:
+        refusal = self._refusal
+        if refusal is not None and self.pipeline:
+            # Requests queued before the refused one are answered first, in order.
+            super().on_response_complete()
+            return
+        if self.lingering or refusal is not None:
             self.server_state.total_requests += 1
-            if self._refusal is not None:
-                self._refuse(self._refusal)
+            if refusal is not None:
+                # The answer it waited for just ended; what self.cycle holds may be
+                # the refused request's own (disconnected) cycle: no busy check.
+                self._answer(refusal, logged=self._refusal_logged)
             return  # no next request on this connection
         super().on_response_complete()
         if self.transport.is_closing() or self._in_body:
@@ -341,15 +411,29 @@ class _Bounded(HttpToolsProtocol):
             )
         )
 
-    def _refuse(self, exc: errors.RouterError) -> None:
+    def _refuse(self, exc: errors.RouterError, *, logged: bool = False) -> None:
+        """Answer ``exc`` and close, or, while an earlier request's answer is being
+        sent, once it ends. ``logged``: uvicorn already logged the refusal."""
         self._stop_clock()
         if self._busy():
             # A pipelined request refused while an earlier one is answered: the
             # answer ends first (on_response_complete).
-            if self._refusal is None:
-                self._refusal = exc
-                self.flow.pause_reading()
+            self._defer(exc, logged=logged)
             return
+        self._answer(exc, logged=logged)
+
+    def _defer(self, exc: errors.RouterError, *, logged: bool = False) -> None:
+        """Answer ``exc`` when the answer in progress ends (on_response_complete)."""
+        self._stop_clock()
+        if self._refusal is None:
+            self._refusal = exc
+            self._refusal_logged = logged
+            self.flow.pause_reading()
+
+    def _answer(self, exc: errors.RouterError, *, logged: bool = False) -> None:
+        """Write ``exc`` as an error object with ``connection: close``, and close
+        lingering. One log line per refusal: uvicorn's warning where ``logged``."""
+        self._stop_clock()
         self._refusal = None
         status, headers, body = errors.render(exc)
         lines = [b"HTTP/1.1 %d %s" % (status, _REASONS[status])]
@@ -357,7 +441,8 @@ class _Bounded(HttpToolsProtocol):
         lines.append(b"connection: close")
         self.transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
         self.linger()
-        log.info("%s; connection from %s closed", exc.message, self.client)
+        if not logged:
+            log.info("%s; connection from %s closed", exc.message, self.client)
 
     def close_after_answer(self) -> None:
         """The cycle closes the connection: lingering when its request's body may
@@ -374,6 +459,10 @@ class _Bounded(HttpToolsProtocol):
             return
         self.lingering = True
         self._stop_clock()
+        # No next request is read: what the read in progress counted of one must
+        # not start the header clock when the parser returns (data_received).
+        self._wire_bytes = 0
+        self._line_begun = False
         self._unset_keepalive_if_required()
         if not self.transport.can_write_eof():  # TLS: no half-close
             self.transport.close()
@@ -381,3 +470,22 @@ class _Bounded(HttpToolsProtocol):
         self.transport.write_eof()
         self.flow.resume_reading()
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def _parser_reason(error: BaseException | None, fallback: str) -> str:
+    """The message of an :class:`errors.InvalidHttpRequest`: what the parser said
+    was wrong (``error``, its ``HttpParserError``; ``fallback`` without one)."""
+    if isinstance(error, httptools.HttpParserCallbackError) and isinstance(
+        error.__context__, httptools.HttpParserError
+    ):
+        # A callback's own parse failed (uvicorn's httptools.parse_url of the target):
+        # that says more than "User callback error".
+        error = error.__context__
+    reason = str(error) if error is not None else ""
+    if reason == _H2_PREFACE:
+        return "HTTP/2 is not served here (its connection preface was sent): use HTTP/1.1."
+    if not reason:
+        return fallback
+    if len(reason) > _MAX_REASON_CHARS:
+        reason = reason[:_MAX_REASON_CHARS] + "..."
+    return f"The request is not valid HTTP/1.1: {reason.rstrip('.')}."

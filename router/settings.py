@@ -26,9 +26,9 @@ Environment variables (all optional):
   byte (streaming or not) unless it answers ``GET /health`` (10;
   :mod:`router.firstbyte`); then it is ejected and the request goes to another
   replica
-- ``LLMGW_ROUTER_STALL_TIMEOUT``: seconds a replica whose requests wait may leave
-  ``GET /slots`` (its inference loop) unanswered before it is ejected as stalled
-  (300; :mod:`router.firstbyte`)
+- ``LLMGW_ROUTER_STALL_TIMEOUT``: seconds a replica whose requests wait may keep its
+  work counters (``GET /metrics``: decode steps, prompt and predicted tokens) still
+  before it is ejected as stalled (300; :mod:`router.firstbyte`)
 - ``LLMGW_ROUTER_LOADING_HEARTBEAT``: seconds between the SSE comments a streaming
   request gets while its on-demand model loads (5; 0: none; :mod:`router.heartbeat`)
 - ``LLMGW_ROUTER_MAX_CONNECTIONS_PER_REPLICA``: upstream connections per replica (64)

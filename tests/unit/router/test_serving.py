@@ -9,12 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
+import httptools
 import uvicorn
 
-from router.serving import MAX_HEADER_BYTES, _CycleTransport, body_whole, protocol_class
+from router.serving import (
+    MAX_HEADER_BYTES,
+    _CycleTransport,
+    _parser_reason,
+    body_whole,
+    protocol_class,
+)
 from tests.support.ports import free_port
 from tests.support.router_harness import run
 
@@ -410,3 +418,145 @@ async def _late_then_whole() -> None:
             extra = await asyncio.wait_for(reader.read(), TIMEOUT_S * 2)
             raise AssertionError(f"the idle connection got {extra[:60]!r}")
         writer.close()
+
+
+# Requests httptools cannot read, each with what the parser says of it (issue: they
+# got uvicorn's 400 text/plain "Invalid HTTP request received.").
+MALFORMED = {
+    "content_length_not_a_number": (
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        "Content-Length",
+    ),
+    "garbage_request_line": (b"HELLO\r\n\r\n", "method"),
+    "bad_chunk_size": (
+        b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+        "chunk size",
+    ),
+    "content_length_and_transfer_encoding": (
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        "Content-Length",
+    ),
+    "http2_preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "HTTP/2"),
+    # uvicorn's own parse of the target fails in its callback: the parser's reason
+    # quotes the target, cut to a bound.
+    "connect_target_uvicorn_cannot_parse": (
+        b"CONNECT " + b"x" * 20_000 + b":443 HTTP/1.1\r\nHost: x\r\n\r\n",
+        "invalid url",
+    ),
+}
+
+
+def invalid_http_request(answer: bytes) -> str:
+    """Check ``answer`` is the only answer, a 400 OpenAI error object, closed; its
+    message."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    assert lines[0] == b"http/1.1 400 bad request", answer[:300]
+    assert b"content-type: application/json" in lines
+    assert b"connection: close" in lines
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:300]
+    error = json.loads(body)
+    assert set(error) == {"error"}
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] is None
+    assert error["error"]["code"] == "invalid_http_request"
+    message = error["error"]["message"]
+    assert isinstance(message, str) and message
+    return message
+
+
+def test_a_malformed_request_gets_a_400_error_object_and_is_closed(caplog) -> None:
+    async def scenario() -> None:
+        app = App()
+        async with served(app) as (port, _):
+            for name, (request, says) in MALFORMED.items():
+                caplog.clear()
+                answer, _ = await exchange(port, request)  # read until closed
+                message = invalid_http_request(answer)
+                assert says in message, (name, message)
+                assert len(message) < 300, (name, len(message))
+                # One log line: uvicorn's warning, not a second from the router.
+                logged = [r.getMessage() for r in caplog.records]
+                assert logged == ["Invalid HTTP request received."], (name, logged)
+            # The request whose body was malformed got this answer, not its app's.
+            assert app.seen in ([], ["/"]), app.seen
+
+    with caplog.at_level(logging.INFO):
+        run(scenario())
+
+
+def test_a_malformed_request_read_in_pieces_gets_the_same_answer() -> None:
+    """The parser fails on a later read (headers whole, a chunk size after)."""
+
+    async def scenario() -> None:
+        async with served() as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+            writer.write(b"zz\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert "chunk size" in invalid_http_request(answer)
+
+    run(scenario())
+
+
+def test_a_malformed_pipelined_request_is_answered_after_the_answer_in_progress() -> None:
+    """uvicorn wrote its 400 at once, into the middle of the earlier answer; the
+    request whose body is malformed (queued behind it) never reaches its app."""
+
+    async def scenario() -> None:
+        app = App()
+        async with served(app) as (port, server):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"POST /bad HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+            )
+            while not any(c._refusal for c in server.server_state.connections):
+                await asyncio.sleep(0.01)  # the 400 waits for /slow's answer
+            app.release.set()
+            first = await reader.readuntil(b"ok")
+            assert first.startswith(b"HTTP/1.1 200"), first
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert "chunk size" in invalid_http_request(answer)
+            assert app.seen == ["/slow"]
+
+    run(scenario())
+
+
+def test_an_unsupported_upgrade_is_served_as_the_plain_request_it_is() -> None:
+    """No upgrade is answered in text: h2c and WebSocket (which uvicorn's websockets
+    protocol refused with text/plain) reach the app as plain requests."""
+    upgrades = (
+        b"Connection: Upgrade\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n",
+        b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+    )
+
+    async def scenario() -> None:
+        app = App()
+        async with served(app) as (port, _):
+            for headers in upgrades:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /up HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                assert await reader.readexactly(2) == b"ok"
+                writer.close()
+            assert app.seen == ["/up", "/up"]
+
+    run(scenario())
+
+
+def test_the_parser_s_reason_is_bounded_and_said_plainly() -> None:
+    long = httptools.HttpParserError("invalid url b'" + "x" * 10_000 + "'")
+    message = _parser_reason(long, "fallback")
+    assert message.startswith("The request is not valid HTTP/1.1: invalid url b'xxx")
+    assert len(message) < 300
+    assert _parser_reason(None, "fallback") == "fallback"
+    preface = _parser_reason(httptools.HttpParserError("Pause on PRI/Upgrade"), "fallback")
+    assert "HTTP/2" in preface and "PRI" not in preface

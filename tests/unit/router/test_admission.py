@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from router import capacity
 from router.admission import Held, Slots
 from router.capacity import total_slots
 from router.catalog import ServiceAddress
@@ -184,21 +185,27 @@ class HoldingUpstream(LocalServer):
     ``total_slots`` (or 404 when ``slots`` is None), and completions that
     each wait until :meth:`finish` lets one through, in arrival order."""
 
-    def __init__(self, slots: int | None) -> None:
+    def __init__(self, slots: int | None, props_silent: int = 0) -> None:
         self.slots = slots
         self.seen: list[str] = []
         self.props_reads = 0
+        # The first reads of /props that never answer (a replica not answering).
+        self.props_silent = props_silent
+        self._released = asyncio.Event()  # ends the silent reads, so stop() does not wait
         self._gate = asyncio.Semaphore(0)
         super().__init__(
             web.get("/props", self._props), web.post("/v1/completions", self._complete)
         )
 
     def finish(self, count: int = 1) -> None:
+        self._released.set()
         for _ in range(count):
             self._gate.release()
 
     async def _props(self, request: web.Request) -> web.Response:
         self.props_reads += 1
+        if self.props_reads <= self.props_silent:
+            await self._released.wait()
         if self.slots is None:
             return web.Response(status=404)
         return web.json_response({"total_slots": self.slots, "model_alias": "tiny"})
@@ -222,9 +229,10 @@ class Router(RouterUnderTest):
 
 @contextlib.asynccontextmanager
 async def router(
-    slots: int | None = 2, models: tuple[str, ...] = ("m",), **settings: Any
-) -> AsyncIterator[Router]:
-    upstream = HoldingUpstream(slots)
+    slots: int | None = 2, models: tuple[str, ...] = ("m",), props_silent: int = 0,
+    **settings: Any,
+) -> AsyncIterator[Router]:  # fmt: skip
+    upstream = HoldingUpstream(slots, props_silent)
     await upstream.start()
     try:
         async with in_process_router(RouterSettings(activation=False, **settings), models) as app:
@@ -264,6 +272,31 @@ def test_limit_from_props_then_first_come_first_served() -> None:
             assert r.metric("llmgw_router_queue_wait_seconds_count", model="m") == 3
             assert r.metric("llmgw_router_queued_requests", model="m") == 0
             assert r.metric("llmgw_router_inflight_requests", model="m") == 0
+
+    run(scenario())
+
+
+def test_until_props_answers_one_request_at_a_time_and_it_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica that has not answered /props (a wedged one never will) takes one
+    request at a time (router.capacity); asked again after no answer, its slot count
+    then serves the requests that queued."""
+    monkeypatch.setattr(capacity, "RETRY_MIN_S", 0.05)
+
+    async def scenario() -> None:
+        async with router(slots=3, props_silent=1, props_timeout_s=0.2) as r:
+            r.pass_endpoint("m")
+            (endpoint,) = r.table.get("m").endpoints
+            assert endpoint.limit == 1
+            held = [r.post("m", f"p{i}") for i in range(3)]
+            await until(lambda: r.metric("llmgw_router_queued_requests", model="m") == 2)
+            assert r.upstream.seen == ["p0"]
+            await until(lambda: endpoint.limit == 3)  # the second read answered
+            await until(lambda: len(r.upstream.seen) == 3)  # the queue served at once
+            assert r.upstream.props_reads == 2
+            r.upstream.finish(3)
+            assert [s for s, _, _ in await asyncio.gather(*held)] == [200] * 3
 
     run(scenario())
 

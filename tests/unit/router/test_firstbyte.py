@@ -220,6 +220,58 @@ def test_a_dead_replica_costs_one_request_at_the_deadline_and_is_ejected_at_once
     run(scenario())
 
 
+class Wedged:
+    """A FAKE wedged replica: accepts connections, reads, and never answers anything
+    (no /props, no /health, no completion); counts the completions sent to it."""
+
+    def __init__(self) -> None:
+        self.completions = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> ServiceAddress:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return ServiceAddress("127.0.0.1", self.port)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                self.completions += data.count(b"POST /v1/completions")
+
+    async def stop(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        assert self._server is not None
+        self._server.close()
+
+
+def test_a_burst_sends_a_wedged_replica_one_request() -> None:
+    """Found in review: 8 requests at once, 4 went to a wedged replica (its limit the
+    default, 4, since its /props never answered), each answered 10-12 s later. A
+    replica that has not answered /props takes one request at a time."""
+
+    async def scenario() -> None:
+        wedged = Wedged()
+        good = Replica(answer_after_s=0.05)
+        addresses = [await wedged.start(), await good.start()]
+        try:
+            # No replica_concurrency: the limits come from /props (router.capacity).
+            wanted = RouterSettings(activation=False, first_byte_timeout_s=TIMEOUT_S)
+            async with in_process_router(wanted, replicas=2) as app:
+                app.state.table.set_endpoints("m", addresses)
+                answers = await asyncio.gather(*(asgi_post(app, {"model": "m"}) for _ in range(8)))
+                assert [status for status, _, _ in answers] == [200] * 8, answers
+                assert {body["served_by"] for _, _, body in answers} == {good.port}
+                assert wedged.completions == 1
+        finally:
+            await wedged.stop()
+            await good.stop()
+
+    run(scenario())
+
+
 def test_a_replica_whose_health_says_500_is_dead_too() -> None:
     async def scenario() -> None:
         failing = Replica(answer_after_s=NEVER, health_status=500)

@@ -116,7 +116,7 @@ class CapacityReader:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 slot_count = total_slots(await resp.json(content_type=None))
-        except (aiohttp.ClientResponseError, ValueError) as exc:
+        except (aiohttp.ClientResponseError, ValueError, RecursionError) as exc:
             log.info(
                 "%s: no slot count from %s (%s); limit %d requests in flight",
                 endpoint.base_url,

@@ -414,7 +414,7 @@ def define_serving(consul: Consul, router: Router, model: str, *stubs: Stub) -> 
     return ids
 
 
-def assert_openai_error(body: bytes, code: str | None) -> dict:
+def assert_openai_error(body: bytes, code: str) -> dict:
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code
@@ -499,7 +499,7 @@ def test_bad_requests_get_openai_errors(cluster) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=5)
     assert err.value.code == 400
-    assert_openai_error(err.value.read(), None)
+    assert_openai_error(err.value.read(), "invalid_json")
     status, _, body = request("POST", f"{router.url}/v1/completions", {"prompt": "no model"})
     assert status == 400 and json.loads(body)["error"]["param"] == "model"
     status, _, body = request("GET", f"{router.url}/v1/completions")

@@ -27,9 +27,8 @@ streaming request.
 from __future__ import annotations
 
 import asyncio
-import json
 
-from router.streaming import Send
+from router.streaming import Send, error_event
 
 # What llama-server's own streams carry (server.cpp: Cache-Control no-cache,
 # X-Accel-Buffering no), so an nginx in front passes the loading comments at once
@@ -39,11 +38,6 @@ HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-def event(data: bytes) -> bytes:
-    """``data`` (one line of JSON) as one SSE event."""
-    return b"data: " + data + b"\n\n"
 
 
 class LoadingHeartbeat:
@@ -90,5 +84,5 @@ class LoadingHeartbeat:
 
     async def fail(self, error: dict[str, object]) -> None:
         """End the started response with ``{"error": error}`` as its last event."""
-        body = event(json.dumps({"error": error}).encode())
+        body = error_event(error)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})

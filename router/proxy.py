@@ -68,7 +68,7 @@ from router.bodies import BodyParser, parse_request
 from router.endpoint import Endpoint, Failure
 from router.endpoints import EndpointTable, ModelEntry
 from router.firstbyte import Attempt, FirstByteWatch
-from router.heartbeat import LoadingHeartbeat, event
+from router.heartbeat import LoadingHeartbeat
 from router.intake import (
     BodyBudget,
     ClientGone,
@@ -99,6 +99,7 @@ from router.streaming import (
     Receive,
     Scope,
     Send,
+    event,
     relay_stream,
     response_headers,
 )

@@ -223,11 +223,22 @@ async def relay_stream(
         # the connection and a client that reads no events sees a truncated stream,
         # not a clean end. The blank line first ends any event the replica left
         # half-sent (an empty one is ignored, WHATWG HTML 9.2.6).
-        event = b"\n\ndata: " + json.dumps({"error": errors.error_object(told)}).encode()
+        told_event = b"\n\n" + error_event(errors.error_object(told))
         with contextlib.suppress(Exception):  # the client may be gone as well
-            await send({"type": "http.response.body", "body": event + b"\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": told_event, "more_body": True})
         return told.status
     return upstream.status
+
+
+def event(data: bytes) -> bytes:
+    """``data`` (one line of JSON) as one SSE event."""
+    return b"data: " + data + b"\n\n"
+
+
+def error_event(error: dict[str, Any]) -> bytes:
+    """``{"error": error}`` as one SSE event (OpenAI's and llama-server's way to tell
+    a stream it failed)."""
+    return event(json.dumps({"error": error}).encode())
 
 
 def _broken(model: str, exc: BaseException) -> errors.UpstreamError:

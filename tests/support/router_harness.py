@@ -178,10 +178,29 @@ async def asgi_post(
     """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection.
 
     Returns (status, headers, JSON body); (None, {}, {}) when the app sent
-    nothing. ``headers`` are sent besides the JSON content type. The client
-    stays connected until the app answers, or leaves (``http.disconnect``)
-    `leave_after_s` s after sending the body, or once `leave` is set (when the
-    test chooses, whatever the machine's load).
+    nothing. The arguments are :func:`asgi_messages`'.
+    """
+    sent = await asgi_messages(app, body, leave_after_s, headers, leave)
+    if not sent:
+        return None, {}, {}
+    answer = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], answer, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+async def asgi_messages(
+    app: Any,
+    body: dict,
+    leave_after_s: float | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    leave: asyncio.Event | None = None,
+) -> list[dict]:
+    """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection;
+    the ASGI messages the app sent, once it returned (a stream's events as sent).
+
+    ``headers`` are sent besides the JSON content type. The client stays connected
+    until the app answers, or leaves (``http.disconnect``) `leave_after_s` s after
+    sending the body, or once `leave` is set (when the test chooses, whatever the
+    machine's load).
     """
     sent: list[dict] = []
     payload = json.dumps(body).encode()
@@ -211,7 +230,4 @@ async def asgi_post(
         "headers": [(b"content-type", b"application/json"), *(headers or [])],
     }
     await app(scope, receive, send)
-    if not sent:
-        return None, {}, {}
-    answer = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-    return sent[0]["status"], answer, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    return sent

@@ -23,6 +23,7 @@ from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
     RouterUnderTest,
+    asgi_messages,
     asgi_post,
     in_process_router,
     run,
@@ -30,6 +31,7 @@ from tests.support.router_harness import (
 )
 
 SILENCE_S = 1.5
+STREAM = {"model": "m", "prompt": "x", "stream": True}
 
 
 class SilentReplica(LocalServer):
@@ -146,7 +148,7 @@ def test_a_stream_that_goes_silent_is_cut_after_what_it_sent_and_its_connection_
         try:
             async with in_process_router(settings()) as app:
                 RouterUnderTest(app, replica).pass_endpoint()
-                sent = await stream(app)
+                sent = await asgi_messages(app, STREAM)
                 assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
                 relayed = b"".join(m.get("body", b"") for m in sent[1:])
                 first, told = relayed.split(b"\n\n\n\n")
@@ -179,7 +181,7 @@ def test_a_stream_whose_replica_breaks_its_connection_is_told_so_in_the_stream()
             async with in_process_router(settings()) as app:
                 router = RouterUnderTest(app, replica)
                 router.pass_endpoint()
-                sent = await stream(app)
+                sent = await asgi_messages(app, STREAM)
                 relayed = b"".join(m.get("body", b"") for m in sent[1:])
                 # The half-sent event is ended by the blank line before the error's.
                 events = [e for e in relayed.split(b"\n\n") if e]
@@ -194,32 +196,3 @@ def test_a_stream_whose_replica_breaks_its_connection_is_told_so_in_the_stream()
             await replica.stop()
 
     run(scenario())
-
-
-async def stream(app: object) -> list[dict]:
-    """POST a streaming completion over ASGI, the client staying connected; the
-    messages the app sent once it returned."""
-    sent: list[dict] = []
-    payload = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await asyncio.Event().wait()  # connected until cancelled
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
-    await app(scope, receive, send)  # type: ignore[operator]
-    return sent

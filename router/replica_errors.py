@@ -50,6 +50,10 @@ _GENERIC_TYPES = frozenset({"invalid_request_error", "server_error"})
 # The start of an error event in llama-server's stream (format_oai_sse).
 _ERROR_EVENT = b'data: {"error"'
 _EVENT_END = b"\n\n"
+# Bytes of an unfinished event held back at most: llama-server's events are one
+# token each (an error event, a usage event: a few hundred bytes); a longer one
+# passes unheld, so a replica that never ends an event costs no memory.
+HOLD_LIMIT = 64 * 1024
 # Bytes of a body that is not an error object kept in the message.
 _TEXT_LIMIT = 2000
 
@@ -113,12 +117,17 @@ def error_answer(body: bytes, status: int, model: str) -> bytes:
 
 
 class StreamErrors:
-    """Rewrites the error events of one event stream, chunk by chunk.
+    """Rewrites the error events of one event stream, chunk by chunk, and passes
+    only whole events.
 
-    Only a chunk that ends inside an event is held back (until the event ends,
-    or :meth:`flush`), so a stream framed as llama-server frames it (one write
-    per event) passes with no delay and no copy; a chunk is scanned for an
-    error event's start, which is all a token costs.
+    A chunk's unfinished last event is held until it ends (or :meth:`flush`), so a
+    stream the replica breaks off mid-event never hands the client half an event:
+    the router's own error event would follow it, and an SDK that reads the half
+    as an event of its own fails on its JSON before it reads the error (the OpenAI
+    SDK's JSONDecodeError, found in review). A stream framed as llama-server frames
+    it (one write per event) passes with no delay and no copy; a chunk is scanned
+    for an error event's start, which is all a token costs. An unfinished event
+    longer than :data:`HOLD_LIMIT` is passed on as it comes.
     """
 
     __slots__ = ("_held", "_status")
@@ -134,11 +143,8 @@ class StreamErrors:
             self._held = b""
         if not chunk.endswith(_EVENT_END):
             end = chunk.rfind(_EVENT_END)
-            # Held only when the unfinished event may be an error (or may grow
-            # into one): other partial events pass as they come.
             tail = chunk[end + 2 :] if end >= 0 else chunk
-            start = tail.lstrip(b"\r\n")
-            if start.startswith(_ERROR_EVENT) or _ERROR_EVENT.startswith(start):
+            if len(tail) <= HOLD_LIMIT:
                 self._held = tail
                 chunk = chunk[: len(chunk) - len(tail)]
         if _ERROR_EVENT not in chunk:

@@ -221,8 +221,9 @@ async def relay_stream(
         # told in the stream, as llama-server tells its own failures (an SDK raises
         # it), then the stream ends without its final empty chunk, so uvicorn drops
         # the connection and a client that reads no events sees a truncated stream,
-        # not a clean end. The blank line first ends any event the replica left
-        # half-sent (an empty one is ignored, WHATWG HTML 9.2.6).
+        # not a clean end. An event the replica left half-sent was held back
+        # (StreamErrors); the blank line first ends one too long to hold
+        # (an empty event is ignored, WHATWG HTML 9.2.6).
         told_event = b"\n\n" + error_event(errors.error_object(told))
         with contextlib.suppress(Exception):  # the client may be gone as well
             await send({"type": "http.response.body", "body": told_event, "more_body": True})

@@ -8,7 +8,7 @@ import json
 
 from aiohttp import web
 
-from router.replica_errors import StreamErrors, error_answer, translate
+from router.replica_errors import HOLD_LIMIT, StreamErrors, error_answer, translate
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -112,12 +112,21 @@ def test_error_events_in_a_stream_are_rewritten_wherever_the_chunks_split() -> N
             assert out == expected, (cut, second)
 
 
-def test_a_stream_without_errors_passes_unchanged_and_unheld() -> None:
+def test_a_stream_passes_unchanged_and_only_in_whole_events() -> None:
     rewriter = StreamErrors()
     event = b'data: {"choices":[{"text":"a"}]}\n\n'
     assert rewriter.feed(event) is event  # no copy
-    assert rewriter.feed(b'data: {"choi') == b'data: {"choi'  # not an error: not held
-    assert rewriter.feed(b'ces":[]}\n\n') == b'ces":[]}\n\n'
+    # Half an event is held until it ends: a stream cut there never sends it.
+    assert rewriter.feed(event + b'data: {"choi') == event
+    assert rewriter.feed(b'ces":[]}\n\n') == b'data: {"choices":[]}\n\n'
+    assert rewriter.feed(b"data: [DO") == b""
+    assert rewriter.flush() == b"data: [DO"  # the stream's end passes what was held
+
+
+def test_an_event_that_never_ends_is_passed_on_past_the_hold_limit() -> None:
+    rewriter = StreamErrors()
+    assert rewriter.feed(b"data: " + b"x" * HOLD_LIMIT) == b"data: " + b"x" * HOLD_LIMIT
+    assert rewriter.flush() == b""
 
 
 class ErringReplica(LocalServer):

@@ -418,10 +418,13 @@ class EndpointTable:
                 )
             for new in diff.joined:
                 log.info("model %s: endpoint %s passing", model, new.base_url)
-            entry._set_endpoints(diff.endpoints)
+            # Told before they are published: publishing hands queued requests to
+            # them at once, so a limit lowered afterwards came too late (found in
+            # review: a wedged replica joining under a queue got 4 requests, not 1).
             if self._on_joined is not None:
                 for new in diff.joined:
                     self._on_joined(entry.slots, new)
+            entry._set_endpoints(diff.endpoints)
         return diff
 
     def _define(self) -> ModelsDiff:

@@ -272,6 +272,33 @@ def test_a_burst_sends_a_wedged_replica_one_request() -> None:
     run(scenario())
 
 
+def test_a_wedged_replica_joining_under_a_queue_is_handed_one_request() -> None:
+    """Found in review: requests waiting when a wedged replica joined were handed to
+    it up to its default limit (4) before its limit was lowered to one."""
+
+    async def scenario() -> None:
+        wedged = Wedged()
+        good = Replica(answer_after_s=1.0)
+        good_address, wedged_address = await good.start(), await wedged.start()
+        try:
+            wanted = RouterSettings(activation=False, first_byte_timeout_s=TIMEOUT_S)
+            async with in_process_router(wanted, replicas=2) as app:
+                app.state.table.set_endpoints("m", [good_address])
+                burst = [asyncio.ensure_future(asgi_post(app, {"model": "m"})) for _ in range(8)]
+                # The good replica's 4 slots are full (its /props: 404, the default),
+                # so 4 requests wait in the queue.
+                await until(lambda: good.completions == 4)
+                app.state.table.set_endpoints("m", [good_address, wedged_address])
+                answers = await asyncio.gather(*burst)
+                assert [status for status, _, _ in answers] == [200] * 8, answers
+                assert wedged.completions == 1
+        finally:
+            await wedged.stop()
+            await good.stop()
+
+    run(scenario())
+
+
 def test_a_replica_whose_health_says_500_is_dead_too() -> None:
     async def scenario() -> None:
         failing = Replica(answer_after_s=NEVER, health_status=500)

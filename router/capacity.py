@@ -112,7 +112,9 @@ class CapacityReader:
         if session is None:
             return default
         try:
-            async with session.get(endpoint.url(PROPS_PATH), timeout=self._timeout) as resp:
+            async with session.get(
+                endpoint.url(PROPS_PATH), timeout=self._timeout, allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 slot_count = total_slots(await resp.json(content_type=None))

@@ -88,7 +88,9 @@ async def alive(session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: f
     state: both mean it serves nothing)."""
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.get(endpoint.url(HEALTH_PATH), timeout=timeout) as response:
+        async with session.get(
+            endpoint.url(HEALTH_PATH), timeout=timeout, allow_redirects=False
+        ) as response:
             await response.read()
             return response.status < 500
     except (aiohttp.ClientError, TimeoutError):
@@ -118,7 +120,9 @@ async def progress(
     :func:`alive`); ``None`` when it did not answer within ``timeout_s``."""
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.get(endpoint.url(METRICS_PATH), timeout=timeout) as response:
+        async with session.get(
+            endpoint.url(METRICS_PATH), timeout=timeout, allow_redirects=False
+        ) as response:
             text = await response.read()
             return progress_of(text) if response.status == 200 else ()
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):

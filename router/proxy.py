@@ -466,8 +466,15 @@ class Proxy:
                 assert self.session is not None, "Proxy used outside the app lifespan"
                 first_byte = first_bytes.start(endpoint, entry, watch.task)
                 try:
+                    # Redirects are the client's to follow, not ours: a replica's
+                    # 3xx would send the request (and its body) to wherever it
+                    # points (found in review: a 302 fetched and returned as 200).
                     upstream = await self.session.request(
-                        "POST", endpoint.url(path), data=_payload(body), headers=headers
+                        "POST",
+                        endpoint.url(path),
+                        data=_payload(body),
+                        headers=headers,
+                        allow_redirects=False,
                     )
                 except asyncio.CancelledError:
                     if not first_byte.expired or watch.client_gone:

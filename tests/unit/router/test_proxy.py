@@ -26,6 +26,7 @@ from router.proxy import REPLICA_HEADER_MAX_BYTES, REPLICA_HEADERS_FORWARDED_MAX
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
+    asgi_messages,
     asgi_post,
     free_port,
     in_process_router,
@@ -265,6 +266,43 @@ def test_headers_a_replica_would_refuse_get_the_router_s_431() -> None:
         finally:
             await replica.stop()
         assert len(replica.headers) == 3
+
+    run(scenario())
+
+
+class RedirectingReplica(LocalServer):
+    """A FAKE replica that answers a completion with a redirect to its own
+    ``/elsewhere`` (llama-server never redirects; a proxy in front of it might)."""
+
+    def __init__(self) -> None:
+        self.followed = 0
+        super().__init__(
+            web.post("/v1/completions", self._redirect), web.post("/elsewhere", self._elsewhere)
+        )
+
+    async def _redirect(self, request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect("/elsewhere")
+
+    async def _elsewhere(self, request: web.Request) -> web.Response:
+        self.followed += 1
+        return web.json_response({"object": "text_completion"})
+
+
+def test_a_replica_s_redirect_goes_to_the_client_unfollowed() -> None:
+    """Found in review: the router followed a replica's 302 and returned what it
+    pointed to as a 200."""
+
+    async def scenario() -> None:
+        replica = RedirectingReplica()
+        address = await replica.start()
+        try:
+            async with route_to(address) as app:
+                start = (await asgi_messages(app, {"model": "m"}))[0]
+                headers = {k.lower(): v for k, v in start["headers"]}
+                assert start["status"] == 307 and headers[b"location"] == b"/elsewhere", start
+        finally:
+            await replica.stop()
+        assert replica.followed == 0
 
     run(scenario())
 

@@ -63,29 +63,34 @@ def _type_for(status: int) -> str:
 
 
 def translate(error: dict[str, Any], status: int) -> dict[str, Any]:
-    """``error`` (the inside of ``{"error": ...}``) in OpenAI's shape: ``message``,
-    ``type``, ``param``, ``code`` (always a string) first, then llama-server's other
+    """``error`` (the inside of ``{"error": ...}``) in OpenAI's shape: ``message``
+    (a string; the error's JSON when it has none), ``type``, ``param`` (a string or
+    null), ``code`` (always a non-empty string) first, then llama-server's other
     fields unchanged. ``status`` decides the type of an error without one. An error
     already in OpenAI's shape (a type of its own, a string or null ``code``) keeps its
-    type, and a null code becomes the type's name; one with neither a known type nor
-    a string code gets :data:`TYPES`' code for the type its status gives."""
+    type, and a null or empty code becomes the type's name; one with neither a known
+    type nor a string code gets :data:`TYPES`' code for the type its status gives."""
     code = error.get("code")
     kind = error.get("type")
-    if (code is None or isinstance(code, str)) and isinstance(kind, str) and kind not in TYPES:
-        return error if isinstance(code, str) else {**error, "code": kind}
-    known = TYPES.get(kind) if isinstance(kind, str) else None
-    if known is None:
-        openai_type = _type_for(status)
-        openai_code = kind if isinstance(kind, str) else TYPES[openai_type][1]
+    if not isinstance(kind, str) or not kind:
+        kind = None
+    if kind is not None and kind not in TYPES and (code is None or isinstance(code, str)):
+        openai_type, openai_code = kind, code or kind
     else:
-        openai_type, openai_code = known
-    if isinstance(code, str) and kind in _GENERIC_TYPES:
-        openai_code = code  # a generic type's own string code says more
+        known = None if kind is None else TYPES.get(kind)
+        if known is None:
+            openai_type = _type_for(status)
+            openai_code = kind or TYPES[openai_type][1]
+        else:
+            openai_type, openai_code = known
+        if isinstance(code, str) and code and (kind is None or kind in _GENERIC_TYPES):
+            openai_code = code  # a string code says more than a generic or no type
     message = error.get("message")
+    param = error.get("param")
     out: dict[str, Any] = {
         "message": message if isinstance(message, str) else json.dumps(error),
         "type": openai_type,
-        "param": error.get("param") if isinstance(error.get("param"), str) else None,
+        "param": param if isinstance(param, str) else None,
         "code": openai_code,
     }
     for key, value in error.items():

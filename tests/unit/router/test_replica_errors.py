@@ -74,6 +74,20 @@ def test_an_error_already_in_openai_shape_is_kept() -> None:
     assert translate(error, 400) == error
 
 
+def test_a_partial_error_object_gets_every_openai_field() -> None:
+    """Found in review: ``{"type": "x"}`` passed without message or param, and an
+    empty type gave an empty code."""
+    bare = translate({"type": "x"}, 500)
+    assert bare == {"message": '{"type": "x"}', "type": "x", "param": None, "code": "x"}
+    for empty in ({"type": "", "message": "m"}, {"type": "x", "code": "", "message": "m"}):
+        out = translate(empty, 503)
+        assert out["code"] and out["type"], out
+        assert list(out)[:4] == ["message", "type", "param", "code"]
+    # A string code with no type is kept (it says more than the status's default).
+    assert translate({"code": "overloaded", "message": "m"}, 503)["code"] == "overloaded"
+    assert translate({"type": "x", "param": 3, "message": "m"}, 400)["param"] is None
+
+
 def test_a_body_that_is_no_error_object_is_quoted_in_one() -> None:
     body = json.loads(error_answer(b"<html>Bad Gateway</html>", 502, "m"))
     assert body["error"]["type"] == "server_error"

@@ -413,7 +413,14 @@ class Proxy:
             if name not in drop:
                 if len(raw_name) + len(raw_value) > REPLICA_HEADER_MAX_BYTES:
                     raise _replica_refuses(f"a header line of at most {REPLICA_LINE_MAX} bytes")
-                headers.append((name, raw_value.decode("latin-1")))
+                try:
+                    # aiohttp sends header values as UTF-8: a value decoded any other
+                    # way reaches the replica changed (found in review: latin-1 doubled
+                    # every byte over 0x7f), and the length above would not be its own.
+                    value = raw_value.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise _not_utf8(name) from None
+                headers.append((name, value))
                 has_accept_encoding = has_accept_encoding or name == "accept-encoding"
         if len(headers) > REPLICA_HEADERS_FORWARDED_MAX:
             raise _replica_refuses(f"at most {REPLICA_HEADERS_MAX} header lines")
@@ -736,6 +743,13 @@ def _payload(body: bytes | bytearray) -> bytes | bytearray | AsyncIterator[memor
 async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
     for start in range(0, len(view), SEND_SLICE_BYTES):
         yield view[start : start + SEND_SLICE_BYTES]
+
+
+def _not_utf8(name: str) -> errors.InvalidRequest:
+    return errors.InvalidRequest(
+        f"The request's header {name} is not UTF-8, so the router cannot pass it on "
+        "unchanged (it forwards header values as UTF-8)."
+    )
 
 
 def _replica_refuses(limit: str) -> errors.HeadersTooLarge:

@@ -234,6 +234,30 @@ def test_headers_the_connection_header_names_are_not_forwarded() -> None:
     run(scenario())
 
 
+def test_a_utf8_header_reaches_the_replica_unchanged_and_other_bytes_are_refused() -> None:
+    """Found in review: values were decoded as latin-1, which aiohttp sends as UTF-8,
+    so every byte over 0x7f arrived as two."""
+
+    async def scenario() -> None:
+        replica = HeaderReplica()
+        address = await replica.start()
+        try:
+            async with route_to(address) as app:
+                utf8 = [(b"x-user", "Zoë 東京".encode())]
+                status, _, _ = await asgi_post(app, {"model": "m"}, headers=utf8)
+                assert status == 200
+                status, _, body = await asgi_post(
+                    app, {"model": "m"}, headers=[(b"x-user", b"Zo\xeb")]
+                )
+                assert status == 400 and body["error"]["code"] == "invalid_request", body
+                assert "x-user is not UTF-8" in body["error"]["message"], body
+        finally:
+            await replica.stop()
+        assert [h["x-user"] for h in replica.headers] == ["Zoë 東京"]
+
+    run(scenario())
+
+
 def test_headers_a_replica_would_refuse_get_the_router_s_431() -> None:
     """llama-server (cpp-httplib) refuses a header line over 8 KiB and more than 100
     lines with an empty 400 (found in review: the client got "replica answered 400:

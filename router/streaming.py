@@ -232,7 +232,11 @@ async def relay_stream(
 
 
 def event(data: bytes) -> bytes:
-    """``data`` (one line of JSON) as one SSE event."""
+    """``data`` (JSON) as one SSE event: a ``data:`` line per line of it, which a
+    client joins back with LF (WHATWG HTML 9.2.6), so a replica's pretty-printed
+    answer sent after a loading heartbeat stays one event (found in review)."""
+    if b"\n" in data or b"\r" in data:
+        return b"".join(b"data: " + line + b"\n" for line in data.splitlines()) + b"\n"
     return b"data: " + data + b"\n\n"
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
-from router.streaming import DisconnectWatches
+from router.streaming import DisconnectWatches, event
 from tests.support.router_harness import run
 
 AFTER_S = 0.2
@@ -76,3 +77,15 @@ def test_watches_used_on_a_later_event_loop_still_start() -> None:
 
     run(ends_with_the_timer_pending())
     run(slow_request_on_a_new_loop())
+
+
+def test_an_event_of_many_lines_is_one_event_whose_data_is_the_json() -> None:
+    """What a client's SSE parser (WHATWG HTML 9.2.6) makes of each: one event whose
+    data, its ``data:`` lines joined with LF, is the JSON sent."""
+    for data in (b'{"a": 1}', b'{\n  "a": 1\n}\n', b'{\r\n "a":\r 1}'):
+        sent = event(data)
+        assert sent.endswith(b"\n\n") and sent.count(b"\n\n") == 1, sent
+        lines = sent[:-2].split(b"\n")
+        assert all(line.startswith(b"data: ") for line in lines), sent
+        joined = b"\n".join(line.removeprefix(b"data: ") for line in lines)
+        assert json.loads(joined) == json.loads(data)

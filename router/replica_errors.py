@@ -29,6 +29,7 @@ and keeps every other field beside them. Two places need it, both in
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 # llama-server's error type -> (OpenAI's type, OpenAI-style code). Every code is a
@@ -50,6 +51,10 @@ _GENERIC_TYPES = frozenset({"invalid_request_error", "server_error"})
 # The start of an error event in llama-server's stream (format_oai_sse).
 _ERROR_EVENT = b'data: {"error"'
 _EVENT_END = b"\n\n"
+# An event ends at a blank line, whichever of SSE's line ends frame it (WHATWG HTML
+# 9.2.6: CRLF, LF or CR); llama-server writes LF LF. Most specific first.
+_EVENT_ENDS = (b"\r\n\r\n", b"\n\r\n", b"\n\n", b"\r\r")
+_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\r\n|\n\n|\r\r)")
 # Bytes of an unfinished event held back at most: llama-server's events are one
 # token each (an error event, a usage event: a few hundred bytes); a longer one
 # passes unheld, so a replica that never ends an event costs no memory.
@@ -147,14 +152,13 @@ class StreamErrors:
             chunk = self._held + chunk
             self._held = b""
         if not chunk.endswith(_EVENT_END):
-            end = chunk.rfind(_EVENT_END)
-            tail = chunk[end + 2 :] if end >= 0 else chunk
+            tail = chunk[_whole_events(chunk) :]
             if len(tail) <= HOLD_LIMIT:
                 self._held = tail
                 chunk = chunk[: len(chunk) - len(tail)]
         if _ERROR_EVENT not in chunk:
             return chunk
-        return _EVENT_END.join(self._event(e) for e in chunk.split(_EVENT_END))
+        return b"".join(self._event(part) for part in _EVENT_SPLIT.split(chunk))
 
     def flush(self) -> bytes:
         """What was held when the stream ended."""
@@ -162,6 +166,7 @@ class StreamErrors:
         return self._event(held) if held else b""
 
     def _event(self, event: bytes) -> bytes:
+        """``event`` (or a blank line between two) with its error in OpenAI's shape."""
         body = event.lstrip(b"\r\n")
         if not body.startswith(_ERROR_EVENT):
             return event
@@ -176,3 +181,14 @@ class StreamErrors:
         status = code if isinstance(code, int) else self._status
         head = event[: len(event) - len(body)]
         return head + b"data: " + json.dumps({"error": translate(error, status)}).encode()
+
+
+def _whole_events(chunk: bytes) -> int:
+    """How many bytes at the start of ``chunk`` are whole events (up to and with
+    the last blank line)."""
+    whole = 0
+    for end in _EVENT_ENDS:
+        at = chunk.rfind(end)
+        if at >= 0:
+            whole = max(whole, at + len(end))
+    return whole

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from aiohttp import web
 
 from router.replica_errors import HOLD_LIMIT, StreamErrors, error_answer, translate
@@ -104,8 +105,12 @@ STREAM = (
 )
 
 
-def test_error_events_in_a_stream_are_rewritten_wherever_the_chunks_split() -> None:
-    expected = STREAM.replace(
+@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n", b"\r\r"], ids=["lf", "crlf", "cr"])
+def test_error_events_in_a_stream_are_rewritten_wherever_the_chunks_split(end: bytes) -> None:
+    """Each of SSE's line ends (WHATWG HTML 9.2.6); llama-server writes LF. Only whole
+    events go out, whatever the cut."""
+    stream = STREAM.replace(b"\n\n", end)
+    expected = stream.replace(
         b'{"error":{"code":500,"message":"boom","type":"server_error"}}',
         json.dumps(
             {
@@ -118,12 +123,13 @@ def test_error_events_in_a_stream_are_rewritten_wherever_the_chunks_split() -> N
             }
         ).encode(),
     )
-    for cut in range(len(STREAM) + 1):
-        for second in range(cut, len(STREAM) + 1):
+    for cut in range(len(stream) + 1):
+        for second in range(cut, len(stream) + 1):
             rewriter = StreamErrors()
-            parts = [STREAM[:cut], STREAM[cut:second], STREAM[second:]]
-            out = b"".join(rewriter.feed(p) for p in parts if p) + rewriter.flush()
-            assert out == expected, (cut, second)
+            parts = [stream[:cut], stream[cut:second], stream[second:]]
+            sent = [rewriter.feed(p) for p in parts if p]
+            assert all(not out or out.endswith(end) for out in sent), (cut, second, sent)
+            assert b"".join(sent) + rewriter.flush() == expected, (cut, second)
 
 
 def test_a_stream_passes_unchanged_and_only_in_whole_events() -> None:

@@ -192,6 +192,10 @@ class _Bounded(HttpToolsProtocol):
         self._refusal: errors.RouterError | None = None
         self._refusal_logged = False
         self._linger_timer: asyncio.TimerHandle | None = None
+        # The read being parsed, and what the parser left of it after a request
+        # that asked to upgrade (_should_upgrade).
+        self._read = b""
+        self._after_upgrade = b""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -204,6 +208,19 @@ class _Bounded(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._read = data
+        self._received(data)
+        while self._after_upgrade:
+            # What followed a request that asked to upgrade, in the same read: the
+            # parser stops there (httptools raises HttpParserUpgrade with its
+            # offset) and takes the next read as HTTP again, so these bytes are
+            # read here as a read of their own (found in review: a request pipelined
+            # after an upgrade request was dropped, its client left waiting).
+            rest, self._after_upgrade = self._after_upgrade, b""
+            self._read = rest
+            self._received(rest)
+
+    def _received(self, data: bytes) -> None:
         if self.lingering or self._refusal is not None or self.transport.is_closing():
             return  # refused, or answered with "close": the rest is dropped
         if not self._in_body:
@@ -295,7 +312,12 @@ class _Bounded(HttpToolsProtocol):
         # The router serves no WebSocket; uvicorn would hand an upgrade request to
         # its websockets protocol, whose refusal is text/plain (403, or 500). Not
         # upgraded, it reaches the app as the plain request it also is, and is
-        # answered as one (uvicorn logs "Unsupported upgrade request.").
+        # answered as one (uvicorn logs "Unsupported upgrade request."). Called in
+        # uvicorn's except for HttpParserUpgrade: what of the read the parser left
+        # is read next (data_received).
+        stopped = sys.exc_info()[1]
+        if isinstance(stopped, httptools.HttpParserUpgrade) and stopped.args:
+            self._after_upgrade = self._read[stopped.args[0] :]
         return False
 
     def on_message_begin(self) -> None:

@@ -33,6 +33,8 @@ class Failure(StrEnum):
     """What a replica did wrong (the ``reason`` label of the ejection counter)."""
 
     CONNECT = "connect_error"
+    # Connected and sent, then the connection closed or reset before any answer.
+    BROKEN = "connection_broken"
     # No first byte, and /health unanswered (or 5xx): ejected at once.
     DEAD = "liveness_failed"
     # /health answered, its work counters still for the stall timeout: ejected at once.
@@ -69,7 +71,9 @@ class Endpoint:
     it and releases its own slot even after the replica left.
     """
 
-    __slots__ = ("_urls", "address", "base_url", "health", "inflight", "limit", "others")
+    __slots__ = (
+        "_urls", "address", "base_url", "health", "inflight", "limit", "others", "quiet_until",
+    )  # fmt: skip
 
     def __init__(self, address: ServiceAddress, limit: int) -> None:
         self.address = address
@@ -80,6 +84,8 @@ class Endpoint:
         # Other routers' requests in flight here, as the replica last reported them
         # (router.replicaload): balance orders by inflight + others.
         self.others = 0
+        # time.monotonic() until which its load is not read (router.replicaload.hush).
+        self.quiet_until = 0.0
         # Passive outlier ejection (router.outliers).
         self.health = ReplicaHealth()
         self._urls: dict[str, URL] = {}

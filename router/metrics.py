@@ -28,7 +28,8 @@ Series (names and labels are part of the alerting contract):
   defined model so "desired > 0 and ready == 0" can alert
 - ``llmgw_router_replica_ejections_total{model,reason}``: replicas ejected by
   passive outlier detection (:mod:`router.outliers`), by what they did
-  (connect_error, liveness_failed, stalled, http_5xx: :class:`router.outliers.Failure`);
+  (connect_error, connection_broken, liveness_failed, stalled, http_5xx:
+  :class:`router.outliers.Failure`);
   published at 0
 - ``llmgw_router_ejected_replicas{model}``: passing replicas ejected now
 - ``llmgw_router_request_body_bytes`` / ``llmgw_router_request_body_limit_bytes``:

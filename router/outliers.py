@@ -17,8 +17,9 @@ clean record):
   answered 5xx: :mod:`router.firstbyte`) is ejected at once, and so is a
   **stalled** one (its HTTP server answers, but its work counters stood still
   for the stall timeout while requests waited on it);
-- a **connect error** is a local failure too; ``consecutive_failures`` of them
-  in a row (default 2) eject it;
+- a **connect error** is a local failure too, and so is a **broken connection**
+  (connected and sent, then closed or reset before any answer);
+  ``consecutive_failures`` of them in a row (default 2) eject it;
 - an answer with a **5xx status** other than 501 (llama-server's "not
   supported by this server", a property of the route, not of the replica)
   counts separately; ``consecutive_5xx`` in a row (default 5, Envoy's) eject it;

@@ -89,6 +89,7 @@ from router.metrics import (
 from router.outliers import OutlierDetector
 from router.prefix import PrefixChooser
 from router.replica_errors import error_answer
+from router.replicaload import hush
 from router.routes import model_route, upstream_query
 from router.serving import body_whole
 from router.streaming import (
@@ -484,6 +485,8 @@ class Proxy:
                         allow_redirects=False,
                     )
                 except asyncio.CancelledError:
+                    if watch.client_gone:
+                        hush(endpoint)  # its load reads would keep the request running
                     if not first_byte.expired or watch.client_gone:
                         raise
                     # Our own cancellation: no first byte, and the replica's
@@ -515,6 +518,12 @@ class Proxy:
                     )
                     continue
                 except aiohttp.ClientError as exc:
+                    # Counted like a connect error (found in review: a replica that
+                    # accepted and then closed or reset every connection failed half
+                    # the requests and was never ejected); not retried, as it says.
+                    outliers.failed(
+                        entry.name, entry.metrics, entry.slots, endpoint, Failure.BROKEN
+                    )
                     raise errors.UpstreamUnavailable(
                         f"The model `{entry.name}` replica at {endpoint.base_url} failed after "
                         f"the request was sent ({exc!r}). It was not retried on another "

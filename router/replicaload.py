@@ -34,6 +34,15 @@ to 27 s: :mod:`router.firstbyte`). A replica that does not answer within the
 interval (at least :data:`READ_TIMEOUT_MIN_S`), or has no ``/metrics`` (501), counts
 0 others: the router then balances on its own counts, as it did before. A read is
 at most ``interval_s`` old, plus the time the slowest replica took to answer.
+
+A replica whose client left a request still waiting for its answer is not read for
+:data:`QUIET_AFTER_LEAVE_S` (:func:`hush`): llama-server notices that a client left
+only when its wait for the request's next result times out (``recv_with_timeout``,
+``HTTP_POLLING_SECONDS`` = 1 s, server-queue.cpp), and every result any task gets,
+a ``/metrics`` read's included, starts that wait again; read every 0.1 s, a replica
+ran a left 3,000-token completion to its end, 59 s (found in review, issue 21 item
+8). Other traffic on the replica (another request's tokens, another router's reads)
+still does the same: llama.cpp's limit, not one the router can lift.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -54,6 +64,10 @@ METRICS_PATH = "/metrics"
 # reads had at the 0.25 s interval measured before 0.1 s became the default; a late
 # answer is still fresher than counting nobody else's requests.
 READ_TIMEOUT_MIN_S = 0.25
+# Seconds a replica's load is not read after a client left a request there: longer
+# than llama-server's 1 s wait for a result (HTTP_POLLING_SECONDS), which must run
+# out once with nothing received for it to notice the closed connection.
+QUIET_AFTER_LEAVE_S = 2.0
 # llama.cpp tools/server (server_task_result_metrics): gauges, every client's requests.
 LOAD_GAUGES = (b"llamacpp:requests_processing", b"llamacpp:requests_deferred")
 
@@ -69,6 +83,12 @@ def reported_load(text: bytes) -> int | None:
                 total += float(value.strip())
                 seen = True
     return int(total) if seen else None
+
+
+def hush(endpoint: Endpoint) -> None:
+    """A client left a request waiting on ``endpoint``: no load read there for
+    :data:`QUIET_AFTER_LEAVE_S`, so the replica can notice and stop it."""
+    endpoint.quiet_until = time.monotonic() + QUIET_AFTER_LEAVE_S
 
 
 def others_on(endpoint: Endpoint, reported: int | None, asked_at: int = 0) -> int:
@@ -108,7 +128,14 @@ class LoadSampler:
 
     async def _run(self) -> None:
         while True:
-            busy = [e for endpoints in self._models() if _busy(endpoints) for e in endpoints]
+            now = time.monotonic()
+            busy = [
+                e
+                for endpoints in self._models()
+                if _busy(endpoints)
+                for e in endpoints
+                if e.quiet_until <= now
+            ]
             if busy:
                 await asyncio.gather(*(self._read(e) for e in busy))
             await asyncio.sleep(self.interval_s)

@@ -299,6 +299,27 @@ def test_a_wedged_replica_joining_under_a_queue_is_handed_one_request() -> None:
     run(scenario())
 
 
+def test_a_client_leaving_a_waiting_request_hushes_the_replica_s_load_reads() -> None:
+    """Found in review (issue 21 item 8): the load sampler's reads kept a replica
+    waiting on results, so a request whose client left ran to its end there."""
+
+    async def scenario() -> None:
+        slow = Replica(answer_after_s=NEVER)
+        address = await slow.start()
+        try:
+            async with in_process_router(settings(), replicas=2) as app:
+                app.state.table.set_endpoints("m", [address])
+                endpoint = app.state.table.get("m").endpoints[0]
+                status, _, _ = await asgi_post(app, {"model": "m"}, leave_after_s=0.3)
+                assert status is None  # nothing sent: the client had gone
+                await until(lambda: endpoint.inflight == 0)
+                assert endpoint.quiet_until > 0.0  # hushed (how long: test_replicaload)
+        finally:
+            await slow.stop()
+
+    run(scenario())
+
+
 def test_a_replica_whose_health_says_500_is_dead_too() -> None:
     async def scenario() -> None:
         failing = Replica(answer_after_s=NEVER, health_status=500)

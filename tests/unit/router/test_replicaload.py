@@ -7,6 +7,7 @@ bench/prefix_routing.py --routers)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 from aiohttp import web
@@ -176,3 +177,53 @@ def test_a_replica_of_one_or_two_slots_spares_none() -> None:
     assert preferable(three)
     three.others = 2
     assert not preferable(three)
+
+
+def test_a_hushed_replica_is_not_read_until_its_quiet_ends() -> None:
+    """Found in review (issue 21 item 8): the sampler's 10 reads a second kept
+    llama-server waiting on results, so a request whose client left ran to its end
+    (59 s); after a leave the replica is left alone for QUIET_AFTER_LEAVE_S."""
+
+    async def run() -> list[int]:
+        asked: list[int] = []
+
+        def serve(i: int) -> web.Application:
+            async def metrics(request: web.Request) -> web.Response:
+                asked.append(i)
+                return web.Response(body=METRICS % (1, 0))
+
+            app = web.Application()
+            app.router.add_get("/metrics", metrics)
+            return app
+
+        runners = [web.AppRunner(serve(i)) for i in (0, 1)]
+        ports = [free_port(), free_port()]
+        for runner, port in zip(runners, ports, strict=True):
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
+        busy[1].inflight = 1
+        busy[0].quiet_until = time.monotonic() + 3600  # as hush() sets it, for longer
+        async with aiohttp.ClientSession() as session:
+            sampler = LoadSampler(lambda: (busy,), lambda: session, interval_s=0.01)
+            sampler.start()
+            while asked.count(1) < 20:
+                await asyncio.sleep(0.01)
+            hushed = list(asked)
+            busy[0].quiet_until = 0.0  # the quiet ends
+            while 0 not in asked:
+                await asyncio.sleep(0.01)
+            await sampler.close()
+        for runner in runners:
+            await runner.cleanup()
+        return hushed
+
+    hushed = asyncio.run(run())
+    assert 0 not in hushed, hushed
+
+
+def test_hush_lasts_longer_than_llama_server_s_one_second_wait() -> None:
+    endpoint = endpoints(0)[0]
+    before = time.monotonic()
+    replicaload.hush(endpoint)
+    assert endpoint.quiet_until >= before + replicaload.QUIET_AFTER_LEAVE_S > before + 1.0

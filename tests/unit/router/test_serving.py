@@ -565,6 +565,32 @@ def test_an_unsupported_upgrade_is_served_as_the_plain_request_it_is() -> None:
     run(scenario())
 
 
+def test_an_upgrade_request_s_body_reaches_its_app() -> None:
+    """``curl --http2`` on http:// asks to upgrade to h2c (found in review: its POST
+    reached the app with no body, and the body was read as a request of its own)."""
+
+    async def scenario() -> None:
+        app = BodyApp()
+        async with served(app) as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            upgrade = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings"
+                b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+                b"Content-Length: 11\r\n\r\n" + b'{"a": "b"}\n'
+            )
+            writer.write(upgrade + b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+            answers = []
+            for _ in range(2):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                answers.append(await reader.readexactly(length))
+            writer.close()
+            assert answers == [b"11", b"0"]  # the POST's body, then the GET's none
+
+    run(scenario())
+
+
 def test_the_parser_s_reason_is_bounded_and_said_plainly() -> None:
     long = httptools.HttpParserError("invalid url b'" + "x" * 10_000 + "'")
     message = _parser_reason(long, "fallback")

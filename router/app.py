@@ -385,6 +385,10 @@ def create_app(settings: RouterSettings, *, no_endpoint: NoEndpoint | None = Non
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # Starlette answers /health/ with a 307 to /health on the client's own Host
+        # (found in review: "Host: evil.example" came back as its Location); the
+        # router's paths are exact, and any other is a 404 error object.
+        redirect_slashes=False,
     )
     app.state.table = table
     app.state.metrics = metrics

@@ -171,6 +171,14 @@ class HeadersTooLarge(RequestRefused):
     code = "request_header_fields_too_large"
 
 
+class UriTooLong(RequestRefused):
+    """The request's path and query exceed what the router passes to a replica
+    (:data:`router.proxy.REPLICA_TARGET_MAX`)."""
+
+    status = 414
+    code = "uri_too_long"
+
+
 class InvalidHttpRequest(RequestRefused):
     """The bytes are not an HTTP/1.1 request the parser can read: a bad request line,
     header or chunk size, a ``Content-Length`` beside a ``Transfer-Encoding``, the

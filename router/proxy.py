@@ -146,6 +146,12 @@ REPLICA_LINE_MAX = 8192
 REPLICA_HEADER_MAX_BYTES = REPLICA_LINE_MAX - len(": \r\n")
 REPLICA_HEADERS_MAX = 100
 REPLICA_HEADERS_FORWARDED_MAX = REPLICA_HEADERS_MAX - 7
+# The longest path and query sent to a replica. llama-server drops the connection,
+# unanswered, on a longer request line than about 32 KiB (found in review: a
+# 32,732-byte line served, a 32,772-byte one dropped; the 502 then counted toward
+# ejecting a healthy replica). The router's bound is nginx's default for a request
+# line (large_client_header_buffers, 8 KiB): model routes need no long query.
+REPLICA_TARGET_MAX = 8192
 # The only failures after which the request provably never reached a replica:
 # no connection could be made (refused, unreachable, name or TLS failure:
 # ClientConnectorError and its subclasses) or making it timed out. aiohttp
@@ -424,7 +430,10 @@ class Proxy:
                 headers.append((name, value))
                 has_accept_encoding = has_accept_encoding or name == "accept-encoding"
         if len(headers) > REPLICA_HEADERS_FORWARDED_MAX:
-            raise _replica_refuses(f"at most {REPLICA_HEADERS_MAX} header lines")
+            raise _replica_refuses(
+                f"at most {REPLICA_HEADERS_FORWARDED_MAX} header lines from the client "
+                f"({REPLICA_HEADERS_MAX} in all, with the router's own)"
+            )
         if not has_accept_encoding:
             # Else aiohttp adds "gzip, deflate" and the replica may compress a
             # body the client never asked to decompress. Setting it here rather
@@ -770,8 +779,8 @@ def _replica_refuses(limit: str) -> errors.HeadersTooLarge:
 def _target(scope: Scope) -> str:
     """The path and query the replica receives (:mod:`router.routes`): the route from
     the router's table, never the client's spelling of it. Raises 404 for a path
-    that is not a model route (the app sends none here) and 400 for a query string
-    no URL may carry."""
+    that is not a model route (the app sends none here), 400 for a query string
+    no URL may carry and 414 for a target over :data:`REPLICA_TARGET_MAX` bytes."""
     route = model_route(scope)
     if route is None:
         raise _NotFound(f"{scope['method']} {scope['path']}: Not Found")
@@ -781,7 +790,13 @@ def _target(scope: Scope) -> str:
             "The query string holds a byte a URL may not carry (a control character, a "
             "space, a '#' or a non-ASCII byte); percent-encode it."
         )
-    return f"{route}?{query}" if query else route
+    target = f"{route}?{query}" if query else route
+    if len(target) > REPLICA_TARGET_MAX:
+        raise errors.UriTooLong(
+            f"The request's path and query are {len(target)} bytes; the router passes at "
+            f"most {REPLICA_TARGET_MAX} to a model's server."
+        )
+    return target
 
 
 class _NotFound(errors.InvalidRequest):

@@ -174,13 +174,14 @@ async def asgi_post(
     leave_after_s: float | None = None,
     headers: list[tuple[bytes, bytes]] | None = None,
     leave: asyncio.Event | None = None,
+    query: bytes = b"",
 ) -> tuple[int | None, dict[str, str], dict]:
     """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection.
 
     Returns (status, headers, JSON body); (None, {}, {}) when the app sent
     nothing. The arguments are :func:`asgi_messages`'.
     """
-    sent = await asgi_messages(app, body, leave_after_s, headers, leave)
+    sent = await asgi_messages(app, body, leave_after_s, headers, leave, query)
     if not sent:
         return None, {}, {}
     answer = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
@@ -193,11 +194,13 @@ async def asgi_messages(
     leave_after_s: float | None = None,
     headers: list[tuple[bytes, bytes]] | None = None,
     leave: asyncio.Event | None = None,
+    query: bytes = b"",
 ) -> list[dict]:
     """POST `body` as JSON to ``/v1/completions`` over ASGI, as one client connection;
     the ASGI messages the app sent, once it returned (a stream's events as sent).
 
-    ``headers`` are sent besides the JSON content type. The client stays connected
+    ``headers`` are sent besides the JSON content type, ``query`` as the query
+    string. The client stays connected
     until the app answers, or leaves (``http.disconnect``) `leave_after_s` s after
     sending the body, or once `leave` is set (when the test chooses, whatever the
     machine's load).
@@ -226,7 +229,7 @@ async def asgi_messages(
         "type": "http",
         "method": "POST",
         "path": "/v1/completions",
-        "query_string": b"",
+        "query_string": query,
         "headers": [(b"content-type", b"application/json"), *(headers or [])],
     }
     await app(scope, receive, send)

@@ -22,7 +22,13 @@ from llmgw_contract import ModelRecord
 from router import errors
 from router.app import create_app
 from router.catalog import ServiceAddress
-from router.proxy import REPLICA_HEADER_MAX_BYTES, REPLICA_HEADERS_FORWARDED_MAX, extract_model
+from router.proxy import (
+    REPLICA_HEADER_MAX_BYTES,
+    REPLICA_HEADERS_FORWARDED_MAX,
+    REPLICA_TARGET_MAX,
+    _target,
+    extract_model,
+)
 from router.settings import RouterSettings
 from tests.support.router_harness import (
     LocalServer,
@@ -79,6 +85,11 @@ def test_bad_body_method_and_route(client: TestClient) -> None:
     response = client.get("/v2/whatever")
     assert response.status_code == 404
     assert error_of(response)["code"] == "not_found"
+    # Exact paths: no redirect to the slash-less one on the client's Host (review).
+    for path in ("/health/", "/metrics/"):
+        response = client.get(path, headers={"host": "evil.example"}, follow_redirects=False)
+        assert response.status_code == 404 and "location" not in response.headers, path
+        assert error_of(response)["code"] == "not_found"
 
 
 def test_models_health_and_metrics(client: TestClient) -> None:
@@ -336,6 +347,36 @@ def test_a_replica_s_redirect_goes_to_the_client_unfollowed() -> None:
         assert replica.followed == 0
 
     run(scenario())
+
+
+def test_a_target_longer_than_a_replica_takes_gets_the_router_s_414() -> None:
+    """Found in review: llama-server drops a request line over about 32 KiB unanswered,
+    and the broken connection counted toward ejecting a healthy replica."""
+
+    async def scenario() -> None:
+        replica = HeaderReplica()
+        address = await replica.start()
+        room = REPLICA_TARGET_MAX - len("/v1/completions?q=")
+        try:
+            async with route_to(address) as app:
+                # (aiohttp, the replica here, takes a request line of 8,190 bytes.)
+                for size, expected in ((4_000, 200), (room + 1, 414), (40_000, 414)):
+                    status, _, body = await asgi_post(
+                        app, {"model": "m"}, query=b"q=" + b"a" * size
+                    )
+                    assert status == expected, (size, body)
+                    if expected == 414:
+                        assert body["error"]["code"] == "uri_too_long", body
+        finally:
+            await replica.stop()
+        assert len(replica.headers) == 1
+        assert _target(scope_for(b"q=" + b"a" * room)) == "/v1/completions?q=" + "a" * room
+
+    run(scenario())
+
+
+def scope_for(query: bytes) -> dict:
+    return {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": query}
 
 
 def test_the_proxy_finds_its_task_on_every_loop_it_runs_on() -> None:

@@ -54,7 +54,7 @@ _EVENT_END = b"\n\n"
 # An event ends at a blank line, whichever of SSE's line ends frame it (WHATWG HTML
 # 9.2.6: CRLF, LF or CR); llama-server writes LF LF. Most specific first.
 _EVENT_ENDS = (b"\r\n\r\n", b"\n\r\n", b"\n\n", b"\r\r")
-_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\r\n|\n\n|\r\r)")
+_EVENT_SPLIT = re.compile(b"(" + b"|".join(map(re.escape, _EVENT_ENDS)) + b")")
 # Bytes of an unfinished event held back at most: llama-server's events are one
 # token each (an error event, a usage event: a few hundred bytes); a longer one
 # passes unheld, so a replica that never ends an event costs no memory.

@@ -7,7 +7,9 @@ bench/prefix_routing.py --routers)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -68,37 +70,48 @@ def test_the_prefix_bound_counts_the_other_routers_requests() -> None:
     assert chooser.choose([a, b], key, lambda e: True) is b
 
 
-def test_the_sampler_reads_busy_models_replicas_and_leaves_idle_ones_alone() -> None:
-    async def run() -> tuple[list[int], list[int], list[str]]:
-        asked: list[str] = []
-        loads = {0: (3, 1), 1: (1, 0)}
+@contextlib.asynccontextmanager
+async def metrics_replicas(
+    loads: dict[int, tuple[int, int]], asked: list[tuple[int, str]]
+) -> AsyncIterator[list[int]]:
+    """Two aiohttp replicas on 127.0.0.1 answering ``/metrics`` with ``loads[i]``
+    (processing, deferred); each read is recorded in ``asked``. Yields their ports."""
 
-        def serve(i: int) -> web.Application:
-            async def metrics(request: web.Request) -> web.Response:
-                asked.append(f"{i}{request.path}")
-                return web.Response(body=METRICS % loads[i])
+    def serve(i: int) -> web.Application:
+        async def metrics(request: web.Request) -> web.Response:
+            asked.append((i, request.path))
+            return web.Response(body=METRICS % loads[i])
 
-            app = web.Application()
-            app.router.add_get("/metrics", metrics)
-            return app
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        return app
 
-        runners = [web.AppRunner(serve(i)) for i in (0, 1)]
-        ports = [free_port(), free_port()]
-        for runner, port in zip(runners, ports, strict=True):
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-        busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
-        busy[0].inflight = 1
-        idle = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
-        async with aiohttp.ClientSession() as session:
-            sampler = LoadSampler(lambda: (busy, idle), lambda: session, interval_s=0.05)
-            sampler.start()
-            while len(asked) < 4:
-                await asyncio.sleep(0.01)
-            await sampler.close()
+    runners = [web.AppRunner(serve(i)) for i in (0, 1)]
+    ports = [free_port(), free_port()]
+    for runner, port in zip(runners, ports, strict=True):
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield ports
+    finally:
         for runner in runners:
             await runner.cleanup()
-        return [e.others for e in busy], [e.others for e in idle], asked
+
+
+def test_the_sampler_reads_busy_models_replicas_and_leaves_idle_ones_alone() -> None:
+    async def run() -> tuple[list[int], list[int], list[str]]:
+        asked: list[tuple[int, str]] = []
+        async with metrics_replicas({0: (3, 1), 1: (1, 0)}, asked) as ports:
+            busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
+            busy[0].inflight = 1
+            idle = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
+            async with aiohttp.ClientSession() as session:
+                sampler = LoadSampler(lambda: (busy, idle), lambda: session, interval_s=0.05)
+                sampler.start()
+                while len(asked) < 4:
+                    await asyncio.sleep(0.01)
+                await sampler.close()
+        return [e.others for e in busy], [e.others for e in idle], [f"{i}{p}" for i, p in asked]
 
     busy, idle, asked = asyncio.run(run())
     assert busy == [3, 1] and idle == [0, 0]
@@ -185,38 +198,22 @@ def test_a_hushed_replica_is_not_read_until_its_quiet_ends() -> None:
     (59 s); after a leave the replica is left alone for QUIET_AFTER_LEAVE_S."""
 
     async def run() -> list[int]:
-        asked: list[int] = []
-
-        def serve(i: int) -> web.Application:
-            async def metrics(request: web.Request) -> web.Response:
-                asked.append(i)
-                return web.Response(body=METRICS % (1, 0))
-
-            app = web.Application()
-            app.router.add_get("/metrics", metrics)
-            return app
-
-        runners = [web.AppRunner(serve(i)) for i in (0, 1)]
-        ports = [free_port(), free_port()]
-        for runner, port in zip(runners, ports, strict=True):
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-        busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
-        busy[1].inflight = 1
-        busy[0].quiet_until = time.monotonic() + 3600  # as hush() sets it, for longer
-        async with aiohttp.ClientSession() as session:
-            sampler = LoadSampler(lambda: (busy,), lambda: session, interval_s=0.01)
-            sampler.start()
-            while asked.count(1) < 20:
-                await asyncio.sleep(0.01)
-            hushed = list(asked)
-            busy[0].quiet_until = 0.0  # the quiet ends
-            while 0 not in asked:
-                await asyncio.sleep(0.01)
-            await sampler.close()
-        for runner in runners:
-            await runner.cleanup()
-        return hushed
+        asked: list[tuple[int, str]] = []
+        async with metrics_replicas({0: (1, 0), 1: (1, 0)}, asked) as ports:
+            busy = tuple(Endpoint(ServiceAddress("127.0.0.1", p), 4) for p in ports)
+            busy[1].inflight = 1
+            busy[0].quiet_until = time.monotonic() + 3600  # as hush() sets it, for longer
+            async with aiohttp.ClientSession() as session:
+                sampler = LoadSampler(lambda: (busy,), lambda: session, interval_s=0.01)
+                sampler.start()
+                while [i for i, _ in asked].count(1) < 20:
+                    await asyncio.sleep(0.01)
+                read = [i for i, _ in asked]
+                busy[0].quiet_until = 0.0  # the quiet ends
+                while (0, "/metrics") not in asked:
+                    await asyncio.sleep(0.01)
+                await sampler.close()
+        return read
 
     hushed = asyncio.run(run())
     assert 0 not in hushed, hushed

@@ -40,6 +40,9 @@ sends is read and dropped until it closes its side, at most :data:`LINGER_S`.
 Closed at once, the kernel would answer those bytes with a reset, and a client
 still sending its body often loses the answer to it.
 
+A response the app leaves unfinished on purpose (:func:`cut_on_purpose`: a stream
+its replica broke off) is not logged by uvicorn as an application fault.
+
 The body's timeout is the proxy's (:mod:`router.intake`): it runs once the app
 has the request. Built by :func:`protocol_class` for :mod:`router.cli`, which
 passes it to uvicorn as ``http=``.
@@ -51,6 +54,7 @@ import asyncio
 import logging
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any
 
 import httptools
@@ -92,6 +96,35 @@ _H2_PREFACE = "Pause on PRI/Upgrade"
 # request's whole body before the app read any of it.
 BODY_WHOLE = "llmgw.body_whole"
 
+# What uvicorn logs (ERROR, "uvicorn.error") when an app returns with its response
+# begun and unfinished, before it drops the connection.
+_UNFINISHED = "ASGI callable returned without completing response."
+_cut: ContextVar[bool] = ContextVar("llmgw_cut_on_purpose", default=False)
+
+
+def cut_on_purpose() -> None:
+    """Say that the current request's response will be left unfinished on purpose and
+    the app has logged why: uvicorn then drops the connection without logging
+    "ASGI callable returned without completing response." as an application fault.
+
+    For :mod:`router.streaming`, which ends a stream its replica broke off without
+    the last chunk, so that a client sees a truncated stream and not a clean end
+    (and which logs the break as a warning with its cause). Holds for the task that
+    calls it, which is uvicorn's task for the request (a context variable: each
+    request's task has its own)."""
+    _cut.set(True)
+
+
+class _UnfinishedOnPurpose(logging.Filter):
+    """Drops uvicorn's unfinished-response error for a request that called
+    :func:`cut_on_purpose`; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _UNFINISHED and _cut.get())
+
+
+_ON_PURPOSE = _UnfinishedOnPurpose()
+
 
 def body_whole(scope: dict[str, Any]) -> bool:
     """Whether the server already holds the request's whole body, so the app's first
@@ -102,7 +135,9 @@ def body_whole(scope: dict[str, Any]) -> bool:
 
 
 def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol, bounded as described above."""
+    """uvicorn's httptools protocol, bounded as described above. Also quiets
+    uvicorn's log for responses cut on purpose (:func:`cut_on_purpose`)."""
+    logging.getLogger("uvicorn.error").addFilter(_ON_PURPOSE)  # once: same filter
 
     class BoundedHttpToolsProtocol(_Bounded):
         timeout_s = header_timeout_s

@@ -29,6 +29,7 @@ import aiohttp
 from router import errors
 from router.accounting import StreamMeter
 from router.replica_errors import StreamErrors
+from router.serving import cut_on_purpose
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ async def relay_stream(
         # (StreamErrors); the blank line first ends one too long to hold
         # (an empty event is ignored, WHATWG HTML 9.2.6).
         told_event = b"\n\n" + error_event(errors.error_object(told))
+        cut_on_purpose()
         with contextlib.suppress(Exception):  # the client may be gone as well
             await send({"type": "http.response.body", "body": told_event, "more_body": True})
         return told.status

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
+import pytest
 from aiohttp import web
 
 from router.settings import RouterSettings
@@ -29,6 +31,7 @@ from tests.support.router_harness import (
     run,
     until,
 )
+from tests.unit.router.test_serving import exchange, served
 
 SILENCE_S = 1.5
 STREAM = {"model": "m", "prompt": "x", "stream": True}
@@ -198,3 +201,50 @@ def test_a_stream_whose_replica_breaks_its_connection_is_told_so_in_the_stream()
             await replica.stop()
 
     run(scenario())
+
+
+def test_a_stream_cut_on_purpose_is_not_logged_as_an_application_fault(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under real uvicorn with the router's protocol: the stream a replica broke off
+    ends without its last chunk (the connection dropped), logged once as the router's
+    warning; uvicorn's "returned without completing response" (ERROR) is not logged
+    for it (found in review: one per cut stream), but still is for an app that leaves
+    a response unfinished without saying so."""
+
+    async def scenario() -> None:
+        replica = SilentReplica(after="reset")
+        await replica.start()
+        try:
+            async with in_process_router(settings()) as app, served(app) as (port, _):
+                RouterUnderTest(app, replica).pass_endpoint()
+                body = json.dumps(STREAM).encode()
+                answer, _ = await exchange(
+                    port,
+                    b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+                )
+                assert b"upstream_unavailable" in answer and not answer.endswith(b"0\r\n\r\n")
+            async with served(Unfinished()) as (port, _):
+                await exchange(port, b"GET / HTTP/1.1\r\nHost: r\r\n\r\n")
+        finally:
+            await replica.stop()
+
+    with caplog.at_level(logging.INFO):
+        run(scenario())
+    unfinished = [r for r in caplog.records if r.getMessage() == UNFINISHED]
+    assert len(unfinished) == 1, unfinished  # the app that did not say so
+    assert any("upstream stream broke" in r.getMessage() for r in caplog.records)
+
+
+UNFINISHED = "ASGI callable returned without completing response."
+
+
+class Unfinished:
+    """An ASGI app that starts a chunked response and returns without its end."""
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"half", "more_body": True})

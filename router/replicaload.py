@@ -42,7 +42,9 @@ only when its wait for the request's next result times out (``recv_with_timeout`
 a ``/metrics`` read's included, starts that wait again; read every 0.1 s, a replica
 ran a left 3,000-token completion to its end, 59 s (found in review, issue 21 item
 8). Other traffic on the replica (another request's tokens, another router's reads)
-still does the same: llama.cpp's limit, not one the router can lift.
+does the same, which only llama.cpp can change: the bootstrap's build keeps one
+deadline per wait (devcluster/llama_patches.py), and this pause remains for a
+llama-server built elsewhere, where this router's reads are the only other results.
 """
 
 from __future__ import annotations

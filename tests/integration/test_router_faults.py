@@ -16,6 +16,7 @@ twin of it and is tested too). On-demand loading asks a scripted planner
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -279,13 +280,34 @@ def log_seconds(line: str) -> float:
     return int(minutes) * 60 + int(seconds) + int(millis) / 1e3 + int(micros) / 1e6
 
 
+@contextlib.contextmanager
+def reading_metrics(server: LlamaServer, every_s: float = 0.1) -> Iterator[None]:
+    """Reads `server`'s /metrics every `every_s` seconds, as a second router's load
+    sampler does to a busy replica (router.replicaload.LoadSampler, 0.1 s)."""
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.wait(every_s):
+            request("GET", f"{server.url}/metrics")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join()
+
+
 def test_a_client_leaving_a_long_completion_frees_the_slot(
     parts: Parts, gemma: LlamaServer
 ) -> None:
     """Measured from llama-server's own log (slot launched, slot released) against the
-    client's clock (request sent, connection closed): polling /slots fast would itself
-    delay the release (llama-server checks a non-streaming client only when no task
-    result at all arrived for 1 s, server-queue.cpp recv_with_timeout)."""
+    client's clock (request sent, connection closed), while another reader (a second
+    router) reads the replica's /metrics every 0.1 s and the test polls /slots: each of
+    their results restarted unpatched llama-server's 1 s wait for the request's next
+    result, so the closed connection was never seen and the request ran to its end (the
+    bootstrap's build keeps that wait's deadline: devcluster/llama_patches.py)."""
     parts.serve("leaver", gemma=gemma.port)
     log_path = parts.workdir / "gemma-server.log"
     before = log_path.read_text(errors="replace").count("launch_slot_")
@@ -301,9 +323,10 @@ def test_a_client_leaving_a_long_completion_frees_the_slot(
     eventually(lambda: log_path.read_text(errors="replace").count("launch_slot_") > before, 20)
     time.sleep(1.5)  # generating: the answer is minutes away
     assert slot_busy(gemma)
-    client.close()
-    closed = time.monotonic()
-    eventually(lambda: not slot_busy(gemma), timeout=10, interval=1.1)
+    with reading_metrics(gemma):
+        client.close()
+        closed = time.monotonic()
+        eventually(lambda: not slot_busy(gemma), timeout=20, interval=0.1)
     lines = log_path.read_text(errors="replace").splitlines()
     launch = [line for line in lines if "launch_slot_" in line][-1]
     release = [line for line in lines if "stop processing" in line][-1]

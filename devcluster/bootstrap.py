@@ -830,7 +830,8 @@ def main() -> None:
     step(f"nomad {NOMAD_VERSION}", nomad_done, nomad_build)
     step("fake-nvidia-gpu device plugin (tests)", fake_gpu_done, fake_gpu_build)
     step(f"prometheus {PROMETHEUS_VERSION} (promtool)", prometheus_done, prometheus_build)
-    step("llama-server", llama_done, llama_build)
+    # The build key names the patches too, so "ok (cached)" is the patched binary.
+    step(f"{llama_binary().name} (patched)", llama_done, llama_build)
     if args.with_tofu:
         step(f"tofu {TOFU_VERSION}", tofu_done, tofu_build)
     if args.with_demo_model:

@@ -6,8 +6,10 @@ new llama.cpp release that moved or fixed the code fails the build loudly instea
 building an unpatched binary) and why. Their text is part of the cached binary's
 build key (bootstrap.llama_build_key), so a changed patch is a new binary.
 
-Both patches are meant for upstream; until they land there, a llama-server built
-elsewhere keeps the behaviour described in docs/router.md ("A client that leaves").
+The two patches are one change (one wait keeps one deadline), meant for upstream;
+until it lands there, a llama-server built elsewhere (an engine's `artifact:`, or
+`LLMGW_ENGINES`) keeps the behaviour described in docs/router.md, where a client
+disconnects. Its `--version` is the same either way: only this build has it.
 """
 
 from __future__ import annotations

@@ -217,7 +217,13 @@ async def relay_stream(
     if exc is not None:
         upstream.close()
         told = _broken(model, exc)
-        log.warning("model %s: upstream stream broke: %r", model, exc)
+        log.warning(
+            "model %s: replica %s:%s's stream broke: %r",
+            model,
+            upstream.url.host,
+            upstream.url.port,
+            exc,
+        )
         # Bytes already went out, so no error response is possible: the client is
         # told in the stream, as llama-server tells its own failures (an SDK raises
         # it), then the stream ends without its final empty chunk, so uvicorn drops

@@ -52,13 +52,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router.sse import EVENT_SPLIT, whole_events
+
 # The routes whose streams take OpenAI's stream_options (llama-server's OAI
 # handlers: tools/server registers /chat/completions as the same handler).
 STREAM_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 
 _USAGE_KEY = b'"usage":'
 _TIMINGS_KEY = b'"timings":'
-_EVENT_END = b"\n\n"
+_EVENT_END = b"\n\n"  # llama-server's; any SSE framing is read (router.sse)
 _DATA = b"data:"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 # Longer unfinished events are not scanned (or held) further: a usage event is
@@ -194,11 +196,11 @@ class StreamMeter:
         if self.first_at is None:
             self.first_at = time.perf_counter()
         data = self._rest + chunk if self._rest else chunk
-        if data.endswith(_EVENT_END):
+        if data.endswith(_EVENT_END):  # llama-server's framing, and whole: the common case
             whole, self._rest = data, b""
         else:
-            end = data.rfind(_EVENT_END) + 2
-            whole, rest = (data[:end], data[end:]) if end > 1 else (b"", data)
+            end = whole_events(data)
+            whole, rest = data[:end], data[end:]
             if len(rest) > MAX_EVENT_BYTES:
                 # Not a usage event: pass what was held, scan no further into it.
                 self._rest = b""
@@ -207,7 +209,7 @@ class StreamMeter:
         self.events += whole.count(_DATA)
         if not self.strip:
             if _USAGE_KEY in whole or _TIMINGS_KEY in whole:
-                for event in whole.split(_EVENT_END):
+                for event in EVENT_SPLIT.split(whole)[::2]:
                     self._read(event)
             return chunk
         return self._strip(whole)
@@ -220,9 +222,11 @@ class StreamMeter:
     def _strip(self, whole: bytes) -> bytes:
         if _USAGE_KEY not in whole and _TIMINGS_KEY not in whole:
             return whole
-        events = whole.split(_EVENT_END)
-        kept = [e for e in events[:-1] if not self._read(e)]
-        return b"".join(e + _EVENT_END for e in kept)
+        # [event, end, event, end, ..., b""]: each event kept with its own end.
+        parts = EVENT_SPLIT.split(whole)
+        return b"".join(
+            parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2) if not self._read(parts[i])
+        )
 
     def _read(self, event: bytes) -> bool:
         """Take the usage (else the timings) of ``event`` if it has one; whether it

@@ -29,8 +29,9 @@ and keeps every other field beside them. Two places need it, both in
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
+
+from router.sse import EVENT_SPLIT, whole_events
 
 # llama-server's error type -> (OpenAI's type, OpenAI-style code). Every code is a
 # string (issue 21: one error shape): an SDK user branches on it.
@@ -51,10 +52,6 @@ _GENERIC_TYPES = frozenset({"invalid_request_error", "server_error"})
 # The start of an error event in llama-server's stream (format_oai_sse).
 _ERROR_EVENT = b'data: {"error"'
 _EVENT_END = b"\n\n"
-# An event ends at a blank line, whichever of SSE's line ends frame it (WHATWG HTML
-# 9.2.6: CRLF, LF or CR); llama-server writes LF LF. Most specific first.
-_EVENT_ENDS = (b"\r\n\r\n", b"\n\r\n", b"\n\n", b"\r\r")
-_EVENT_SPLIT = re.compile(b"(" + b"|".join(map(re.escape, _EVENT_ENDS)) + b")")
 # Bytes of an unfinished event held back at most: llama-server's events are one
 # token each (an error event, a usage event: a few hundred bytes); a longer one
 # passes unheld, so a replica that never ends an event costs no memory.
@@ -152,13 +149,13 @@ class StreamErrors:
             chunk = self._held + chunk
             self._held = b""
         if not chunk.endswith(_EVENT_END):
-            tail = chunk[_whole_events(chunk) :]
+            tail = chunk[whole_events(chunk) :]
             if len(tail) <= HOLD_LIMIT:
                 self._held = tail
                 chunk = chunk[: len(chunk) - len(tail)]
         if _ERROR_EVENT not in chunk:
             return chunk
-        return b"".join(self._event(part) for part in _EVENT_SPLIT.split(chunk))
+        return b"".join(self._event(part) for part in EVENT_SPLIT.split(chunk))
 
     def flush(self) -> bytes:
         """What was held when the stream ended."""
@@ -181,14 +178,3 @@ class StreamErrors:
         status = code if isinstance(code, int) else self._status
         head = event[: len(event) - len(body)]
         return head + b"data: " + json.dumps({"error": translate(error, status)}).encode()
-
-
-def _whole_events(chunk: bytes) -> int:
-    """How many bytes at the start of ``chunk`` are whole events (up to and with
-    the last blank line)."""
-    whole = 0
-    for end in _EVENT_ENDS:
-        at = chunk.rfind(end)
-        if at >= 0:
-            whole = max(whole, at + len(end))
-    return whole

@@ -167,6 +167,29 @@ def test_a_stream_without_usage_is_counted_from_its_timings(size: int) -> None:
     assert out == UNASKED and meter.usage == Usage(26, 21, 3)
 
 
+def framed(stream: bytes, end: bytes) -> bytes:
+    """``stream`` (LF LF framed) with each event ended by ``end`` instead."""
+    return stream.replace(b"\n\n", end)
+
+
+@pytest.mark.parametrize("end", [b"\r\n\r\n", b"\r\r", b"\n\r\n"])
+@pytest.mark.parametrize("size", [len(STREAM), 7, 1])
+def test_every_sse_framing_is_metered_and_stripped_in_its_own_framing(
+    end: bytes, size: int
+) -> None:
+    """Events ended by CRLF CRLF or CR CR (WHATWG HTML 9.2.6) are read as LF LF ones:
+    found in review, the meter read LF-framed events only, so such a replica's usage
+    and events went uncounted (and its key's token limit unspent)."""
+    stream = framed(STREAM, end)
+    meter = StreamMeter()
+    assert b"".join(meter.feed(c) for c in chunked(stream, size)) + meter.flush() == stream
+    assert meter.usage == Usage(26, 21, 3) and meter.events == 4
+    meter = StreamMeter(strip=True)
+    out = b"".join(meter.feed(c) for c in chunked(stream, size)) + meter.flush()
+    assert out == framed(TOKEN + FINISH + DONE, end)
+    assert meter.usage == Usage(26, 21, 3)
+
+
 def test_usage_wins_over_timings_whatever_the_order() -> None:
     other = {"prompt_tokens": 30, "completion_tokens": 4}
     meter = StreamMeter()

@@ -314,21 +314,28 @@ class _Bounded(HttpToolsProtocol):
         if self._refusal is not None or self.lingering or self.transport.is_closing():
             return  # already refused (_Refused), or closing: nothing more is said
         refused = errors.InvalidHttpRequest(_parser_reason(sys.exc_info()[1], msg))
+        in_body, self._in_body = self._in_body, False
+        self._refuse_unread(refused, logged=True, headers_read=in_body)
+
+    def _refuse_unread(
+        self, refused: errors.RouterError, *, logged: bool, headers_read: bool
+    ) -> None:
+        """Refuse the request being read: in its line or headers, or (``headers_read``,
+        its cycle made) in a body that cannot be read, whose answer then replaces its
+        own."""
         cycle = self.cycle
-        in_body = self._in_body
-        self._in_body = False
-        if not in_body or cycle is None or cycle.scope is not self.scope:
+        if not headers_read or cycle is None or cycle.scope is not self.scope:
             # In the request line or headers, or in uvicorn's on_headers_complete
             # before it made this request's cycle (a CONNECT target it cannot parse):
             # no app has this request.
-            self._refuse(refused, logged=True)
+            self._refuse(refused, logged=logged)
             return
         # The request's headers were read (its cycle exists) and its body was not
         # readable (a chunk size): this answer replaces its own.
         if cycle.response_started:
             # Its app answered before reading the body: that answer is not cut (it
             # ends, then this one).
-            self._refuse(refused, logged=True)
+            self._refuse(refused, logged=logged)
             return
         # Its app gets a disconnect (its sends are dropped), and never starts if
         # it waits behind an earlier request's answer.
@@ -339,9 +346,9 @@ class _Bounded(HttpToolsProtocol):
             self.pipeline.remove(entry)
         if queued:
             # That earlier answer is in progress: this one when it ends.
-            self._defer(refused, logged=True)
+            self._defer(refused, logged=logged)
         else:
-            self._answer(refused, logged=True)
+            self._answer(refused, logged=logged)
 
     def _should_upgrade(self) -> bool:
         # The router serves no WebSocket; uvicorn would hand an upgrade request to
@@ -360,16 +367,32 @@ class _Bounded(HttpToolsProtocol):
         ``rest``: a ``Content-Length`` body that arrived with them goes to the
         request (its app has not run yet) and the bytes after it are returned
         (found in review: ``curl --http2`` on http:// sends ``Upgrade: h2c``, and its
-        POST reached the app with no body, 400 ``invalid_json``). A body that did
-        not arrive whole with its headers, or is chunked, is not read: the request
-        keeps the empty body it has, and what follows is read as HTTP."""
+        POST reached the app with no body, 400 ``invalid_json``). A body the parser
+        can no longer read (chunked, or not all arrived with the headers) gets 400
+        ``invalid_http_request`` saying so, closed (it was read as the next request:
+        400 "Invalid method" after the request's own 400 ``invalid_json``)."""
         lengths = [v for name, v in self.headers if name == b"content-length"]
+        chunked = any(name == b"transfer-encoding" for name, _ in self.headers)
         cycle = self.cycle
-        if len(lengths) != 1 or not lengths[0].isdigit() or cycle is None:
-            return rest
-        length = int(lengths[0])
-        if not 0 < length <= len(rest) or cycle.body or cycle.response_started:
-            return rest
+        if cycle is None or cycle.body or cycle.response_started or not (lengths or chunked):
+            return rest  # no body: the bytes after it are a next request
+        length = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else -1
+        if chunked or not 0 <= length <= len(rest):
+            # The parser may have ended the message at its headers (its app is
+            # told the body is empty): its answer is replaced all the same.
+            self._in_body = False
+            self._refuse_unread(
+                errors.InvalidHttpRequest(
+                    "The request asks to upgrade the connection (Upgrade: "
+                    f"{(self._get_upgrade() or b'').decode(errors='replace')[:40]}) and its "
+                    "body is chunked or did not arrive with its headers; the router does "
+                    "not upgrade and cannot read that body: send the request without "
+                    "Upgrade (curl: --http1.1)."
+                ),
+                logged=False,
+                headers_read=True,
+            )
+            return b""
         cycle.body = rest[:length]
         return rest[length:]
 

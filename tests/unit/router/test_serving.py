@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 import httptools
+import pytest
 import uvicorn
 
 from router.serving import (
@@ -587,6 +588,36 @@ def test_an_upgrade_request_s_body_reaches_its_app() -> None:
                 answers.append(await reader.readexactly(length))
             writer.close()
             assert answers == [b"11", b"0"]  # the POST's body, then the GET's none
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"Transfer-Encoding: chunked\r\n\r\nb\r\n" + b'{"a": "b"}\n' + b"\r\n0\r\n\r\n",
+        b"Content-Length: 11\r\n\r\n" + b'{"a":',  # the rest never came with it
+    ],
+    ids=["chunked", "partial"],
+)
+def test_an_upgrade_request_s_body_it_cannot_read_gets_one_clear_400(body: bytes) -> None:
+    """The parser stops at an upgrade request's headers; a body that is chunked or did
+    not arrive with them cannot be read after that (found in review: the request got
+    400 invalid_json for its empty body, then its body was read as a request of its
+    own, 400 "Invalid method"). One 400 says why, and the app's answer is not sent."""
+
+    async def scenario() -> None:
+        app = BodyApp()
+        async with served(app) as (port, _):
+            answer, _ = await exchange(
+                port,
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, "
+                b"HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+                + body,
+            )
+            assert status_and_error(answer) == (400, "invalid_http_request"), answer
+            assert answer.count(b"HTTP/1.1 ") == 1, answer
+            assert b"Upgrade: h2c" in answer and b"--http1.1" in answer
 
     run(scenario())
 

@@ -57,6 +57,7 @@ from llmgw_contract import UsageReport
 from llmgw_contract.leadership import LeaderRefused
 from planner.agents.statusreads import gather, model_status
 from planner.api.bodybound import BodyBound
+from planner.daemon import repair
 from planner.daemon.activation import ModelNotFound
 from planner.daemon.serve import PlannerNode
 from planner.errors import PlannerError, Rejected
@@ -237,7 +238,7 @@ def create_app(
 
     @app.get("/v1/models/{name}", response_model=None)
     def get_model(name: str) -> dict[str, Any] | JSONResponse:
-        record = consul.model_records().get(name)
+        record = consul.model_records().get(name) or repair.record_in_job(nomad, name)
         if record is None:
             return _error(404, "model_not_found", f"model {name!r} was never applied")
         return model_status(nomad, consul, name, record).as_dict()
@@ -249,7 +250,7 @@ def create_app(
             return refusal
         if not node.is_leader:
             return await _forward(node, request, forwarder["session"])
-        record = consul.model_records().get(name)
+        record = await asyncio.to_thread(repair.record_or_restored, nomad, consul, node.store, name)
         if record is None:
             return _error(404, "model_not_found", f"model {name!r} was never applied")
         state, done = await asyncio.to_thread(node.retry, name)

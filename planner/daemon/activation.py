@@ -46,8 +46,8 @@ from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
 from planner.daemon import placement_answer as unplaced
+from planner.daemon import repair
 from planner.daemon.applier import Stale
-from planner.daemon.observe import read_record
 from planner.daemon.usage import UsageBook
 from planner.daemon.workers import Guard, Outcome
 from planner.errors import NotLeader, Rejected, Unavailable
@@ -128,7 +128,9 @@ class Activator:
         return await asyncio.shield(task)
 
     def _activate(self, name: str) -> ActivationAnswer:
-        record = read_record(self.consul, name)
+        # From the job's meta where KV forgot it (a restarted Consul): "never applied"
+        # only when Nomad has no such model either.
+        record = repair.record_or_restored(self.nomad, self.consul, self.store, name)
         if record is None:
             raise ModelNotFound(f"model {name!r} was never applied")
         # Used before deciding: an idle scale-down decided from here on is refused

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import logging
 
-from llmgw_contract import JobMeta, KVPrefix, encode, kv_key
+from llmgw_contract import JobMeta, KVPrefix, ModelRecord, encode, kv_key
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
 from planner.agents.state import StateStore
 from planner.daemon import engine_records
 from planner.daemon.engine_records import META_ENGINE, is_engine_job
+from planner.daemon.observe import read_record
 from planner.model.parking import parked_from_job, set_parked
 from planner.spec.jobspec import record_of
 from planner.vocab import Job
@@ -54,20 +55,74 @@ def restore(nomad: NomadClient, consul: ConsulClient, store: StateStore) -> list
             job = nomad.job(name)
             if job is None:
                 continue
-            try:
-                record = record_of(job)
-            except ValueError as exc:
-                log.error("model %s: cannot restore its record from job meta: %s", name, exc)
-                continue
-            if not store.put_new(kv_key(KVPrefix.MODELS, name), encode(record)):
-                continue  # `apply` wrote it meanwhile
-            restored.append(name)
-            log.warning("model %s: its KV record was gone; restored from the job's meta", name)
+            if _write_back(store, name, job) is not None:
+                restored.append(name)
         if parked:
             job = nomad.job(name)
             if job is not None:
                 _sync_parking(store, name, job)
     return restored
+
+
+def record_or_restored(
+    nomad: NomadClient, consul: ConsulClient, store: StateStore, name: str
+) -> ModelRecord | None:
+    """The model's record: its KV record, or, where KV has none and Nomad has the
+    model's job, the record the job carries, written back first with the job's parking
+    (what `restore` does for every model, done for this one now). None when neither has
+    it: the model was never applied (or was purged).
+
+    For an answer about one model that must not wait for the next repair pass (found in
+    CI: after Consul restarted, the new leader answered an activation "never applied"
+    54 ms before its first pass restored the record, and the router told a client 404
+    for a model it was serving). Raises what `NomadClient.job` raises."""
+    record = read_record(consul, name)
+    if record is not None:
+        return record
+    job = model_job(nomad, name)
+    if job is None:
+        return None
+    record = _write_back(store, name, job) or read_record(consul, name)
+    if JobMeta.PARKED_REASON in (job.get("Meta") or {}):
+        _sync_parking(store, name, job)
+    return record
+
+
+def record_in_job(nomad: NomadClient, name: str) -> ModelRecord | None:
+    """The record model `name`'s Nomad job carries, read-only (what a follower may say
+    of a model KV forgot until the leader writes it back: never "never applied" for a
+    model Nomad has). None when there is no such job or its meta cannot be read."""
+    job = model_job(nomad, name)
+    if job is None:
+        return None
+    try:
+        return record_of(job)
+    except ValueError:
+        return None
+
+
+def model_job(nomad: NomadClient, name: str) -> Job | None:
+    """Nomad's job for model `name` when it carries the model's record in its meta
+    (read-only: what a follower may say of a model KV forgot); else None."""
+    job = nomad.job(name)
+    meta = (job or {}).get("Meta") or {}
+    if job is None or JobMeta.MODEL not in meta or JobMeta.RECORD not in meta:
+        return None
+    return job
+
+
+def _write_back(store: StateStore, name: str, job: Job) -> ModelRecord | None:
+    """Write the record `job` carries to KV where none is (`put_new`); the record, or
+    None when the meta cannot be read (logged) or `apply` wrote one meanwhile."""
+    try:
+        record = record_of(job)
+    except ValueError as exc:
+        log.error("model %s: cannot restore its record from job meta: %s", name, exc)
+        return None
+    if not store.put_new(kv_key(KVPrefix.MODELS, name), encode(record)):
+        return None  # `apply` wrote it meanwhile
+    log.warning("model %s: its KV record was gone; restored from the job's meta", name)
+    return record
 
 
 def _restore_engines(

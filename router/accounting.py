@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.sse import EVENT_SPLIT, whole_events
+from router.sse import EVENT_END, EVENT_SPLIT, whole_events
 
 # The routes whose streams take OpenAI's stream_options (llama-server's OAI
 # handlers: tools/server registers /chat/completions as the same handler).
@@ -60,7 +60,6 @@ STREAM_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "
 
 _USAGE_KEY = b'"usage":'
 _TIMINGS_KEY = b'"timings":'
-_EVENT_END = b"\n\n"  # llama-server's; any SSE framing is read (router.sse)
 _DATA = b"data:"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 # Longer unfinished events are not scanned (or held) further: a usage event is
@@ -196,7 +195,7 @@ class StreamMeter:
         if self.first_at is None:
             self.first_at = time.perf_counter()
         data = self._rest + chunk if self._rest else chunk
-        if data.endswith(_EVENT_END):  # llama-server's framing, and whole: the common case
+        if data.endswith(EVENT_END):  # llama-server's framing, and whole: the common case
             whole, self._rest = data, b""
         else:
             end = whole_events(data)

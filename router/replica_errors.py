@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.sse import EVENT_SPLIT, whole_events
+from router.sse import EVENT_END, EVENT_SPLIT, whole_events
 
 # llama-server's error type -> (OpenAI's type, OpenAI-style code). Every code is a
 # string (issue 21: one error shape): an SDK user branches on it.
@@ -51,7 +51,6 @@ _GENERIC_TYPES = frozenset({"invalid_request_error", "server_error"})
 
 # The start of an error event in llama-server's stream (format_oai_sse).
 _ERROR_EVENT = b'data: {"error"'
-_EVENT_END = b"\n\n"
 # Bytes of an unfinished event held back at most: llama-server's events are one
 # token each (an error event, a usage event: a few hundred bytes); a longer one
 # passes unheld, so a replica that never ends an event costs no memory.
@@ -148,7 +147,7 @@ class StreamErrors:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        if not chunk.endswith(_EVENT_END):
+        if not chunk.endswith(EVENT_END):
             tail = chunk[whole_events(chunk) :]
             if len(tail) <= HOLD_LIMIT:
                 self._held = tail

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+# llama-server's event end: what a chunk ending in it is checked against first.
+EVENT_END = b"\n\n"
 # Most specific first.
-EVENT_ENDS = (b"\r\n\r\n", b"\n\r\n", b"\n\n", b"\r\r")
+EVENT_ENDS = (b"\r\n\r\n", b"\n\r\n", EVENT_END, b"\r\r")
 # Splits bytes into events and the ends between them: [event, end, event, end, ..., rest].
 EVENT_SPLIT = re.compile(b"(" + b"|".join(map(re.escape, EVENT_ENDS)) + b")")
 

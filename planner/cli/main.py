@@ -44,12 +44,14 @@ from llmgw_contract.states import ReplicaState
 from planner.agents import access
 from planner.agents.consul import ConsulClient
 from planner.agents.nomad import NomadClient
+from planner.agents.state import StateStore
 from planner.agents.statusreads import gather, model_status, unrecorded_models
 from planner.api.admin import create_app
 from planner.cli.apply import MUTATIONS, REFUSALS, Action, Outcome, execute, prepare
 from planner.cli.plandiff import format_diff
 from planner.cli.planmarkdown import error_markdown, outcomes_markdown, status_markdown
 from planner.daemon.engine_install import NodeInstall, execute_engines, installs, prepare_engines
+from planner.daemon.repair import record_or_restored
 from planner.daemon.retry import retry as retry_model
 from planner.daemon.serve import PlannerNode
 from planner.daemon.watcher import RECONCILE_EVERY_S
@@ -727,7 +729,8 @@ def retry(
     """Lift a model's parking and start it again (the admin API's retry, run directly)."""
     _, nomad, consul = _clients(access.RETRY, output)
     try:
-        record = consul.model_records().get(model)
+        # From its job where KV forgot it, as the admin API's retry (planner.daemon.repair).
+        record = record_or_restored(nomad, consul, StateStore(consul), model)
         if record is None:
             err.print(f"error: model {model!r} was never applied")
             if output == Output.json:

@@ -22,6 +22,7 @@ model's engine constraint.
 from __future__ import annotations
 
 import logging
+import re
 
 from llmgw_contract import JobMeta, KVPrefix, ModelRecord, encode, kv_key
 from planner.agents.consul import ConsulClient
@@ -31,6 +32,7 @@ from planner.daemon import engine_records
 from planner.daemon.engine_records import META_ENGINE, is_engine_job
 from planner.daemon.observe import read_record
 from planner.model.parking import parked_from_job, set_parked
+from planner.spec.definitions import NAME_PATTERN
 from planner.spec.jobspec import record_of
 from planner.vocab import Job
 
@@ -76,6 +78,8 @@ def record_or_restored(
     CI: after Consul restarted, the new leader answered an activation "never applied"
     54 ms before its first pass restored the record, and the router told a client 404
     for a model it was serving). Raises what `NomadClient.job` raises."""
+    if not re.fullmatch(NAME_PATTERN, name):
+        return None  # no model has it (apply validates names): asked of neither
     record = read_record(consul, name)
     if record is not None:
         return record
@@ -103,12 +107,19 @@ def record_in_job(nomad: NomadClient, name: str) -> ModelRecord | None:
 
 def model_job(nomad: NomadClient, name: str) -> Job | None:
     """Nomad's job for model `name` when it carries the model's record in its meta
-    (read-only: what a follower may say of a model KV forgot); else None."""
+    (read-only: what a follower may say of a model KV forgot); else None.
+
+    `name` comes from a URL or a command line: one no model may have is asked of no
+    one, and the job must be that model's by ID and meta (found in review: python-nomad
+    does not quote the job ID, so "gemma?x" read gemma's job, and `retry` wrote its
+    record under "gemma?x", which broke `planner status`)."""
+    if not re.fullmatch(NAME_PATTERN, name):
+        return None
     job = nomad.job(name)
     meta = (job or {}).get("Meta") or {}
-    if job is None or JobMeta.MODEL not in meta or JobMeta.RECORD not in meta:
+    if job is None or job.get("ID") != name or meta.get(JobMeta.MODEL) != name:
         return None
-    return job
+    return job if JobMeta.RECORD in meta else None
 
 
 def _write_back(store: StateStore, name: str, job: Job) -> ModelRecord | None:

@@ -89,3 +89,23 @@ def test_a_record_in_kv_is_read_not_replaced_and_a_follower_only_reads() -> None
     assert consul.texts == {key: kept}
     from_job = repair.record_in_job(Nomad(model_job()), "m")  # type: ignore[arg-type]
     assert from_job is not None and from_job.definition_hash == "d1"
+
+
+def test_a_name_no_model_may_have_reads_no_other_model_s_job() -> None:
+    """Found in review: python-nomad does not quote the job ID, so "m?x" (from a URL)
+    read m's job, and retry wrote m's record under "m?x"; a job whose ID or model meta
+    is another model's is not this one's either."""
+
+    class Unquoting(Nomad):
+        def job(self, job_id: str) -> dict | None:
+            return super().job(job_id.split("?")[0].split("#")[0])
+
+    consul = Consul({})
+    nomad = Unquoting(model_job())
+    for name in ("m?x", "m#x", "m?namespace=default", "M", ""):
+        assert repair.record_or_restored(nomad, consul, Store(consul), name) is None  # type: ignore[arg-type]
+        assert repair.record_in_job(nomad, name) is None  # type: ignore[arg-type]
+    assert consul.texts == {}
+    job_of_n = model_job()
+    job_of_n["Meta"] = {**job_of_n["Meta"], "llmgw_model": "n"}  # ID m, model n
+    assert repair.record_in_job(Nomad(job_of_n), "m") is None  # type: ignore[arg-type]
